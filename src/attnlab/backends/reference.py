@@ -1,0 +1,56 @@
+"""The reference backend: the pipeline written out, materialising the ``(B, H, Lq, Lk)`` scores.
+
+Readable and exact (works in float64); the oracle every other backend is tested against,
+and the path that returns attention weights and runs the non-softmax normalisers.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnlab.functional.masks import build_mask, index_grids, split_mask
+from attnlab.functional.normalize import NORMALIZERS
+
+
+def unsupported(q, k, v, **request) -> str:
+    return ""
+
+
+def apply_score_mod(scores: Tensor, score_mod) -> Tensor:
+    """``scores = score_mod(scores, b, h, q_idx, kv_idx)``, checked to keep shape and dtype."""
+    B, H, Lq, Lk = scores.shape
+    b, h, q_idx, kv_idx = index_grids(B, H, Lq, Lk, scores.device)
+    out = score_mod(scores, b, h, q_idx, kv_idx)
+    if not isinstance(out, Tensor) or out.shape != scores.shape or out.dtype != scores.dtype:
+        got = (f"shape {tuple(out.shape)} and dtype {out.dtype}" if isinstance(out, Tensor)
+               else type(out).__name__)
+        raise ValueError(
+            f"score_mod must return a tensor of the scores' shape {tuple(scores.shape)} and dtype "
+            f"{scores.dtype}, got {got}"
+        )
+    return out
+
+
+def attention(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, dropout_p, normalize,
+              top_k, return_weights):
+    """``weights = normalize(mask(score_mod(κ Q Kᵀ))); out = dropout(weights) V``."""
+    B, H, Lq, _ = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    if Hkv != H:  # GQA / MQA: each key/value head serves H // Hkv query heads
+        k = k.repeat_interleave(H // Hkv, dim=1)
+        v = v.repeat_interleave(H // Hkv, dim=1)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, Lq, Lk)
+    if score_mod is not None:
+        scores = apply_score_mod(scores, score_mod)
+    bool_mask, bias = split_mask(mask)
+    if bias is not None:
+        scores = scores + bias
+    allowed = build_mask(B=B, H=H, Lq=Lq, Lk=Lk, device=q.device, mask=bool_mask, causal=causal,
+                         window=window, mask_mod=mask_mod)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    weights = NORMALIZERS[normalize](scores, top_k)  # (B, H, Lq, Lk)
+    dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
+    out = torch.matmul(dropped, v)  # (B, H, Lq, Dv)
+    return out, (weights if return_weights else None)

@@ -1,0 +1,168 @@
+"""The one attention pipeline and its dispatch.
+
+::
+
+    scores  = score(q, k) * κ                    # κ = 1/sqrt(D) by default
+    scores  = score_mod(scores, b, h, i, j)      # ALiBi, T5 bias, softcap, any function
+    scores  = mask(scores, b, h, i, j)           # causal, window, bool/float mask, mask_mod
+    weights = normalize(scores)                  # softmax, top-k softmax, hard, sparsemax
+    out     = dropout(weights) @ v
+
+Every backend in :mod:`attnlab.backends` computes exactly this; ``backend="auto"`` picks the
+fastest one that can express the request.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Callable, Optional, Union
+
+import torch
+from torch import Tensor
+
+from attnlab.functional.masks import MaskMod
+from attnlab.functional.normalize import NORMALIZERS
+
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Optional[Tensor] = None,
+    causal: bool = False,
+    window: Optional[int] = None,
+    scale: Optional[float] = None,
+    score_mod: Optional[ScoreMod] = None,
+    mask_mod: Optional[MaskMod] = None,
+    dropout_p: float = 0.0,
+    normalize: str = "softmax",
+    top_k: Optional[int] = None,
+    return_weights: bool = False,
+    backend: str = "auto",
+) -> Union[Tensor, tuple[Tensor, Tensor]]:
+    """Scaled dot-product attention, ``normalize(κ Q Kᵀ + mods) V``, with every option of the pipeline.
+
+    Args:
+        q: queries ``(B, H, Lq, D)``.
+        k: keys ``(B, Hkv, Lk, D)``; ``H % Hkv == 0`` (grouped-query / multi-query attention
+            shares each key/value head among ``H // Hkv`` query heads).
+        v: values ``(B, Hkv, Lk, Dv)``.
+        mask: bool (True = may attend) or float (added to the scores), broadcastable to
+            ``(B, H, Lq, Lk)``.
+        causal: key ``j`` is visible to query ``i`` iff ``j <= Lk - Lq + i`` (bottom-right
+            alignment: the last query is the last position, as when decoding with a cache).
+        window: sliding window ``w``: key ``j`` is visible to the query at position ``p`` iff
+            ``p - j < w`` (and ``j - p < w`` when not causal).
+        scale: κ; default ``1 / sqrt(D)``.
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, FlexAttention's
+            signature, called with broadcastable index tensors and absolute positions.
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``, FlexAttention's signature.
+        dropout_p: dropout on the attention weights (pass 0 in eval mode).
+        normalize: ``"softmax"``, ``"topk"`` (needs ``top_k``), ``"hard"`` (argmax forward,
+            straight-through softmax gradient) or ``"sparsemax"``.
+        top_k: number of scores kept per row with ``normalize="topk"``.
+        return_weights: also return the weights ``(B, H, Lq, Lk)`` (before dropout).
+        backend: ``"auto"`` or a name in :data:`attnlab.backends.BACKENDS`.
+
+    Returns:
+        ``out (B, H, Lq, Dv)``, or ``(out, weights)`` with ``return_weights=True``. A query row
+        that may attend to nothing gives zeros (and zero weights), never NaN.
+
+    Raises:
+        TypeError: a tensor argument is not a tensor, or a mod is not callable.
+        ValueError: shapes, mask, window, top_k, dropout_p, normalize or backend are invalid.
+    """
+    from attnlab.backends import BACKENDS, select_backend
+
+    _check_qkv(q, k, v)
+    B, H, Lq, D = q.shape
+    Lk = k.shape[2]
+    mask = _check_mask(mask, q, (B, H, Lq, Lk))
+    if window is not None and (isinstance(window, bool) or not isinstance(window, numbers.Integral) or window <= 0):
+        raise ValueError(f"window must be a positive int, got {window!r}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    elif not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
+    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+    if not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if normalize not in NORMALIZERS:
+        raise ValueError(f"normalize must be one of {sorted(NORMALIZERS)}, got {normalize!r}")
+    if normalize == "topk":
+        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 1 <= top_k <= Lk:
+            raise ValueError(f"top_k must be an int in [1, Lk={Lk}] with normalize='topk', got {top_k!r}")
+    elif top_k is not None:
+        raise ValueError(f"top_k is only used with normalize='topk' (normalize={normalize!r})")
+
+    request = dict(
+        mask=mask, causal=bool(causal), window=window, scale=float(scale), score_mod=score_mod,
+        mask_mod=mask_mod, dropout_p=float(dropout_p), normalize=normalize, top_k=top_k,
+        return_weights=bool(return_weights),
+    )
+    if backend == "auto":
+        impl = select_backend(q, k, v, **request)
+    elif backend in BACKENDS:
+        impl = BACKENDS[backend]
+        why = impl.unsupported(q, k, v, **request)
+        if why:
+            raise ValueError(f"backend={backend!r} cannot compute this request: {why}")
+    else:
+        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+
+    out, weights = impl.fn(q, k, v, **request)
+    return (out, weights) if return_weights else out
+
+
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dims (B, H, L, D), got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must have the same number of heads, got {k.shape[1]} and {v.shape[1]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(
+            f"query heads H={q.shape[1]} must be a multiple of key/value heads Hkv={k.shape[1]} (H % Hkv == 0)"
+        )
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must have the same length, got Lk={k.shape[2]} and {v.shape[2]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k must have the same head dim D, got {q.shape[3]} and {k.shape[3]}")
+
+
+def _check_mask(mask: Optional[Tensor], q: Tensor, target: tuple[int, int, int, int]) -> Optional[Tensor]:
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"mask must be bool (True = may attend) or floating (added), got {mask.dtype}")
+    if mask.dim() > 4 or _broadcast(mask.shape, target) != target:
+        raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to (B, H, Lq, Lk) = {target}")
+    if mask.device != q.device:
+        raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
+    if mask.is_floating_point() and mask.dtype != q.dtype:
+        mask = mask.to(q.dtype)
+    return mask
+
+
+def _broadcast(a, b):
+    try:
+        return tuple(torch.broadcast_shapes(tuple(a), tuple(b)))
+    except RuntimeError:
+        return None
