@@ -1,0 +1,240 @@
+"""Multi-head attention, a drop-in for ``torch.nn.MultiheadAttention(batch_first=True)``.
+
+``MultiHead(Q, K, V) = Concat(head_1, …, head_H) W_O``,
+``head_i = Attention(Q W_Q^i, K W_K^i, V W_V^i)``,
+``Attention(Q, K, V) = softmax(Q Kᵀ / sqrt(d_k)) V`` (Vaswani et al. 2017), computed by the one
+pipeline :func:`attnlab.attention`, so every backend, mask, mod and normaliser is available.
+Grouped-query attention (Ainslie et al. 2023) shares each key/value head among
+``num_heads // num_kv_heads`` query heads; ``num_kv_heads=1`` is multi-query attention.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnlab.functional.attention import attention
+from attnlab.nn.cache import KVCache
+
+
+class MultiheadAttention(nn.Module):
+    """Self / cross multi-head attention with GQA/MQA, a KV cache, RoPE and position biases.
+
+    Args:
+        embed_dim: model width E (query input and output).
+        num_heads: query heads H.
+        num_kv_heads: key/value heads Hkv (default H); ``H % Hkv == 0``.
+        kdim, vdim: key / value input widths (default E). When both equal E the q, k, v
+            projections are packed in one ``in_proj`` Linear (rows q, k, v — torch's layout).
+        bias: biases on the projections.
+        dropout: dropout on the attention weights, in training.
+        head_dim: per-head width (default E // H).
+        rotary: module applied to q and k as ``rotary(x, positions)`` (e.g. ``RotaryEmbedding``).
+        position_bias: module giving an additive bias ``(1, H, Lq, Lk)`` as
+            ``position_bias(q_positions, k_positions)`` (e.g. ``ALiBi``, ``T5RelativeBias``).
+        backend, normalize, top_k, window: passed to :func:`attnlab.attention`.
+
+    Forward arguments and masks follow ``torch.nn.MultiheadAttention``: boolean
+    ``key_padding_mask (B, S)`` and ``attn_mask (L, S) | (B·H, L, S)`` are True where attention
+    is *not* allowed; float masks are added. ``is_causal=True`` applies a causal mask (ANDed
+    with ``attn_mask`` when both are given). Returned weights are taken before dropout.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: Optional[int] = None,
+                 kdim: Optional[int] = None, vdim: Optional[int] = None, bias: bool = True,
+                 dropout: float = 0.0, head_dim: Optional[int] = None,
+                 rotary: Optional[nn.Module] = None, position_bias: Optional[nn.Module] = None,
+                 backend: str = "auto", normalize: str = "softmax", top_k: Optional[int] = None,
+                 window: Optional[int] = None, device=None, dtype=None):
+        super().__init__()
+        for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads)):
+            if not isinstance(val, int) or val <= 0:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if not isinstance(num_kv_heads, int) or num_kv_heads <= 0 or num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads must be a positive divisor of num_heads={num_heads}, got {num_kv_heads!r}")
+        if head_dim is None:
+            if embed_dim % num_heads:
+                raise ValueError(f"embed_dim={embed_dim} must be divisible by num_heads={num_heads} (or pass head_dim)")
+            head_dim = embed_dim // num_heads
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim = embed_dim, num_heads, num_kv_heads, head_dim
+        self.kdim = embed_dim if kdim is None else kdim
+        self.vdim = embed_dim if vdim is None else vdim
+        self.dropout = dropout
+        self.rotary, self.position_bias = rotary, position_bias
+        self.backend, self.normalize, self.top_k, self.window = backend, normalize, top_k, window
+        fk = dict(device=device, dtype=dtype)
+        q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
+        self.packed = self.kdim == embed_dim and self.vdim == embed_dim
+        if self.packed:
+            self.in_proj = nn.Linear(embed_dim, q_out + 2 * kv_out, bias=bias, **fk)
+        else:
+            self.q_proj = nn.Linear(embed_dim, q_out, bias=bias, **fk)
+            self.k_proj = nn.Linear(self.kdim, kv_out, bias=bias, **fk)
+            self.v_proj = nn.Linear(self.vdim, kv_out, bias=bias, **fk)
+        self.out_proj = nn.Linear(q_out, embed_dim, bias=bias, **fk)
+
+    # ---- projections ---------------------------------------------------------------------
+
+    def _linear(self, x: Tensor, start: int, end: int) -> Tensor:
+        """Rows ``start:end`` of the packed projection (views, no copy)."""
+        b = self.in_proj.bias
+        return F.linear(x, self.in_proj.weight[start:end], None if b is None else b[start:end])
+
+    def _project(self, query: Tensor, key: Tensor, value: Tensor, skip_kv: bool):
+        """``Q W_Q, K W_K, V W_V`` as ``(B, L, ·)``; k and v are None with ``skip_kv``."""
+        if not self.packed:
+            q = self.q_proj(query)
+            if skip_kv:
+                return q, None, None
+            return q, self.k_proj(key), self.v_proj(value)
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if key is query and value is query and not skip_kv:  # self-attention: one matmul
+            return self.in_proj(query).split([nq, nkv, nkv], dim=-1)
+        q = self._linear(query, 0, nq)
+        if skip_kv:
+            return q, None, None
+        if key is value:
+            k, v = self._linear(key, nq, nq + 2 * nkv).split([nkv, nkv], dim=-1)
+            return q, k, v
+        return q, self._linear(key, nq, nq + nkv), self._linear(value, nq + nkv, nq + 2 * nkv)
+
+    # ---- forward -------------------------------------------------------------------------
+
+    def forward(self, query: Tensor, key: Optional[Tensor] = None, value: Optional[Tensor] = None,
+                key_padding_mask: Optional[Tensor] = None, need_weights: bool = True,
+                attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
+                is_causal: bool = False, *, cache: Optional[KVCache] = None
+                ) -> tuple[Tensor, Optional[Tensor]]:
+        """Attend from ``query (B, L, E)`` to ``key (B, S, kdim)`` / ``value (B, S, vdim)``.
+
+        Returns ``(out (B, L, E), weights)``; weights are ``(B, L, S)`` averaged over heads,
+        ``(B, H, L, S)`` with ``average_attn_weights=False``, or None without ``need_weights``.
+        """
+        key = query if key is None else key
+        value = key if value is None else value
+        self._check_inputs(query, key, value)
+        B, L, _ = query.shape
+        H, Hkv, Dh = self.num_heads, self.num_kv_heads, self.head_dim
+        skip_kv = cache is not None and cache.static and cache.filled
+        past = 0 if cache is None or cache.static else cache.length
+
+        q, k, v = self._project(query, key, value, skip_kv)
+        q = q.view(B, L, H, Dh).transpose(1, 2)  # (B, H, L, Dh)
+        if not skip_kv:
+            S_new = k.shape[1]
+            k = k.view(B, S_new, Hkv, Dh).transpose(1, 2)  # (B, Hkv, S, Dh)
+            v = v.view(B, S_new, Hkv, Dh).transpose(1, 2)
+            if self.rotary is not None:
+                k = self.rotary(k, torch.arange(past, past + S_new, device=k.device))
+        if self.rotary is not None:
+            q = self.rotary(q, torch.arange(past, past + L, device=q.device))
+        if cache is not None:
+            k, v = cache.update(k, v)
+        S = k.shape[2]
+
+        mask = self._mask(key_padding_mask, attn_mask, B, L, S, q.dtype)
+        if self.position_bias is not None:
+            bias = self.position_bias(torch.arange(S - L, S, device=q.device), torch.arange(S, device=q.device))
+            mask = bias.to(q.dtype) if mask is None else _add_masks(mask, bias.to(q.dtype))
+        res = attention(q, k, v, mask=mask, causal=is_causal, window=self.window,
+                        dropout_p=self.dropout if self.training else 0.0, normalize=self.normalize,
+                        top_k=self.top_k, return_weights=need_weights, backend=self.backend)
+        out, weights = res if need_weights else (res, None)
+        out = self.out_proj(out.transpose(1, 2).reshape(B, L, H * Dh))  # (B, L, E)
+        if weights is not None and average_attn_weights:
+            weights = weights.mean(dim=1)
+        return out, weights
+
+    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
+        for name, t, width in (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 3 or t.shape[-1] != width:
+                raise ValueError(f"{name} must be (B, L, {width}) (batch first), got shape {tuple(t.shape)}")
+        if not (query.shape[0] == key.shape[0] == value.shape[0]):
+            raise ValueError(f"batch sizes differ: query {query.shape[0]}, key {key.shape[0]}, value {value.shape[0]}")
+        if key.shape[1] != value.shape[1]:
+            raise ValueError(f"key and value lengths differ: {key.shape[1]} and {value.shape[1]}")
+
+    def _mask(self, key_padding_mask, attn_mask, B, L, S, dtype) -> Optional[Tensor]:
+        """torch MHA masks (True = blocked, float = added) -> one pipeline mask (True = allowed)."""
+        masks = []
+        if key_padding_mask is not None:
+            if key_padding_mask.shape != (B, S):
+                raise ValueError(f"key_padding_mask must be (B, S) = {(B, S)}, got {tuple(key_padding_mask.shape)}")
+            masks.append(_to_pipeline(key_padding_mask.view(B, 1, 1, S), dtype))
+        if attn_mask is not None:
+            if attn_mask.shape == (L, S):
+                am = attn_mask
+            elif attn_mask.shape == (B * self.num_heads, L, S):
+                am = attn_mask.view(B, self.num_heads, L, S)
+            else:
+                raise ValueError(
+                    f"attn_mask must be (L, S) = {(L, S)} or (B*num_heads, L, S) = {(B * self.num_heads, L, S)}, "
+                    f"got {tuple(attn_mask.shape)}"
+                )
+            masks.append(_to_pipeline(am, dtype))
+        if not masks:
+            return None
+        return masks[0] if len(masks) == 1 else _add_masks(*masks)
+
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention) -> "MultiheadAttention":
+        """Convert a ``torch.nn.MultiheadAttention`` (weights copied; ours is batch-first)."""
+        if not isinstance(module, nn.MultiheadAttention):
+            raise TypeError(f"module must be torch.nn.MultiheadAttention, got {type(module).__name__}")
+        if module.bias_k is not None or module.add_zero_attn:
+            raise ValueError("add_bias_kv and add_zero_attn are not supported by attnlab.MultiheadAttention")
+        w = module.out_proj.weight
+        ours = cls(module.embed_dim, module.num_heads, kdim=module.kdim, vdim=module.vdim,
+                   bias=module.in_proj_bias is not None, dropout=module.dropout, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            if ours.packed:
+                ours.in_proj.weight.copy_(module.in_proj_weight)
+            else:
+                ours.q_proj.weight.copy_(module.q_proj_weight)
+                ours.k_proj.weight.copy_(module.k_proj_weight)
+                ours.v_proj.weight.copy_(module.v_proj_weight)
+            if module.in_proj_bias is not None:
+                if ours.packed:
+                    ours.in_proj.bias.copy_(module.in_proj_bias)
+                else:
+                    E = module.embed_dim
+                    for i, proj in enumerate((ours.q_proj, ours.k_proj, ours.v_proj)):
+                        proj.bias.copy_(module.in_proj_bias[i * E:(i + 1) * E])
+                ours.out_proj.bias.copy_(module.out_proj.bias)
+            ours.out_proj.weight.copy_(module.out_proj.weight)
+        return ours.train(module.training)
+
+    def extra_repr(self) -> str:
+        kv = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
+        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}, head_dim={self.head_dim}, backend={self.backend!r}"
+
+
+def _to_pipeline(m: Tensor, dtype) -> Tensor:
+    """torch MHA convention (bool True = blocked) -> pipeline convention (bool True = allowed)."""
+    if m.dtype == torch.bool:
+        return ~m
+    if not m.is_floating_point():
+        raise TypeError(f"masks must be bool or floating, got {m.dtype}")
+    return m.to(dtype)
+
+
+def _add_masks(*masks: Tensor) -> Tensor:
+    """Combine pipeline masks: all bool -> AND; otherwise bool becomes 0 / -inf and all are summed."""
+    if all(m.dtype == torch.bool for m in masks):
+        out = masks[0]
+        for m in masks[1:]:
+            out = out & m
+        return out
+    dtype = next(m.dtype for m in masks if m.dtype != torch.bool)
+    out = None
+    for m in masks:
+        f = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, float("-inf")) if m.dtype == torch.bool else m
+        out = f if out is None else out + f
+    return out

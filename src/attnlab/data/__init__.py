@@ -1,0 +1,1 @@
+"""Datasets, tokenizers and synthetic tasks."""

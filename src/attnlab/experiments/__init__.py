@@ -1,0 +1,1 @@
+"""Runnable experiments: the demo and the classic questions about attention, measured."""

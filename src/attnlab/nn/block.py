@@ -1,0 +1,276 @@
+"""Transformer layers: encoder (self-attention + FFN) and decoder (causal self-attention, cross-attention, FFN).
+
+Each sub-layer ``F`` (attention or feed-forward) sits in a residual branch::
+
+    post-norm (Vaswani et al. 2017, eqs. 7–8):  x = Norm(x + DropPath(Dropout(F(x))))
+    pre-norm  (Xiong et al. 2020):              x = x + DropPath(Dropout(F(Norm(x))))
+
+``DropPath`` is stochastic depth (Huang et al. 2016): in training each sample's whole branch is
+dropped with probability ``p`` and the kept ones scaled by ``1 / (1 - p)``; in eval it is the
+identity. Module names follow ``torch.nn.TransformerEncoderLayer``/``DecoderLayer`` (``self_attn``,
+``cross_attn`` ≙ torch's ``multihead_attn``, ``ffn.w1/w2`` ≙ ``linear1/linear2``, ``norm1..3``), so
+``from_torch`` converts those layers with weights copied.
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnlab.attention.multihead import MultiheadAttention
+from attnlab.nn.cache import KVCache
+from attnlab.nn.feedforward import FeedForward
+from attnlab.nn.norms import make_norm
+
+
+class DropPath(nn.Module):
+    """Stochastic depth: ``x · m / (1 - p)`` with ``m ~ Bernoulli(1 - p)`` per sample (dim 0), in training only."""
+
+    def __init__(self, p: float = 0.0) -> None:
+        super().__init__()
+        _check_prob("drop_path", p)
+        self.p = float(p)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        keep = 1.0 - self.p
+        mask = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep)  # (B, 1, 1)
+        return x * mask / keep
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+@dataclass
+class AttentionWeights:
+    """Per-head attention weights of one layer, taken before dropout.
+
+    Attributes:
+        self_attn: ``(B, H, L, L)`` (decoder: ``(B, H, L_new, L_past + L_new)`` with a cache).
+        cross_attn: ``(B, H, L, S)`` over the memory; ``None`` for encoder / decoder-only layers.
+    """
+
+    self_attn: Tensor
+    cross_attn: Optional[Tensor] = None
+
+
+@dataclass
+class LayerCache:
+    """The KV caches of one decoder layer: growing or preallocated self-attention, static cross-attention."""
+
+    self_attn: KVCache
+    cross_attn: Optional[KVCache] = None
+
+    @classmethod
+    def create(cls, *, max_length: Optional[int] = None, cross_attention: bool = True) -> "LayerCache":
+        """Empty caches; ``max_length`` preallocates the self-attention cache (static cache)."""
+        return cls(KVCache(max_length=max_length), KVCache(static=True) if cross_attention else None)
+
+
+class _ResidualLayer(nn.Module):
+    """Shared constructor checks and the residual wrapper of :class:`EncoderLayer` / :class:`DecoderLayer`."""
+
+    def __init__(self, dim: int, num_heads: int, *, ffn_dim: int, activation: str, dropout: float,
+                 attn_dropout: Optional[float], norm_first: bool, norm: str, norm_eps: float,
+                 drop_path: float, num_kv_heads: Optional[int], bias: bool, rotary: Optional[nn.Module],
+                 position_bias: Optional[nn.Module], backend: str, num_sublayers: int) -> None:
+        super().__init__()
+        _check_prob("dropout", dropout)
+        attn_dropout = dropout if attn_dropout is None else attn_dropout
+        _check_prob("attn_dropout", attn_dropout)
+        if not isinstance(norm_first, bool):
+            raise TypeError(f"norm_first must be a bool, got {type(norm_first).__name__}")
+        self.dim, self.num_heads, self.norm_first = dim, num_heads, norm_first
+        self.self_attn = MultiheadAttention(dim, num_heads, num_kv_heads=num_kv_heads, bias=bias,
+                                            dropout=attn_dropout, rotary=rotary, position_bias=position_bias,
+                                            backend=backend)
+        self.ffn = FeedForward(dim, ffn_dim, activation=activation, dropout=dropout, bias=bias)
+        for i in range(1, num_sublayers + 1):
+            setattr(self, f"norm{i}", make_norm(norm, dim, eps=norm_eps))
+            setattr(self, f"dropout{i}", nn.Dropout(dropout))
+        self.drop_path = DropPath(drop_path)
+
+    def _residual(self, x: Tensor, i: int, branch: Callable[[Tensor], Tensor]) -> Tensor:
+        """Sub-layer ``i`` (1-based) around ``branch`` with norm ``norm{i}`` and dropout ``dropout{i}``."""
+        norm, dropout = getattr(self, f"norm{i}"), getattr(self, f"dropout{i}")
+        if self.norm_first:
+            return x + self.drop_path(dropout(branch(norm(x))))
+        return norm(x + self.drop_path(dropout(branch(x))))
+
+    def _load_torch(self, layer: nn.Module, attn_names: dict[str, str], num_sublayers: int) -> None:
+        """Copy weights from a torch layer: attention modules by name, FFN, norms."""
+        for ours, theirs in attn_names.items():
+            converted = MultiheadAttention.from_torch(getattr(layer, theirs))
+            getattr(self, ours).load_state_dict(converted.state_dict())
+        with torch.no_grad():
+            for ours, theirs in ((self.ffn.w1, layer.linear1), (self.ffn.w2, layer.linear2)):
+                ours.weight.copy_(theirs.weight)
+                if theirs.bias is not None:
+                    ours.bias.copy_(theirs.bias)
+            for i in range(1, num_sublayers + 1):
+                ours, theirs = getattr(self, f"norm{i}"), getattr(layer, f"norm{i}")
+                ours.weight.copy_(theirs.weight)
+                if theirs.bias is not None:
+                    ours.bias.copy_(theirs.bias)
+        self.train(layer.training)
+
+
+class EncoderLayer(_ResidualLayer):
+    """Self-attention then feed-forward, each in a (post- or pre-norm) residual branch.
+
+    Args:
+        dim: model width E.
+        num_heads: attention heads H.
+        ffn_dim: feed-forward hidden width.
+        activation: FFN activation (see :class:`attnlab.nn.feedforward.FeedForward`).
+        dropout: dropout on the residual branches and the FFN hidden layer.
+        attn_dropout: dropout on the attention weights (default ``dropout``).
+        norm_first: pre-norm instead of post-norm.
+        norm: ``"layernorm"`` or ``"rmsnorm"``; ``norm_eps`` its ε.
+        drop_path: stochastic-depth probability of each residual branch.
+        num_kv_heads: key/value heads for grouped-query attention.
+        bias: biases in the attention and FFN linear layers.
+        rotary, position_bias: positional modules handed to the self-attention
+            (see :class:`attnlab.attention.multihead.MultiheadAttention`).
+        backend: attention backend.
+
+    Raises:
+        ValueError / TypeError: an argument is invalid (the message names it).
+    """
+
+    def __init__(self, dim: int, num_heads: int, *, ffn_dim: int, activation: str = "relu",
+                 dropout: float = 0.1, attn_dropout: Optional[float] = None, norm_first: bool = False,
+                 norm: str = "layernorm", norm_eps: float = 1e-5, drop_path: float = 0.0,
+                 num_kv_heads: Optional[int] = None, bias: bool = True, rotary: Optional[nn.Module] = None,
+                 position_bias: Optional[nn.Module] = None, backend: str = "auto") -> None:
+        super().__init__(dim, num_heads, ffn_dim=ffn_dim, activation=activation, dropout=dropout,
+                         attn_dropout=attn_dropout, norm_first=norm_first, norm=norm, norm_eps=norm_eps,
+                         drop_path=drop_path, num_kv_heads=num_kv_heads, bias=bias, rotary=rotary,
+                         position_bias=position_bias, backend=backend, num_sublayers=2)
+
+    def forward(self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
+                is_causal: bool = False, need_weights: bool = False
+                ) -> Union[Tensor, tuple[Tensor, AttentionWeights]]:
+        """``x (B, L, E) -> (B, L, E)``; with ``need_weights`` also :class:`AttentionWeights`.
+
+        Masks follow ``torch.nn.MultiheadAttention``: ``key_padding_mask (B, L)`` bool, True =
+        padding; ``attn_mask (L, L)`` bool (True = blocked) or float (added).
+        """
+        weights: list[Optional[Tensor]] = []
+
+        def attend(h: Tensor) -> Tensor:
+            out, w = self.self_attn(h, h, h, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+                                    is_causal=is_causal, need_weights=need_weights, average_attn_weights=False)
+            weights.append(w)
+            return out
+
+        x = self._residual(x, 1, attend)
+        x = self._residual(x, 2, self.ffn)
+        return (x, AttentionWeights(weights[0])) if need_weights else x
+
+    @classmethod
+    def from_torch(cls, layer: nn.TransformerEncoderLayer, *, backend: str = "auto") -> "EncoderLayer":
+        """Convert a ``torch.nn.TransformerEncoderLayer`` (any ``batch_first``; ours is batch-first)."""
+        if not isinstance(layer, nn.TransformerEncoderLayer):
+            raise TypeError(f"layer must be torch.nn.TransformerEncoderLayer, got {type(layer).__name__}")
+        ours = cls(**_torch_layer_kwargs(layer), backend=backend)
+        ours._load_torch(layer, {"self_attn": "self_attn"}, 2)
+        return ours
+
+
+class DecoderLayer(_ResidualLayer):
+    """Causal self-attention, cross-attention on the encoder memory, feed-forward; each residual.
+
+    Takes :class:`EncoderLayer`'s arguments plus ``cross_attention`` (False: a decoder-only, GPT-style
+    layer with no memory). ``rotary`` / ``position_bias`` apply to the self-attention only (query
+    and memory positions are unrelated).
+    """
+
+    def __init__(self, dim: int, num_heads: int, *, ffn_dim: int, activation: str = "relu",
+                 dropout: float = 0.1, attn_dropout: Optional[float] = None, norm_first: bool = False,
+                 norm: str = "layernorm", norm_eps: float = 1e-5, drop_path: float = 0.0,
+                 num_kv_heads: Optional[int] = None, bias: bool = True, rotary: Optional[nn.Module] = None,
+                 position_bias: Optional[nn.Module] = None, backend: str = "auto",
+                 cross_attention: bool = True) -> None:
+        if not isinstance(cross_attention, bool):
+            raise TypeError(f"cross_attention must be a bool, got {type(cross_attention).__name__}")
+        super().__init__(dim, num_heads, ffn_dim=ffn_dim, activation=activation, dropout=dropout,
+                         attn_dropout=attn_dropout, norm_first=norm_first, norm=norm, norm_eps=norm_eps,
+                         drop_path=drop_path, num_kv_heads=num_kv_heads, bias=bias, rotary=rotary,
+                         position_bias=position_bias, backend=backend, num_sublayers=3 if cross_attention else 2)
+        self.cross_attn = None
+        if cross_attention:
+            self.cross_attn = MultiheadAttention(dim, num_heads, num_kv_heads=num_kv_heads, bias=bias,
+                                                 dropout=self.self_attn.dropout, backend=backend)
+
+    def forward(self, x: Tensor, memory: Optional[Tensor] = None, *, tgt_key_padding_mask: Optional[Tensor] = None,
+                memory_key_padding_mask: Optional[Tensor] = None, tgt_mask: Optional[Tensor] = None,
+                memory_mask: Optional[Tensor] = None, is_causal: bool = True, cache: Optional[LayerCache] = None,
+                need_weights: bool = False) -> Union[Tensor, tuple[Tensor, AttentionWeights]]:
+        """``x (B, T, E)``, ``memory (B, S, E)`` -> ``(B, T, E)``; with ``need_weights`` also weights.
+
+        With ``cache``, ``x`` holds only the new positions; the self-attention attends to the cached
+        past plus them (``tgt_key_padding_mask``, if given, must cover all of them), and the
+        cross-attention projects ``memory`` once and reuses it. ``is_causal`` is bottom-right aligned.
+        """
+        if (self.cross_attn is None) != (memory is None):
+            raise ValueError("memory is required with cross-attention and must be None without it"
+                             f" (cross_attention={self.cross_attn is not None})")
+        weights: list[Optional[Tensor]] = []
+
+        def self_attend(h: Tensor) -> Tensor:
+            out, w = self.self_attn(h, h, h, key_padding_mask=tgt_key_padding_mask, attn_mask=tgt_mask,
+                                    is_causal=is_causal, need_weights=need_weights, average_attn_weights=False,
+                                    cache=None if cache is None else cache.self_attn)
+            weights.append(w)
+            return out
+
+        def cross_attend(h: Tensor) -> Tensor:
+            out, w = self.cross_attn(h, memory, memory, key_padding_mask=memory_key_padding_mask,
+                                     attn_mask=memory_mask, need_weights=need_weights, average_attn_weights=False,
+                                     cache=None if cache is None else cache.cross_attn)
+            weights.append(w)
+            return out
+
+        x = self._residual(x, 1, self_attend)
+        if self.cross_attn is not None:
+            x = self._residual(x, 2, cross_attend)
+        x = self._residual(x, 3 if self.cross_attn is not None else 2, self.ffn)
+        if not need_weights:
+            return x
+        return x, AttentionWeights(weights[0], weights[1] if len(weights) > 1 else None)
+
+    @classmethod
+    def from_torch(cls, layer: nn.TransformerDecoderLayer, *, backend: str = "auto") -> "DecoderLayer":
+        """Convert a ``torch.nn.TransformerDecoderLayer`` (``multihead_attn`` becomes ``cross_attn``)."""
+        if not isinstance(layer, nn.TransformerDecoderLayer):
+            raise TypeError(f"layer must be torch.nn.TransformerDecoderLayer, got {type(layer).__name__}")
+        ours = cls(**_torch_layer_kwargs(layer), backend=backend)
+        ours._load_torch(layer, {"self_attn": "self_attn", "cross_attn": "multihead_attn"}, 3)
+        return ours
+
+
+def _torch_layer_kwargs(layer: nn.Module) -> dict:
+    """Our constructor arguments for a torch Transformer{Encoder,Decoder}Layer."""
+    act = layer.activation
+    if act is F.relu or isinstance(act, nn.ReLU):
+        activation = "relu"
+    elif act is F.gelu or (isinstance(act, nn.GELU) and act.approximate == "none"):
+        activation = "gelu"
+    elif isinstance(act, nn.GELU) and act.approximate == "tanh":
+        activation = "gelu_tanh"
+    else:
+        raise ValueError(f"unsupported torch activation {act!r}; expected relu or gelu")
+    return dict(dim=layer.self_attn.embed_dim, num_heads=layer.self_attn.num_heads,
+                ffn_dim=layer.linear1.out_features, activation=activation, dropout=layer.dropout.p,
+                norm_first=layer.norm_first, norm_eps=layer.norm1.eps, bias=layer.linear1.bias is not None)
+
+
+def _check_prob(name: str, p: float) -> None:
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p < 1.0:
+        raise ValueError(f"{name} must be a float in [0, 1), got {p!r}")

@@ -1,0 +1,88 @@
+"""Position-wise feed-forward networks, plain and gated (Shazeer 2020, "GLU Variants Improve Transformer").
+
+::
+
+    plain:  FFN(x) = W₂ act(W₁ x)                 act ∈ {relu, gelu, gelu_tanh}
+    gated:  FFN(x) = W₂ (act(W₁ x) ⊙ W₃ x)        glu: act = sigmoid, geglu: gelu, swiglu: silu
+
+Parameter names follow the formula (and Meta's LLaMA code): ``w1``, ``w2`` and, for the gated
+variants, ``w3``. Mapping from other checkpoints:
+
+- ``torch.nn.TransformerEncoderLayer``: linear1 → w1, linear2 → w2
+- BERT (HF): intermediate.dense → w1, output.dense → w2
+- LLaMA (HF): gate_proj → w1, up_proj → w3, down_proj → w2
+- T5 v1.1 (HF, gated-gelu): wi_0 → w1, wi_1 → w3, wo → w2
+"""
+from __future__ import annotations
+
+import functools
+import numbers
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+}
+GATED_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "glu": torch.sigmoid,
+    "geglu": F.gelu,
+    "swiglu": F.silu,
+}
+FFN_ACTIVATIONS = tuple(ACTIVATIONS) + tuple(GATED_ACTIVATIONS)
+
+
+class FeedForward(nn.Module):
+    """``W₂ act(W₁ x)``, or gated ``W₂ (act(W₁ x) ⊙ W₃ x)`` for ``glu``/``geglu``/``swiglu``.
+
+    Dropout (if any) is applied to the hidden activation, before ``W₂``, as in
+    ``torch.nn.TransformerEncoderLayer``.
+
+    Args:
+        dim: input and output size.
+        hidden_dim: hidden size (the width of ``W₁`` and ``W₃``).
+        activation: one of :data:`FFN_ACTIVATIONS`.
+        dropout: dropout probability on the hidden activation.
+        bias: whether the linear layers have biases.
+
+    Parameters:
+        w1: ``Linear(dim, hidden_dim)``, the activated branch.
+        w2: ``Linear(hidden_dim, dim)``, the output projection.
+        w3: ``Linear(dim, hidden_dim)``, the linear (gated) branch; only for gated activations.
+
+    Raises:
+        ValueError: a size is not a positive int, ``activation`` is unknown or ``dropout`` is
+            outside ``[0, 1)``.
+    """
+
+    def __init__(
+        self, dim: int, hidden_dim: int, *, activation: str = "relu", dropout: float = 0.0, bias: bool = True
+    ) -> None:
+        super().__init__()
+        for name, value in (("dim", dim), ("hidden_dim", hidden_dim)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if activation not in FFN_ACTIVATIONS:
+            raise ValueError(f"activation must be one of {list(FFN_ACTIVATIONS)}, got {activation!r}")
+        if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
+        self.activation = activation
+        self.gated = activation in GATED_ACTIVATIONS
+        self.act = GATED_ACTIVATIONS[activation] if self.gated else ACTIVATIONS[activation]
+        self.w1 = nn.Linear(dim, hidden_dim, bias=bias)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=bias) if self.gated else None
+        self.w2 = nn.Linear(hidden_dim, dim, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.act(self.w1(x))  # (B, L, hidden)
+        if self.w3 is not None:
+            h = h * self.w3(x)
+        return self.w2(self.dropout(h))  # (B, L, dim)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}"

@@ -1,0 +1,69 @@
+"""Normalisation layers: LayerNorm (torch's) and RMSNorm, chosen by name with :func:`make_norm`.
+
+::
+
+    LayerNorm(x) = (x - mean(x)) / sqrt(var(x) + ε) · g + b      # Ba et al. 2016
+    RMSNorm(x)   = x / sqrt(mean(x²) + ε) · g                      # Zhang & Sennrich 2019
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+from torch import Tensor, nn
+
+NORMS = ("layernorm", "rmsnorm")
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dim, ``x / sqrt(mean(x²) + ε) · g`` (no centring, no bias).
+
+    Args:
+        dim: size of the last dimension.
+        eps: ε added to the mean square.
+
+    Parameters:
+        weight: the gain ``g`` ``(dim,)``, initialised to ones.
+
+    Raises:
+        ValueError: ``dim`` is not a positive int or ``eps`` is not a positive number.
+    """
+
+    def __init__(self, dim: int, *, eps: float = 1e-6) -> None:
+        super().__init__()
+        _check_dim_eps(dim, eps)
+        self.dim = int(dim)
+        self.eps = float(eps)
+        self.weight = nn.Parameter(torch.ones(self.dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"RMSNorm expected last dim {self.dim}, got shape {tuple(x.shape)}")
+        # Compute in at least float32 so half-precision inputs do not overflow in x².
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        rms = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (xf * rms).to(x.dtype) * self.weight
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"
+
+
+def make_norm(kind: str, dim: int, *, eps: float = 1e-5) -> nn.Module:
+    """Build a norm layer by name: ``"layernorm"`` (:class:`torch.nn.LayerNorm`) or ``"rmsnorm"``.
+
+    Raises:
+        ValueError: ``kind`` is not one of :data:`NORMS`, or ``dim``/``eps`` are invalid.
+    """
+    if kind not in NORMS:
+        raise ValueError(f"norm must be one of {list(NORMS)}, got {kind!r}")
+    _check_dim_eps(dim, eps)
+    if kind == "layernorm":
+        return nn.LayerNorm(dim, eps=eps)
+    return RMSNorm(dim, eps=eps)
+
+
+def _check_dim_eps(dim: int, eps: float) -> None:
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim <= 0:
+        raise ValueError(f"dim must be a positive int, got {dim!r}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps > 0:
+        raise ValueError(f"eps must be a positive number, got {eps!r}")

@@ -1,0 +1,1 @@
+"""Seeing attention: heatmaps (matplotlib) and self-contained HTML views."""

@@ -1,0 +1,35 @@
+"""Attention heatmaps with matplotlib (headless: the Agg backend, written to PNG)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from torch import Tensor  # noqa: E402
+
+
+def save_heatmap(weights: Tensor, path, *, x_labels: Sequence[str], y_labels: Sequence[str],
+                 title: str = "", x_name: str = "key", y_name: str = "query") -> Path:
+    """Write ``weights (Lq, Lk)`` as a heatmap PNG: row i = query i, column j = key j."""
+    if weights.dim() != 2:
+        raise ValueError(f"weights must be 2-D (Lq, Lk), got shape {tuple(weights.shape)}")
+    if weights.shape != (len(y_labels), len(x_labels)):
+        raise ValueError(f"weights {tuple(weights.shape)} do not match labels ({len(y_labels)}, {len(x_labels)})")
+    w = weights.detach().float().cpu().numpy()
+    fig, ax = plt.subplots(figsize=(1.0 + 0.45 * w.shape[1], 1.0 + 0.45 * w.shape[0]))
+    im = ax.imshow(w, cmap="viridis", vmin=0.0, vmax=max(float(w.max()), 1e-9), aspect="equal")
+    ax.set_xticks(range(len(x_labels)), labels=list(x_labels))
+    ax.set_yticks(range(len(y_labels)), labels=list(y_labels))
+    ax.set_xlabel(x_name)
+    ax.set_ylabel(y_name)
+    if title:
+        ax.set_title(title)
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

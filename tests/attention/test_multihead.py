@@ -1,0 +1,172 @@
+"""attnlab.MultiheadAttention: a drop-in for torch.nn.MultiheadAttention, plus GQA and the KV cache.
+
+Tolerances: float32 parity with torch 1e-5 (observed ~3e-7); float64 identities 1e-12.
+"""
+import pytest
+import torch
+from torch import nn
+
+from attnlab import KVCache, MultiheadAttention
+
+
+def _pair(kdim=None, vdim=None, bias=True):
+    t = nn.MultiheadAttention(32, 4, batch_first=True, kdim=kdim, vdim=vdim, bias=bias).eval()
+    return t, MultiheadAttention.from_torch(t).eval()
+
+
+MASKS = {
+    "none": lambda L, S: {},
+    "key_padding": lambda L, S: {"key_padding_mask": torch.arange(S).expand(3, S) >= torch.tensor([[S], [S - 3], [2]])},
+    "attn_bool": lambda L, S: {"attn_mask": torch.rand(L, S) > 0.7},
+    "attn_float": lambda L, S: {"attn_mask": torch.randn(L, S)},
+    "per_head": lambda L, S: {"attn_mask": torch.rand(3 * 4, L, S) > 0.6},
+    "both_float": lambda L, S: {"key_padding_mask": torch.randn(3, S), "attn_mask": torch.randn(L, S)},
+}
+
+
+@pytest.mark.parametrize("dims", [(None, None), (24, 16)], ids=["packed", "kdim_vdim"])
+@pytest.mark.parametrize("mask", sorted(MASKS))
+@pytest.mark.parametrize("average", [True, False])
+def test_matches_torch(dims, mask, average):
+    t, m = _pair(*dims)
+    x = torch.randn(3, 7, 32)
+    kdim, vdim = dims
+    key = torch.randn(3, 9, kdim or 32)
+    value = torch.randn(3, 9, vdim or 32) if vdim else key
+    kw = MASKS[mask](7, 9)
+    a, wa = t(x, key, value, average_attn_weights=average, **kw)
+    b, wb = m(x, key, value, average_attn_weights=average, **kw)
+    # fully blocked rows: torch gives NaN, we give zeros — compare where torch is finite
+    ok = torch.isfinite(a)
+    assert torch.allclose(a[ok], b[ok], atol=1e-5)
+    assert torch.isfinite(b).all()
+    assert wb.shape == wa.shape
+    okw = torch.isfinite(wa)
+    assert torch.allclose(wa[okw], wb[okw], atol=1e-5)
+
+
+def test_self_attention_defaults_and_no_weights():
+    t, m = _pair()
+    x = torch.randn(2, 5, 32)
+    a, _ = t(x, x, x, need_weights=False)
+    b, w = m(x, need_weights=False)
+    assert w is None
+    assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_causal_matches_torch_with_causal_mask():
+    t, m = _pair()
+    x = torch.randn(2, 6, 32)
+    causal = nn.Transformer.generate_square_subsequent_mask(6)
+    a, wa = t(x, x, x, attn_mask=causal)
+    b, wb = m(x, is_causal=True)
+    assert torch.allclose(a, b, atol=1e-5) and torch.allclose(wa, wb, atol=1e-5)
+    assert torch.count_nonzero(torch.triu(wb[0], 1)) == 0
+
+
+def test_unbiased_and_training_gradients_match_torch():
+    t, m = _pair(bias=False)
+    t.train(), m.train()
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    t(x, x, x, need_weights=False)[0].square().sum().backward()
+    m(x2, need_weights=False)[0].square().sum().backward()
+    assert torch.allclose(x.grad, x2.grad, atol=1e-5)
+    assert torch.allclose(t.in_proj_weight.grad, m.in_proj.weight.grad, atol=1e-5)
+
+
+def test_gqa_equals_mha_with_repeated_kv_heads():
+    torch.manual_seed(1)
+    E, H, Hkv, Dh = 24, 6, 2, 4
+    g = MultiheadAttention(E, H, num_kv_heads=Hkv, dtype=torch.float64).eval()
+    full = MultiheadAttention(E, H, dtype=torch.float64).eval()
+    with torch.no_grad():
+        Wq, Wk, Wv = g.in_proj.weight.split([H * Dh, Hkv * Dh, Hkv * Dh])
+        bq, bk, bv = g.in_proj.bias.split([H * Dh, Hkv * Dh, Hkv * Dh])
+        rep = lambda w: w.view(Hkv, Dh, -1).repeat_interleave(H // Hkv, 0).reshape(H * Dh, *w.shape[1:])
+        full.in_proj.weight.copy_(torch.cat([Wq, rep(Wk), rep(Wv)]))
+        full.in_proj.bias.copy_(torch.cat([bq, rep(bk.unsqueeze(-1)).squeeze(-1), rep(bv.unsqueeze(-1)).squeeze(-1)]))
+        full.out_proj.load_state_dict(g.out_proj.state_dict())
+    x = torch.randn(2, 5, E, dtype=torch.float64)
+    a, wa = g(x, is_causal=True, average_attn_weights=False)
+    b, wb = full(x, is_causal=True, average_attn_weights=False)
+    assert torch.allclose(a, b, atol=1e-12) and torch.allclose(wa, wb, atol=1e-12)
+    assert g.in_proj.weight.shape == ((H + 2 * Hkv) * Dh, E)
+
+
+@pytest.mark.parametrize("max_length", [None, 16], ids=["growing", "static"])
+@pytest.mark.parametrize("num_kv_heads", [4, 1], ids=["mha", "mqa"])
+def test_kv_cache_decoding_equals_full_forward(max_length, num_kv_heads):
+    m = MultiheadAttention(32, 4, num_kv_heads=num_kv_heads).eval()
+    x = torch.randn(2, 9, 32)
+    full, _ = m(x, is_causal=True, need_weights=False)
+    cache = KVCache(max_length=max_length)
+    steps = [m(x[:, :4], is_causal=True, need_weights=False, cache=cache)[0]]  # prompt
+    for t in range(4, 9):
+        steps.append(m(x[:, t:t + 1], is_causal=True, need_weights=False, cache=cache)[0])
+    assert cache.length == 9
+    assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5)
+
+
+def test_static_cross_attention_cache_reuses_memory():
+    m = MultiheadAttention(32, 4).eval()
+    mem = torch.randn(2, 6, 32)
+    cache = KVCache(static=True)
+    y1, _ = m(torch.randn(2, 1, 32), mem, mem, cache=cache)
+    q = torch.randn(2, 1, 32)
+    y2, _ = m(q, torch.zeros_like(mem), torch.zeros_like(mem), cache=cache)  # memory ignored now
+    ref, _ = m(q, mem, mem)
+    assert cache.length == 6
+    assert torch.allclose(y2, ref, atol=1e-6)
+    assert not torch.allclose(y1, y2)
+
+
+def test_cache_overflow_and_reorder():
+    c = KVCache(max_length=3)
+    k = torch.randn(2, 1, 2, 4)
+    c.update(k, k)
+    with pytest.raises(ValueError, match="max_length=3"):
+        c.update(k, k)
+    c.reorder(torch.tensor([1, 1]))
+    assert torch.equal(c.k[0, :, :2], k[1]) and torch.equal(c.k[1, :, :2], k[1])
+    with pytest.raises(ValueError, match="max_length"):
+        KVCache(max_length=0)
+
+
+def test_permutation_equivariance_without_positions():
+    """The seeds' "I love you" / "you love I": self-attention alone cannot see word order."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(3, 32)
+    m = MultiheadAttention(32, 4).eval()
+    i_love_you = emb(torch.tensor([[0, 1, 2]]))
+    you_love_i = emb(torch.tensor([[2, 1, 0]]))
+    a, _ = m(i_love_you)
+    b, _ = m(you_love_i)
+    # the same outputs, permuted: each word's vector does not depend on where it stands
+    assert torch.allclose(a[0, [2, 1, 0]], b[0], atol=1e-6)
+    # with sinusoidal positions added, "I" at position 0 and at position 2 differ
+    from attnlab.functional.positional import sinusoidal_table
+    pe = sinusoidal_table(3, 32)
+    a, _ = m(i_love_you + pe)
+    b, _ = m(you_love_i + pe)
+    assert not torch.allclose(a[0, [2, 1, 0]], b[0], atol=1e-3)
+
+
+def test_bad_inputs_name_the_argument():
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        MultiheadAttention(32, 4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="embed_dim=30"):
+        MultiheadAttention(30, 4)
+    with pytest.raises(ValueError, match="dropout"):
+        MultiheadAttention(32, 4, dropout=1.0)
+    m = MultiheadAttention(32, 4)
+    with pytest.raises(ValueError, match="query must be"):
+        m(torch.randn(2, 5, 31))
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        m(torch.randn(2, 5, 32), key_padding_mask=torch.zeros(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="attn_mask"):
+        m(torch.randn(2, 5, 32), attn_mask=torch.zeros(4, 5, dtype=torch.bool))
+    with pytest.raises(TypeError, match="query"):
+        m([1, 2, 3])
+    with pytest.raises(ValueError, match="add_bias_kv"):
+        MultiheadAttention.from_torch(nn.MultiheadAttention(8, 2, add_bias_kv=True))
