@@ -3,11 +3,22 @@
 The one pipeline is :func:`attnlab.attention`; modules live in :mod:`attnlab.attention`,
 blocks in :mod:`attnlab.nn`, models in :mod:`attnlab.models`.
 """
-from attnlab.attention.multihead import MultiheadAttention
+from attnlab.attention import (AdditiveAttention, LocationAwareAttention, LuongAttention, MonotonicAttention,
+                               MultiheadAttention, get_attention)
 from attnlab.backends import BACKENDS
 from attnlab.functional.attention import attention
+from attnlab.functional.positional import (alibi_score_mod, alibi_slopes, apply_rope, rope_frequencies,
+                                           sinusoidal_table, t5_relative_buckets)
 from attnlab.nn.cache import KVCache
+from attnlab.nn.positional import (ALiBi, LearnedPositionalEmbedding, RotaryEmbedding,
+                                   SinusoidalPositionalEmbedding, T5RelativeBias)
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "BACKENDS", "MultiheadAttention", "KVCache", "__version__"]
+__all__ = [
+    "attention", "BACKENDS", "MultiheadAttention", "AdditiveAttention", "LuongAttention",
+    "LocationAwareAttention", "MonotonicAttention", "get_attention", "KVCache", "__version__",
+    "sinusoidal_table", "rope_frequencies", "apply_rope", "alibi_slopes", "alibi_score_mod",
+    "t5_relative_buckets", "SinusoidalPositionalEmbedding", "LearnedPositionalEmbedding",
+    "RotaryEmbedding", "ALiBi", "T5RelativeBias",
+]

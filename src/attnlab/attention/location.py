@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from attnlab.attention.additive import check_normalize, check_positive_int, prepare_inputs, score_attention
+from attnlab.functional.scores import check_normalize, check_positive_int, prepare_inputs, score_attention
 
 
 class LocationAwareAttention(nn.Module):

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from attnlab.attention.additive import check_positive_int, prepare_inputs
+from attnlab.functional.scores import check_positive_int, prepare_inputs
 
 
 def expected_alignment(p_choose: Tensor, prev_alignment: Tensor) -> Tensor:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.attention.additive import check_normalize, check_positive_int, prepare_inputs, score_attention
+from attnlab.functional.scores import check_normalize, check_positive_int, prepare_inputs, score_attention
 from attnlab.functional.attention import attention
 
 MODES = ("dot", "general", "concat")

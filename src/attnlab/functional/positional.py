@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from torch import Tensor

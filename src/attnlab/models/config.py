@@ -83,7 +83,7 @@ class TransformerConfig:
                     f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})"
                 )
         if self.position == "rope" and (self.dim // self.num_heads) % 2:
-            raise ValueError(f"position='rope' needs an even head dim, got dim // num_heads = {self.dim // self.num_heads}")
+            raise ValueError(f"position='rope' needs an even head dim (dim // num_heads), got {self.dim // self.num_heads}")
         for name in ("dropout", "attn_dropout", "drop_path"):
             value = getattr(self, name)
             if value is None and name == "attn_dropout":

@@ -1,0 +1,332 @@
+"""Encoder, decoder and encoder–decoder Transformers (Vaswani et al. 2017).
+
+* :class:`TransformerEncoder` / :class:`TransformerDecoder`: stacks of
+  :class:`~attnlab.nn.block.EncoderLayer` / :class:`~attnlab.nn.block.DecoderLayer` with an
+  optional final norm.
+* :class:`Transformer`: the two stacks, a batch-first equivalent of ``torch.nn.Transformer``
+  (with its final ``encoder.norm`` and ``decoder.norm``; ``Transformer.from_torch`` copies weights).
+* :class:`Seq2SeqTransformer`: embeddings, positions, the stacks and the output projection::
+
+    x_0 = Embed(ids) · sqrt(d) + PE(positions)          # PE only for sinusoidal / learned
+    logits = W_out Decoder(x_0^tgt, Encoder(x_0^src))   # W_out = Embed_tgt when tied
+
+  with greedy decoding on the KV cache.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.models.config import TransformerConfig
+from attnlab.nn.block import AttentionWeights, DecoderLayer, EncoderLayer, LayerCache
+from attnlab.nn.norms import make_norm
+from attnlab.nn.positional import (ALiBi, LearnedPositionalEmbedding, RotaryEmbedding,
+                                   SinusoidalPositionalEmbedding, T5RelativeBias)
+
+
+class TransformerEncoder(nn.Module):
+    """``num_layers`` layers built by ``make_layer(i)``, then ``norm`` (if given).
+
+    Raises:
+        ValueError: ``num_layers`` is not a positive int.
+    """
+
+    def __init__(self, make_layer: Callable[[int], nn.Module], num_layers: int, *,
+                 norm: Optional[nn.Module] = None) -> None:
+        super().__init__()
+        _check_num_layers(num_layers)
+        self.layers = nn.ModuleList(make_layer(i) for i in range(num_layers))
+        self.norm = norm
+
+    def forward(self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
+                is_causal: bool = False, need_weights: bool = False
+                ) -> Union[Tensor, tuple[Tensor, list[AttentionWeights]]]:
+        """``x (B, L, E) -> (B, L, E)``; with ``need_weights`` also one :class:`AttentionWeights` per layer."""
+        weights = []
+        for layer in self.layers:
+            x = layer(x, key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
+                      need_weights=need_weights)
+            if need_weights:
+                x, w = x
+                weights.append(w)
+        if self.norm is not None:
+            x = self.norm(x)
+        return (x, weights) if need_weights else x
+
+
+class TransformerDecoder(nn.Module):
+    """``num_layers`` decoder layers built by ``make_layer(i)``, then ``norm`` (if given).
+
+    Raises:
+        ValueError: ``num_layers`` is not a positive int.
+    """
+
+    def __init__(self, make_layer: Callable[[int], nn.Module], num_layers: int, *,
+                 norm: Optional[nn.Module] = None) -> None:
+        super().__init__()
+        _check_num_layers(num_layers)
+        self.layers = nn.ModuleList(make_layer(i) for i in range(num_layers))
+        self.norm = norm
+
+    def new_cache(self, *, max_length: Optional[int] = None) -> list[LayerCache]:
+        """Empty per-layer caches; ``max_length`` preallocates the self-attention caches."""
+        return [LayerCache.create(max_length=max_length, cross_attention=layer.cross_attn is not None)
+                for layer in self.layers]
+
+    def forward(self, x: Tensor, memory: Optional[Tensor] = None, *, tgt_key_padding_mask: Optional[Tensor] = None,
+                memory_key_padding_mask: Optional[Tensor] = None, tgt_mask: Optional[Tensor] = None,
+                memory_mask: Optional[Tensor] = None, is_causal: bool = True,
+                cache: Optional[list[LayerCache]] = None, need_weights: bool = False
+                ) -> Union[Tensor, tuple[Tensor, list[AttentionWeights]]]:
+        """``x (B, T, E)``, ``memory (B, S, E)`` -> ``(B, T, E)``; see :meth:`DecoderLayer.forward`.
+
+        ``cache`` is :meth:`new_cache`'s list (one :class:`LayerCache` per layer), updated in place.
+        """
+        if cache is not None and len(cache) != len(self.layers):
+            raise ValueError(f"cache must hold one LayerCache per layer ({len(self.layers)}), got {len(cache)}")
+        weights = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, memory, tgt_key_padding_mask=tgt_key_padding_mask,
+                      memory_key_padding_mask=memory_key_padding_mask, tgt_mask=tgt_mask, memory_mask=memory_mask,
+                      is_causal=is_causal, cache=None if cache is None else cache[i], need_weights=need_weights)
+            if need_weights:
+                x, w = x
+                weights.append(w)
+        if self.norm is not None:
+            x = self.norm(x)
+        return (x, weights) if need_weights else x
+
+
+class Transformer(nn.Module):
+    """Encoder–decoder stacks, batch first, equivalent to ``torch.nn.Transformer(batch_first=True)``.
+
+    As in torch, both stacks end with a LayerNorm (``encoder.norm``, ``decoder.norm``) whether
+    ``norm_first`` or not, and matrices are Xavier-uniform initialised. Unlike torch, the decoder's
+    self-attention is causal by default (``tgt_is_causal=True``) without building a mask.
+
+    Args: as :class:`~attnlab.nn.block.EncoderLayer` (``dim``, ``num_heads``, ``ffn_dim``, ...),
+    plus ``num_encoder_layers`` and ``num_decoder_layers``.
+    """
+
+    def __init__(self, dim: int = 512, num_heads: int = 8, *, num_encoder_layers: int = 6,
+                 num_decoder_layers: int = 6, ffn_dim: int = 2048, dropout: float = 0.1,
+                 activation: str = "relu", norm_first: bool = False, norm: str = "layernorm",
+                 norm_eps: float = 1e-5, num_kv_heads: Optional[int] = None, bias: bool = True,
+                 backend: str = "auto") -> None:
+        super().__init__()
+        kw = dict(ffn_dim=ffn_dim, activation=activation, dropout=dropout, norm_first=norm_first, norm=norm,
+                  norm_eps=norm_eps, num_kv_heads=num_kv_heads, bias=bias, backend=backend)
+        self.encoder = TransformerEncoder(lambda i: EncoderLayer(dim, num_heads, **kw), num_encoder_layers,
+                                          norm=make_norm(norm, dim, eps=norm_eps))
+        self.decoder = TransformerDecoder(lambda i: DecoderLayer(dim, num_heads, **kw), num_decoder_layers,
+                                          norm=make_norm(norm, dim, eps=norm_eps))
+        _xavier_(self)
+
+    def forward(self, src: Tensor, tgt: Tensor, *, src_mask: Optional[Tensor] = None,
+                tgt_mask: Optional[Tensor] = None, memory_mask: Optional[Tensor] = None,
+                src_key_padding_mask: Optional[Tensor] = None, tgt_key_padding_mask: Optional[Tensor] = None,
+                memory_key_padding_mask: Optional[Tensor] = None, tgt_is_causal: bool = True) -> Tensor:
+        """``src (B, S, E)``, ``tgt (B, T, E)`` -> ``(B, T, E)``; masks as ``torch.nn.Transformer``."""
+        memory = self.encoder(src, key_padding_mask=src_key_padding_mask, attn_mask=src_mask)
+        return self.decoder(tgt, memory, tgt_key_padding_mask=tgt_key_padding_mask,
+                            memory_key_padding_mask=memory_key_padding_mask, tgt_mask=tgt_mask,
+                            memory_mask=memory_mask, is_causal=tgt_is_causal)
+
+    @classmethod
+    def from_torch(cls, model: nn.Transformer, *, backend: str = "auto") -> "Transformer":
+        """Convert a ``torch.nn.Transformer`` built with its default encoder/decoder (weights copied)."""
+        if not isinstance(model, nn.Transformer):
+            raise TypeError(f"model must be torch.nn.Transformer, got {type(model).__name__}")
+        enc_layers, dec_layers = model.encoder.layers, model.decoder.layers
+        first = EncoderLayer.from_torch(enc_layers[0])
+        ours = cls(first.dim, first.num_heads, num_encoder_layers=len(enc_layers),
+                   num_decoder_layers=len(dec_layers), ffn_dim=first.ffn.w1.out_features,
+                   activation=first.ffn.activation, dropout=first.dropout1.p, norm_first=first.norm_first,
+                   norm_eps=first.norm1.eps, bias=first.ffn.w1.bias is not None, backend=backend)
+        for stack, theirs, convert in ((ours.encoder, enc_layers, EncoderLayer.from_torch),
+                                       (ours.decoder, dec_layers, DecoderLayer.from_torch)):
+            for layer, torch_layer in zip(stack.layers, theirs):
+                layer.load_state_dict(convert(torch_layer).state_dict())
+        ours.encoder.norm.load_state_dict(model.encoder.norm.state_dict())
+        ours.decoder.norm.load_state_dict(model.decoder.norm.state_dict())
+        return ours.train(model.training)
+
+
+class Seq2SeqTransformer(nn.Module):
+    """Token-to-token encoder–decoder Transformer built from a :class:`TransformerConfig`.
+
+    Positions (``config.position``): ``"sinusoidal"`` (one fixed table) or ``"learned"`` (one table
+    per side) are added to the scaled embeddings; ``"rope"`` rotates q/k of every self-attention;
+    ``"alibi"`` and ``"t5"`` add a score bias to every self-attention (symmetric / bidirectional in
+    the encoder, causal in the decoder, one module shared by the layers of a stack, as in T5);
+    cross-attention gets no positional signal. Final norms are added when ``norm_first``. Stochastic
+    depth grows linearly with depth, ``linspace(0, drop_path, num_layers)`` per stack.
+
+    When ``pad_id`` is set, source positions holding it are masked by default.
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        if not isinstance(config, TransformerConfig):
+            raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
+        self.config = c = config
+        self.src_embed = nn.Embedding(c.src_vocab_size, c.dim, padding_idx=c.pad_id)
+        self.tgt_embed = nn.Embedding(c.tgt_vocab_size, c.dim, padding_idx=c.pad_id)
+        self.src_pos = self.tgt_pos = None
+        if c.position == "sinusoidal":
+            self.src_pos = self.tgt_pos = SinusoidalPositionalEmbedding(c.dim, max_positions=c.max_positions)
+        elif c.position == "learned":
+            self.src_pos = LearnedPositionalEmbedding(c.max_positions, c.dim)
+            self.tgt_pos = LearnedPositionalEmbedding(c.max_positions, c.dim)
+        enc_pos, dec_pos = self._attention_positions(c)
+        self.dropout = nn.Dropout(c.dropout)
+        kw = dict(ffn_dim=c.ffn_dim, activation=c.activation, dropout=c.dropout, attn_dropout=c.attn_dropout,
+                  norm_first=c.norm_first, norm=c.norm, norm_eps=c.norm_eps, num_kv_heads=c.num_kv_heads,
+                  bias=c.bias, backend=c.backend)
+
+        def final_norm() -> Optional[nn.Module]:
+            return make_norm(c.norm, c.dim, eps=c.norm_eps) if c.norm_first else None
+
+        def rate(i: int, n: int) -> float:
+            return c.drop_path * i / (n - 1) if n > 1 else c.drop_path
+
+        self.encoder = TransformerEncoder(
+            lambda i: EncoderLayer(c.dim, c.num_heads, drop_path=rate(i, c.num_encoder_layers), **enc_pos, **kw),
+            c.num_encoder_layers, norm=final_norm())
+        self.decoder = TransformerDecoder(
+            lambda i: DecoderLayer(c.dim, c.num_heads, drop_path=rate(i, c.num_decoder_layers), **dec_pos, **kw),
+            c.num_decoder_layers, norm=final_norm())
+        self.out_proj = nn.Linear(c.dim, c.tgt_vocab_size, bias=False)
+        _xavier_(self.encoder)
+        _xavier_(self.decoder)
+        for embed in (self.src_embed, self.tgt_embed):  # N(0, 1/d): unit variance after × sqrt(d)
+            nn.init.normal_(embed.weight, std=c.dim ** -0.5)
+            if c.pad_id is not None:
+                nn.init.zeros_(embed.weight[c.pad_id])
+        if c.tie_embeddings:
+            self.out_proj.weight = self.tgt_embed.weight
+
+    @staticmethod
+    def _attention_positions(c: TransformerConfig) -> tuple[dict, dict]:
+        """``rotary=`` / ``position_bias=`` arguments of the encoder and decoder self-attentions."""
+        if c.position == "rope":
+            rotary = RotaryEmbedding(c.head_dim, max_positions=c.max_positions)
+            return {"rotary": rotary}, {"rotary": rotary}
+        if c.position == "alibi":
+            return ({"position_bias": ALiBi(c.num_heads, causal=False)},
+                    {"position_bias": ALiBi(c.num_heads, causal=True)})
+        if c.position == "t5":
+            return ({"position_bias": T5RelativeBias(c.num_heads, bidirectional=True)},
+                    {"position_bias": T5RelativeBias(c.num_heads, bidirectional=False)})
+        return {}, {}
+
+    def padding_mask(self, ids: Tensor) -> Optional[Tensor]:
+        """``ids == pad_id`` (True = padding), or None without a ``pad_id``."""
+        return None if self.config.pad_id is None else ids == self.config.pad_id
+
+    def embed_source(self, src_ids: Tensor) -> Tensor:
+        """``Embed_src(ids) · sqrt(d) + PE(0..S-1)``, then dropout: the encoder input ``(B, S, E)``."""
+        return self._embed(src_ids, self.src_embed, self.src_pos)
+
+    def embed_target(self, tgt_ids: Tensor, *, offset: int = 0) -> Tensor:
+        """The decoder input ``(B, T, E)`` for tokens at positions ``offset .. offset + T - 1``."""
+        return self._embed(tgt_ids, self.tgt_embed, self.tgt_pos, offset)
+
+    def _embed(self, ids: Tensor, embed: nn.Embedding, pos: Optional[nn.Module], offset: int = 0) -> Tensor:
+        if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.is_floating_point():
+            raise ValueError(f"token ids must be an integer tensor (B, L), got {ids.dtype} {tuple(ids.shape)}")
+        x = embed(ids) * math.sqrt(self.config.dim)  # (B, L, E)
+        if pos is not None:  # the table raises a ValueError past max_positions
+            x = x + pos(torch.arange(offset, offset + ids.shape[1], device=ids.device)).to(x.dtype)
+        return self.dropout(x)
+
+    def encode(self, src_ids: Tensor, *, src_key_padding_mask: Optional[Tensor] = None) -> Tensor:
+        """``src_ids (B, S)`` -> memory ``(B, S, E)``; the padding mask defaults to :meth:`padding_mask`."""
+        if src_key_padding_mask is None:
+            src_key_padding_mask = self.padding_mask(src_ids)
+        return self.encoder(self.embed_source(src_ids), key_padding_mask=src_key_padding_mask)
+
+    def forward(self, src_ids: Tensor, tgt_ids: Tensor, *, src_key_padding_mask: Optional[Tensor] = None,
+                tgt_key_padding_mask: Optional[Tensor] = None) -> Tensor:
+        """Teacher-forced logits ``(B, T, V_tgt)`` for ``src_ids (B, S)``, ``tgt_ids (B, T)``.
+
+        ``src_key_padding_mask`` defaults to ``src_ids == pad_id``; target padding needs no mask
+        (causal attention keeps it out of earlier positions) but may be given.
+        """
+        if src_key_padding_mask is None:
+            src_key_padding_mask = self.padding_mask(src_ids)
+        memory = self.encode(src_ids, src_key_padding_mask=src_key_padding_mask)
+        h = self.decoder(self.embed_target(tgt_ids), memory,
+                         tgt_key_padding_mask=tgt_key_padding_mask, memory_key_padding_mask=src_key_padding_mask)
+        return self.out_proj(h)
+
+    def decode_step(self, tgt_ids: Tensor, memory: Tensor, *, cache: list[LayerCache],
+                    memory_key_padding_mask: Optional[Tensor] = None, need_weights: bool = False
+                    ) -> Union[Tensor, tuple[Tensor, list[AttentionWeights]]]:
+        """Logits ``(B, T_new, V)`` of the new tokens ``tgt_ids (B, T_new)`` given the cached prefix.
+
+        ``cache`` comes from ``self.decoder.new_cache()`` and is updated in place; positions
+        continue from the cached length.
+        """
+        past = cache[0].self_attn.length
+        x = self.embed_target(tgt_ids, offset=past)
+        out = self.decoder(x, memory, memory_key_padding_mask=memory_key_padding_mask, cache=cache,
+                           need_weights=need_weights)
+        return (self.out_proj(out[0]), out[1]) if need_weights else self.out_proj(out)
+
+    @torch.no_grad()
+    def greedy_decode(self, src_ids: Tensor, *, max_len: int, bos_id: int, eos_id: int,
+                      src_key_padding_mask: Optional[Tensor] = None, static_cache: bool = False,
+                      return_cross_attention: bool = False) -> Union[Tensor, tuple[Tensor, Tensor]]:
+        """Greedy decoding, one token per step on the KV cache (call ``eval()`` first for determinism).
+
+        Args:
+            src_ids: ``(B, S)`` source tokens.
+            max_len: most tokens generated after ``bos_id``.
+            bos_id, eos_id: start and end tokens; a row stops at its first ``eos_id`` and is then
+                filled with ``pad_id`` (or ``eos_id`` without one). Stops early when all rows end.
+            static_cache: preallocate the self-attention caches (``max_length=max_len``).
+            return_cross_attention: also return the cross-attention weights
+                ``(B, num_layers, num_heads, T, S)``; row ``t`` is the distribution used to
+                predict token ``t + 1`` (``T`` = number of generated tokens).
+
+        Returns:
+            ``ids (B, 1 + T)`` starting with ``bos_id``, or ``(ids, cross_attention)``.
+        """
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len <= 0:
+            raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+        if src_key_padding_mask is None:
+            src_key_padding_mask = self.padding_mask(src_ids)
+        memory = self.encode(src_ids, src_key_padding_mask=src_key_padding_mask)
+        cache = self.decoder.new_cache(max_length=max_len if static_cache else None)
+        fill = eos_id if self.config.pad_id is None else self.config.pad_id
+        ids = torch.full((src_ids.shape[0], 1), bos_id, dtype=torch.long, device=src_ids.device)
+        done = torch.zeros(src_ids.shape[0], dtype=torch.bool, device=src_ids.device)
+        cross = []
+        for _ in range(max_len):
+            out = self.decode_step(ids[:, -1:], memory, cache=cache, memory_key_padding_mask=src_key_padding_mask,
+                                   need_weights=return_cross_attention)
+            if return_cross_attention:
+                out, weights = out
+                cross.append(torch.stack([w.cross_attn for w in weights], dim=1))  # (B, layers, H, 1, S)
+            token = out[:, -1].argmax(dim=-1).masked_fill(done, fill)  # (B,)
+            ids = torch.cat([ids, token[:, None]], dim=1)
+            done |= token == eos_id
+            if done.all():
+                break
+        return (ids, torch.cat(cross, dim=3)) if return_cross_attention else ids
+
+
+def _xavier_(module: nn.Module) -> None:
+    """Xavier-uniform on every matrix (``p.dim() > 1``), as ``torch.nn.Transformer._reset_parameters``."""
+    for p in module.parameters():
+        if p.dim() > 1:
+            nn.init.xavier_uniform_(p)
+
+
+def _check_num_layers(num_layers: int) -> None:
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers <= 0:
+        raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
