@@ -157,3 +157,30 @@ def test_mask_mod_returning_wrong_shape():
 def test_score_mod_returning_wrong_shape(fn, got):
     with pytest.raises(ValueError, match=rf"score_mod must return a tensor of the scores' shape .*{got}"):
         attention(*qkv(), score_mod=fn, backend="reference")
+
+
+# ---- boundary cases found by review: each now a clear error at the API --------------------
+
+def _qkv(Lk=5, D=4):
+    return torch.randn(1, 2, 3, D), torch.randn(1, 2, Lk, D), torch.randn(1, 2, Lk, D)
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    ({"normalize": ["softmax"]}, ValueError, "normalize"),
+    ({"backend": ["sdpa"]}, TypeError, "backend"),
+    ({"scale": float("nan")}, ValueError, "scale"),
+    ({"scale": True}, TypeError, "scale"),
+    ({"causal": "no"}, TypeError, "causal"),
+    ({"return_weights": 1}, TypeError, "return_weights"),
+    ({"mask": torch.full((3, 5), float("nan"))}, ValueError, "NaN"),
+    ({"mask": torch.full((3, 5), float("inf"))}, ValueError, r"\+inf"),
+])
+def test_invalid_option_values(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        attention(*_qkv(), **kw)
+
+
+@pytest.mark.parametrize("Lk, D", [(0, 4), (5, 0)])
+def test_empty_keys_or_zero_head_dim(Lk, D):
+    with pytest.raises(ValueError, match="Lk=.*D="):
+        attention(*_qkv(Lk, D))

@@ -72,7 +72,8 @@ def run(*, out: Optional[str] = None, seed: int = 0, max_steps: int = 3000, max_
         0.1 + 0.45 * (1 + math.cos(math.pi * min(s, max_steps) / max_steps))))
 
     start, tokens, acc, step = time.perf_counter(), 0, 0.0, 0
-    bar = tqdm(total=max_steps, disable=not progress, desc="reverse", unit="step", dynamic_ncols=True)
+    bar = tqdm(total=max_steps, disable=not progress, desc="reverse", unit="step", dynamic_ncols=True,
+               mininterval=0.5)
     history = []
     while step < max_steps and time.perf_counter() - start < max_seconds:
         src, tgt = task.train_batch(batch_size, g)

@@ -85,14 +85,19 @@ def attention(
         raise ValueError(f"window must be a positive int, got {window!r}")
     if scale is None:
         scale = 1.0 / math.sqrt(D)
-    elif not isinstance(scale, numbers.Real):
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
+    elif not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale!r}")
+    for name, flag in (("causal", causal), ("return_weights", return_weights)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
     if not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if normalize not in NORMALIZERS:
+    if not isinstance(normalize, str) or normalize not in NORMALIZERS:
         raise ValueError(f"normalize must be one of {sorted(NORMALIZERS)}, got {normalize!r}")
     if normalize == "topk":
         if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 1 <= top_k <= Lk:
@@ -105,6 +110,8 @@ def attention(
         mask_mod=mask_mod, dropout_p=float(dropout_p), normalize=normalize, top_k=top_k,
         return_weights=bool(return_weights),
     )
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
     if backend == "auto":
         impl = select_backend(q, k, v, **request)
     elif backend in BACKENDS:
@@ -139,6 +146,8 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(
             f"query heads H={q.shape[1]} must be a multiple of key/value heads Hkv={k.shape[1]} (H % Hkv == 0)"
         )
+    if q.shape[3] == 0 or k.shape[2] == 0:
+        raise ValueError(f"need at least one key and a head dim D >= 1, got Lk={k.shape[2]}, D={q.shape[3]}")
     if k.shape[2] != v.shape[2]:
         raise ValueError(f"k and v must have the same length, got Lk={k.shape[2]} and {v.shape[2]}")
     if q.shape[3] != k.shape[3]:
@@ -156,8 +165,14 @@ def _check_mask(mask: Optional[Tensor], q: Tensor, target: tuple[int, int, int, 
         raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to (B, H, Lq, Lk) = {target}")
     if mask.device != q.device:
         raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
-    if mask.is_floating_point() and mask.dtype != q.dtype:
-        mask = mask.to(q.dtype)
+    if mask.is_floating_point():
+        top = mask.amax() if mask.numel() else None  # one pass; amax propagates NaN
+        if top is not None and (torch.isnan(top) or torch.isposinf(top)):
+            raise ValueError("a float mask must not contain NaN or +inf (use -inf to block a position)")
+        if mask.dtype != q.dtype:
+            mask = mask.to(q.dtype)
+    if mask.dim() < 4:  # backends may rely on 4-D masks
+        mask = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
     return mask
 
 

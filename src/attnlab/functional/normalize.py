@@ -47,7 +47,7 @@ def hard(scores: Tensor, top_k: Optional[int] = None) -> Tensor:
     idx = scores.detach().argmax(dim=-1, keepdim=True)
     onehot = torch.zeros_like(p).scatter_(-1, idx, 1.0)
     onehot = onehot * (p.detach().sum(dim=-1, keepdim=True) > 0)  # empty rows stay zero
-    return onehot + p - p.detach()
+    return onehot + (p - p.detach())
 
 
 def sparsemax(scores: Tensor, top_k: Optional[int] = None) -> Tensor:

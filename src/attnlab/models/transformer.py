@@ -321,10 +321,11 @@ class Seq2SeqTransformer(nn.Module):
 
 
 def _xavier_(module: nn.Module) -> None:
-    """Xavier-uniform on every matrix (``p.dim() > 1``), as ``torch.nn.Transformer._reset_parameters``."""
-    for p in module.parameters():
-        if p.dim() > 1:
-            nn.init.xavier_uniform_(p)
+    """Xavier-uniform on every Linear weight, as ``torch.nn.Transformer._reset_parameters`` (whose
+    matrices are all projections); position-bias tables keep their own initialisation."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.xavier_uniform_(m.weight)
 
 
 def _check_num_layers(num_layers: int) -> None:
