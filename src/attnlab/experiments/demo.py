@@ -55,7 +55,7 @@ def exact_match(model: Seq2SeqTransformer, task: ReverseTask, strings: list[list
 
 
 def run(*, out: Optional[str] = None, seed: int = 0, max_steps: int = 3000, max_seconds: float = 110.0,
-        batch_size: int = 128, lr: float = 2e-3, warmup: int = 100, eval_every: int = 100,
+        batch_size: int = 128, lr: float = 5e-4, warmup: int = 100, eval_every: int = 100,
         target: float = 0.995, progress: bool = True) -> dict:
     """Train, evaluate on held-out strings, write ``metrics.json`` and the heatmap; return the metrics."""
     if max_steps <= 0 or max_seconds <= 0:
