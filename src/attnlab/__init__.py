@@ -6,7 +6,7 @@ blocks in :mod:`attnlab.nn`, models in :mod:`attnlab.models`.
 from attnlab.attention import (AdditiveAttention, LocationAwareAttention, LuongAttention, MonotonicAttention,
                                MultiheadAttention, get_attention)
 from attnlab.backends import BACKENDS
-from attnlab.functional.attention import attention
+from attnlab.functional.attention import attention, attention_weights
 from attnlab.functional.positional import (alibi_score_mod, alibi_slopes, apply_rope, rope_frequencies,
                                            sinusoidal_table, t5_relative_buckets)
 from attnlab.nn.cache import KVCache
@@ -16,7 +16,7 @@ from attnlab.nn.positional import (ALiBi, LearnedPositionalEmbedding, RotaryEmbe
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "BACKENDS", "MultiheadAttention", "AdditiveAttention", "LuongAttention",
+    "attention", "attention_weights", "BACKENDS", "MultiheadAttention", "AdditiveAttention", "LuongAttention",
     "LocationAwareAttention", "MonotonicAttention", "get_attention", "KVCache", "__version__",
     "sinusoidal_table", "rope_frequencies", "apply_rope", "alibi_slopes", "alibi_score_mod",
     "t5_relative_buckets", "SinusoidalPositionalEmbedding", "LearnedPositionalEmbedding",

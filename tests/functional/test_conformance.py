@@ -18,7 +18,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import attnlab.backends as backends
 from attnlab.backends import BACKENDS, select_backend
 from attnlab.functional.attention import attention
 from attnlab.functional.masks import causal_mod, prefix_lm_mod, sliding_window_mod
@@ -330,17 +329,25 @@ def test_auto_selects_sdpa_for_softmax_requests(kw):
     assert select_backend(*QKV, **_request(**kw)).name == "sdpa"
 
 
-SLOW_PATH = [dict(return_weights=True), dict(score_mod=SCORE_MODS["alibi"]), dict(normalize="sparsemax"),
-             dict(normalize="hard"), dict(normalize="topk", top_k=3)]
+SLOW_PATH = [dict(return_weights=True), dict(normalize="sparsemax"), dict(normalize="hard"),
+             dict(normalize="topk", top_k=3)]
 
 
-@pytest.mark.parametrize("kw", SLOW_PATH, ids=["weights", "score_mod", "sparsemax", "hard", "topk"])
-def test_auto_leaves_sdpa_for_requests_it_cannot_compute(kw, monkeypatch):
+@pytest.mark.parametrize("kw", SLOW_PATH, ids=["weights", "sparsemax", "hard", "topk"])
+def test_auto_uses_reference_for_weights_and_other_normalizers(kw):
     request = _request(**kw)
     chosen = select_backend(*QKV, **request)
-    assert chosen.name != "sdpa" and not chosen.unsupported(*QKV, **request)
-    monkeypatch.setattr(backends, "AUTO_ORDER", ["sdpa", "reference"])  # the core registry
-    assert select_backend(*QKV, **request).name == "reference"
+    assert chosen.name == "reference" and not chosen.unsupported(*QKV, **request)
+
+
+SPARSE = [dict(score_mod=SCORE_MODS["alibi"]), dict(window=3), dict(causal=True, window=3),
+          dict(mask_mod=lambda b, h, q_idx, kv_idx: (q_idx // 4) == (kv_idx // 4))]
+
+
+@pytest.mark.parametrize("kw", SPARSE, ids=["score_mod", "window", "causal_window", "mask_mod"])
+def test_auto_uses_tiled_for_block_sparse_masks_and_score_mods(kw):
+    """Tiled skips the blocks such masks empty (SDPA would compute them under a dense mask)."""
+    assert select_backend(*QKV, **_request(**kw)).name == "tiled"
 
 
 @pytest.mark.parametrize("shape", [(6,), ()])

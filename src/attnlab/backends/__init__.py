@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from attnlab.backends import reference, sdpa
+from attnlab.backends import reference, sdpa, tiled
 
 
 @dataclass(frozen=True)
@@ -23,15 +23,22 @@ class Backend:
 BACKENDS: dict[str, Backend] = {
     "reference": Backend("reference", reference.attention, reference.unsupported),
     "sdpa": Backend("sdpa", sdpa.attention, sdpa.unsupported),
+    "tiled": Backend("tiled", tiled.attention, tiled.unsupported),
 }
 
-# Fastest first; `reference` computes everything and ends the list.
-AUTO_ORDER: list[str] = ["sdpa", "reference"]
+# Fastest first for dense requests; `reference` computes everything and ends the list.
+AUTO_ORDER: list[str] = ["sdpa", "tiled", "reference"]
+# For block-sparse masks (window, mask_mod) and score_mods: `tiled` skips the empty blocks
+# (SDPA would compute them under a dense mask) and keeps memory O(N).
+SPARSE_ORDER: list[str] = ["tiled", "sdpa", "reference"]
 
 
 def select_backend(q, k, v, **request) -> Backend:
-    """The first backend in :data:`AUTO_ORDER` that can compute ``request``."""
-    for name in AUTO_ORDER:
+    """The first backend that can compute ``request``, from :data:`SPARSE_ORDER` when the request
+    has a window, a mask_mod or a score_mod, else from :data:`AUTO_ORDER`."""
+    sparse = request.get("window") is not None or request.get("mask_mod") is not None \
+        or request.get("score_mod") is not None
+    for name in (SPARSE_ORDER if sparse else AUTO_ORDER):
         b = BACKENDS[name]
         if not b.unsupported(q, k, v, **request):
             return b

@@ -41,6 +41,7 @@ def attention(
     normalize: str = "softmax",
     top_k: Optional[int] = None,
     return_weights: bool = False,
+    return_lse: bool = False,
     backend: str = "auto",
 ) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Scaled dot-product attention, ``normalize(κ Q Kᵀ + mods) V``, with every option of the pipeline.
@@ -65,11 +66,15 @@ def attention(
             straight-through softmax gradient) or ``"sparsemax"``.
         top_k: number of scores kept per row with ``normalize="topk"``.
         return_weights: also return the weights ``(B, H, Lq, Lk)`` (before dropout).
+        return_lse: also return the log-sum-exp ``LSE_i = log Σ_j e^(s_ij)`` ``(B, H, Lq)``
+            (``-inf`` on empty rows), computed by the ``tiled`` backend in O(N) memory;
+            :func:`attention_weights` recovers any rows' weights from it.
         backend: ``"auto"`` or a name in :data:`attnlab.backends.BACKENDS`.
 
     Returns:
-        ``out (B, H, Lq, Dv)``, or ``(out, weights)`` with ``return_weights=True``. A query row
-        that may attend to nothing gives zeros (and zero weights), never NaN.
+        ``out (B, H, Lq, Dv)``, or ``(out, weights)`` with ``return_weights=True``, or
+        ``(out, lse)`` with ``return_lse=True``. A query row that may attend to nothing gives
+        zeros (and zero weights), never NaN.
 
     Raises:
         TypeError: a tensor argument is not a tensor, or a mod is not callable.
@@ -77,6 +82,98 @@ def attention(
     """
     from attnlab.backends import BACKENDS, select_backend
 
+    request = _prepare(q, k, v, mask=mask, causal=causal, window=window, scale=scale, score_mod=score_mod,
+                       mask_mod=mask_mod, dropout_p=dropout_p, normalize=normalize, top_k=top_k,
+                       return_weights=return_weights)
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if return_lse:
+        if backend not in ("auto", "tiled"):
+            raise ValueError(f"return_lse=True is computed by the 'tiled' backend, not backend={backend!r}")
+        backend = "tiled"
+    if backend == "auto":
+        impl = select_backend(q, k, v, **request)
+    elif backend in BACKENDS:
+        impl = BACKENDS[backend]
+        why = impl.unsupported(q, k, v, **request)
+        if why:
+            raise ValueError(f"backend={backend!r} cannot compute this request: {why}")
+    else:
+        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+
+    if return_lse:
+        from attnlab.backends.tiled import tiled_attention
+
+        r = request
+        return tiled_attention(q, k, v, mask=r["mask"], causal=r["causal"], window=r["window"],
+                               scale=r["scale"], score_mod=r["score_mod"], mask_mod=r["mask_mod"])
+    out, weights = impl.fn(q, k, v, **request)
+    return (out, weights) if return_weights else out
+
+
+def attention_weights(
+    q: Tensor,
+    k: Tensor,
+    *,
+    lse: Optional[Tensor] = None,
+    heads=None,
+    rows=None,
+    mask: Optional[Tensor] = None,
+    causal: bool = False,
+    window: Optional[int] = None,
+    scale: Optional[float] = None,
+    score_mod: Optional[ScoreMod] = None,
+    mask_mod: Optional[MaskMod] = None,
+) -> Tensor:
+    """Exact softmax attention weights ``w_ij = e^(s_ij - LSE_i)`` for chosen heads and query rows.
+
+    Visualising attention never needs the O(N²) path for the whole model: the fast backends keep
+    only ``LSE`` per row, and any row's weights follow from it and that row's scores.
+
+    Args:
+        q, k: as in :func:`attention` (values are not needed).
+        lse: ``(B, H, Lq)`` from ``attention(..., return_lse=True)``; computed here (one O(N)-memory
+            pass) when omitted.
+        heads, rows: head indices and query-row indices (int, sequence or LongTensor); all by default.
+        mask, causal, window, scale, score_mod, mask_mod: the same request as the forward pass.
+
+    Returns:
+        ``(B, len(heads), len(rows), Lk)`` weights; each non-empty row sums to 1, empty rows are 0.
+    """
+    v = k.new_zeros(*k.shape[:3], 1)
+    request = _prepare(q, k, v, mask=mask, causal=causal, window=window, scale=scale, score_mod=score_mod,
+                       mask_mod=mask_mod, dropout_p=0.0, normalize="softmax", top_k=None, return_weights=False)
+    B, H, Lq, _ = q.shape
+    if lse is None:
+        _, lse = attention(q, k, v, mask=mask, causal=causal, window=window, scale=scale,
+                           score_mod=score_mod, mask_mod=mask_mod, return_lse=True)
+    elif not isinstance(lse, Tensor) or tuple(lse.shape) != (B, H, Lq):
+        raise ValueError(f"lse must be a tensor of shape (B, H, Lq) = {(B, H, Lq)}, got "
+                         f"{tuple(lse.shape) if isinstance(lse, Tensor) else type(lse).__name__}")
+    from attnlab.backends.tiled import recover_weights
+
+    return recover_weights(q, k, lse.detach(), heads=_indices("heads", heads, H, q.device),
+                           rows=_indices("rows", rows, Lq, q.device), mask=request["mask"],
+                           causal=request["causal"], window=window, scale=request["scale"],
+                           score_mod=score_mod, mask_mod=mask_mod)
+
+
+def _indices(name: str, idx, n: int, device) -> Tensor:
+    if idx is None:
+        return torch.arange(n, device=device)
+    t = torch.as_tensor([idx] if isinstance(idx, numbers.Integral) else idx, device=device)
+    if t.dim() != 1 or t.dtype not in (torch.int64, torch.int32) or t.numel() == 0:
+        raise ValueError(f"{name} must be an int or a non-empty 1-D sequence of ints, got {idx!r}")
+    if (t < 0).any() or (t >= n).any():
+        raise ValueError(f"{name} must lie in [0, {n}), got {t.tolist()}")
+    return t.long()
+
+
+def _prepare(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, dropout_p, normalize, top_k,
+             return_weights) -> dict:
+    """Validate a request at the API boundary and return it normalised for the backends."""
     _check_qkv(q, k, v)
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
@@ -104,26 +201,9 @@ def attention(
             raise ValueError(f"top_k must be an int in [1, Lk={Lk}] with normalize='topk', got {top_k!r}")
     elif top_k is not None:
         raise ValueError(f"top_k is only used with normalize='topk' (normalize={normalize!r})")
-
-    request = dict(
-        mask=mask, causal=bool(causal), window=window, scale=float(scale), score_mod=score_mod,
-        mask_mod=mask_mod, dropout_p=float(dropout_p), normalize=normalize, top_k=top_k,
-        return_weights=bool(return_weights),
-    )
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-    if backend == "auto":
-        impl = select_backend(q, k, v, **request)
-    elif backend in BACKENDS:
-        impl = BACKENDS[backend]
-        why = impl.unsupported(q, k, v, **request)
-        if why:
-            raise ValueError(f"backend={backend!r} cannot compute this request: {why}")
-    else:
-        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
-
-    out, weights = impl.fn(q, k, v, **request)
-    return (out, weights) if return_weights else out
+    return dict(mask=mask, causal=causal, window=window, scale=float(scale), score_mod=score_mod,
+                mask_mod=mask_mod, dropout_p=float(dropout_p), normalize=normalize, top_k=top_k,
+                return_weights=return_weights)
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:

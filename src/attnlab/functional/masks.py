@@ -12,6 +12,7 @@ called here with broadcastable index tensors of shapes ``(B,1,1,1)``, ``(1,H,1,1
 """
 from __future__ import annotations
 
+import numbers
 from typing import Callable, Optional
 
 import torch
@@ -92,18 +93,25 @@ def build_mask(
 
 def evaluate_mask_mod(mask_mod: MaskMod, B: int, H: int, Lq: int, Lk: int, device) -> Tensor:
     """Materialise a mask_mod as a bool tensor broadcastable to ``(B, H, Lq, Lk)``."""
-    b, h, q_idx, kv_idx = index_grids(B, H, Lq, Lk, device)
+    return call_mask_mod(mask_mod, *index_grids(B, H, Lq, Lk, device))
+
+
+def call_mask_mod(mask_mod: MaskMod, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """``mask_mod(b, h, q_idx, kv_idx)``, checked to be a bool tensor broadcastable to the grid."""
     out = mask_mod(b, h, q_idx, kv_idx)
     if not isinstance(out, Tensor) or out.dtype != torch.bool:
         got = type(out).__name__ if not isinstance(out, Tensor) else f"a {out.dtype} tensor"
         raise ValueError(f"mask_mod must return a bool tensor, got {got}")
+    grid = torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
     try:
-        torch.broadcast_shapes(out.shape, (B, H, Lq, Lk))
+        ok = torch.broadcast_shapes(out.shape, grid) == grid
     except RuntimeError:
+        ok = False
+    if not ok:
         raise ValueError(
             f"mask_mod returned shape {tuple(out.shape)}, which does not broadcast to "
-            f"(B, H, Lq, Lk) = {(B, H, Lq, Lk)}"
-        ) from None
+            f"(B, H, Lq, Lk) = {tuple(grid)}"
+        )
     return out
 
 
@@ -176,3 +184,143 @@ def or_masks(*mods: MaskMod) -> MaskMod:
 def padding_mask(lengths: Tensor, L: int) -> Tensor:
     """``(B, 1, 1, L)`` bool mask, True for the first ``lengths[b]`` keys of each sequence."""
     return (torch.arange(L, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)).view(-1, 1, 1, L)
+
+
+# ---- sparse patterns: Sparse Transformer (Child et al. 2019), BigBird (Zaheer et al. 2020) ----
+
+def _check_int(name: str, value, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        expected = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+def _check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def _merge(h: Tensor, a1: Tensor, a2: Tensor, split_heads: bool) -> Tensor:
+    """``A⁽¹⁾ ∪ A⁽²⁾``, or ``A⁽¹⁾`` on even heads and ``A⁽²⁾`` on odd heads."""
+    return torch.where(h % 2 == 0, a1, a2) if split_heads else a1 | a2
+
+
+def strided_mod(stride: int, *, causal: bool = True, split_heads: bool = False) -> MaskMod:
+    """The Sparse Transformer's *strided* pattern (Child et al. 2019, §4.2), stride ``l``.
+
+    The paper factorises attention over two heads::
+
+        A⁽¹⁾_i = {t, t+1, ..., i}  for t = max(0, i - l)      # the previous l positions
+        A⁽²⁾_i = {j : (i - j) mod l = 0}                      # every l-th position before i
+
+    By default both are merged into one mask, ``A⁽¹⁾ ∪ A⁽²⁾`` (key ``j`` visible from query
+    ``i`` iff ``0 <= i - j <= l`` or ``(i - j) mod l = 0`` with ``j <= i``), as most
+    implementations do. ``split_heads=True`` keeps the factorisation: even heads attend with
+    ``A⁽¹⁾``, odd heads with ``A⁽²⁾``. ``causal=False`` mirrors both sets (``|i - j|`` for
+    ``i - j``). Positions are absolute (bottom-right aligned), like every mask_mod here.
+
+    Raises:
+        ValueError: ``stride`` is not a positive int.
+        TypeError: ``causal`` or ``split_heads`` is not a bool.
+    """
+    _check_int("stride", stride, minimum=1)
+    _check_flag("causal", causal)
+    _check_flag("split_heads", split_heads)
+
+    def mod(b, h, q_idx, kv_idx):
+        d = q_idx - kv_idx if causal else (q_idx - kv_idx).abs()
+        local = (d >= 0) & (d <= stride)                    # A⁽¹⁾
+        every_lth = (d >= 0) & (d % stride == 0)            # A⁽²⁾
+        return _merge(h, local, every_lth, split_heads)
+
+    return mod
+
+
+def fixed_mod(block: int, *, num_summary: int = 1, causal: bool = True, split_heads: bool = False) -> MaskMod:
+    """The Sparse Transformer's *fixed* pattern (Child et al. 2019, §4.2), block ``l``, ``c`` summaries.
+
+    ::
+
+        A⁽¹⁾_i = {j : ⌊j / l⌋ = ⌊i / l⌋}                       # the query's own block
+        A⁽²⁾_i = {j : j mod l ∈ {t, t+1, ..., l}},  t = l - c   # the last c "summary" cells of every block
+
+    By default both are merged, ``A⁽¹⁾ ∪ A⁽²⁾``; ``split_heads=True`` gives ``A⁽¹⁾`` to even heads
+    and ``A⁽²⁾`` to odd heads (the paper's factorisation). ``causal=True`` (the paper's setting)
+    further requires ``j <= i``; ``causal=False`` drops it (a query sees its whole block and the
+    summaries of every block, before or after it).
+
+    Raises:
+        ValueError: ``block`` is not a positive int, or ``num_summary`` is not in ``[1, block]``.
+        TypeError: ``causal`` or ``split_heads`` is not a bool.
+    """
+    _check_int("block", block, minimum=1)
+    _check_int("num_summary", num_summary, minimum=1)
+    if num_summary > block:
+        raise ValueError(f"num_summary must be <= block={block}, got {num_summary}")
+    _check_flag("causal", causal)
+    _check_flag("split_heads", split_heads)
+
+    def mod(b, h, q_idx, kv_idx):
+        same_block = (q_idx // block) == (kv_idx // block)         # A⁽¹⁾
+        summary = (kv_idx % block) >= block - num_summary          # A⁽²⁾
+        out = _merge(h, same_block, summary, split_heads)
+        return out & (kv_idx <= q_idx) if causal else out
+
+    return mod
+
+
+def bigbird_layout(block: int, *, seq_len: int, num_global_blocks: int = 1, window_blocks: int = 3,
+                   num_random_blocks: int = 2, seed: int = 0) -> Tensor:
+    """BigBird's block layout (Zaheer et al. 2020): ``(n, n)`` bool, ``n = ⌈seq_len / block⌉``.
+
+    ``layout[I, J]`` is True iff query block ``I`` may attend to key block ``J``; it is the union of
+
+    - *global*: the first ``num_global_blocks`` blocks attend to every block and every block
+      attends to them (``layout[I, J]`` for ``I < g`` or ``J < g``);
+    - *window*: ``|I - J| <= window_blocks // 2`` (the query's block and its neighbours);
+    - *random*: for each non-global query block, ``num_random_blocks`` key blocks drawn
+      uniformly without replacement from those not already visible (fewer when fewer remain),
+      from a ``torch.Generator`` seeded with ``seed`` — the same layout for the same arguments.
+
+    Raises:
+        ValueError: an argument is out of range (``window_blocks`` must be a positive odd int).
+    """
+    _check_int("block", block, minimum=1)
+    _check_int("seq_len", seq_len, minimum=1)
+    _check_int("num_global_blocks", num_global_blocks, minimum=0)
+    _check_int("window_blocks", window_blocks, minimum=1)
+    if window_blocks % 2 == 0:
+        raise ValueError(f"window_blocks must be odd (the query's block and as many on each side), got {window_blocks}")
+    _check_int("num_random_blocks", num_random_blocks, minimum=0)
+    _check_int("seed", seed, minimum=0)
+    n = -(-seq_len // block)
+    idx = torch.arange(n)
+    layout = (idx[:, None] - idx[None, :]).abs() <= window_blocks // 2  # (n, n)
+    g = min(num_global_blocks, n)
+    layout[:g, :] = True
+    layout[:, :g] = True
+    gen = torch.Generator().manual_seed(seed)
+    for i in range(g, n):
+        candidates = (~layout[i]).nonzero().flatten()
+        layout[i, candidates[torch.randperm(len(candidates), generator=gen)[:num_random_blocks]]] = True
+    return layout
+
+
+def bigbird_mod(block: int, *, seq_len: int, num_global_blocks: int = 1, window_blocks: int = 3,
+                num_random_blocks: int = 2, seed: int = 0, device=None) -> MaskMod:
+    """BigBird block-sparse attention (Zaheer et al. 2020) as a mask_mod; non-causal.
+
+    "(i) a set of g global tokens attending on all parts of the sequence, (ii) all tokens
+    attending to a set of w local neighboring tokens, and (iii) all tokens attending to a set
+    of r random tokens", blockified: key ``j`` is visible from query ``i`` iff
+    ``layout[⌊i / block⌋, ⌊j / block⌋]`` with the layout of :func:`bigbird_layout` (global
+    blocks are the first ``num_global_blocks``). The random blocks are drawn once, here, so the
+    mod is deterministic and can be evaluated block by block. Positions must lie in
+    ``[0, seq_len)``; ``device`` is where the layout lives (that of the index tensors).
+
+    Raises:
+        ValueError: as :func:`bigbird_layout`.
+    """
+    layout = bigbird_layout(block, seq_len=seq_len, num_global_blocks=num_global_blocks,
+                            window_blocks=window_blocks, num_random_blocks=num_random_blocks,
+                            seed=seed).to(device)
+    return lambda b, h, q_idx, kv_idx: layout[q_idx // block, kv_idx // block]

@@ -1,0 +1,395 @@
+"""The tiled backend: FlashAttention's algorithm (Dao et al. 2022, FlashAttention-2 2023) in PyTorch.
+
+Forward, for each query block ``i`` and each visible key chunk ``r`` (online softmax)::
+
+    S   = κ Q_i K_rᵀ  → score_mod → mask (-inf)              # (B, H, Bq, Bk), one block at a time
+    m'  = max(m, rowmax S);   α = e^(m - m')
+    l   = α l + rowsum e^(S - m');   acc = α acc + e^(S - m') V_r;   m = m'
+    O_i = acc / l;   LSE_i = m + log l
+
+Backward recomputes each block's scores from ``(Q, K, V, O, LSE)`` — nothing ``O(N²)`` is saved::
+
+    P = e^(S - LSE);  D_i = rowsum(dO_i ∘ O_i)
+    dV_r += Pᵀ dO_i;  dP = dO_i V_rᵀ;  dS = P ∘ (dP - D_i)  (→ back through score_mod)
+    dQ_i += κ dS K_r;  dK_r += κ dSᵀ Q_i
+
+Blocks the mask empties are never computed: causal and sliding-window limits are known in closed
+form; a ``mask_mod`` or dense boolean mask is evaluated per chunk in the forward pass and the
+empty chunks are dropped from the plan the backward pass replays. Time and memory are
+``O(N · visible keys)`` and ``O(N)``. GQA folds the query heads of a group into the rows of one
+matrix product (no copies of K, V). bf16/fp16 inputs are computed in float32.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.functional.masks import call_mask_mod
+
+BLOCK_Q = 128     # query rows per block
+BLOCK_K = 128     # key chunk when an element-wise mask must be evaluated to find empty chunks
+MAX_CHUNK = 1024  # key chunk for causal / window / unmasked ranges (bounds the per-block memory)
+
+
+def unsupported(q, k, v, *, normalize, dropout_p, return_weights, **_) -> str:
+    if normalize != "softmax":
+        return f"normalize={normalize!r} (tiled computes softmax only)"
+    if dropout_p > 0:
+        return "dropout_p > 0 (tiled does not replay dropout masks in backward)"
+    if return_weights:
+        return "return_weights=True (use attnlab.attention_weights, which recovers them from the log-sum-exp)"
+    return ""
+
+
+def attention(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, dropout_p, normalize,
+              top_k, return_weights):
+    out, _ = tiled_attention(q, k, v, mask=mask, causal=causal, window=window, scale=scale,
+                             score_mod=score_mod, mask_mod=mask_mod)
+    return out, None
+
+
+def tiled_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Optional[Tensor] = None, causal: bool = False,
+                    window: Optional[int] = None, scale: float, score_mod=None, mask_mod=None,
+                    block_q: int = BLOCK_Q, block_k: int = BLOCK_K, max_chunk: int = MAX_CHUNK
+                    ) -> tuple[Tensor, Tensor]:
+    """``(out (B, H, Lq, Dv), lse (B, H, Lq))``; ``lse = log Σ_j e^(s_ij)``, ``-inf`` on empty rows.
+
+    Arguments are those of :func:`attnlab.attention`, already validated (4-D masks).
+    """
+    cfg = _Config(causal=causal, window=window, scale=scale, score_mod=score_mod, mask_mod=mask_mod,
+                  bool_mask=mask if mask is not None and mask.dtype == torch.bool else None,
+                  block_q=block_q, block_k=block_k, max_chunk=max_chunk)
+    bias = mask if mask is not None and mask.dtype != torch.bool else None
+    captured = captured_tensors(score_mod) if score_mod is not None else []
+    return _TiledAttention.apply(cfg, q, k, v, bias, *captured)
+
+
+# ---- plan: which key chunks each query block visits ----------------------------------------
+
+@dataclass
+class _Config:
+    causal: bool
+    window: Optional[int]
+    scale: float
+    score_mod: object
+    mask_mod: object
+    bool_mask: Optional[Tensor]
+    block_q: int
+    block_k: int
+    max_chunk: int
+    plan: list = field(default_factory=list)  # [(qs, qe, [(ks, ke, needs_mask), ...]), ...]
+
+
+def _key_range(cfg: _Config, p0: int, p1: int, Lk: int) -> tuple[int, int]:
+    """Keys ``[lo, hi)`` that causal/window allow for query positions ``p0..p1``."""
+    lo, hi = 0, Lk
+    if cfg.causal:
+        hi = min(Lk, p1 + 1)
+    if cfg.window is not None:
+        lo = max(0, p0 - cfg.window + 1)
+        if not cfg.causal:
+            hi = min(Lk, p1 + cfg.window)
+    return lo, hi
+
+
+def _full_range(cfg: _Config, p0: int, p1: int, lo: int, hi: int) -> tuple[int, int]:
+    """Keys in ``[lo, hi)`` that causal/window allow for *every* query position ``p0..p1``."""
+    flo, fhi = lo, hi
+    if cfg.causal:
+        fhi = min(fhi, p0 + 1)
+    if cfg.window is not None:
+        flo = max(flo, p1 - cfg.window + 1)
+        if not cfg.causal:
+            fhi = min(fhi, p0 + cfg.window)
+    return flo, max(flo, fhi)
+
+
+def _initial_chunks(cfg: _Config, qs: int, qe: int, Lq: int, Lk: int) -> list[tuple[int, int, bool]]:
+    """``[(ks, ke, needs_mask)]`` covering the keys causal/window allow for queries ``qs..qe``.
+
+    With only causal/window, the fully visible middle is cut into ``max_chunk`` pieces computed
+    without a mask, and the ragged edges get a mask; a short middle is merged with its edges (one
+    larger product beats three small ones). With an element-wise mask every chunk is ``block_k``
+    wide, so that the empty ones can be found and skipped.
+    """
+    off = Lk - Lq
+    p0, p1 = off + qs, off + qe - 1
+    lo, hi = _key_range(cfg, p0, p1, Lk)
+    if hi <= lo:
+        return []
+    if cfg.mask_mod is not None or cfg.bool_mask is not None:
+        return [(ks, min(ks + cfg.block_k, hi), True) for ks in range(lo, hi, cfg.block_k)]
+    flo, fhi = _full_range(cfg, p0, p1, lo, hi)
+    if fhi - flo < cfg.block_k:  # little to gain from splitting: one masked range
+        flo = fhi = hi
+    chunks = [(lo, flo, True)] if flo > lo else []
+    chunks += [(ks, min(ks + cfg.max_chunk, fhi), False) for ks in range(flo, fhi, cfg.max_chunk)]
+    if hi > fhi:
+        chunks.append((fhi, hi, True))
+    return chunks
+
+
+# ---- one block of scores ---------------------------------------------------------------------
+
+def _slice_mask(m: Tensor, qs: int, qe: int, ks: int, ke: int) -> Tensor:
+    """Block ``[qs:qe, ks:ke]`` of a 4-D mask whose last two dims may be broadcast (size 1)."""
+    m = m if m.shape[-2] == 1 else m[..., qs:qe, :]
+    return m if m.shape[-1] == 1 else m[..., ks:ke]
+
+
+def _grids(B: int, heads: Tensor, q_pos: Tensor, kv_pos: Tensor):
+    """Broadcastable ``(b, h, q_idx, kv_idx)`` for score_mod / mask_mod calls."""
+    return (torch.arange(B, device=q_pos.device).view(B, 1, 1, 1), heads.view(1, -1, 1, 1),
+            q_pos.view(1, 1, -1, 1), kv_pos.view(1, 1, 1, -1))
+
+
+def _block_grids(B: int, H: int, qs: int, qe: int, ks: int, ke: int, off: int, device):
+    ar = functools.partial(torch.arange, device=device)
+    return _grids(B, ar(H), ar(off + qs, off + qe), ar(ks, ke))
+
+
+def _allowed(cfg: _Config, grids, mask_block: Optional[Tensor]) -> Optional[Tensor]:
+    """Element mask of one block (True = may attend), or None when nothing is masked.
+
+    ``mask_block`` is the dense boolean mask already cut to the block (or None).
+    """
+    b, h, q_idx, kv_idx = grids
+    parts = []
+    d = q_idx - kv_idx
+    if cfg.causal:
+        parts.append(d >= 0)
+    if cfg.window is not None:
+        parts.append(d < cfg.window if cfg.causal else d.abs() < cfg.window)
+    if mask_block is not None:
+        parts.append(mask_block)
+    if cfg.mask_mod is not None:
+        parts.append(call_mask_mod(cfg.mask_mod, b, h, q_idx, kv_idx))
+    return functools.reduce(torch.logical_and, parts) if parts else None
+
+
+def _fold(x: Tensor, Hkv: int) -> Tensor:
+    """``(B, H, R, ·) -> (B, Hkv, G·R, ·)``: the G query heads of a kv group become rows."""
+    B, H, R, C = x.shape
+    return x.reshape(B, Hkv, (H // Hkv) * R, C)
+
+
+def _unfold(x: Tensor, H: int) -> Tensor:
+    B, Hkv, GR, C = x.shape
+    return x.view(B, H, GR // (H // Hkv), C)
+
+
+def _raw_scores(q_blk: Tensor, k_chunk: Tensor, scale: float) -> Tensor:
+    """``κ Q_i K_rᵀ`` as ``(B, H, Bq, Bk)``, in the compute dtype."""
+    H, Hkv = q_blk.shape[1], k_chunk.shape[1]
+    return _unfold(torch.matmul(_fold(q_blk, Hkv), k_chunk.transpose(-2, -1)), H) * scale
+
+
+def _apply_score_mod(cfg: _Config, s: Tensor, grids) -> Tensor:
+    out = cfg.score_mod(s, *grids)
+    if not isinstance(out, Tensor) or out.shape != s.shape or out.dtype != s.dtype:
+        got = f"shape {tuple(out.shape)}, dtype {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
+        raise ValueError(f"score_mod must return a tensor of the scores' shape {tuple(s.shape)} and dtype {s.dtype}, got {got}")
+    return out
+
+
+def _finish_scores(s: Tensor, bias_block: Optional[Tensor], allowed: Optional[Tensor]) -> Tensor:
+    if bias_block is not None:
+        s = s + bias_block.to(s.dtype)
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    return s
+
+
+def _bool_block(cfg: _Config, qs, qe, ks, ke) -> Optional[Tensor]:
+    return None if cfg.bool_mask is None else _slice_mask(cfg.bool_mask, qs, qe, ks, ke)
+
+
+def _bias_block(bias: Optional[Tensor], qs, qe, ks, ke) -> Optional[Tensor]:
+    return None if bias is None else _slice_mask(bias, qs, qe, ks, ke)
+
+
+# ---- autograd ---------------------------------------------------------------------------------
+
+class _TiledAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, cfg: _Config, q, k, v, bias, *captured):
+        B, H, Lq, _ = q.shape
+        Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+        cdt = _compute_dtype(q.dtype)
+        qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
+        out = torch.zeros(B, H, Lq, Dv, dtype=cdt, device=q.device)
+        lse = torch.full((B, H, Lq), float("-inf"), dtype=cdt, device=q.device)
+        cfg.plan = []
+        for qs in range(0, Lq, cfg.block_q):
+            qe = min(qs + cfg.block_q, Lq)
+            q_blk = qc[:, :, qs:qe]
+            m = torch.full((B, H, qe - qs, 1), float("-inf"), dtype=cdt, device=q.device)
+            l = torch.zeros_like(m)
+            acc = torch.zeros(B, H, qe - qs, Dv, dtype=cdt, device=q.device)
+            kept = []
+            for ks, ke, needs_mask in _initial_chunks(cfg, qs, qe, Lq, Lk):
+                grids = _block_grids(B, H, qs, qe, ks, ke, Lk - Lq, q.device)
+                allowed = _allowed(cfg, grids, _bool_block(cfg, qs, qe, ks, ke)) if needs_mask else None
+                elementwise = cfg.mask_mod is not None or cfg.bool_mask is not None
+                if elementwise and not bool(allowed.any()):
+                    continue  # an empty block: skipped now and in backward
+                kept.append((ks, ke, needs_mask))
+                s = _raw_scores(q_blk, kc[:, :, ks:ke], cfg.scale)
+                if cfg.score_mod is not None:
+                    s = _apply_score_mod(cfg, s, grids)
+                s = _finish_scores(s, _bias_block(bias, qs, qe, ks, ke), allowed)
+                m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+                m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+                p = torch.exp(s - m_safe)
+                alpha = torch.exp(m - m_safe)
+                l = l * alpha + p.sum(dim=-1, keepdim=True)
+                acc = acc * alpha + _unfold(torch.matmul(_fold(p, Hkv), vc[:, :, ks:ke]), H)
+                m = m_new
+            cfg.plan.append((qs, qe, kept))
+            nonempty = l > 0
+            out[:, :, qs:qe] = acc / torch.where(nonempty, l, torch.ones_like(l))
+            lse[:, :, qs:qe] = torch.where(nonempty, m + torch.log(l), torch.full_like(l, float("-inf"))).squeeze(-1)
+        out = out.to(q.dtype)
+        ctx.cfg = cfg
+        ctx.n_captured = len(captured)
+        ctx.save_for_backward(q, k, v, out, lse, bias, *captured)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, _d_lse):
+        cfg: _Config = ctx.cfg
+        q, k, v, out, lse, bias, *captured = ctx.saved_tensors
+        B, H, Lq, _ = q.shape
+        Hkv, Lk = k.shape[1], k.shape[2]
+        cdt = _compute_dtype(q.dtype)
+        qc, kc, vc, do = q.to(cdt), k.to(cdt), v.to(cdt), d_out.to(cdt)
+        dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
+        want_bias = bias is not None and ctx.needs_input_grad[4]
+        dbias = torch.zeros(bias.shape, dtype=cdt, device=q.device) if want_bias else None
+        dcaptured = [torch.zeros_like(t) for t in captured]
+        delta = (do * out.to(cdt)).sum(dim=-1, keepdim=True)  # D_i = rowsum(dO ∘ O): (B, H, Lq, 1)
+        lse_safe = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse).unsqueeze(-1)
+        for qs, qe, chunks in cfg.plan:
+            q_blk, do_blk = qc[:, :, qs:qe], do[:, :, qs:qe]
+            dq_blk = torch.zeros_like(q_blk)
+            for ks, ke, needs_mask in chunks:
+                grids = _block_grids(B, H, qs, qe, ks, ke, Lk - Lq, q.device)
+                allowed = _allowed(cfg, grids, _bool_block(cfg, qs, qe, ks, ke)) if needs_mask else None
+                raw = _raw_scores(q_blk, kc[:, :, ks:ke], cfg.scale)
+                if cfg.score_mod is not None:
+                    with torch.enable_grad():
+                        leaf = raw.detach().requires_grad_()
+                        modded = _apply_score_mod(cfg, leaf, grids)
+                    s = modded.detach()
+                else:
+                    s = raw
+                s = _finish_scores(s, _bias_block(bias, qs, qe, ks, ke), allowed)
+                p = torch.exp(s - lse_safe[:, :, qs:qe])  # (B, H, Bq, Bk)
+                dv[:, :, ks:ke] += torch.matmul(_fold(p, Hkv).transpose(-2, -1), _fold(do_blk, Hkv))
+                dp = _unfold(torch.matmul(_fold(do_blk, Hkv), vc[:, :, ks:ke].transpose(-2, -1)), H)
+                ds = p * (dp - delta[:, :, qs:qe])  # dL/d(score after mods)
+                if dbias is not None:
+                    _accumulate_block(dbias, ds, qs, qe, ks, ke)
+                if cfg.score_mod is not None:
+                    grads = torch.autograd.grad(modded, [leaf, *captured], ds, allow_unused=True)
+                    ds = grads[0]
+                    for acc, g in zip(dcaptured, grads[1:]):
+                        if g is not None:
+                            acc += g
+                ds = ds * cfg.scale
+                dq_blk += _unfold(torch.matmul(_fold(ds, Hkv), kc[:, :, ks:ke]), H)
+                dk[:, :, ks:ke] += torch.matmul(_fold(ds, Hkv).transpose(-2, -1), _fold(q_blk, Hkv))
+            dq[:, :, qs:qe] = dq_blk
+        grads_captured = [g if ctx.needs_input_grad[5 + i] else None for i, g in enumerate(dcaptured)]
+        return (None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                None if dbias is None else dbias.to(bias.dtype), *grads_captured)
+
+
+def recover_weights(q: Tensor, k: Tensor, lse: Tensor, *, heads: Tensor, rows: Tensor,
+                    mask: Optional[Tensor], causal: bool, window: Optional[int], scale: float,
+                    score_mod=None, mask_mod=None) -> Tensor:
+    """Exact weights ``w_ij = e^(s_ij - LSE_i)`` for the chosen ``heads`` and query ``rows``.
+
+    Costs ``O(len(heads) · len(rows) · Lk)``: only the requested part of the matrix is formed.
+    """
+    B, H, Lq, _ = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    cdt = _compute_dtype(q.dtype)
+    cfg = _Config(causal=causal, window=window, scale=scale, score_mod=score_mod, mask_mod=mask_mod,
+                  bool_mask=None, block_q=0, block_k=0, max_chunk=0)
+    qs = q[:, heads][:, :, rows].to(cdt)                                  # (B, h, R, D)
+    ks = k[:, heads // (H // Hkv)].to(cdt)                                # (B, h, Lk, D)
+    s = torch.matmul(qs, ks.transpose(-2, -1)) * scale                    # (B, h, R, Lk)
+    grids = _grids(B, heads, Lk - Lq + rows, torch.arange(Lk, device=q.device))
+    if score_mod is not None:
+        s = _apply_score_mod(cfg, s, grids)
+
+    def pick(m):  # the chosen heads / rows of a (possibly broadcast) 4-D mask
+        m = m if m.shape[1] == 1 else m[:, heads]
+        return m if m.shape[2] == 1 else m[:, :, rows]
+
+    is_bool = mask is not None and mask.dtype == torch.bool
+    allowed = _allowed(cfg, grids, pick(mask) if is_bool else None)
+    s = _finish_scores(s, pick(mask) if mask is not None and not is_bool else None, allowed)
+    lse_sel = lse[:, heads][:, :, rows].unsqueeze(-1).to(cdt)
+    lse_sel = torch.where(torch.isinf(lse_sel), torch.full_like(lse_sel, float("inf")), lse_sel)
+    return torch.exp(s - lse_sel).to(q.dtype)
+
+
+def _accumulate_block(dbias: Tensor, ds: Tensor, qs, qe, ks, ke) -> None:
+    """Add a block's score gradient into a (possibly broadcast) bias gradient."""
+    dims = [i for i in range(4) if dbias.shape[i] == 1 and ds.shape[i] != 1]
+    g = ds.sum(dim=dims, keepdim=True) if dims else ds
+    _slice_mask(dbias, qs, qe, ks, ke).add_(g)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+# ---- tensors a score_mod closes over (their gradients flow through our backward) ------------
+
+def captured_tensors(fn, _depth: int = 0) -> list[Tensor]:
+    """Tensors requiring grad that ``fn`` reads: closure cells, global names its code uses,
+    ``functools.partial`` arguments, the module of a bound method, and the parameters of modules
+    found there. Tensors reached any other way (e.g. attributes of an object held in a global)
+    get no gradient through the tiled backend.
+    """
+    found: dict[int, Tensor] = {}
+
+    def visit(obj, depth):
+        if isinstance(obj, Tensor):
+            if obj.requires_grad:
+                found.setdefault(id(obj), obj)
+        elif isinstance(obj, nn.Module):
+            for p in obj.parameters():
+                if p.requires_grad:
+                    found.setdefault(id(p), p)
+        elif isinstance(obj, (list, tuple)):
+            for x in obj:
+                visit(x, depth)
+        elif isinstance(obj, dict):
+            for x in obj.values():
+                visit(x, depth)
+        elif depth < 4 and isinstance(obj, functools.partial):
+            visit(obj.func, depth + 1)
+            visit(obj.args, depth + 1)
+            visit(obj.keywords, depth + 1)
+        elif depth < 4 and callable(obj):
+            visit(getattr(obj, "__self__", None), depth + 1)
+            code, glb = getattr(obj, "__code__", None), getattr(obj, "__globals__", None)
+            if code is not None and glb is not None:  # globals the function reads (notebooks)
+                visit([glb[n] for n in code.co_names if n in glb], depth + 1)
+            for cell in getattr(obj, "__closure__", None) or ():
+                try:
+                    visit(cell.cell_contents, depth + 1)
+                except ValueError:  # an empty cell
+                    pass
+
+    visit(fn, _depth)
+    return list(found.values())
