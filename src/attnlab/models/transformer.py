@@ -27,7 +27,7 @@ from attnlab.nn.positional import (ALiBi, LearnedPositionalEmbedding, RotaryEmbe
                                    SinusoidalPositionalEmbedding, T5RelativeBias)
 
 
-class TransformerEncoder(nn.Module):
+class _LayerStack(nn.Module):
     """``num_layers`` layers built by ``make_layer(i)``, then ``norm`` (if given).
 
     Raises:
@@ -40,6 +40,10 @@ class TransformerEncoder(nn.Module):
         _check_num_layers(num_layers)
         self.layers = nn.ModuleList(make_layer(i) for i in range(num_layers))
         self.norm = norm
+
+
+class TransformerEncoder(_LayerStack):
+    """A stack of encoder layers (``make_layer(i)`` builds layer ``i``) and an optional final norm."""
 
     def forward(self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
                 is_causal: bool = False, need_weights: bool = False
@@ -57,19 +61,8 @@ class TransformerEncoder(nn.Module):
         return (x, weights) if need_weights else x
 
 
-class TransformerDecoder(nn.Module):
-    """``num_layers`` decoder layers built by ``make_layer(i)``, then ``norm`` (if given).
-
-    Raises:
-        ValueError: ``num_layers`` is not a positive int.
-    """
-
-    def __init__(self, make_layer: Callable[[int], nn.Module], num_layers: int, *,
-                 norm: Optional[nn.Module] = None) -> None:
-        super().__init__()
-        _check_num_layers(num_layers)
-        self.layers = nn.ModuleList(make_layer(i) for i in range(num_layers))
-        self.norm = norm
+class TransformerDecoder(_LayerStack):
+    """A stack of decoder layers (``make_layer(i)`` builds layer ``i``) and an optional final norm."""
 
     def new_cache(self, *, max_length: Optional[int] = None) -> list[LayerCache]:
         """Empty per-layer caches; ``max_length`` preallocates the self-attention caches."""
