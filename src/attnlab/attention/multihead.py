@@ -18,6 +18,10 @@ from torch import Tensor, nn
 from attnlab.functional.attention import attention
 from attnlab.nn.cache import KVCache
 
+# A position bias larger than this many elements (H·L·S) is passed as a score_mod (computed block
+# by block by the tiled backend, O(N) memory) instead of a dense additive mask for SDPA.
+DENSE_BIAS_LIMIT = 1 << 22
+
 
 class MultiheadAttention(nn.Module):
     """Self / cross multi-head attention with GQA/MQA, a KV cache, RoPE and position biases.
@@ -33,7 +37,8 @@ class MultiheadAttention(nn.Module):
         head_dim: per-head width (default E // H).
         rotary: module applied to q and k as ``rotary(x, positions)`` (e.g. ``RotaryEmbedding``).
         position_bias: module giving an additive bias ``(1, H, Lq, Lk)`` as
-            ``position_bias(q_positions, k_positions)`` (e.g. ``ALiBi``, ``T5RelativeBias``).
+            ``position_bias(q_positions, k_positions)`` (e.g. ``ALiBi``, ``T5RelativeBias``); a
+            dense bias when small, its ``score_mod()`` (tiled backend, O(N) memory) when large.
         backend, normalize, top_k, window: passed to :func:`attnlab.attention`.
 
     Forward arguments and masks follow ``torch.nn.MultiheadAttention``: boolean
@@ -138,10 +143,14 @@ class MultiheadAttention(nn.Module):
         S = k.shape[2]
 
         mask = self._mask(key_padding_mask, attn_mask, B, L, S, q.dtype)
+        score_mod = None
         if self.position_bias is not None:
-            bias = self.position_bias(torch.arange(S - L, S, device=q.device), torch.arange(S, device=q.device))
-            mask = bias.to(q.dtype) if mask is None else _add_masks(mask, bias.to(q.dtype))
-        res = attention(q, k, v, mask=mask, causal=is_causal, window=self.window,
+            if self.backend in ("tiled", "flex") or H * L * S > DENSE_BIAS_LIMIT:
+                score_mod = self.position_bias.score_mod()
+            else:
+                bias = self.position_bias(torch.arange(S - L, S, device=q.device), torch.arange(S, device=q.device))
+                mask = bias.to(q.dtype) if mask is None else _add_masks(mask, bias.to(q.dtype))
+        res = attention(q, k, v, mask=mask, causal=is_causal, window=self.window, score_mod=score_mod,
                         dropout_p=self.dropout if self.training else 0.0, normalize=self.normalize,
                         top_k=self.top_k, return_weights=need_weights, backend=self.backend)
         out, weights = res if need_weights else (res, None)
