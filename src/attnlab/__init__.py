@@ -7,6 +7,8 @@ from attnlab.attention import (AdditiveAttention, LocationAwareAttention, LuongA
                                MultiheadAttention, get_attention)
 from attnlab.backends import BACKENDS
 from attnlab.functional.attention import attention, attention_weights
+from attnlab.functional.masks import (and_masks, bigbird_layout, bigbird_mod, causal_mod, document_mod, fixed_mod,
+                                      or_masks, prefix_lm_mod, sliding_window_mod, strided_mod)
 from attnlab.functional.positional import (alibi_score_mod, alibi_slopes, apply_rope, rope_frequencies,
                                            sinusoidal_table, t5_relative_buckets)
 from attnlab.nn.cache import KVCache
@@ -21,6 +23,8 @@ __all__ = [
     "sinusoidal_table", "rope_frequencies", "apply_rope", "alibi_slopes", "alibi_score_mod",
     "t5_relative_buckets", "SinusoidalPositionalEmbedding", "LearnedPositionalEmbedding",
     "RotaryEmbedding", "ALiBi", "T5RelativeBias",
+    "causal_mod", "sliding_window_mod", "prefix_lm_mod", "document_mod", "and_masks", "or_masks",
+    "strided_mod", "fixed_mod", "bigbird_mod", "bigbird_layout",
 ]
 
 # blocks and models (after the attention imports: attnlab.nn.block imports MultiheadAttention)

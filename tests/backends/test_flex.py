@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from torch._dynamo.exc import TorchDynamoException
+from torch._dynamo.exc import BackendCompilerFailed
 
 from attnlab.backends import BACKENDS, flex
 from attnlab.functional.attention import attention
@@ -19,7 +19,8 @@ from attnlab.functional.masks import (bigbird_mod, causal_mod, document_mod, fix
                                       strided_mod)
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
-needs_tiled = pytest.mark.skipif("tiled" not in BACKENDS, reason="the 'tiled' backend (the fallback) is not registered yet")
+needs_tiled = pytest.mark.skipif("tiled" not in BACKENDS,
+                                 reason="the 'tiled' backend (the fallback) is not registered yet")
 
 
 @pytest.fixture(autouse=True)
@@ -213,10 +214,11 @@ def test_compile_failure_is_remembered_and_falls_back(caplog, monkeypatch):
     def broken_compile():
         def fn(*a, **kw):
             attempts.append(1)
-            raise TorchDynamoException("no C++ compiler")
+            raise BackendCompilerFailed(fn, RuntimeError("no C++ compiler"), None)
         return fn
 
     monkeypatch.setattr(flex, "_compiled", broken_compile)
+    monkeypatch.setattr(flex, "_compiled_signatures", set())
     flex.set_compile(True)
     q, k, v = qkv()
     with caplog.at_level(logging.DEBUG, logger="attnlab.backends.flex"):
@@ -228,7 +230,30 @@ def test_compile_failure_is_remembered_and_falls_back(caplog, monkeypatch):
     assert_close(first, expected, torch.float32)
     assert_close(second, expected, torch.float32)
     flex.set_compile(True)  # forgets the failure
-    assert flex._fallback_reason(q, k, v, None, None, None) == ""
+    run_flex(q, k, v, causal=True)
+    assert len(attempts) == 2
+
+
+@needs_tiled
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_new_shapes_beyond_the_recompile_limit_fall_back(caplog, monkeypatch):
+    compiled_calls = []
+
+    def fake_compile():  # stands in for the compiled kernel: counts calls, computes eagerly
+        return lambda *a, **kw: compiled_calls.append(1) or flex.flex_attention(*a, **kw)
+
+    monkeypatch.setattr(flex, "_compiled", fake_compile)
+    monkeypatch.setattr(flex, "_compiled_signatures", set())
+    flex.set_compile(True)
+    k, v = qkv()[1:]
+    queries = [torch.randn(2, 4, Lq, 8) for Lq in (3, 4, 5)]
+    with caplog.at_level(logging.DEBUG, logger="attnlab.backends.flex"), \
+            torch._dynamo.config.patch(recompile_limit=2):
+        outs = [run_flex(q, k, v, causal=True) for q in queries + queries[:1]]
+    assert len(compiled_calls) == 3  # Lq = 3, 4, then 3 again; Lq = 5 is a third shape
+    assert sum("recompile_limit" in r.getMessage() for r in _fallback_records(caplog)) == 1, caplog.text
+    for q, out in zip(queries + queries[:1], outs, strict=True):
+        assert_close(out, run_reference(q, k, v, causal=True), torch.float32)
 
 
 def test_env_var_selects_eager_mode():
@@ -252,17 +277,20 @@ def test_through_attention_when_registered():
 # ---- compiled (slow: seconds per compile) -------------------------------------------------
 
 @pytest.mark.slow
-def test_compiled_matches_eager_and_reference():
+def test_compiled_matches_eager_and_reference(caplog):
+    caplog.set_level(logging.DEBUG, logger="attnlab.backends.flex")
     flex.set_compile(True)
+    allowed = torch.rand(2, 1, 150, 150) > 0.2
+    allowed[:, :, 5] = False            # an empty row
+    bias = torch.randn(1, 4, 150, 150)
+    bias[:, :, 7] = float("-inf")       # another
     cases = {
         "causal_bottom_right": (dict(Lq=40, Lk=150), dict(causal=True)),
         "bigbird_gqa_alibi": (dict(Hkv=2, Lq=150, Lk=150),
                               dict(mask_mod=bigbird_mod(16, seq_len=150), score_mod=alibi)),
         "window_masks": (dict(Lq=150, Lk=150),
-                         dict(window=20, causal=True, mask=torch.rand(2, 1, 150, 150) > 0.2,
-                              mask_mod=sliding_window_mod(50))),
-        "float_mask_strided": (dict(Lq=150, Lk=150),
-                               dict(mask=torch.randn(1, 4, 150, 150), mask_mod=strided_mod(8))),
+                         dict(window=20, causal=True, mask=allowed, mask_mod=sliding_window_mod(50))),
+        "float_mask_strided": (dict(Lq=150, Lk=150), dict(mask=bias, mask_mod=strided_mod(8))),
     }
     for name, (shape_kw, req_kw) in cases.items():
         q, k, v = qkv(**shape_kw)
@@ -272,3 +300,14 @@ def test_compiled_matches_eager_and_reference():
         flex.set_compile(True)
         assert_close(compiled, eager, torch.float32)
         assert_close(compiled, run_reference(q, k, v, **req_kw), torch.float32)
+        if name == "window_masks":
+            assert torch.equal(compiled[:, :, 5], torch.zeros_like(compiled[:, :, 5]))
+        if name == "float_mask_strided":
+            assert torch.equal(compiled[:, :, 7], torch.zeros_like(compiled[:, :, 7]))
+    # decoding: one query over a growing cache compiles once per length (static shapes)
+    mod = strided_mod(8)
+    for Lk in range(100, 103):  # 4 + 3 shapes: within torch._dynamo's recompile_limit (8)
+        q, k, v = qkv(Hkv=2, Lq=1, Lk=Lk)
+        expected = run_reference(q, k, v, causal=True, mask_mod=mod, score_mod=alibi)
+        assert_close(run_flex(q, k, v, causal=True, mask_mod=mod, score_mod=alibi), expected, torch.float32)
+    assert not _fallback_records(caplog), caplog.text  # every case ran compiled, none fell back

@@ -34,11 +34,11 @@ def density(m):
 
 # ---- Sparse Transformer: strided -------------------------------------------------------
 
-def strided_def(l, causal, split_heads):
+def strided_def(stride, causal, split_heads):
     def allowed(b, h, p, j):
         d = p - j if causal else abs(p - j)
-        a1 = 0 <= d <= l                   # A(1): t = max(0, i - l) <= j <= i
-        a2 = d >= 0 and d % l == 0         # A(2): (i - j) mod l = 0
+        a1 = 0 <= d <= stride              # A(1): t = max(0, i - l) <= j <= i
+        a2 = d >= 0 and d % stride == 0    # A(2): (i - j) mod l = 0
         if split_heads:
             return a1 if h % 2 == 0 else a2
         return a1 or a2
@@ -57,10 +57,10 @@ def test_strided_mod_matches_definition(Lq, Lk, causal, split_heads):
 
 # ---- Sparse Transformer: fixed ---------------------------------------------------------
 
-def fixed_def(l, c, causal, split_heads):
+def fixed_def(block, c, causal, split_heads):
     def allowed(b, h, p, j):
-        a1 = p // l == j // l              # A(1): same block
-        a2 = j % l >= l - c                # A(2): j mod l in {l - c, ..., l}
+        a1 = p // block == j // block      # A(1): same block
+        a2 = j % block >= block - c        # A(2): j mod l in {l - c, ..., l}
         out = (a1 if h % 2 == 0 else a2) if split_heads else (a1 or a2)
         return out and (j <= p or not causal)
     return allowed
@@ -85,24 +85,26 @@ def test_bigbird_layout_is_global_window_and_r_random(seq_len, block, g, w, r):
                             num_random_blocks=r, seed=3)
     n = math.ceil(seq_len / block)
     assert layout.shape == (n, n) and layout.dtype == torch.bool
-    for I, J in itertools.product(range(n), range(n)):
-        if I < g or J < g or abs(I - J) <= w // 2:
-            assert layout[I, J], (I, J)
-    for I in range(min(g, n), n):
-        fixed = [J for J in range(n) if J < g or abs(I - J) <= w // 2]
-        extra = int(layout[I].sum()) - len(fixed)
-        assert extra == min(r, n - len(fixed)), f"query block {I}: {extra} random blocks, wanted {r}"
+    for qb, kb in itertools.product(range(n), range(n)):
+        if qb < g or kb < g or abs(qb - kb) <= w // 2:
+            assert layout[qb, kb], (qb, kb)
+    for qb in range(min(g, n), n):
+        fixed = [kb for kb in range(n) if kb < g or abs(qb - kb) <= w // 2]
+        extra = int(layout[qb].sum()) - len(fixed)
+        assert extra == min(r, n - len(fixed)), f"query block {qb}: {extra} random blocks, wanted {r}"
 
 
 @pytest.mark.parametrize("Lq,Lk", [(40, 40), (9, 40)])
 def test_bigbird_mod_matches_block_definition(Lq, Lk):
     block = 4
     layout = bigbird_layout(block, seq_len=40, num_global_blocks=1, window_blocks=3, num_random_blocks=2, seed=5)
-    random_blocks = {I: {J for J in range(10) if layout[I, J] and J >= 1 and abs(I - J) > 1} for I in range(10)}
+    # the random part is whatever the layout adds beyond global and window (its count is checked above)
+    random_blocks = {qb: {kb for kb in range(10) if layout[qb, kb] and kb >= 1 and abs(qb - kb) > 1}
+                     for qb in range(10)}
 
     def allowed(b, h, p, j):
-        I, J = p // block, j // block
-        return I < 1 or J < 1 or abs(I - J) <= 1 or J in random_blocks[I]
+        qb, kb = p // block, j // block
+        return qb < 1 or kb < 1 or abs(qb - kb) <= 1 or kb in random_blocks[qb]
 
     mod = bigbird_mod(block, seq_len=40, num_global_blocks=1, window_blocks=3, num_random_blocks=2, seed=5)
     assert torch.equal(materialise(mod, Lq, Lk, B=2, H=2), loop_mask(Lq, Lk, allowed, B=2, H=2))

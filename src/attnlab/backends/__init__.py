@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from attnlab.backends import reference, sdpa, tiled
+from attnlab.backends import flex, reference, sdpa, tiled
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,8 @@ BACKENDS: dict[str, Backend] = {
     "reference": Backend("reference", reference.attention, reference.unsupported),
     "sdpa": Backend("sdpa", sdpa.attention, sdpa.unsupported),
     "tiled": Backend("tiled", tiled.attention, tiled.unsupported),
+    # explicit only: compiling costs seconds per shape on first use, and CPU has no flex backward
+    "flex": Backend("flex", flex.attention, flex.unsupported),
 }
 
 # Fastest first for dense requests; `reference` computes everything and ends the list.

@@ -12,9 +12,12 @@ generates from the mods; key blocks the mask empties are skipped. A request is t
 - GQA → ``enable_gqa=True``. Rows with nothing to attend to come back as zeros (FlexAttention
   returns 0 with ``lse = -inf`` there, checked by the tests).
 
-Compilation: ``flex_attention`` is wrapped in ``torch.compile`` once, lazily, on the first call;
-each new mod or shape then compiles once (seconds on CPU). Set ``ATTNLAB_FLEX_COMPILE=0`` in the
-environment, or call :func:`set_compile` ``(False)``, to run it eagerly instead — unfused, it
+Compilation: ``flex_attention`` is wrapped in ``torch.compile(dynamic=False)`` once, lazily, on
+the first call; each new shape or mod then compiles once (seconds on CPU). Static shapes because
+Inductor's CPU FlexAttention template (torch 2.13) emits C++ that does not compile for some mods
+once sequence lengths turn symbolic (``cur_qSplitSize8 was not declared``): so flex suits fixed
+shapes (training, prefill), not decoding over a growing cache. Set ``ATTNLAB_FLEX_COMPILE=0`` in
+the environment, or call :func:`set_compile` ``(False)``, to run it eagerly instead — unfused, it
 materialises the scores: for tests and debugging.
 
 Falls back to the ``tiled`` backend, logging why at DEBUG on ``attnlab.backends.flex``, when
@@ -23,10 +26,14 @@ Falls back to the ``tiled`` backend, logging why at DEBUG on ``attnlab.backends.
   requires grad: FlexAttention has no backward there in torch 2.13 (it rejects q/k/v that require
   grad; compiled, a captured tensor that requires grad fails in Inductor);
 - compiled on CPU with float64 inputs: the CPU kernel takes float32, float16 and bfloat16 only;
-- ``torch.compile`` failed on this device type before (remembered until :func:`set_compile`).
+- ``torch.compile`` could not build the kernel (``BackendCompilerFailed``, e.g. no C++ compiler)
+  on this device type, now or before (remembered until :func:`set_compile`);
+- the request has a new shape after ``torch._dynamo.config.recompile_limit`` (8) others were
+  compiled: Dynamo would run FlexAttention unfused from then on.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import warnings
@@ -35,7 +42,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch._dynamo.exc import TorchDynamoException
+from torch._dynamo.exc import BackendCompilerFailed
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from attnlab.backends.tiled import captured_tensors
@@ -48,6 +55,7 @@ BLOCK_MASK_CACHE_SIZE = 32  # block masks kept (least recently used dropped firs
 _compile: bool = os.environ.get("ATTNLAB_FLEX_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
 _compiled_flex = None                   # torch.compile(flex_attention), made on first use
 _compile_errors: dict[str, str] = {}    # device type -> why torch.compile failed there
+_compiled_signatures: set = set()       # requests compiled so far (see _signature)
 _block_masks: OrderedDict = OrderedDict()  # key -> (BlockMask, objects the key's ids refer to)
 _NO_CPU_BACKWARD = ("cpu", "mps")
 
@@ -81,23 +89,31 @@ def attention(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, drop
     request = dict(mask=mask, causal=causal, window=window, scale=scale, score_mod=score_mod,
                    mask_mod=mask_mod, dropout_p=dropout_p, normalize=normalize, top_k=top_k,
                    return_weights=return_weights)
-    why = _fallback_reason(q, k, v, mask, score_mod, mask_mod)
+    signature = _signature(q, k, v, **request)
+    why = _fallback_reason(q, k, v, mask, score_mod, mask_mod, signature)
     if not why:
         try:
-            return _flex(q, k, v, mask=mask, causal=causal, window=window, scale=scale,
-                         score_mod=score_mod, mask_mod=mask_mod), None
-        except TorchDynamoException as e:
+            out = _flex(q, k, v, mask=mask, causal=causal, window=window, scale=scale,
+                        score_mod=score_mod, mask_mod=mask_mod)
+        except BackendCompilerFailed as e:
+            # Inductor could not build the kernel (errors in the user's mods are raised earlier,
+            # while tracing, as other exceptions, and reach the caller)
             if not _compile:
                 raise
-            first_line = (str(e).strip().splitlines() or [""])[0]
-            why = f"torch.compile(flex_attention) failed on {q.device.type}: {type(e).__name__}: {first_line}"
+            inner = getattr(e, "inner_exception", None) or e
+            first_line = (str(inner).strip().splitlines() or [""])[0]
+            why = f"torch.compile(flex_attention) failed on {q.device.type}: {type(inner).__name__}: {first_line}"
             _compile_errors[q.device.type] = why
+        else:
+            if _compile:
+                _compiled_signatures.add(signature)
+            return out, None
     log.debug("flex falls back to tiled: %s", why)
     from attnlab.backends import BACKENDS
     return BACKENDS["tiled"].fn(q, k, v, **request)
 
 
-def _fallback_reason(q: Tensor, k: Tensor, v: Tensor, mask, score_mod, mask_mod) -> str:
+def _fallback_reason(q: Tensor, k: Tensor, v: Tensor, mask, score_mod, mask_mod, signature) -> str:
     device = q.device.type
     if device in _NO_CPU_BACKWARD and torch.is_grad_enabled():
         if q.requires_grad or k.requires_grad or v.requires_grad:
@@ -110,7 +126,22 @@ def _fallback_reason(q: Tensor, k: Tensor, v: Tensor, mask, score_mod, mask_mod)
             return "compiled FlexAttention on CPU takes float32, float16 or bfloat16, not float64"
         if device in _compile_errors:
             return _compile_errors[device]
+        limit = torch._dynamo.config.recompile_limit
+        if signature not in _compiled_signatures and len(_compiled_signatures) >= limit:
+            return (f"FlexAttention is already compiled for {limit} request shapes (torch._dynamo's "
+                    f"recompile_limit); a new one would run unfused")
     return ""
+
+
+def _signature(q: Tensor, k: Tensor, v: Tensor, *, mask, causal, window, scale, score_mod, mask_mod, **_) -> tuple:
+    """What a compiled kernel is specialised on, approximately: shapes, dtype, device, constants and
+    the mods' code (mods of one code with other captured constants recompile without counting)."""
+    def code(fn):
+        return None if fn is None else getattr(fn, "__code__", type(fn))
+
+    mask_key = None if mask is None else (mask.dtype, tuple(mask.shape))
+    return (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, str(q.device), mask_key, causal,
+            window, scale, code(score_mod), code(mask_mod))
 
 
 def _flex(q: Tensor, k: Tensor, v: Tensor, *, mask, causal, window, scale, score_mod, mask_mod) -> Tensor:
@@ -133,7 +164,7 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, *, mask, causal, window, scale, score
 def _compiled():
     global _compiled_flex
     if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention)
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex
 
 
@@ -142,6 +173,10 @@ def _shifted(mod, off: int):
     if off == 0:
         return mod
     return lambda b, h, q_idx, kv_idx: mod(b, h, q_idx + off, kv_idx)
+
+
+def _both(first, second):
+    return lambda b, h, q_idx, kv_idx: first(b, h, q_idx, kv_idx) & second(b, h, q_idx, kv_idx)
 
 
 def _score_mod(score_mod, bias: Optional[Tensor], off: int, shape: tuple[int, int, int, int]):
@@ -189,12 +224,9 @@ def _block_mask(B: int, H: int, Lq: int, Lk: int, device, bool_mask: Optional[Te
         allowed = bool_mask.expand(B, H, Lq, Lk)  # a view; the kernel indexes it with the full b, h
         mods.append(lambda b, h, q_idx, kv_idx: allowed[b, h, q_idx, kv_idx])
 
-    def combined(b, h, q_idx, kv_idx):
-        out = mods[0](b, h, q_idx, kv_idx)
-        for m in mods[1:]:
-            out = out & m(b, h, q_idx, kv_idx)
-        return out
-
+    # nested pairs rather than a loop over a list: with dynamic shapes, Inductor (torch 2.13, CPU)
+    # emitted C++ that does not compile for a mask_mod looping over a captured list
+    combined = functools.reduce(_both, mods)
     block_mask = create_block_mask(combined, mB, mH, Lq, Lk, device=device)
     _block_masks[key] = (block_mask, (mask_mod, bool_mask))  # keeps the ids in the key valid
     if len(_block_masks) > BLOCK_MASK_CACHE_SIZE:
