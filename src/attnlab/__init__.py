@@ -3,10 +3,11 @@
 The one pipeline is :func:`attnlab.attention`; modules live in :mod:`attnlab.attention`,
 blocks in :mod:`attnlab.nn`, models in :mod:`attnlab.models`.
 """
-from attnlab.attention import (AdditiveAttention, LocationAwareAttention, LuongAttention, MonotonicAttention,
-                               MultiheadAttention, get_attention)
+from attnlab.attention import (AdditiveAttention, LinformerAttention, LocationAwareAttention, LuongAttention,
+                               MonotonicAttention, MultiheadAttention, PerformerAttention, get_attention)
 from attnlab.backends import BACKENDS
 from attnlab.functional.attention import attention, attention_weights
+from attnlab.functional.linear import favor_projection, linear_attention
 from attnlab.functional.masks import (and_masks, bigbird_layout, bigbird_mod, causal_mod, document_mod, fixed_mod,
                                       or_masks, prefix_lm_mod, sliding_window_mod, strided_mod)
 from attnlab.functional.positional import (alibi_score_mod, alibi_slopes, apply_rope, rope_frequencies,
@@ -19,7 +20,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "attention", "attention_weights", "BACKENDS", "MultiheadAttention", "AdditiveAttention", "LuongAttention",
-    "LocationAwareAttention", "MonotonicAttention", "get_attention", "KVCache", "__version__",
+    "LocationAwareAttention", "MonotonicAttention", "get_attention", "PerformerAttention", "LinformerAttention",
+    "linear_attention", "favor_projection", "KVCache", "__version__",
     "sinusoidal_table", "rope_frequencies", "apply_rope", "alibi_slopes", "alibi_score_mod",
     "t5_relative_buckets", "SinusoidalPositionalEmbedding", "LearnedPositionalEmbedding",
     "RotaryEmbedding", "ALiBi", "T5RelativeBias",

@@ -342,7 +342,12 @@ def test_registry_resolves_the_classic_modules():
                 "monotonic": MonotonicAttention}
     for name, cls in expected.items():
         assert get_attention(name) is cls
-    assert set(expected) | {"multihead"} == set(ATTENTION_REGISTRY)
+    from attnlab import LinformerAttention, MultiheadAttention, PerformerAttention
+
+    others = {"multihead": MultiheadAttention, "performer": PerformerAttention, "linformer": LinformerAttention}
+    for name, cls in others.items():
+        assert get_attention(name) is cls
+    assert set(expected) | set(others) == set(ATTENTION_REGISTRY)
 
 
 def test_registry_multihead():

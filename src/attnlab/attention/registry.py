@@ -13,6 +13,8 @@ ATTENTION_REGISTRY: dict[str, str] = {
     "luong": "attnlab.attention.multiplicative:LuongAttention",
     "location": "attnlab.attention.location:LocationAwareAttention",
     "monotonic": "attnlab.attention.monotonic:MonotonicAttention",
+    "performer": "attnlab.attention.linear:PerformerAttention",
+    "linformer": "attnlab.attention.linear:LinformerAttention",
     "multihead": "attnlab.attention.multihead:MultiheadAttention",
 }
 

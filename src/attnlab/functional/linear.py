@@ -108,7 +108,7 @@ def linear_attention(
             ``chunk_size`` or ``eps`` are invalid, or ``causal`` with ``Lq > Lk``.
     """
     _check_qkv(q, k, v)
-    B, H, Lq, D = q.shape
+    B, H, Lq, _ = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     if not isinstance(feature_map, str) or feature_map not in FEATURE_MAPS:
         raise ValueError(f"feature_map must be one of {sorted(FEATURE_MAPS)}, got {feature_map!r}")
@@ -134,7 +134,7 @@ def linear_attention(
         if num_features is not None or projection is not None:
             raise ValueError(f"num_features and projection are only used with feature_map='favor+' "
                              f"(feature_map={feature_map!r})")
-        phi = (lambda x: F.elu(x) + 1) if feature_map == "elu" else F.relu
+        phi = (lambda x: F.elu(x).add_(1)) if feature_map == "elu" else F.relu
         fq, fk = phi(q), phi(k)
         if keep is not None:
             fk = fk.masked_fill(~keep, 0)
@@ -223,18 +223,19 @@ def _causal_sums(fq: Tensor, fk: Tensor, v: Tensor, logscale: Optional[Tensor], 
     C = min(chunk, Lk)
     n = -(-Lk // C)
     pad = n * C - Lk
-    fq = F.pad(fq, (0, 0, Lk - Lq, pad))  # the queries sit at the last Lq positions
-    fk, v = F.pad(fk, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
+    if Lk - Lq or pad:  # the queries sit at the last Lq positions; pad all to n chunks
+        fq = F.pad(fq, (0, 0, Lk - Lq, pad))
+        fk, v = F.pad(fk, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
     qc, kc, vc = (t.unflatten(-2, (n, C)) for t in (fq, fk, v))  # (..., n, C, ·)
     a = qc @ kc.transpose(-1, -2)  # (..., n, C, C): φ(q_i)ᵀφ(k_j) within a chunk
     future = torch.ones(C, C, dtype=torch.bool, device=a.device).triu(1)
     if logscale is None:
-        a = a.masked_fill(future, 0)
+        a = a.masked_fill_(future, 0)
         T = kc.transpose(-1, -2) @ vc  # (..., n, Df, Dv): each chunk's Σ φ(k_j) v_jᵀ
         t = kc.sum(-2)  # (..., n, Df)
         # exclusive prefix sums: shift by one chunk, then cumsum (no later chunk enters)
-        S = torch.cat([torch.zeros_like(T[..., :1, :, :]), T[..., :-1, :, :]], -3).cumsum(-3)
-        z = torch.cat([torch.zeros_like(t[..., :1, :]), t[..., :-1, :]], -2).cumsum(-2)
+        S = torch.cat([torch.zeros_like(T[..., :1, :, :]), T[..., :-1, :, :]], -3).cumsum_(-3)
+        z = torch.cat([torch.zeros_like(t[..., :1, :]), t[..., :-1, :]], -2).cumsum_(-2)
     else:
         M = torch.cat([logscale, logscale[..., -1:].expand(*logscale.shape[:-1], pad)], -1)
         M = M.unflatten(-1, (n, C))  # (..., n, C)
@@ -250,7 +251,7 @@ def _causal_sums(fq: Tensor, fk: Tensor, v: Tensor, logscale: Optional[Tensor], 
             z.append(z[-1] * decay[..., c - 1, :] + t[..., c - 1, :])
         S, z = torch.stack(S, -3), torch.stack(z, -2)
         qc = qc * torch.exp(prev - M).unsqueeze(-1)  # φ(q_i) exp(M_prev − M_i), for the state
-    num = a @ vc + qc @ S  # (..., n, C, Dv)
-    den = a.sum(-1, keepdim=True) + qc @ z.unsqueeze(-1)  # (..., n, C, 1)
+    num = (a @ vc).add_(qc @ S)  # (..., n, C, Dv)
+    den = a.sum(-1, keepdim=True).add_(qc @ z.unsqueeze(-1))  # (..., n, C, 1)
     sl = slice(Lk - Lq, Lk)
     return num.flatten(-3, -2)[..., sl, :], den.flatten(-3, -2)[..., sl, :]
