@@ -197,10 +197,11 @@ def _apply_score_mod(cfg: _Config, s: Tensor, grids) -> Tensor:
 
 
 def _finish_scores(s: Tensor, bias_block: Optional[Tensor], allowed: Optional[Tensor]) -> Tensor:
+    """Add the bias and mask the block, in place (``s`` is a fresh block this module owns)."""
     if bias_block is not None:
-        s = s + bias_block.to(s.dtype)
+        s.add_(bias_block.to(s.dtype))
     if allowed is not None:
-        s = s.masked_fill(~allowed, float("-inf"))
+        s.masked_fill_(~allowed, float("-inf"))
     return s
 
 
@@ -244,7 +245,7 @@ class _TiledAttention(torch.autograd.Function):
                 s = _finish_scores(s, _bias_block(bias, qs, qe, ks, ke), allowed)
                 m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
                 m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-                p = torch.exp(s - m_safe)
+                p = s.sub_(m_safe).exp_()  # in place: one block-sized buffer per step
                 alpha = torch.exp(m - m_safe)
                 l = l * alpha + p.sum(dim=-1, keepdim=True)
                 acc = acc * alpha + _unfold(torch.matmul(_fold(p, Hkv), vc[:, :, ks:ke]), H)
@@ -285,14 +286,14 @@ class _TiledAttention(torch.autograd.Function):
                     with torch.enable_grad():
                         leaf = raw.detach().requires_grad_()
                         modded = _apply_score_mod(cfg, leaf, grids)
-                    s = modded.detach()
+                    s = modded.detach().clone()  # the mod's graph may have saved its output
                 else:
                     s = raw
                 s = _finish_scores(s, _bias_block(bias, qs, qe, ks, ke), allowed)
-                p = torch.exp(s - lse_safe[:, :, qs:qe])  # (B, H, Bq, Bk)
+                p = s.sub_(lse_safe[:, :, qs:qe]).exp_()  # P = e^(S - LSE): (B, H, Bq, Bk)
                 dv[:, :, ks:ke] += torch.matmul(_fold(p, Hkv).transpose(-2, -1), _fold(do_blk, Hkv))
                 dp = _unfold(torch.matmul(_fold(do_blk, Hkv), vc[:, :, ks:ke].transpose(-2, -1)), H)
-                ds = p * (dp - delta[:, :, qs:qe])  # dL/d(score after mods)
+                ds = dp.sub_(delta[:, :, qs:qe]).mul_(p)  # dS = P ∘ (dP - D_i), w.r.t. modded scores
                 if dbias is not None:
                     _accumulate_block(dbias, ds, qs, qe, ks, ke)
                 if cfg.score_mod is not None:
@@ -301,7 +302,7 @@ class _TiledAttention(torch.autograd.Function):
                     for acc, g in zip(dcaptured, grads[1:]):
                         if g is not None:
                             acc += g
-                ds = ds * cfg.scale
+                ds.mul_(cfg.scale)
                 dq_blk += _unfold(torch.matmul(_fold(ds, Hkv), kc[:, :, ks:ke]), H)
                 dk[:, :, ks:ke] += torch.matmul(_fold(ds, Hkv).transpose(-2, -1), _fold(q_blk, Hkv))
             dq[:, :, qs:qe] = dq_blk
@@ -310,12 +311,14 @@ class _TiledAttention(torch.autograd.Function):
                 None if dbias is None else dbias.to(bias.dtype), *grads_captured)
 
 
+@torch.no_grad()
 def recover_weights(q: Tensor, k: Tensor, lse: Tensor, *, heads: Tensor, rows: Tensor,
                     mask: Optional[Tensor], causal: bool, window: Optional[int], scale: float,
                     score_mod=None, mask_mod=None) -> Tensor:
     """Exact weights ``w_ij = e^(s_ij - LSE_i)`` for the chosen ``heads`` and query ``rows``.
 
     Costs ``O(len(heads) · len(rows) · Lk)``: only the requested part of the matrix is formed.
+    The result is for inspection: it carries no gradient.
     """
     B, H, Lq, _ = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
