@@ -273,10 +273,10 @@ class _TiledAttention(torch.autograd.Function):
         want_bias = bias is not None and ctx.needs_input_grad[4]
         dbias = torch.zeros(bias.shape, dtype=cdt, device=q.device) if want_bias else None
         dcaptured = [torch.zeros_like(t) for t in captured]
-        delta = (do * out.to(cdt)).sum(dim=-1, keepdim=True)  # D_i = rowsum(dO ∘ O): (B, H, Lq, 1)
         lse_safe = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse).unsqueeze(-1)
         for qs, qe, chunks in cfg.plan:
             q_blk, do_blk = qc[:, :, qs:qe], do[:, :, qs:qe]
+            delta = (do_blk * out[:, :, qs:qe].to(cdt)).sum(dim=-1, keepdim=True)  # D_i = rowsum(dO ∘ O)
             dq_blk = torch.zeros_like(q_blk)
             for ks, ke, needs_mask in chunks:
                 grids = _block_grids(B, H, qs, qe, ks, ke, Lk - Lq, q.device)
@@ -293,7 +293,7 @@ class _TiledAttention(torch.autograd.Function):
                 p = s.sub_(lse_safe[:, :, qs:qe]).exp_()  # P = e^(S - LSE): (B, H, Bq, Bk)
                 dv[:, :, ks:ke] += torch.matmul(_fold(p, Hkv).transpose(-2, -1), _fold(do_blk, Hkv))
                 dp = _unfold(torch.matmul(_fold(do_blk, Hkv), vc[:, :, ks:ke].transpose(-2, -1)), H)
-                ds = dp.sub_(delta[:, :, qs:qe]).mul_(p)  # dS = P ∘ (dP - D_i), w.r.t. modded scores
+                ds = dp.sub_(delta).mul_(p)  # dS = P ∘ (dP - D_i), w.r.t. modded scores
                 if dbias is not None:
                     _accumulate_block(dbias, ds, qs, qe, ks, ke)
                 if cfg.score_mod is not None:

@@ -1,0 +1,60 @@
+"""Smoke test of ``benchmarks/attention.py``: both suites run at ``--quick`` sizes and write JSON of
+the documented shape. No timing assertions: only that every number is there and positive."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "attention.py"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, dict]:
+    """Run ``--suite all --quick --threads 1`` once; the two JSON files it writes."""
+    out = tmp_path_factory.mktemp("bench")
+    paths = {"basic": out / "basic.json", "efficient": out / "efficient.json"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--suite", "all", "--quick", "--threads", "1",
+                           "--out", str(paths["basic"]), "--out-efficient", str(paths["efficient"])],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "targets met:" in proc.stdout
+    return {name: json.loads(p.read_text()) for name, p in paths.items()}
+
+
+def test_basic_suite(results):
+    data = results["basic"]
+    assert {"environment", "max_overhead", "within_5_percent", "torch_mha_fast_path", "rows"} <= data.keys()
+    assert data["environment"]["threads"] == 1
+    cases = {(r["case"], r["N"]) for r in data["rows"]}
+    assert cases == {("dense", 512), ("causal", 512), ("dense", 1024), ("causal", 1024),
+                     ("mha eval no_grad", 256), ("mha train fwd+bwd", 256)}
+    for r in data["rows"]:
+        assert r["ours_ms"] > 0 and r["peer_ms"] > 0 and r["repeat"] >= 1
+        assert r["ratio"] == pytest.approx(r["ours_ms"] / r["peer_ms"])
+
+
+def test_efficient_suite(results):
+    data = results["efficient"]
+    assert data["quick"] is True and data["window"] == 256
+    rows = {r["case"]: r for r in data["rows"] if r["case"] != "window fwd"}
+    assert [r["N"] for r in data["rows"] if r["case"] == "window fwd"] == [256, 512]
+    assert set(rows) == {"window fwd+bwd", "window 2N/N", "causal tiled", "alibi causal", "weights 4 rows"}
+    keys = {"case", "N", "ours_ms", "peer_ms", "ratio", "ours_mib", "peer_mib", "target", "met", "repeat"}
+    for r in data["rows"]:
+        assert keys <= r.keys()
+        assert r["ours_ms"] > 0 and r["repeat"] >= 1
+        if r["peer_ms"] is not None:  # a compared row
+            assert r["ratio"] > 0 and r["ratio"] == pytest.approx(r["ours_ms"] / r["peer_ms"])
+        assert r["met"] in (None, "yes", "no")
+    for case in ("window fwd+bwd", "window 2N/N", "causal tiled"):  # memory of both sides measured
+        assert rows[case]["ours_mib"] > 0 and rows[case]["peer_mib"] > 0
+    assert rows["window fwd+bwd"]["mem_ratio"] == pytest.approx(rows["window fwd+bwd"]["ours_mib"]
+                                                                / rows["window fwd+bwd"]["peer_mib"])
+    assert rows["alibi causal"]["ours_mib"] > 0
+    # the naive estimate is 3 and 4 x B*H*N^2*4 bytes, B=1, H=8, N=512: 24 and 32 MiB
+    assert rows["alibi causal"]["naive_mib"] == pytest.approx([24.0, 32.0])
+    assert rows["weights 4 rows"]["ours_mib"] >= 0
