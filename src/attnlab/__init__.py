@@ -40,3 +40,7 @@ from attnlab.models.transformer import (Seq2SeqTransformer, Transformer, Transfo
 __all__ += ["RMSNorm", "make_norm", "FeedForward", "AttentionWeights", "DecoderLayer", "DropPath",
             "EncoderLayer", "LayerCache", "TransformerConfig", "Seq2SeqTransformer", "Transformer",
             "TransformerDecoder", "TransformerEncoder"]
+from attnlab.models.bert import BertConfig, BertForMaskedLM, BertForPreTraining, BertModel  # noqa: E402
+from attnlab.models.hub import from_pretrained, save_pretrained  # noqa: E402
+
+__all__ += ["BertConfig", "BertModel", "BertForMaskedLM", "BertForPreTraining", "from_pretrained", "save_pretrained"]

@@ -1,0 +1,365 @@
+"""BERT (Devlin et al. 2019) from attnlab's blocks, loading and saving Hugging Face checkpoints.
+
+::
+
+    h⁰ = LayerNorm(E_word[x] + E_pos[i] + E_type[t])            (then dropout)
+    hˡ = EncoderLayer(hˡ⁻¹)    post-norm: LN(x + Attn(x)), LN(x + W₂ gelu(W₁ x))
+    pooler = tanh(W_p h_[CLS] + b_p)
+    MLM logits = LN(gelu(W_t h + b_t)) E_wordᵀ + b              (decoder tied to the word embeddings)
+    NSP logits = W_s pooler + b_s
+
+Module names are ours (``layers.i.self_attn.in_proj`` packs HF's query/key/value); the HF names
+appear only in :meth:`to_hf_state_dict` / :meth:`from_hf_state_dict`. Training-mode difference
+from HF: our feed-forward also applies dropout to its hidden activation.
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnlab.functional.attention import attention_weights
+from attnlab.models.hub import PreTrainedMixin, register
+from attnlab.nn.block import EncoderLayer
+from attnlab.nn.feedforward import ACTIVATIONS
+
+# HF hidden_act -> our activation name ("gelu_new" and "gelu_pytorch_tanh" are the tanh approximation).
+HIDDEN_ACTS = {"gelu": "gelu", "relu": "relu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+@dataclass
+class BertConfig:
+    """BERT hyper-parameters, with HF ``BertConfig``'s field names and defaults (BERT-base)."""
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    initializer_range: float = 0.02
+    pad_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        for f in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                  "max_position_embeddings", "type_vocab_size"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
+                raise ValueError(f"{f} must be a positive int, got {v!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} must be divisible by "
+                             f"num_attention_heads={self.num_attention_heads}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act must be one of {sorted(HIDDEN_ACTS)}, got {self.hidden_act!r}")
+        for f in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0.0 <= v < 1.0:
+                raise ValueError(f"{f} must be a float in [0, 1), got {v!r}")
+        if not isinstance(self.layer_norm_eps, numbers.Real) or self.layer_norm_eps <= 0:
+            raise ValueError(f"layer_norm_eps must be a positive float, got {self.layer_norm_eps!r}")
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "BertConfig":
+        """From an HF ``config.json`` dict (unknown keys ignored; unsupported variants rejected)."""
+        if d.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"position_embedding_type must be 'absolute', got {d['position_embedding_type']!r}")
+        for flag in ("is_decoder", "add_cross_attention"):
+            if d.get(flag):
+                raise ValueError(f"{flag}=True (a BERT decoder) is not supported")
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def to_hf(self) -> dict:
+        """An HF ``config.json`` dict that ``transformers.BertConfig`` reads back unchanged."""
+        return {**dataclasses.asdict(self), "model_type": "bert", "position_embedding_type": "absolute",
+                "tie_word_embeddings": True}
+
+
+@dataclass
+class BertOutput:
+    """What a BERT forward returns; fields a model does not compute are None.
+
+    Attributes:
+        last_hidden_state: ``(B, L, E)``.
+        pooler_output: ``(B, E)``, ``tanh(W_p h_[CLS] + b_p)``.
+        logits: masked-LM logits ``(B, L, V)``.
+        seq_relationship_logits: next-sentence logits ``(B, 2)``.
+        hidden_states: ``num_layers + 1`` tensors ``(B, L, E)`` (embeddings, then each layer).
+        attentions: ``num_layers`` tensors ``(B, H, L, L)`` of softmax weights.
+    """
+
+    last_hidden_state: Optional[Tensor] = None
+    pooler_output: Optional[Tensor] = None
+    logits: Optional[Tensor] = None
+    seq_relationship_logits: Optional[Tensor] = None
+    hidden_states: Optional[tuple[Tensor, ...]] = None
+    attentions: Optional[tuple[Tensor, ...]] = None
+
+
+class BertEmbeddings(nn.Module):
+    """``LayerNorm(E_word[x] + E_pos[i] + E_type[t])`` then dropout."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.word = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.position = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor) -> Tensor:
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.word(input_ids) + self.position(pos) + self.token_type(token_type_ids)  # (B, L, E)
+        return self.dropout(self.norm(x))
+
+
+# our parameter name -> HF's, for the encoder (regex on the name without "weight"/"bias").
+_BASE_RULES = [
+    (r"embeddings\.word", "embeddings.word_embeddings"),
+    (r"embeddings\.position", "embeddings.position_embeddings"),
+    (r"embeddings\.token_type", "embeddings.token_type_embeddings"),
+    (r"embeddings\.norm", "embeddings.LayerNorm"),
+    (r"layers\.(\d+)\.self_attn\.out_proj", r"encoder.layer.\1.attention.output.dense"),
+    (r"layers\.(\d+)\.norm1", r"encoder.layer.\1.attention.output.LayerNorm"),
+    (r"layers\.(\d+)\.ffn\.w1", r"encoder.layer.\1.intermediate.dense"),
+    (r"layers\.(\d+)\.ffn\.w2", r"encoder.layer.\1.output.dense"),
+    (r"layers\.(\d+)\.norm2", r"encoder.layer.\1.output.LayerNorm"),
+    (r"pooler", "pooler.dense"),
+]
+_HEAD_RULES = [
+    (r"transform\.dense", "cls.predictions.transform.dense"),
+    (r"transform\.norm", "cls.predictions.transform.LayerNorm"),
+    (r"nsp", "cls.seq_relationship"),
+]
+_IN_PROJ = re.compile(r"(.*)layers\.(\d+)\.self_attn\.in_proj\.(weight|bias)")
+
+
+def _rename(name: str, rules) -> str:
+    stem, _, suffix = name.rpartition(".")
+    for pattern, repl in rules:
+        if re.fullmatch(pattern, stem):
+            return f"{re.sub(pattern, repl, stem)}.{suffix}"
+    raise KeyError(f"no HF name for parameter {name!r}")
+
+
+class _BertBase(PreTrainedMixin, nn.Module):
+    """HF name conversion shared by the BERT models (``prefix``: where the encoder sits in HF's names)."""
+
+    hf_ignored = (r"position_ids$", r"^cls\.predictions\.decoder\.(weight|bias)$")
+    prefix = ""
+
+    def _hf_name(self, name: str) -> str:
+        if name == "bias":  # the MLM decoder bias
+            return "cls.predictions.bias"
+        if self.prefix and name.startswith("bert."):
+            return "bert." + _rename(name[len("bert."):], _BASE_RULES)
+        return _rename(name, _BASE_RULES if not self.prefix else _HEAD_RULES)
+
+    def to_hf_state_dict(self) -> dict[str, Tensor]:
+        """Our parameters under HF's names; the packed q/k/v projection split into query/key/value."""
+        out = {}
+        for name, t in self.state_dict().items():
+            m = _IN_PROJ.fullmatch(name)
+            if m:
+                pre = "bert." if m[1] else ""
+                for part, chunk in zip(("query", "key", "value"), t.chunk(3, dim=0)):
+                    out[f"{pre}encoder.layer.{m[2]}.attention.self.{part}.{m[3]}"] = chunk
+            else:
+                out[self._hf_name(name)] = t
+        return out
+
+    def from_hf_state_dict(self, hf: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The inverse of :meth:`to_hf_state_dict`: HF tensors under our names."""
+        out = {}
+        for name in self.state_dict():
+            m = _IN_PROJ.fullmatch(name)
+            if m:
+                pre = "bert." if m[1] else ""
+                out[name] = torch.cat([hf[f"{pre}encoder.layer.{m[2]}.attention.self.{p}.{m[3]}"]
+                                       for p in ("query", "key", "value")])
+            else:
+                out[name] = hf[self._hf_name(name)]
+        return out
+
+    def _init_weights(self, std: float) -> None:
+        """HF's BERT init: N(0, std) for linear and embedding weights, zero biases, unit LayerNorms."""
+        for mod in self.modules():
+            if isinstance(mod, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(mod.weight, std=std)
+            if isinstance(mod, nn.Linear) and mod.bias is not None:
+                nn.init.zeros_(mod.bias)
+            if isinstance(mod, nn.Embedding) and mod.padding_idx is not None:
+                nn.init.zeros_(mod.weight[mod.padding_idx])
+            if isinstance(mod, nn.LayerNorm):
+                nn.init.ones_(mod.weight)
+                nn.init.zeros_(mod.bias)
+
+
+class BertModel(_BertBase):
+    """The BERT encoder (+ pooler): HF ``BertModel``.
+
+    Args:
+        config: :class:`BertConfig`.
+        add_pooling_layer: keep the ``tanh(W_p h_[CLS])`` pooler (HF's masked-LM model has none).
+    """
+
+    hf_architecture = "BertModel"
+
+    def __init__(self, config: BertConfig, *, add_pooling_layer: bool = True) -> None:
+        super().__init__()
+        if not isinstance(config, BertConfig):
+            raise TypeError(f"config must be a BertConfig, got {type(config).__name__}")
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.layers = nn.ModuleList(
+            EncoderLayer(config.hidden_size, config.num_attention_heads, ffn_dim=config.intermediate_size,
+                         activation=HIDDEN_ACTS[config.hidden_act], dropout=config.hidden_dropout_prob,
+                         attn_dropout=config.attention_probs_dropout_prob, norm_first=False,
+                         norm_eps=config.layer_norm_eps)
+            for _ in range(config.num_hidden_layers))
+        self.pooler = nn.Linear(config.hidden_size, config.hidden_size) if add_pooling_layer else None
+        self._init_weights(config.initializer_range)
+
+    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
+                token_type_ids: Optional[Tensor] = None, *, output_attentions: bool = False,
+                output_hidden_states: bool = False) -> BertOutput:
+        """Encode ``input_ids (B, L)``; ``attention_mask (B, L)`` is 1 for tokens, 0 for padding.
+
+        ``output_attentions`` adds each layer's softmax weights ``(B, H, L, L)``, recovered from
+        q, k and the row log-sum-exp (:func:`attnlab.attention_weights`) beside the normal fast
+        forward, which is unchanged.
+
+        Raises:
+            ValueError: an id ≥ ``vocab_size`` (or < 0), a sequence longer than
+                ``max_position_embeddings``, or a mask / token-type tensor of the wrong shape or values.
+        """
+        token_type_ids = self._check_inputs(input_ids, attention_mask, token_type_ids)
+        B, L = input_ids.shape
+        pad = None if attention_mask is None else attention_mask == 0  # (B, L), True = padding
+        x = self.embeddings(input_ids, token_type_ids)  # (B, L, E)
+        hidden, attns = [x], []
+        for layer in self.layers:
+            if output_attentions:
+                attns.append(self._attention_weights(layer, x, pad))
+            x = layer(x, key_padding_mask=pad)
+            hidden.append(x)
+        pooled = None if self.pooler is None else torch.tanh(self.pooler(x[:, 0]))  # (B, E)
+        return BertOutput(last_hidden_state=x, pooler_output=pooled,
+                          hidden_states=tuple(hidden) if output_hidden_states else None,
+                          attentions=tuple(attns) if output_attentions else None)
+
+    @staticmethod
+    def _attention_weights(layer: EncoderLayer, x: Tensor, pad: Optional[Tensor]) -> Tensor:
+        """``softmax(q kᵀ / sqrt(d))`` of one layer's self-attention on its input ``x (B, L, E)``."""
+        attn = layer.self_attn
+        B, L, E = x.shape
+        w, b = attn.in_proj.weight[:2 * E], attn.in_proj.bias[:2 * E]
+        q, k = F.linear(x, w, b).view(B, L, 2, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)  # (B, H, L, D)
+        mask = None if pad is None else ~pad.view(B, 1, 1, L)
+        return attention_weights(q, k, mask=mask)  # (B, H, L, L)
+
+    def _check_inputs(self, input_ids, attention_mask, token_type_ids) -> Tensor:
+        cfg = self.config
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError("input_ids must be an integer tensor (B, L), got "
+                             f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} {tuple(getattr(input_ids, 'shape', ()))}")
+        B, L = input_ids.shape
+        if L == 0 or L > cfg.max_position_embeddings:
+            raise ValueError(f"input_ids has length {L}; it must be in [1, max_position_embeddings="
+                             f"{cfg.max_position_embeddings}]")
+        if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= cfg.vocab_size):
+            raise ValueError(f"input_ids must lie in [0, vocab_size={cfg.vocab_size}), got values in "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        if attention_mask is not None:
+            if not isinstance(attention_mask, Tensor) or attention_mask.shape != (B, L):
+                raise ValueError(f"attention_mask must be a tensor of shape (B, L) = {(B, L)}, got "
+                                 f"{tuple(getattr(attention_mask, 'shape', ())) or type(attention_mask).__name__}")
+            if not ((attention_mask == 0) | (attention_mask == 1)).all():
+                raise ValueError("attention_mask must hold only 1 (token) and 0 (padding)")
+        if token_type_ids is None:
+            return torch.zeros_like(input_ids)
+        if not isinstance(token_type_ids, Tensor) or token_type_ids.shape != (B, L):
+            raise ValueError(f"token_type_ids must be a tensor of shape (B, L) = {(B, L)}")
+        if token_type_ids.min() < 0 or token_type_ids.max() >= cfg.type_vocab_size:
+            raise ValueError(f"token_type_ids must lie in [0, type_vocab_size={cfg.type_vocab_size})")
+        return token_type_ids
+
+
+class _MLMTransform(nn.Module):
+    """``LayerNorm(act(W_t h + b_t))``, the masked-LM head before the tied decoder."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.act = ACTIVATIONS[HIDDEN_ACTS[config.hidden_act]]
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.norm(self.act(self.dense(h)))
+
+
+class BertForMaskedLM(_BertBase):
+    """BERT with the masked-LM head (no pooler): HF ``BertForMaskedLM``. ``.logits`` is ``(B, L, V)``."""
+
+    hf_architecture = "BertForMaskedLM"
+    prefix = "bert."
+    with_pooler = False
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.bert = BertModel(config, add_pooling_layer=self.with_pooler)
+        self.config = config
+        self.transform = _MLMTransform(config)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+        self._init_weights(config.initializer_range)
+
+    def _mlm_logits(self, h: Tensor) -> Tensor:
+        return F.linear(self.transform(h), self.bert.embeddings.word.weight, self.bias)  # (B, L, V)
+
+    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
+                token_type_ids: Optional[Tensor] = None, *, output_attentions: bool = False,
+                output_hidden_states: bool = False) -> BertOutput:
+        """As :meth:`BertModel.forward`, plus ``logits``."""
+        out = self.bert(input_ids, attention_mask, token_type_ids, output_attentions=output_attentions,
+                        output_hidden_states=output_hidden_states)
+        out.logits = self._mlm_logits(out.last_hidden_state)
+        return out
+
+
+class BertForPreTraining(BertForMaskedLM):
+    """BERT with the masked-LM and next-sentence heads: HF ``BertForPreTraining``.
+
+    ``.logits`` (HF: ``prediction_logits``) is ``(B, L, V)``; ``.seq_relationship_logits`` is ``(B, 2)``.
+    """
+
+    hf_architecture = "BertForPreTraining"
+    with_pooler = True
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__(config)
+        self.nsp = nn.Linear(config.hidden_size, 2)
+        self._init_weights(config.initializer_range)
+
+    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
+                token_type_ids: Optional[Tensor] = None, *, output_attentions: bool = False,
+                output_hidden_states: bool = False) -> BertOutput:
+        """As :meth:`BertForMaskedLM.forward`, plus ``seq_relationship_logits``."""
+        out = super().forward(input_ids, attention_mask, token_type_ids, output_attentions=output_attentions,
+                              output_hidden_states=output_hidden_states)
+        out.seq_relationship_logits = self.nsp(out.pooler_output)
+        return out
+
+
+register("bert", config_from_hf=BertConfig.from_hf, default="BertModel",
+         architectures={c.hf_architecture: c for c in (BertModel, BertForMaskedLM, BertForPreTraining)})

@@ -1,0 +1,243 @@
+"""Hugging Face format in and out: ``config.json`` + ``model.safetensors`` in HF's tensor names.
+
+:func:`from_pretrained` reads a local HF-format directory (``transformers.save_pretrained`` output
+or a hub snapshot) into an attnlab model; :func:`save_pretrained` writes one that
+``transformers.AutoModel*.from_pretrained`` loads with identical outputs.
+
+Registration contract (one call per model family, at the bottom of its model file)::
+
+    register("bert", config_from_hf=BertConfig.from_hf,
+             architectures={"BertModel": BertModel, "BertForMaskedLM": BertForMaskedLM},
+             default="BertModel")
+
+- ``config_from_hf(dict) -> config``: builds the family's config from ``config.json``; raises
+  ``ValueError`` naming the field for values it cannot express. The config has ``to_hf() -> dict``
+  (including ``"model_type"``), written back as ``config.json``.
+- ``architectures``: HF architecture name (``config.json``'s ``architectures[0]``) -> our class;
+  ``default`` is used when ``config.json`` names none (or one not registered for the family).
+- Each class derives from :class:`PreTrainedMixin` and provides:
+  ``__init__(config)``; ``self.config``; ``hf_architecture: str``;
+  ``hf_ignored: tuple[str, ...]`` — regexes of checkpoint keys dropped silently (non-persistent
+  buffers such as ``position_ids``, tied copies);
+  ``to_hf_state_dict() -> {hf_name: tensor}`` (every tensor HF expects, tied ones once) and
+  ``from_hf_state_dict(hf: dict) -> {our_name: tensor}`` (the inverse, for ``load_state_dict``).
+
+The loader checks names and shapes against ``to_hf_state_dict()`` of the freshly built model
+*before* anything is copied, so a bad checkpoint never leaves a half-loaded model.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import Tensor
+
+PathLike = Union[str, os.PathLike]
+CONFIG_NAME, SAFETENSORS_NAME, TORCH_NAME = "config.json", "model.safetensors", "pytorch_model.bin"
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """A registered HF ``model_type``: how to read its config and which class serves each architecture."""
+
+    model_type: str
+    config_from_hf: Callable[[dict], Any]
+    architectures: dict[str, type]
+    default: str
+
+
+MODEL_TYPES: dict[str, ModelFamily] = {}
+# Model files that register themselves on import; imported on first lookup (they import this module).
+BUILTIN_MODULES = ("attnlab.models.bert", "attnlab.models.gpt")
+
+
+def _import_builtin() -> None:
+    for name in BUILTIN_MODULES:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:  # a real missing dependency, not a family that is not written yet
+                raise
+
+
+def register(model_type: str, *, config_from_hf: Callable[[dict], Any], architectures: dict[str, type],
+             default: str) -> None:
+    """Register a model family under HF's ``model_type`` (see the module docstring for the contract).
+
+    Raises:
+        ValueError: ``model_type`` is empty, ``architectures`` is empty or lacks ``default``.
+        TypeError: ``config_from_hf`` is not callable or an architecture is not a class.
+    """
+    if not isinstance(model_type, str) or not model_type:
+        raise ValueError(f"model_type must be a non-empty str, got {model_type!r}")
+    if not callable(config_from_hf):
+        raise TypeError(f"config_from_hf must be callable, got {type(config_from_hf).__name__}")
+    if not isinstance(architectures, dict) or not architectures:
+        raise ValueError("architectures must be a non-empty dict {HF architecture name: class}")
+    for name, cls in architectures.items():
+        if not isinstance(cls, type):
+            raise TypeError(f"architectures[{name!r}] must be a class, got {type(cls).__name__}")
+    if default not in architectures:
+        raise ValueError(f"default must be one of {sorted(architectures)}, got {default!r}")
+    MODEL_TYPES[model_type] = ModelFamily(model_type, config_from_hf, dict(architectures), default)
+
+
+def read_config(path: PathLike) -> tuple[dict, ModelFamily]:
+    """``config.json`` of a directory and its registered family.
+
+    Raises:
+        FileNotFoundError: the directory or its ``config.json`` is missing.
+        ValueError: the JSON is invalid or ``model_type`` is not registered (lists the supported ones).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no such model directory: {str(path)!r}")
+    cfg_file = path / CONFIG_NAME
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"no {CONFIG_NAME} in {str(path)!r}")
+    try:
+        raw = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{str(cfg_file)!r} is not valid JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{str(cfg_file)!r} must hold a JSON object, got {type(raw).__name__}")
+    model_type = raw.get("model_type")
+    _import_builtin()
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r} in {str(cfg_file)!r}; "
+                         f"supported: {sorted(MODEL_TYPES)}")
+    return raw, MODEL_TYPES[model_type]
+
+
+def load_weights(path: PathLike) -> dict[str, Tensor]:
+    """The tensors of ``model.safetensors`` (preferred) or ``pytorch_model.bin`` (``weights_only`` unpickling).
+
+    Raises:
+        FileNotFoundError: neither file exists in ``path``.
+        ValueError: the file is corrupt or truncated (the message names it).
+    """
+    path = Path(path)
+    st, pt = path / SAFETENSORS_NAME, path / TORCH_NAME
+    if st.is_file():
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(st))
+        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+            raise ValueError(f"cannot read {str(st)!r} (corrupt or truncated safetensors file): {e}") from e
+    if pt.is_file():
+        try:
+            sd = torch.load(str(pt), map_location="cpu", weights_only=True)
+        except Exception as e:  # torch raises several types (UnpicklingError, RuntimeError, EOFError) here
+            raise ValueError(f"cannot read {str(pt)!r} (corrupt, truncated or not a plain state dict): {e}") from e
+        if not isinstance(sd, dict) or not all(isinstance(v, Tensor) for v in sd.values()):
+            raise ValueError(f"{str(pt)!r} must hold a dict of tensors")
+        return sd
+    raise FileNotFoundError(f"no {SAFETENSORS_NAME} or {TORCH_NAME} in {str(path)!r}")
+
+
+def from_pretrained(path: PathLike, *, dtype: Optional[torch.dtype] = None, model_cls: Optional[type] = None):
+    """Load an HF-format directory into the attnlab model its ``config.json`` names.
+
+    Args:
+        path: directory with ``config.json`` and ``model.safetensors`` (or ``pytorch_model.bin``).
+        dtype: cast the model to this dtype; default: the dtype of the stored weights.
+        model_cls: load into this class instead of the one ``architectures`` names (it must be
+            registered for the checkpoint's ``model_type``).
+
+    Returns:
+        The model, in eval mode (as ``transformers`` returns it).
+
+    Raises:
+        TypeError: ``dtype`` is not a ``torch.dtype``.
+        FileNotFoundError: the directory, ``config.json`` or the weights are missing.
+        ValueError: unknown ``model_type``; corrupt weights; missing or unexpected tensor names
+            (all listed); a tensor of the wrong shape (named, with both shapes).
+    """
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
+    raw, family = read_config(path)
+    if model_cls is None:
+        archs = raw.get("architectures") or []
+        model_cls = family.architectures.get(archs[0] if archs else None, family.architectures[family.default])
+    elif model_cls not in family.architectures.values():
+        raise ValueError(f"model_cls {model_cls.__name__} is not registered for model_type "
+                         f"{family.model_type!r}; registered: {sorted(c.__name__ for c in family.architectures.values())}")
+    config = family.config_from_hf(raw)
+    hf = load_weights(path)
+    model = model_cls(config)
+    expected = model.to_hf_state_dict()
+    ignored = [re.compile(p) for p in getattr(model_cls, "hf_ignored", ())]
+    hf = {k: v for k, v in hf.items() if k in expected or not any(p.search(k) for p in ignored)}
+    missing, unexpected = sorted(expected.keys() - hf.keys()), sorted(hf.keys() - expected.keys())
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {str(path)!r} does not match {model_cls.__name__}: "
+                         f"missing tensors {missing}, unexpected tensors {unexpected}")
+    for name, t in expected.items():
+        if hf[name].shape != t.shape:
+            raise ValueError(f"tensor {name!r} has shape {tuple(hf[name].shape)} in the checkpoint but "
+                             f"{model_cls.__name__} expects {tuple(t.shape)}")
+    if dtype is None:
+        dtype = next((v.dtype for v in hf.values() if v.is_floating_point()), torch.get_default_dtype())
+    model = model.to(dtype)
+    model.load_state_dict(model.from_hf_state_dict(hf), strict=True)
+    return model.eval()
+
+
+def save_pretrained(model, path: PathLike) -> None:
+    """Write ``config.json`` + ``model.safetensors`` (HF names) into ``path`` (created), each atomically.
+
+    Raises:
+        TypeError: ``model`` does not implement the :class:`PreTrainedMixin` contract.
+    """
+    for attr in ("config", "hf_architecture", "to_hf_state_dict"):
+        if not hasattr(model, attr):
+            raise TypeError(f"model must implement the PreTrainedMixin contract (missing {attr!r}), "
+                            f"got {type(model).__name__}")
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = model.config.to_hf()
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    cfg.update(architectures=[model.hf_architecture], torch_dtype=str(dtype).removeprefix("torch."))
+    tensors = {k: v.detach().contiguous().cpu() for k, v in model.to_hf_state_dict().items()}
+    _atomic_write(path / SAFETENSORS_NAME, lambda f: save_file(tensors, f, metadata={"format": "pt"}))
+    _atomic_write(path / CONFIG_NAME,
+                  lambda f: Path(f).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8"))
+
+
+def _atomic_write(target: Path, write: Callable[[str], None]) -> None:
+    """``write(tmp)`` to a temporary file beside ``target``, then rename it over ``target``."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class PreTrainedMixin:
+    """``Model.from_pretrained(path)`` and ``model.save_pretrained(path)`` for registered models."""
+
+    hf_architecture: str = ""
+    hf_ignored: tuple[str, ...] = ()
+
+    @classmethod
+    def from_pretrained(cls, path: PathLike, *, dtype: Optional[torch.dtype] = None):
+        """Load ``path`` into this class (see :func:`attnlab.models.hub.from_pretrained`)."""
+        return from_pretrained(path, dtype=dtype, model_cls=cls)
+
+    def save_pretrained(self, path: PathLike) -> None:
+        """Write HF-format ``config.json`` + ``model.safetensors`` (see :func:`save_pretrained`)."""
+        save_pretrained(self, path)
