@@ -1,0 +1,242 @@
+"""Autoregressive decoding on the KV cache: greedy, sampling (temperature, top-k, top-p), beam search.
+
+Each step feeds only the newest token; the per-layer caches hold the keys and values of the prefix::
+
+    greedy:  y_t = argmax_v p(v | y_<t)
+    sample:  y_t ~ softmax(z_t / T), restricted to the top-k logits and then to the smallest set
+             of tokens whose probability mass reaches top_p (nucleus, Holtzman et al. 2020)
+    beam:    keep the num_beams prefixes of highest Σ log p; a finished hypothesis scores
+             Σ log p / len^α (α = length_penalty = 1), len = number of generated tokens
+
+The beam search follows Hugging Face ``transformers`` step for step (2·num_beams candidates per
+step, ``early_stopping=False`` heuristic), so on the same weights it returns the same tokens.
+
+The model protocol (what :func:`generate` needs) is small, so any decoder can adopt it:
+
+- ``model(input_ids (B, T), attention_mask=None | (B, past + T), past_key_values=cache,
+  use_cache=True)`` returns an object with ``.logits (B, T, V)``, updating ``cache`` in place;
+- ``model.new_cache(max_length=None)`` returns the empty cache: a list of
+  :class:`attnlab.nn.block.LayerCache` (or of :class:`attnlab.nn.cache.KVCache`); beams are
+  reordered by calling ``KVCache.reorder`` on every cache in it.
+
+An encoder–decoder (``Seq2SeqTransformer``) adopts it with a thin wrapper that encodes the source
+once and whose ``__call__`` runs ``decode_step`` on that memory: its cross-attention caches are
+``KVCache``'s too, so they expand to the beams and reorder like the self-attention ones.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnlab.nn.block import LayerCache
+from attnlab.nn.cache import KVCache
+
+CACHES = ("dynamic", "static")
+
+
+def generate(model, input_ids: Tensor, *, attention_mask: Optional[Tensor] = None, max_new_tokens: int,
+             do_sample: bool = False, temperature: float = 1.0, top_k: Optional[int] = None,
+             top_p: Optional[float] = None, num_beams: int = 1, length_penalty: float = 1.0,
+             eos_token_id: Optional[int] = None, pad_token_id: Optional[int] = None,
+             generator: Optional[torch.Generator] = None, cache: str = "dynamic") -> Tensor:
+    """Continue ``input_ids (B, T)`` by up to ``max_new_tokens`` tokens (call ``model.eval()`` first).
+
+    Args:
+        model: a decoder following the protocol in this module's docstring (e.g. ``GPT2LMHeadModel``).
+        attention_mask: ``(B, T)``, 1 = token, 0 = padding; prompts of different lengths are
+            **left**-padded.
+        max_new_tokens: the most tokens to add.
+        do_sample: sample instead of taking the argmax (``num_beams`` must be 1).
+        temperature, top_k, top_p: sampling filters, applied in this order (as ``transformers``).
+        num_beams: beam search when > 1; ``length_penalty`` is its exponent α.
+        eos_token_id: a sequence ends at this token; later positions are filled with
+            ``pad_token_id`` (default ``eos_token_id``). Generation stops when every sequence ended.
+        generator: a seeded ``torch.Generator`` makes sampling reproducible.
+        cache: ``"dynamic"`` (grows by concatenation) or ``"static"`` (preallocated to
+            ``T + max_new_tokens`` positions).
+
+    Returns:
+        ``(B, T + n)`` ids: the prompt, then the ``n <= max_new_tokens`` new tokens (as ``transformers``).
+
+    Raises:
+        ValueError: an argument is out of range (the message names it).
+    """
+    _check(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, num_beams,
+           eos_token_id, pad_token_id, cache)
+    if pad_token_id is None:
+        pad_token_id = eos_token_id
+    past = model.new_cache(max_length=input_ids.shape[1] + max_new_tokens if cache == "static" else None)
+    with torch.inference_mode():
+        if num_beams > 1:
+            return _beam_search(model, input_ids, attention_mask, past, max_new_tokens, num_beams,
+                                length_penalty, eos_token_id, pad_token_id)
+        return _decode(model, input_ids, attention_mask, past, max_new_tokens, do_sample, temperature, top_k,
+                       top_p, eos_token_id, pad_token_id, generator)
+
+
+def _decode(model, input_ids, mask, past, max_new_tokens, do_sample, temperature, top_k, top_p, eos, pad,
+            generator) -> Tensor:
+    """Greedy or sampled decoding, one token per step."""
+    B, T0 = input_ids.shape
+    out = input_ids.new_full((B, T0 + max_new_tokens), 0 if pad is None else pad)
+    out[:, :T0] = input_ids
+    unfinished = torch.ones(B, dtype=torch.bool, device=input_ids.device)
+    logits = model(input_ids, attention_mask=mask, past_key_values=past, use_cache=True).logits[:, -1]
+    for t in range(T0, T0 + max_new_tokens):
+        logits = logits.float()  # (B, V)
+        if do_sample:
+            probs = F.softmax(filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p), dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        else:
+            nxt = logits.argmax(dim=-1)
+        if eos is not None:
+            nxt = torch.where(unfinished, nxt, pad)
+            unfinished &= nxt != eos
+        out[:, t] = nxt
+        if t + 1 == T0 + max_new_tokens or (eos is not None and not bool(unfinished.any())):
+            return out[:, :t + 1]
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+        logits = model(out[:, t:t + 1], attention_mask=mask, past_key_values=past, use_cache=True).logits[:, -1]
+    return out
+
+
+def filter_logits(logits: Tensor, *, temperature: float = 1.0, top_k: Optional[int] = None,
+                  top_p: Optional[float] = None) -> Tensor:
+    """``z / T``, then -inf outside the ``top_k`` largest, then outside the nucleus of mass ``top_p``.
+
+    The nucleus keeps the most probable tokens whose cumulative probability reaches ``top_p``
+    (always at least one), as ``transformers``' ``TopPLogitsWarper``.
+    """
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1)  # ascending
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= 1 - top_p
+        drop[..., -1] = False  # keep the most probable token
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def _beam_search(model, input_ids, mask, past, max_new_tokens, nb, length_penalty, eos, pad) -> Tensor:
+    """Beam search with ``transformers``' vectorised bookkeeping (finished hypotheses kept per item)."""
+    B, T0 = input_ids.shape
+    dev = input_ids.device
+    max_len = T0 + max_new_tokens
+    K = 2 * nb  # candidates kept per step: max(2, 1 + #eos) · num_beams, as transformers
+    is_top = torch.arange(K, device=dev) < nb  # only the top num_beams candidates may finish
+    batch_offset = torch.arange(B, device=dev).unsqueeze(1) * nb  # (B, 1)
+
+    running = input_ids.new_full((B, nb, max_len), pad if pad is not None else 0)
+    running[:, :, :T0] = input_ids.unsqueeze(1)
+    running_scores = torch.zeros(B, nb, device=dev)
+    running_scores[:, 1:] = -1e9  # the beams start identical: expand only the first
+    done = running.clone()  # finished hypotheses
+    done_scores = torch.full((B, nb), -1e9, device=dev)
+    done_lens = torch.zeros(B, nb, dtype=torch.long, device=dev)
+    done_flag = torch.zeros(B, nb, dtype=torch.bool, device=dev)
+    improvable = torch.ones(B, 1, dtype=torch.bool, device=dev)
+
+    # prefill the B prompts once, then copy each row's cache to its beams
+    logits = model(input_ids, attention_mask=mask, past_key_values=past, use_cache=True).logits[:, -1]
+    expand = torch.arange(B, device=dev).repeat_interleave(nb)
+    reorder_cache(past, expand)
+    logits = logits.index_select(0, expand)
+    if mask is not None:
+        mask = mask.index_select(0, expand)
+    cur = T0
+    while True:
+        V = logits.shape[-1]
+        logp = F.log_softmax(logits.float(), dim=-1).view(B, nb, V) + running_scores.unsqueeze(-1)
+        top_logp, top_idx = torch.topk(logp.view(B, nb * V), K)  # (B, K)
+        src, tok = top_idx // V, top_idx % V
+        cand = torch.take_along_dim(running, src.unsqueeze(-1), dim=1)  # (B, K, max_len)
+        cand[:, :, cur] = tok
+        ends = torch.full_like(tok, cur + 1 >= max_len, dtype=torch.bool)
+        if eos is not None:
+            ends |= tok == eos
+        # the best num_beams unfinished candidates run on
+        run_logp = top_logp + ends.float() * -1e9
+        keep = torch.topk(run_logp, nb)[1]  # (B, nb)
+        running = torch.take_along_dim(cand, keep.unsqueeze(-1), dim=1)
+        running_scores = torch.take_along_dim(run_logp, keep, dim=1)
+        parent = torch.take_along_dim(src, keep, dim=1)
+        # finished candidates among the top num_beams compete with the kept hypotheses
+        fin = ends & is_top
+        fin_scores = top_logp / ((cur + 1 - T0) ** length_penalty)
+        fin_scores = fin_scores + (~improvable).float() * -1e9
+        fin_scores = fin_scores + (~fin) * -1e9
+        merged = torch.topk(torch.cat([done_scores, fin_scores], dim=1), nb)[1]
+        done = torch.take_along_dim(torch.cat([done, cand], dim=1), merged.unsqueeze(-1), dim=1)
+        done_scores = torch.take_along_dim(torch.cat([done_scores, fin_scores], dim=1), merged, dim=1)
+        done_lens = torch.take_along_dim(torch.cat([done_lens, torch.full_like(tok, cur + 1 - T0)], dim=1),
+                                         merged, dim=1)
+        done_flag = torch.take_along_dim(torch.cat([done_flag, fin], dim=1), merged, dim=1)
+        cur += 1
+        # early_stopping=False heuristic: can the best running beam still beat the worst finished one?
+        best_running = running_scores[:, :1] / ((cur - T0) ** length_penalty)
+        worst_done = torch.where(done_flag, done_scores.min(dim=1, keepdim=True).values, -1e9)
+        improvable = improvable & (best_running > worst_done).any(dim=-1, keepdim=True)
+        if not bool(improvable.any()) or bool(ends.all()):
+            break
+        reorder_cache(past, (parent + batch_offset).flatten())
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(B * nb, 1)], dim=1)
+        step_ids = running[:, :, cur - 1].reshape(B * nb, 1)
+        logits = model(step_ids, attention_mask=mask, past_key_values=past, use_cache=True).logits[:, -1]
+    return done[:, 0, :T0 + int(done_lens[:, 0].max())]
+
+
+def reorder_cache(cache, index: Tensor) -> None:
+    """Select batch rows of every :class:`KVCache` in ``cache`` (a KVCache, LayerCache or list of them)."""
+    if isinstance(cache, KVCache):
+        cache.reorder(index)
+    elif isinstance(cache, LayerCache):
+        for c in (cache.self_attn, cache.cross_attn):
+            if c is not None:
+                c.reorder(index)
+    elif isinstance(cache, (list, tuple)):
+        for c in cache:
+            reorder_cache(c, index)
+    else:
+        raise TypeError(f"cache must be a KVCache, LayerCache or a list of them, got {type(cache).__name__}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _check(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, num_beams,
+           eos_token_id, pad_token_id, cache) -> None:
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        raise ValueError("input_ids must be a (B, T) LongTensor, got "
+                         f"{tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__}")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be non-empty, got shape {tuple(input_ids.shape)}")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, "
+                         f"got {tuple(attention_mask.shape)}")
+    if not _is_int(max_new_tokens) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    if top_k is not None and (not _is_int(top_k) or top_k <= 0):
+        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if not _is_int(num_beams) or num_beams < 1:
+        raise ValueError(f"num_beams must be an int >= 1, got {num_beams!r}")
+    if do_sample and num_beams > 1:
+        raise ValueError(f"num_beams must be 1 with do_sample=True (beam sampling is not supported), got {num_beams}")
+    for name, v in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
+        if v is not None and (not _is_int(v) or v < 0):
+            raise ValueError(f"{name} must be a non-negative int or None, got {v!r}")
+    if cache not in CACHES:
+        raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")

@@ -1,0 +1,163 @@
+"""GPT-2 against Hugging Face ``transformers.GPT2LMHeadModel`` on the same (random) weights.
+
+Tolerances: logits max abs difference <= 1e-4 (float32, eval); the cache test compares our
+incremental logits with our full forward at 1e-5.
+"""
+import pytest
+import torch
+import transformers
+
+from attnlab.models import hub
+from attnlab.models.gpt import GPT2Config, GPT2LMHeadModel, state_dict_from_hf, state_dict_to_hf
+
+transformers.logging.set_verbosity_error()
+V, N_POS = 101, 64
+TOL = 1e-4
+
+
+def _hf_config(**kw):
+    return transformers.GPT2Config(vocab_size=V, n_positions=N_POS, n_embd=32, n_layer=2, n_head=4,
+                                   bos_token_id=0, eos_token_id=0, **kw)
+
+
+def _pair(attn="sdpa"):
+    """A tiny transformers GPT-2 (weights widened to N(0, 0.3)) and ours holding the same weights."""
+    theirs = transformers.GPT2LMHeadModel(_hf_config()).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(-0.5, 0.5)
+    theirs.set_attn_implementation(attn)
+    ours = GPT2LMHeadModel(GPT2Config.from_hf(theirs.config.to_dict())).eval()
+    ours.load_state_dict(state_dict_from_hf(theirs.state_dict()))
+    return theirs, ours
+
+
+def _left_padded(ids):
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[2, :1] = 0
+    return ids.masked_fill(mask == 0, 7), mask
+
+
+@torch.no_grad()
+def test_logits_match_transformers():
+    theirs, ours = _pair()
+    ids = torch.randint(0, V, (3, 12))
+    assert (ours(ids).logits - theirs(ids).logits).abs().max() <= TOL
+
+
+@torch.no_grad()
+def test_left_padded_logits_match_transformers_with_mask_positions():
+    theirs, ours = _pair()
+    ids, mask = _left_padded(torch.randint(0, V, (3, 12)))
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)  # what transformers' generate passes
+    ref = theirs(ids, attention_mask=mask, position_ids=pos).logits
+    got = ours(ids, attention_mask=mask).logits
+    keep = mask.bool()
+    assert (got - ref)[keep].abs().max() <= TOL
+    assert torch.isfinite(got).all()  # padded rows attend to nothing: zeros, not NaN
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+@torch.no_grad()
+def test_incremental_decoding_equals_full_forward(static, padded):
+    _, ours = _pair()
+    ids = torch.randint(0, V, (3, 10))
+    mask = None
+    if padded:
+        ids, mask = _left_padded(ids)
+    full = ours(ids, attention_mask=mask).logits
+    cache = ours.new_cache(max_length=10 if static else None)
+    out = ours(ids[:, :4], attention_mask=None if mask is None else mask[:, :4], past_key_values=cache, use_cache=True)
+    steps = [out.logits]
+    for t in range(4, 10):
+        out = ours(ids[:, t:t + 1], attention_mask=None if mask is None else mask[:, :t + 1],
+                   past_key_values=out.past_key_values, use_cache=True)
+        steps.append(out.logits)
+    inc = torch.cat(steps, dim=1)
+    keep = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    assert (inc - full)[keep].abs().max() <= 1e-5
+    assert cache[0].self_attn.length == 10
+
+
+@torch.no_grad()
+def test_output_attentions_match_eager_transformers():
+    theirs, ours = _pair(attn="eager")
+    ids = torch.randint(0, V, (2, 9))
+    ref = theirs(ids, output_attentions=True).attentions
+    got = ours(ids, output_attentions=True).attentions
+    assert len(got) == 2
+    for g, r in zip(got, ref):
+        assert g.shape == (2, 4, 9, 9)
+        assert (g - r).abs().max() <= 1e-5
+
+
+@torch.no_grad()
+def test_to_hf_round_trip_loads_into_transformers():
+    config = GPT2Config(vocab_size=V, n_positions=N_POS, n_embd=32, n_layer=2, n_head=4)
+    ours = GPT2LMHeadModel(config).eval()
+    theirs = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config.to_hf())).eval()
+    theirs.load_state_dict(state_dict_to_hf(ours.state_dict()), strict=True)
+    ids = torch.randint(0, V, (2, 11))
+    assert (ours(ids).logits - theirs(ids).logits).abs().max() <= TOL
+    assert GPT2Config.from_hf(config.to_hf()) == config
+    back = state_dict_from_hf(state_dict_to_hf(ours.state_dict()))
+    assert all(torch.equal(back[k], v) for k, v in ours.state_dict().items())
+
+
+@torch.no_grad()
+def test_from_pretrained_reads_transformers_save_and_save_pretrained_writes_one(tmp_path):
+    theirs, _ = _pair()
+    theirs.save_pretrained(tmp_path / "hf")
+    ours = hub.from_pretrained(tmp_path / "hf")
+    assert isinstance(ours, GPT2LMHeadModel) and not ours.training
+    ids = torch.randint(0, V, (2, 8))
+    assert (ours(ids).logits - theirs(ids).logits).abs().max() <= TOL
+    ours.save_pretrained(tmp_path / "ours")
+    again = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "ours").eval()
+    assert (again(ids).logits - theirs(ids).logits).abs().max() <= TOL
+
+
+def test_lm_head_is_tied_to_token_embedding():
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=N_POS, n_embd=32, n_layer=1, n_head=4))
+    assert model.lm_head.weight is model.wte.weight
+
+
+@pytest.mark.parametrize("ids, match", [
+    (torch.tensor([[1, V]]), "input_ids"),
+    (torch.tensor([[-1, 2]]), "input_ids"),
+    (torch.zeros(1, N_POS + 1, dtype=torch.long), "input_ids"),
+])
+def test_bad_input_ids_raise(ids, match):
+    _, ours = _pair()
+    with pytest.raises(ValueError, match=match):
+        ours(ids)
+
+
+def test_too_long_with_cache_and_bad_mask_raise():
+    _, ours = _pair()
+    cache = ours.new_cache()
+    ours(torch.zeros(1, N_POS - 1, dtype=torch.long), past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="input_ids"):
+        ours(torch.zeros(1, 2, dtype=torch.long), past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="attention_mask"):
+        ours(torch.zeros(1, 3, dtype=torch.long), attention_mask=torch.ones(1, 4))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(vocab_size=0), "vocab_size"), (dict(n_embd=30, n_head=4), "n_embd"),
+    (dict(activation="swish"), "activation"), (dict(n_layer=True), "n_layer"),
+])
+def test_config_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        GPT2Config(**kw)
+
+
+def test_from_hf_rejects_unsupported_options_and_state_dict_rejects_unknown_keys():
+    with pytest.raises(ValueError, match="reorder_and_upcast_attn"):
+        GPT2Config.from_hf(dict(_hf_config(reorder_and_upcast_attn=True).to_dict()))
+    theirs, _ = _pair()
+    sd = dict(theirs.state_dict(), **{"transformer.h.0.attn.extra.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match="extra"):
+        state_dict_from_hf(sd)

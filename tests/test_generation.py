@@ -1,0 +1,173 @@
+"""``generate`` against ``transformers.generate`` on the same tiny random GPT-2: exact token equality.
+
+The weights are widened to N(0, 0.3) so that greedy continuations vary and the chosen EOS tokens
+occur mid-sequence (exercising finished beams, padding after EOS and early stopping). Sampling is
+checked through its filters (against transformers' logits warpers, exact) and reproducibility.
+"""
+import pytest
+import torch
+import transformers
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+from attnlab.generation import filter_logits, generate, reorder_cache
+from attnlab.models.gpt import GPT2Config, GPT2LMHeadModel, state_dict_from_hf
+
+transformers.logging.set_verbosity_error()
+V, PAD, NEW = 101, 3, 12
+
+
+@pytest.fixture(scope="module")
+def pair():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=V, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                                     bos_token_id=0, eos_token_id=0)
+    theirs = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    ours = GPT2LMHeadModel(GPT2Config.from_hf(config.to_dict())).eval()
+    ours.load_state_dict(state_dict_from_hf(theirs.state_dict()))
+    return theirs, ours
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(1, V, (3, 7), generator=g)
+
+
+def _theirs(model, ids, mask=None, **kw):
+    mask = torch.ones_like(ids) if mask is None else mask
+    return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, **kw)
+
+
+def _eos_tokens(pair, prompts):
+    """None, plus two tokens that greedy decoding emits mid-sequence (so EOS really triggers)."""
+    ref = _theirs(pair[0], prompts)[:, prompts.shape[1]:]
+    return [None, int(ref[0, 2]), int(ref[1, 5])]
+
+
+def _left_padded(ids):
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[2, :1] = 0
+    return ids.masked_fill(mask == 0, PAD), mask
+
+
+@pytest.mark.parametrize("num_beams", [1, 4])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_tokens_equal_transformers(pair, prompts, num_beams, cache):
+    theirs, ours = pair
+    for eos in _eos_tokens(pair, prompts):
+        pad = None if eos is None else PAD
+        ref = _theirs(theirs, prompts, num_beams=num_beams, eos_token_id=eos, pad_token_id=pad)
+        got = generate(ours, prompts, max_new_tokens=NEW, num_beams=num_beams, eos_token_id=eos,
+                       pad_token_id=pad, cache=cache)
+        assert got.shape == ref.shape and torch.equal(got, ref), (eos, num_beams, cache)
+
+
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_left_padded_batch_equals_transformers(pair, prompts, num_beams):
+    theirs, ours = pair
+    ids, mask = _left_padded(prompts)
+    for eos in _eos_tokens(pair, prompts):
+        ref = _theirs(theirs, ids, mask, num_beams=num_beams, eos_token_id=eos, pad_token_id=PAD)
+        got = ours.generate(ids, attention_mask=mask, max_new_tokens=NEW, num_beams=num_beams, eos_token_id=eos,
+                            pad_token_id=PAD)
+        assert torch.equal(got, ref), (eos, num_beams)
+
+
+def test_padding_after_eos_and_early_stop(pair, prompts):
+    _, ours = pair
+    eos = _eos_tokens(pair, prompts)[1]
+    got = generate(ours, prompts, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=PAD)
+    assert torch.equal(got[:, :prompts.shape[1]], prompts)
+    new = got[:, prompts.shape[1]:]
+    for row in new.tolist():
+        if eos in row:
+            assert all(t == PAD for t in row[row.index(eos) + 1:])
+    # one prompt: generation stops right at EOS
+    one = generate(ours, prompts[:1], max_new_tokens=NEW, eos_token_id=eos)
+    assert one.shape[1] == prompts.shape[1] + 3 and int(one[0, -1]) == eos
+
+
+def test_static_cache_equals_dynamic_with_padding(pair, prompts):
+    _, ours = pair
+    ids, mask = _left_padded(prompts)
+    for beams in (1, 4):
+        a = generate(ours, ids, attention_mask=mask, max_new_tokens=NEW, num_beams=beams, cache="dynamic")
+        b = generate(ours, ids, attention_mask=mask, max_new_tokens=NEW, num_beams=beams, cache="static")
+        assert torch.equal(a, b)
+
+
+def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(pair, prompts):
+    _, ours = pair
+    kw = dict(max_new_tokens=NEW, do_sample=True, temperature=0.8, top_k=20, top_p=0.9)
+    a = generate(ours, prompts, generator=torch.Generator().manual_seed(5), **kw)
+    b = generate(ours, prompts, generator=torch.Generator().manual_seed(5), **kw)
+    c = generate(ours, prompts, generator=torch.Generator().manual_seed(6), **kw)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    greedy = generate(ours, prompts, max_new_tokens=NEW)
+    for filt in (dict(top_k=1), dict(top_p=1e-6), dict(temperature=1e-4)):
+        s = generate(ours, prompts, max_new_tokens=NEW, do_sample=True, generator=torch.Generator().manual_seed(0),
+                     **filt)
+        assert torch.equal(s, greedy), filt
+
+
+@pytest.mark.parametrize("top_k, top_p", [(5, None), (None, 0.7), (10, 0.5), (None, 1.0), (200, None)])
+def test_filter_logits_equals_transformers_warpers(top_k, top_p):
+    logits = torch.randn(4, V) * 3
+    ref = logits / 0.7
+    if top_k is not None:
+        ref = TopKLogitsWarper(top_k)(None, ref)
+    if top_p is not None and top_p < 1.0:
+        ref = TopPLogitsWarper(top_p)(None, ref)
+    got = filter_logits(logits, temperature=0.7, top_k=top_k, top_p=top_p)
+    assert torch.equal(torch.isinf(got), torch.isinf(ref))
+    assert torch.equal(got[torch.isfinite(got)], ref[torch.isfinite(ref)])
+
+
+def test_sampling_frequencies_follow_the_filtered_distribution():
+    """One-token model with fixed logits: top-k=2 draws only the two best, in proportion e^z1 : e^z2."""
+
+    class Fixed:
+        def new_cache(self, *, max_length=None):
+            return []
+
+        def __call__(self, ids, *, attention_mask=None, past_key_values=None, use_cache=True):
+            logits = torch.tensor([0.0, 1.0, 2.0, -1.0]).expand(ids.shape[0], ids.shape[1], 4)
+            return type("Out", (), {"logits": logits})()
+
+    ids = torch.zeros(4000, 1, dtype=torch.long)
+    out = generate(Fixed(), ids, max_new_tokens=1, do_sample=True, top_k=2, generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(out[:, 1], minlength=4).double() / 4000
+    p2 = 1 / (1 + torch.exp(torch.tensor(-1.0, dtype=torch.float64)))  # e^2 / (e^1 + e^2)
+    assert counts[0] == 0 and counts[3] == 0
+    assert abs(counts[2] - p2) < 0.03  # ~4 standard errors at n = 4000
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=-2), "max_new_tokens"),
+    (dict(max_new_tokens=2, top_p=0.0), "top_p"), (dict(max_new_tokens=2, top_p=1.5), "top_p"),
+    (dict(max_new_tokens=2, num_beams=0), "num_beams"), (dict(max_new_tokens=2, temperature=0.0), "temperature"),
+    (dict(max_new_tokens=2, temperature=-1.0), "temperature"), (dict(max_new_tokens=2, top_k=0), "top_k"),
+    (dict(max_new_tokens=2, cache="paged"), "cache"), (dict(max_new_tokens=2, do_sample=True, num_beams=2), "num_beams"),
+    (dict(max_new_tokens=2, eos_token_id=-1), "eos_token_id"),
+    (dict(max_new_tokens=2, attention_mask=torch.ones(3, 2)), "attention_mask"),
+])
+def test_bad_arguments_raise(pair, prompts, kw, match):
+    with pytest.raises(ValueError, match=match):
+        generate(pair[1], prompts, **kw)
+
+
+def test_bad_ids_and_too_long_raise(pair, prompts):
+    _, ours = pair
+    with pytest.raises(ValueError, match="input_ids"):
+        generate(ours, prompts.float(), max_new_tokens=2)
+    with pytest.raises(ValueError, match="input_ids"):
+        generate(ours, prompts + V, max_new_tokens=2)
+    with pytest.raises(ValueError, match="input_ids"):  # 7 + 60 > n_positions = 64
+        generate(ours, prompts, max_new_tokens=60)
+    with pytest.raises(TypeError, match="cache"):
+        reorder_cache({"k": 1}, torch.tensor([0]))
