@@ -181,3 +181,10 @@ def test_unsupported_requests_are_refused_with_reasons():
                     (dict(return_weights=True), "attention_weights")]:
         with pytest.raises(ValueError, match=why):
             attention(q, k, v, backend="tiled", **kw)
+
+
+@pytest.mark.parametrize("fn, got", [(lambda s, b, h, qi, kj: s[..., :1], "shape"),
+                                     (lambda s, b, h, qi, kj: s.float(), "dtype torch.float32")])
+def test_score_mod_returning_wrong_shape_or_dtype_is_named(fn, got):
+    with pytest.raises(ValueError, match=f"score_mod must return a tensor of the scores' shape .*{got}"):
+        attention(*_qkv(), score_mod=fn, backend="tiled")
