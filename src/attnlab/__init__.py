@@ -48,3 +48,6 @@ from attnlab.generation import generate  # noqa: E402
 from attnlab.models.gpt import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 __all__ += ["generate", "GPT2Config", "GPT2LMHeadModel"]
+from attnlab.models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+__all__ += ["LlamaConfig", "LlamaForCausalLM"]

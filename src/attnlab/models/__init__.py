@@ -6,7 +6,9 @@ from attnlab.models.transformer import (Seq2SeqTransformer, Transformer, Transfo
 __all__ = ["TransformerConfig", "Seq2SeqTransformer", "Transformer", "TransformerDecoder", "TransformerEncoder"]
 from attnlab.models.bert import BertConfig, BertForMaskedLM, BertForPreTraining, BertModel, BertOutput  # noqa: E402
 from attnlab.models.gpt import GPT2Config, GPT2LMHeadModel  # noqa: E402
+from attnlab.models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from attnlab.models.hub import PreTrainedMixin, from_pretrained, register, save_pretrained  # noqa: E402
 
 __all__ += ["BertConfig", "BertModel", "BertForMaskedLM", "BertForPreTraining", "BertOutput",
-            "PreTrainedMixin", "from_pretrained", "register", "save_pretrained", "GPT2Config", "GPT2LMHeadModel"]
+            "PreTrainedMixin", "from_pretrained", "register", "save_pretrained", "GPT2Config", "GPT2LMHeadModel",
+            "LlamaConfig", "LlamaForCausalLM"]

@@ -1,0 +1,153 @@
+"""Llama against Hugging Face ``transformers.LlamaForCausalLM`` on the same (random) weights.
+
+Tiny config: 2 layers, hidden 32, 4 heads, 2 kv heads (GQA), intermediate 64, vocab 101.
+Tolerances: logits max abs difference <= 1e-4 (float32, eval); attention weights <= 1e-5; the
+cache test compares our incremental logits with our full forward at 1e-5; generated tokens exactly.
+"""
+import pytest
+import torch
+import transformers
+
+from attnlab.models import hub
+from attnlab.models.llama import LlamaConfig, LlamaForCausalLM, state_dict_from_hf, state_dict_to_hf
+
+transformers.logging.set_verbosity_error()
+V = 101
+TOL = 1e-4
+SIZES = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, rope_theta=500.0, max_position_embeddings=64)
+
+
+def _theirs(attn="sdpa", tie=False):
+    """A tiny transformers Llama with weights widened to N(0, 0.3) and RMSNorm gains in [0.5, 1.5]."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**SIZES, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=None,
+                                      pad_token_id=0)
+    theirs = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    theirs.set_attn_implementation(attn)
+    return theirs
+
+
+def _pair(tmp_path, attn="sdpa", tie=False):
+    """transformers' model saved with ``save_pretrained`` and read back by our hub."""
+    theirs = _theirs(attn, tie)
+    theirs.save_pretrained(tmp_path / "hf")
+    ours = hub.from_pretrained(tmp_path / "hf")
+    assert isinstance(ours, LlamaForCausalLM) and not ours.training
+    return theirs, ours
+
+
+def _left_padded(ids):
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[2, :1] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@torch.no_grad()
+def test_from_pretrained_matches_transformers_with_left_padding(tmp_path, tie):
+    theirs, ours = _pair(tmp_path, tie=tie)
+    assert (ours.lm_head.weight is ours.embed_tokens.weight) == tie
+    ids = torch.randint(0, V, (3, 12))
+    assert (ours(ids).logits - theirs(ids).logits).abs().max() <= TOL
+    ids, mask = _left_padded(ids)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)  # what transformers' generate passes
+    ref = theirs(ids, attention_mask=mask, position_ids=pos).logits
+    got = ours(ids, attention_mask=mask).logits
+    keep = mask.bool()
+    assert (got - ref)[keep].abs().max() <= TOL
+    assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@torch.no_grad()
+def test_save_pretrained_loads_into_transformers(tmp_path, tie):
+    config = LlamaConfig(**SIZES, tie_word_embeddings=tie)
+    torch.manual_seed(1)
+    ours = LlamaForCausalLM(config).eval()
+    ours.save_pretrained(tmp_path / "ours")
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    assert theirs.config.rope_parameters["rope_theta"] == 500.0
+    ids, mask = _left_padded(torch.randint(0, V, (3, 11)))
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    diff = ours(ids, attention_mask=mask).logits - theirs(ids, attention_mask=mask, position_ids=pos).logits
+    assert diff[mask.bool()].abs().max() <= TOL
+    assert LlamaConfig.from_hf(config.to_hf()) == config
+    back = state_dict_from_hf(state_dict_to_hf(ours.state_dict(), config), config)
+    assert back.keys() == ours.state_dict().keys()
+    assert all(torch.equal(back[k], v) for k, v in ours.state_dict().items())
+
+
+@pytest.mark.parametrize("static", [False, True])
+@torch.no_grad()
+def test_incremental_decoding_equals_full_forward(tmp_path, static):
+    _, ours = _pair(tmp_path)
+    ids, mask = _left_padded(torch.randint(0, V, (3, 10)))
+    full = ours(ids, attention_mask=mask).logits
+    cache = ours.new_cache(max_length=10 if static else None)
+    out = ours(ids[:, :4], attention_mask=mask[:, :4], past_key_values=cache, use_cache=True)
+    steps = [out.logits]
+    for t in range(4, 10):
+        out = ours(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=out.past_key_values,
+                   use_cache=True)
+        steps.append(out.logits)
+    inc = torch.cat(steps, dim=1)
+    assert (inc - full)[mask.bool()].abs().max() <= 1e-5
+    assert cache[0].self_attn.length == 10
+
+
+@torch.no_grad()
+def test_greedy_generate_equals_transformers(tmp_path):
+    theirs, ours = _pair(tmp_path)
+    ids, mask = _left_padded(torch.randint(1, V, (3, 7)))
+    ref = theirs.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    got = ours.generate(ids, attention_mask=mask, max_new_tokens=8)
+    assert got.shape == (3, 15)
+    assert torch.equal(got, ref)
+
+
+@torch.no_grad()
+def test_output_attentions_match_eager_transformers(tmp_path):
+    theirs, ours = _pair(tmp_path, attn="eager")
+    ids, mask = _left_padded(torch.randint(0, V, (3, 9)))
+    ref = theirs(ids, attention_mask=mask, output_attentions=True).attentions
+    got = ours(ids, attention_mask=mask, output_attentions=True).attentions
+    assert len(got) == 2
+    keep = mask.bool()  # rows of padding queries are arbitrary in transformers (zeros in ours)
+    for g, r in zip(got, ref):
+        assert g.shape == (3, 4, 9, 9)
+        assert (g - r).permute(0, 2, 1, 3)[keep].abs().max() <= 1e-5
+
+
+def test_bad_input_ids_and_mask_raise():
+    ours = LlamaForCausalLM(LlamaConfig(**SIZES))
+    with pytest.raises(ValueError, match="input_ids"):
+        ours(torch.tensor([[1, V]]))
+    with pytest.raises(ValueError, match="input_ids"):
+        ours(torch.tensor([[-1, 2]]))
+    with pytest.raises(ValueError, match="attention_mask"):
+        ours(torch.zeros(1, 3, dtype=torch.long), attention_mask=torch.ones(1, 4))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling"),
+    (dict(num_key_value_heads=3), "num_key_value_heads"), (dict(hidden_size=30), "hidden_size"),
+    (dict(attention_bias=True), "attention_bias"), (dict(vocab_size=0), "vocab_size"),
+])
+def test_config_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        LlamaConfig(**dict(SIZES, **kw))
+
+
+def test_from_hf_rejects_scaled_rope_and_other_activations():
+    d = transformers.LlamaConfig(**SIZES, rope_scaling={"rope_type": "linear", "factor": 2.0}).to_dict()
+    with pytest.raises(ValueError, match="rope_scaling"):
+        LlamaConfig.from_hf(d)
+    with pytest.raises(ValueError, match="hidden_act"):
+        LlamaConfig.from_hf(dict(transformers.LlamaConfig(**SIZES).to_dict(), hidden_act="gelu"))
+    with pytest.raises(ValueError, match="extra"):
+        state_dict_from_hf({"model.layers.0.extra.weight": torch.zeros(1)}, LlamaConfig(**SIZES))
