@@ -51,3 +51,6 @@ __all__ += ["generate", "GPT2Config", "GPT2LMHeadModel"]
 from attnlab.models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 __all__ += ["LlamaConfig", "LlamaForCausalLM"]
+from attnlab.models.t5 import T5Config, T5ForConditionalGeneration  # noqa: E402
+
+__all__ += ["T5Config", "T5ForConditionalGeneration"]

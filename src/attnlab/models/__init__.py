@@ -12,3 +12,6 @@ from attnlab.models.hub import PreTrainedMixin, from_pretrained, register, save_
 __all__ += ["BertConfig", "BertModel", "BertForMaskedLM", "BertForPreTraining", "BertOutput",
             "PreTrainedMixin", "from_pretrained", "register", "save_pretrained", "GPT2Config", "GPT2LMHeadModel",
             "LlamaConfig", "LlamaForCausalLM"]
+from attnlab.models.t5 import Seq2SeqLMOutput, T5Config, T5ForConditionalGeneration  # noqa: E402
+
+__all__ += ["T5Config", "T5ForConditionalGeneration", "Seq2SeqLMOutput"]
