@@ -54,3 +54,6 @@ __all__ += ["LlamaConfig", "LlamaForCausalLM"]
 from attnlab.models.t5 import T5Config, T5ForConditionalGeneration  # noqa: E402
 
 __all__ += ["T5Config", "T5ForConditionalGeneration"]
+from attnlab.models.bart import BartConfig, BartForConditionalGeneration  # noqa: E402
+
+__all__ += ["BartConfig", "BartForConditionalGeneration"]

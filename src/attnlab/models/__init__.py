@@ -15,3 +15,6 @@ __all__ += ["BertConfig", "BertModel", "BertForMaskedLM", "BertForPreTraining", 
 from attnlab.models.t5 import Seq2SeqLMOutput, T5Config, T5ForConditionalGeneration  # noqa: E402
 
 __all__ += ["T5Config", "T5ForConditionalGeneration", "Seq2SeqLMOutput"]
+from attnlab.models.bart import BartConfig, BartForConditionalGeneration  # noqa: E402
+
+__all__ += ["BartConfig", "BartForConditionalGeneration"]

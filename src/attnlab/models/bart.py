@@ -1,0 +1,391 @@
+"""BART (Lewis et al. 2020) from attnlab's blocks, loading and saving Hugging Face checkpoints.
+
+::
+
+    enc⁰ = LN_emb(s · E[x] + P_enc[i + 2])          s = sqrt(d_model) if scale_embedding else 1
+    encˡ = EncoderLayer(encˡ⁻¹)                     post-norm: LN(x + Attn(x)), LN(x + W₂ gelu(W₁ x))
+    dec⁰ = LN_emb(s · E[y] + P_dec[t + 2])
+    decˡ = DecoderLayer(decˡ⁻¹, enc)                post-norm causal self-attention, cross-attention, FFN
+    logits = dec E_wᵀ + b_final                     (LM head tied to the shared embedding E)
+
+The position tables have ``max_position_embeddings + 2`` rows and position ``i`` reads row ``i + 2``
+(fairseq's offset, HF's ``BartLearnedPositionalEmbedding``); positions do not follow the padding.
+Module names are ours (``self_attn.in_proj`` packs HF's q_proj/k_proj/v_proj, ``cross_attn`` is
+HF's ``encoder_attn``, ``norm1..3`` and ``ffn.w1/w2`` its layer norms and fc1/fc2); the HF names
+appear only in :meth:`~BartForConditionalGeneration.to_hf_state_dict` / ``from_hf_state_dict``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.models.hub import PreTrainedMixin, register
+from attnlab.nn.block import DecoderLayer, EncoderLayer, LayerCache
+
+# HF activation_function -> our FeedForward activation ("gelu_new" is the tanh approximation).
+HF_ACTIVATIONS = {"gelu": "gelu", "relu": "relu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+POSITION_OFFSET = 2  # BART's learned positions start at row 2 of the table
+
+
+@dataclass
+class BartConfig:
+    """BART hyper-parameters with HF ``BartConfig``'s field names and defaults (bart-large).
+
+    ``dropout`` acts on the embeddings and residual branches, ``attention_dropout`` on the attention
+    weights, ``activation_dropout`` on the feed-forward hidden layer (all in training only).
+    """
+
+    vocab_size: int = 50265
+    max_position_embeddings: int = 1024
+    d_model: int = 1024
+    encoder_layers: int = 12
+    decoder_layers: int = 12
+    encoder_attention_heads: int = 16
+    decoder_attention_heads: int = 16
+    encoder_ffn_dim: int = 4096
+    decoder_ffn_dim: int = 4096
+    activation_function: str = "gelu"
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    activation_dropout: float = 0.0
+    init_std: float = 0.02
+    scale_embedding: bool = False
+    pad_token_id: int = 1
+    bos_token_id: Optional[int] = 0
+    eos_token_id: Optional[int] = 2
+    decoder_start_token_id: int = 2
+
+    def __post_init__(self) -> None:
+        for f in ("vocab_size", "max_position_embeddings", "d_model", "encoder_layers", "decoder_layers",
+                  "encoder_attention_heads", "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim"):
+            _check_int(f, getattr(self, f), minimum=1)
+        for f in ("encoder_attention_heads", "decoder_attention_heads"):
+            if self.d_model % getattr(self, f):
+                raise ValueError(f"d_model={self.d_model} must be divisible by {f}={getattr(self, f)}")
+        if self.activation_function not in HF_ACTIVATIONS:
+            raise ValueError(f"activation_function must be one of {sorted(HF_ACTIVATIONS)}, "
+                             f"got {self.activation_function!r}")
+        for f in ("dropout", "attention_dropout", "activation_dropout"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0.0 <= v < 1.0:
+                raise ValueError(f"{f} must be a float in [0, 1), got {v!r}")
+        if not isinstance(self.scale_embedding, bool):
+            raise TypeError(f"scale_embedding must be a bool, got {self.scale_embedding!r}")
+        for f in ("pad_token_id", "decoder_start_token_id", "bos_token_id", "eos_token_id"):
+            v = getattr(self, f)
+            if v is None and f in ("bos_token_id", "eos_token_id"):
+                continue
+            _check_int(f, v, minimum=0)
+            if v >= self.vocab_size:
+                raise ValueError(f"{f} must be < vocab_size={self.vocab_size}, got {v}")
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "BartConfig":
+        """From an HF ``config.json`` dict (unknown keys ignored; variants we cannot run rejected)."""
+        for flag in ("normalize_before", "add_final_layer_norm", "add_bias_logits", "static_position_embeddings",
+                     "is_decoder"):
+            if d.get(flag):
+                raise ValueError(f"{flag}=True is not supported by attnlab's BART")
+        if not d.get("normalize_embedding", True):
+            raise ValueError("normalize_embedding=False is not supported by attnlab's BART")
+        for f in ("encoder_layerdrop", "decoder_layerdrop"):
+            if d.get(f, 0.0):
+                raise ValueError(f"{f} must be 0 (LayerDrop is not implemented), got {d[f]!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def to_hf(self) -> dict:
+        """An HF ``config.json`` dict that ``transformers.BartConfig`` reads back unchanged."""
+        return {**dataclasses.asdict(self), "model_type": "bart", "is_encoder_decoder": True,
+                "tie_word_embeddings": True, "encoder_layerdrop": 0.0, "decoder_layerdrop": 0.0}
+
+
+@dataclass
+class Seq2SeqLMOutput:
+    """``logits (B, T, V)``; ``encoder_last_hidden_state (B, S, E)``; ``past_key_values`` (one
+    :class:`LayerCache` per decoder layer) with ``use_cache``."""
+
+    logits: Tensor
+    encoder_last_hidden_state: Tensor
+    past_key_values: Optional[list[LayerCache]] = None
+
+
+class BartLearnedPositionalEmbedding(nn.Embedding):
+    """``PE(i) = W[i + 2]``, ``W (max_positions + 2, dim)``: HF's table layout, offset included."""
+
+    def __init__(self, max_positions: int, dim: int) -> None:
+        super().__init__(max_positions + POSITION_OFFSET, dim)
+        self.max_positions = max_positions
+
+    def forward(self, positions: Tensor) -> Tensor:
+        """Integer ``positions`` in ``[0, max_positions)`` of any shape ``S`` -> ``(*S, dim)``."""
+        return super().forward(positions + POSITION_OFFSET)
+
+
+class _BartStack(nn.Module):
+    """One side of BART: positions, ``layernorm_embedding`` and its post-norm layers."""
+
+    def __init__(self, config: BartConfig, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.embed_positions = BartLearnedPositionalEmbedding(config.max_position_embeddings, config.d_model)
+        self.layernorm_embedding = nn.LayerNorm(config.d_model)
+        self.dropout = nn.Dropout(config.dropout)
+        self.layers = nn.ModuleList(layers)
+        for layer in self.layers:  # HF's activation_dropout, separate from the residual dropout
+            layer.ffn.dropout = nn.Dropout(config.activation_dropout)
+
+    def embed(self, tokens: Tensor, past: int = 0) -> Tensor:
+        """``LN_emb(tokens + P[past .. past + T - 1])`` then dropout, for embedded ``tokens (B, T, E)``."""
+        pos = torch.arange(past, past + tokens.shape[1], device=tokens.device)
+        return self.dropout(self.layernorm_embedding(tokens + self.embed_positions(pos)))  # (B, T, E)
+
+
+def _layer_kwargs(config: BartConfig, heads: int, ffn_dim: int) -> dict:
+    return dict(num_heads=heads, ffn_dim=ffn_dim, activation=HF_ACTIVATIONS[config.activation_function],
+                dropout=config.dropout, attn_dropout=config.attention_dropout, norm_first=False, norm_eps=1e-5)
+
+
+class BartForConditionalGeneration(PreTrainedMixin, nn.Module):
+    """BART encoder–decoder with the tied LM head: HF ``BartForConditionalGeneration``.
+
+    ``from_pretrained`` / ``save_pretrained`` read and write HF-format directories
+    (see :mod:`attnlab.models.hub`).
+    """
+
+    hf_architecture = "BartForConditionalGeneration"
+    hf_ignored = (r"^model\.(encoder|decoder)\.embed_tokens\.weight$", r"^lm_head\.weight$",  # tied copies
+                  r"^model\.(encoder|decoder)\.version$")
+
+    def __init__(self, config: BartConfig) -> None:
+        super().__init__()
+        if not isinstance(config, BartConfig):
+            raise TypeError(f"config must be a BartConfig, got {type(config).__name__}")
+        c = self.config = config
+        self.embed_scale = math.sqrt(c.d_model) if c.scale_embedding else 1.0
+        self.shared = nn.Embedding(c.vocab_size, c.d_model, padding_idx=c.pad_token_id)
+        enc_kw = _layer_kwargs(c, c.encoder_attention_heads, c.encoder_ffn_dim)
+        dec_kw = _layer_kwargs(c, c.decoder_attention_heads, c.decoder_ffn_dim)
+        self.encoder = _BartStack(c, [EncoderLayer(c.d_model, **enc_kw) for _ in range(c.encoder_layers)])
+        self.decoder = _BartStack(c, [DecoderLayer(c.d_model, **dec_kw) for _ in range(c.decoder_layers)])
+        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        self.register_buffer("final_logits_bias", torch.zeros(1, c.vocab_size))
+        self._init_weights()
+        self.lm_head.weight = self.shared.weight  # tied
+
+    def _init_weights(self) -> None:
+        """HF's init: N(0, init_std) linear and embedding weights (padding row zero), zero biases."""
+        for mod in self.modules():
+            if isinstance(mod, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(mod.weight, std=self.config.init_std)
+            if isinstance(mod, nn.Linear) and mod.bias is not None:
+                nn.init.zeros_(mod.bias)
+            if isinstance(mod, nn.Embedding) and mod.padding_idx is not None:
+                nn.init.zeros_(mod.weight[mod.padding_idx])
+
+    # ---- forward -------------------------------------------------------------------------
+
+    def encode(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
+        """``input_ids (B, S)`` -> encoder states ``(B, S, E)``; ``attention_mask`` 1 = token, 0 = padding.
+
+        Raises:
+            ValueError: bad ids (outside the vocabulary, longer than ``max_position_embeddings``) or mask.
+        """
+        _check_ids(self.config, "input_ids", input_ids, 0)
+        pad = _padding(attention_mask, "attention_mask", input_ids.shape)
+        x = self.encoder.embed(self.shared(input_ids) * self.embed_scale)  # (B, S, E)
+        for layer in self.encoder.layers:
+            x = layer(x, key_padding_mask=pad)
+        return x
+
+    def new_cache(self, *, max_length: Optional[int] = None) -> list[LayerCache]:
+        """Empty per-decoder-layer caches; ``max_length`` preallocates the self-attention ones."""
+        return [LayerCache.create(max_length=max_length) for _ in self.decoder.layers]
+
+    def decode(self, decoder_input_ids: Tensor, encoder_hidden_states: Tensor, *,
+               attention_mask: Optional[Tensor] = None, decoder_attention_mask: Optional[Tensor] = None,
+               cache: Optional[list[LayerCache]] = None) -> Tensor:
+        """Logits ``(B, T, V)`` of ``decoder_input_ids (B, T)`` on the encoder states ``(B, S, E)``.
+
+        With ``cache`` (from :meth:`new_cache`, updated in place) the ids continue the cached
+        prefix: positions start at its length and ``decoder_attention_mask`` covers ``past + T``.
+        ``attention_mask`` is the encoder's ``(B, S)`` mask.
+        """
+        past = 0 if cache is None else cache[0].self_attn.length
+        B, T = _check_ids(self.config, "decoder_input_ids", decoder_input_ids, past)
+        tgt_pad = _padding(decoder_attention_mask, "decoder_attention_mask", (B, past + T))
+        mem_pad = _padding(attention_mask, "attention_mask", encoder_hidden_states.shape[:2])
+        x = self.decoder.embed(self.shared(decoder_input_ids) * self.embed_scale, past)  # (B, T, E)
+        for i, layer in enumerate(self.decoder.layers):
+            x = layer(x, encoder_hidden_states, tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=mem_pad,
+                      is_causal=True, cache=None if cache is None else cache[i])
+        return self.lm_head(x) + self.final_logits_bias  # (B, T, V)
+
+    def forward(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
+                decoder_input_ids: Optional[Tensor] = None, decoder_attention_mask: Optional[Tensor] = None,
+                *, encoder_outputs: Optional[Tensor] = None, past_key_values: Optional[list[LayerCache]] = None,
+                use_cache: bool = False) -> Seq2SeqLMOutput:
+        """Teacher-forced logits, with HF's argument names.
+
+        Args:
+            input_ids: source ``(B, S)``; not needed when ``encoder_outputs`` (the encoder states
+                ``(B, S, E)`` of an earlier call) is given.
+            attention_mask: source ``(B, S)``, 1 = token, 0 = padding.
+            decoder_input_ids: target ``(B, T)``; default: ``input_ids`` shifted right behind
+                ``decoder_start_token_id`` (BART's denoising setup, as HF).
+            decoder_attention_mask: ``(B, past + T)``, 1 = token, 0 = padding (on top of causality).
+            past_key_values, use_cache: as :meth:`decode`'s ``cache``; ``use_cache`` makes new
+                caches when none are given and returns them.
+
+        Raises:
+            ValueError: neither ``input_ids`` nor ``encoder_outputs``; an id outside the vocabulary;
+                a sequence longer than ``max_position_embeddings``; a mask of the wrong shape or values.
+        """
+        if encoder_outputs is None:
+            if input_ids is None:
+                raise ValueError("input_ids is required unless encoder_outputs is given")
+            encoder_outputs = self.encode(input_ids, attention_mask)
+        if decoder_input_ids is None:
+            if input_ids is None:
+                raise ValueError("decoder_input_ids is required when input_ids is not given")
+            decoder_input_ids = shift_tokens_right(input_ids, self.config.decoder_start_token_id)
+        if past_key_values is None and use_cache:
+            past_key_values = self.new_cache()
+        logits = self.decode(decoder_input_ids, encoder_outputs, attention_mask=attention_mask,
+                             decoder_attention_mask=decoder_attention_mask, cache=past_key_values)
+        return Seq2SeqLMOutput(logits, encoder_outputs, past_key_values if use_cache else None)
+
+    @torch.no_grad()
+    def greedy(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, *, max_new_tokens: int,
+               eos_token_id: Optional[int] = None, use_cache: bool = True) -> Tensor:
+        """Greedy decoding ``y_t = argmax_v p(v | y_<t, x)`` (call ``eval()`` first).
+
+        Args:
+            input_ids, attention_mask: the source, as in :meth:`forward`.
+            max_new_tokens: the most tokens generated after ``decoder_start_token_id``.
+            eos_token_id: a row ends at this token and is then filled with ``pad_token_id``;
+                default ``config.eos_token_id`` (when that is None too, rows never end early).
+            use_cache: feed one token per step on the KV cache (False re-runs the whole prefix).
+
+        Returns:
+            ``(B, 1 + n)`` ids starting with ``decoder_start_token_id``, ``n <= max_new_tokens``
+            (as ``transformers``' ``generate(num_beams=1, do_sample=False)`` with no forced tokens).
+        """
+        _check_int("max_new_tokens", max_new_tokens, minimum=1)
+        c = self.config
+        eos = c.eos_token_id if eos_token_id is None else eos_token_id
+        memory = self.encode(input_ids, attention_mask)
+        B = input_ids.shape[0]
+        ids = input_ids.new_full((B, 1), c.decoder_start_token_id)
+        done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+        cache = self.new_cache() if use_cache else None
+        for _ in range(max_new_tokens):
+            step = ids[:, -1:] if use_cache else ids
+            logits = self.decode(step, memory, attention_mask=attention_mask, cache=cache)[:, -1]  # (B, V)
+            nxt = logits.argmax(dim=-1).masked_fill(done, c.pad_token_id)
+            ids = torch.cat([ids, nxt[:, None]], dim=1)
+            if eos is not None:
+                done |= nxt == eos
+                if bool(done.all()):
+                    break
+        return ids
+
+    # ---- HF names ------------------------------------------------------------------------
+
+    def to_hf_state_dict(self) -> dict[str, Tensor]:
+        """Our tensors under HF's names; packed q/k/v split; the tied ``lm_head`` stored once, as ``shared``."""
+        out = {}
+        for name, t in self.state_dict().items():
+            if name == "lm_head.weight":
+                continue
+            m = _IN_PROJ.fullmatch(name)
+            if m:
+                for part, chunk in zip(("q_proj", "k_proj", "v_proj"), t.chunk(3, dim=0)):
+                    out[f"model.{m[1]}.layers.{m[2]}.{_ATTN[m[3]]}.{part}.{m[4]}"] = chunk
+            else:
+                out[_hf_name(name)] = t
+        return out
+
+    def from_hf_state_dict(self, hf: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The inverse of :meth:`to_hf_state_dict`: HF tensors under our names."""
+        out = {}
+        for name in self.state_dict():
+            m = _IN_PROJ.fullmatch(name)
+            if m:
+                out[name] = torch.cat([hf[f"model.{m[1]}.layers.{m[2]}.{_ATTN[m[3]]}.{p}.{m[4]}"]
+                                       for p in ("q_proj", "k_proj", "v_proj")])
+            else:
+                out[name] = hf[_hf_name(name)]
+        return out
+
+
+_ATTN = {"self_attn": "self_attn", "cross_attn": "encoder_attn"}
+_IN_PROJ = re.compile(r"(encoder|decoder)\.layers\.(\d+)\.(self_attn|cross_attn)\.in_proj\.(weight|bias)")
+_LAYER_NAMES = {  # ours -> HF inside a layer (norm2 is the FFN's norm in encoder layers)
+    "encoder": {"self_attn.out_proj": "self_attn.out_proj", "norm1": "self_attn_layer_norm",
+                "ffn.w1": "fc1", "ffn.w2": "fc2", "norm2": "final_layer_norm"},
+    "decoder": {"self_attn.out_proj": "self_attn.out_proj", "norm1": "self_attn_layer_norm",
+                "cross_attn.out_proj": "encoder_attn.out_proj", "norm2": "encoder_attn_layer_norm",
+                "ffn.w1": "fc1", "ffn.w2": "fc2", "norm3": "final_layer_norm"},
+}
+
+
+def _hf_name(name: str) -> str:
+    if name == "final_logits_bias":
+        return name
+    if name in ("shared.weight", "lm_head.weight"):  # tied
+        return "model.shared.weight"
+    m = re.fullmatch(r"(encoder|decoder)\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
+    if m and m[3] in _LAYER_NAMES[m[1]]:
+        return f"model.{m[1]}.layers.{m[2]}.{_LAYER_NAMES[m[1]][m[3]]}.{m[4]}"
+    if re.fullmatch(r"(encoder|decoder)\.(embed_positions|layernorm_embedding)\.(weight|bias)", name):
+        return f"model.{name}"
+    raise KeyError(f"no HF name for parameter {name!r}")
+
+
+def shift_tokens_right(input_ids: Tensor, decoder_start_token_id: int) -> Tensor:
+    """``[start, x_0, …, x_{L-2}]``: the decoder input BART derives from ``input_ids (B, L)``."""
+    return torch.cat([input_ids.new_full((input_ids.shape[0], 1), decoder_start_token_id), input_ids[:, :-1]], 1)
+
+
+def _check_int(name: str, v, *, minimum: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
+
+
+def _check_ids(config: BartConfig, name: str, ids, past: int) -> tuple[int, int]:
+    """Check token ids ``(B, L)`` continuing ``past`` cached positions; return ``(B, L)``."""
+    if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{name} must be an integer tensor (B, L), got "
+                         f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}")
+    B, L = ids.shape
+    if L == 0 or past + L > config.max_position_embeddings:
+        raise ValueError(f"{name}: {past} cached + {L} new positions must be in [1, max_position_embeddings="
+                         f"{config.max_position_embeddings}]")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size):
+        raise ValueError(f"{name} must lie in [0, vocab_size={config.vocab_size}), got values in "
+                         f"[{int(ids.min())}, {int(ids.max())}]")
+    return B, L
+
+
+def _padding(mask: Optional[Tensor], name: str, shape) -> Optional[Tensor]:
+    """A 1/0 attention mask -> key padding mask (True = padding), or None when there is no padding."""
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor) or tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"{name} must be a tensor of shape {tuple(shape)}, got "
+                         f"{tuple(getattr(mask, 'shape', ())) or type(mask).__name__}")
+    if not ((mask == 0) | (mask == 1)).all():
+        raise ValueError(f"{name} must hold only 1 (token) and 0 (padding)")
+    return None if bool(mask.all()) else mask == 0
+
+
+register("bart", config_from_hf=BartConfig.from_hf, architectures={"BartForConditionalGeneration":
+                                                                   BartForConditionalGeneration},
+         default="BartForConditionalGeneration")
