@@ -57,3 +57,7 @@ __all__ += ["T5Config", "T5ForConditionalGeneration"]
 from attnlab.models.bart import BartConfig, BartForConditionalGeneration  # noqa: E402
 
 __all__ += ["BartConfig", "BartForConditionalGeneration"]
+from attnlab.models.vit import ViTConfig, ViTForImageClassification, ViTModel  # noqa: E402
+from attnlab.models.clip import CLIPConfig, CLIPModel  # noqa: E402
+
+__all__ += ["ViTConfig", "ViTModel", "ViTForImageClassification", "CLIPConfig", "CLIPModel"]

@@ -18,3 +18,8 @@ __all__ += ["T5Config", "T5ForConditionalGeneration", "Seq2SeqLMOutput"]
 from attnlab.models.bart import BartConfig, BartForConditionalGeneration  # noqa: E402
 
 __all__ += ["BartConfig", "BartForConditionalGeneration"]
+from attnlab.models.vit import ViTConfig, ViTForImageClassification, ViTModel, ViTOutput  # noqa: E402
+from attnlab.models.clip import CLIPConfig, CLIPModel, CLIPOutput, CLIPTextConfig, CLIPVisionConfig  # noqa: E402
+
+__all__ += ["ViTConfig", "ViTModel", "ViTForImageClassification", "ViTOutput",
+            "CLIPConfig", "CLIPTextConfig", "CLIPVisionConfig", "CLIPModel", "CLIPOutput"]

@@ -55,7 +55,8 @@ class ModelFamily:
 
 MODEL_TYPES: dict[str, ModelFamily] = {}
 # Model files that register themselves on import; imported on first lookup (they import this module).
-BUILTIN_MODULES = ("attnlab.models.bert", "attnlab.models.gpt", "attnlab.models.llama", "attnlab.models.t5", "attnlab.models.bart")
+BUILTIN_MODULES = ("attnlab.models.bert", "attnlab.models.gpt", "attnlab.models.llama", "attnlab.models.t5",
+                   "attnlab.models.bart", "attnlab.models.vit", "attnlab.models.clip")
 
 
 def _import_builtin() -> None:

@@ -1,0 +1,427 @@
+"""CLIP (Radford et al. 2021) from attnlab's blocks, loading and saving Hugging Face checkpoints.
+
+::
+
+    text:    h⁰ = E_tok[x] + E_pos[i];  hˡ = EncoderLayer(hˡ⁻¹)  (pre-norm, causal, padding masked)
+             t = W_t LN_f(hᴸ)_eos                         eos: see :meth:`CLIPTextTransformer.eos_positions`
+    vision:  h⁰ = LN_pre([x_cls; Conv2d_P(image)] + E_pos);  hˡ = EncoderLayer(hˡ⁻¹)  (pre-norm)
+             v = W_v LN_post(hᴸ_[CLS])
+    logits_per_text = exp(s) · (t / ‖t‖)(v / ‖v‖)ᵀ,   logits_per_image = logits_per_textᵀ
+
+The feed-forward is ``W₂ quick_gelu(W₁ x)`` with ``quick_gelu(x) = x · σ(1.702 x)`` (OpenAI's
+checkpoints; ``hidden_act="gelu"`` is also read). Module names are ours (``layers.i.self_attn.in_proj``
+packs HF's q/k/v projections); HF's names appear only in :meth:`CLIPModel.to_hf_state_dict` /
+:meth:`CLIPModel.from_hf_state_dict`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import re
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnlab.models.hub import PreTrainedMixin, register
+from attnlab.models.vit import check_pixel_values, pre_norm_attention_weights
+from attnlab.nn.block import EncoderLayer
+
+# HF hidden_act -> our FeedForward activation ("quick_gelu" is patched in, see _encoder_layers).
+HIDDEN_ACTS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_new": "gelu_tanh",
+               "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+# eos_token_id of CLIP configs written before transformers PR #24773: pool at argmax(input_ids) instead.
+LEGACY_EOS_TOKEN_ID = 2
+
+
+def quick_gelu(x: Tensor) -> Tensor:
+    """``x · σ(1.702 x)``, the GELU approximation OpenAI's CLIP was trained with."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _check_fields(cfg, positive_ints: tuple[str, ...]) -> None:
+    """The checks shared by the two tower configs."""
+    for f in positive_ints:
+        v = getattr(cfg, f)
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
+            raise ValueError(f"{f} must be a positive int, got {v!r}")
+    if cfg.hidden_size % cfg.num_attention_heads:
+        raise ValueError(f"hidden_size={cfg.hidden_size} must be divisible by "
+                         f"num_attention_heads={cfg.num_attention_heads}")
+    if cfg.hidden_act not in HIDDEN_ACTS:
+        raise ValueError(f"hidden_act must be one of {sorted(HIDDEN_ACTS)}, got {cfg.hidden_act!r}")
+    a = cfg.attention_dropout
+    if isinstance(a, bool) or not isinstance(a, numbers.Real) or not 0.0 <= a < 1.0:
+        raise ValueError(f"attention_dropout must be a float in [0, 1), got {a!r}")
+    if not isinstance(cfg.layer_norm_eps, numbers.Real) or cfg.layer_norm_eps <= 0:
+        raise ValueError(f"layer_norm_eps must be a positive float, got {cfg.layer_norm_eps!r}")
+
+
+def _known_fields(cls, d: dict) -> dict:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in d.items() if k in names}
+
+
+@dataclass
+class CLIPTextConfig:
+    """The text tower, with HF ``CLIPTextConfig``'s names and defaults (ViT-B/32's text encoder)."""
+
+    vocab_size: int = 49408
+    hidden_size: int = 512
+    intermediate_size: int = 2048
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 8
+    max_position_embeddings: int = 77
+    hidden_act: str = "quick_gelu"
+    layer_norm_eps: float = 1e-5
+    attention_dropout: float = 0.0
+    initializer_range: float = 0.02
+    initializer_factor: float = 1.0
+    pad_token_id: Optional[int] = 1
+    bos_token_id: Optional[int] = 49406
+    eos_token_id: int = 49407
+
+    def __post_init__(self) -> None:
+        _check_fields(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                             "num_attention_heads", "max_position_embeddings"))
+        e = self.eos_token_id
+        if isinstance(e, bool) or not isinstance(e, numbers.Integral) or e < 0:
+            raise ValueError(f"eos_token_id must be a non-negative int (the pooled token), got {e!r}")
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "CLIPTextConfig":
+        return cls(**_known_fields(cls, d))
+
+    def to_hf(self) -> dict:
+        return {**dataclasses.asdict(self), "model_type": "clip_text_model"}
+
+
+@dataclass
+class CLIPVisionConfig:
+    """The vision tower, with HF ``CLIPVisionConfig``'s names and defaults (ViT-B/32)."""
+
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    num_channels: int = 3
+    image_size: int = 224
+    patch_size: int = 32
+    hidden_act: str = "quick_gelu"
+    layer_norm_eps: float = 1e-5
+    attention_dropout: float = 0.0
+    initializer_range: float = 0.02
+    initializer_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_fields(self, ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                             "num_channels", "image_size", "patch_size"))
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size={self.image_size} must be divisible by patch_size={self.patch_size}")
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "CLIPVisionConfig":
+        return cls(**_known_fields(cls, d))
+
+    def to_hf(self) -> dict:
+        return {**dataclasses.asdict(self), "model_type": "clip_vision_model"}
+
+
+@dataclass
+class CLIPConfig:
+    """CLIP: the two tower configs (objects or HF-style dicts), the shared embedding width and ``s₀``.
+
+    ``logit_scale`` starts at ``logit_scale_init_value`` = log(1 / 0.07), the learned temperature.
+    """
+
+    text_config: Union[CLIPTextConfig, dict] = field(default_factory=CLIPTextConfig)
+    vision_config: Union[CLIPVisionConfig, dict] = field(default_factory=CLIPVisionConfig)
+    projection_dim: int = 512
+    logit_scale_init_value: float = 2.6592
+    initializer_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.text_config, dict):
+            self.text_config = CLIPTextConfig.from_hf(self.text_config)
+        if isinstance(self.vision_config, dict):
+            self.vision_config = CLIPVisionConfig.from_hf(self.vision_config)
+        if not isinstance(self.text_config, CLIPTextConfig):
+            raise TypeError(f"text_config must be a CLIPTextConfig or dict, got {type(self.text_config).__name__}")
+        if not isinstance(self.vision_config, CLIPVisionConfig):
+            raise TypeError(f"vision_config must be a CLIPVisionConfig or dict, "
+                            f"got {type(self.vision_config).__name__}")
+        p = self.projection_dim
+        if isinstance(p, bool) or not isinstance(p, numbers.Integral) or p <= 0:
+            raise ValueError(f"projection_dim must be a positive int, got {p!r}")
+        if not isinstance(self.logit_scale_init_value, numbers.Real):
+            raise TypeError(f"logit_scale_init_value must be a float, got {self.logit_scale_init_value!r}")
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "CLIPConfig":
+        """From an HF ``config.json`` dict. Missing tower configs take the defaults and the legacy
+        ``text_config_dict`` / ``vision_config_dict`` (older OpenAI checkpoints) override, as in HF."""
+        kw = _known_fields(cls, d)
+        for tower, tower_cls in (("text", CLIPTextConfig), ("vision", CLIPVisionConfig)):
+            merged = {**(d.get(f"{tower}_config") or {}), **(d.get(f"{tower}_config_dict") or {})}
+            kw[f"{tower}_config"] = tower_cls.from_hf(merged)
+        return cls(**kw)
+
+    def to_hf(self) -> dict:
+        """An HF ``config.json`` dict that ``transformers.CLIPConfig`` reads back unchanged."""
+        return {"model_type": "clip", "projection_dim": self.projection_dim,
+                "logit_scale_init_value": self.logit_scale_init_value, "initializer_factor": self.initializer_factor,
+                "text_config": {**self.text_config.to_hf(), "projection_dim": self.projection_dim},
+                "vision_config": {**self.vision_config.to_hf(), "projection_dim": self.projection_dim}}
+
+
+@dataclass
+class CLIPTowerOutput:
+    """One tower's output: ``last_hidden_state (B, L, E)`` (text: after the final LayerNorm; vision:
+    before the post-LayerNorm, as HF), ``pooler_output (B, E)`` and optional per-layer
+    ``attentions (B, H, L, L)``."""
+
+    last_hidden_state: Tensor
+    pooler_output: Tensor
+    attentions: Optional[tuple[Tensor, ...]] = None
+
+
+@dataclass
+class CLIPOutput:
+    """``logits_per_image (B_img, B_txt)``, ``logits_per_text (B_txt, B_img)``, the unit-norm
+    ``text_embeds`` / ``image_embeds`` ``(B, projection_dim)`` and each tower's output."""
+
+    logits_per_image: Tensor
+    logits_per_text: Tensor
+    text_embeds: Tensor
+    image_embeds: Tensor
+    text_model_output: CLIPTowerOutput
+    vision_model_output: CLIPTowerOutput
+
+
+def _encoder_layers(cfg: Union[CLIPTextConfig, CLIPVisionConfig]) -> nn.ModuleList:
+    """``num_hidden_layers`` pre-norm :class:`EncoderLayer` (no residual dropout, as HF's CLIP)."""
+    act = HIDDEN_ACTS[cfg.hidden_act]
+    layers = nn.ModuleList(
+        EncoderLayer(cfg.hidden_size, cfg.num_attention_heads, ffn_dim=cfg.intermediate_size,
+                     activation="gelu" if act == "quick_gelu" else act, dropout=0.0,
+                     attn_dropout=cfg.attention_dropout, norm_first=True, norm_eps=cfg.layer_norm_eps)
+        for _ in range(cfg.num_hidden_layers))
+    if act == "quick_gelu":  # FeedForward has no quick_gelu: swap its (weightless) activation function
+        for layer in layers:
+            layer.ffn.act, layer.ffn.activation = quick_gelu, "quick_gelu"
+    return layers
+
+
+class CLIPTextTransformer(nn.Module):
+    """The text tower: token + position embeddings, causal pre-norm encoder, final LayerNorm, EOS pooling."""
+
+    def __init__(self, config: CLIPTextConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.token_embedding = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.layers = _encoder_layers(config)
+        self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def eos_positions(self, input_ids: Tensor) -> Tensor:
+        """Where each row is pooled ``(B,)``: the first ``eos_token_id``, as transformers does; with the
+        legacy ``eos_token_id == 2`` the position of the largest id (the EOS token is the last vocabulary entry).
+
+        Raises:
+            ValueError: a row holds no ``eos_token_id`` (new convention only).
+        """
+        if self.config.eos_token_id == LEGACY_EOS_TOKEN_ID:
+            return input_ids.argmax(dim=-1)
+        is_eos = input_ids == self.config.eos_token_id  # (B, L)
+        if not bool(is_eos.any(dim=-1).all()):
+            rows = (~is_eos.any(dim=-1)).nonzero().flatten().tolist()
+            raise ValueError(f"input_ids rows {rows} hold no eos_token_id={self.config.eos_token_id} to pool at")
+        return is_eos.int().argmax(dim=-1)
+
+    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, *,
+                output_attentions: bool = False) -> CLIPTowerOutput:
+        """Encode ``input_ids (B, L)`` (``attention_mask``: 1 = token, 0 = padding); pooled at the EOS token."""
+        self._check_inputs(input_ids, attention_mask)
+        B, L = input_ids.shape
+        pad = None if attention_mask is None else attention_mask == 0  # (B, L), True = padding
+        pos = torch.arange(L, device=input_ids.device)
+        x = self.token_embedding(input_ids) + self.position_embedding(pos)  # (B, L, E)
+        attns = []
+        for layer in self.layers:
+            if output_attentions:
+                attns.append(pre_norm_attention_weights(layer, x, key_padding_mask=pad, causal=True))
+            x = layer(x, key_padding_mask=pad, is_causal=True)
+        x = self.final_norm(x)
+        pooled = x[torch.arange(B, device=x.device), self.eos_positions(input_ids)]  # (B, E)
+        return CLIPTowerOutput(x, pooled, tuple(attns) if output_attentions else None)
+
+    def _check_inputs(self, input_ids, attention_mask) -> None:
+        cfg = self.config
+        if (not isinstance(input_ids, Tensor) or input_ids.dim() != 2
+                or input_ids.dtype not in (torch.int64, torch.int32)):
+            raise ValueError("input_ids must be an integer tensor (B, L), got "
+                             f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} "
+                             f"{tuple(getattr(input_ids, 'shape', ()))}")
+        B, L = input_ids.shape
+        if L == 0 or L > cfg.max_position_embeddings:
+            raise ValueError(f"input_ids has length {L}; it must be in [1, max_position_embeddings="
+                             f"{cfg.max_position_embeddings}]")
+        if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= cfg.vocab_size):
+            raise ValueError(f"input_ids must lie in [0, vocab_size={cfg.vocab_size}), got values in "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        if attention_mask is not None:
+            if not isinstance(attention_mask, Tensor) or attention_mask.shape != (B, L):
+                raise ValueError(f"attention_mask must be a tensor of shape (B, L) = {(B, L)}, got "
+                                 f"{tuple(getattr(attention_mask, 'shape', ())) or type(attention_mask).__name__}")
+            if not ((attention_mask == 0) | (attention_mask == 1)).all():
+                raise ValueError("attention_mask must hold only 1 (token) and 0 (padding)")
+
+
+class CLIPVisionTransformer(nn.Module):
+    """The vision tower: bias-free patch conv, class embedding, positions, pre-LN, encoder, post-LN on [CLS]."""
+
+    def __init__(self, config: CLIPVisionConfig) -> None:
+        super().__init__()
+        self.config = config
+        E = config.hidden_size
+        self.patch_embedding = nn.Conv2d(config.num_channels, E, kernel_size=config.patch_size,
+                                         stride=config.patch_size, bias=False)
+        self.class_embedding = nn.Parameter(torch.zeros(E))
+        self.position_embedding = nn.Embedding(config.num_patches + 1, E)
+        self.pre_norm = nn.LayerNorm(E, eps=config.layer_norm_eps)
+        self.layers = _encoder_layers(config)
+        self.post_norm = nn.LayerNorm(E, eps=config.layer_norm_eps)
+
+    def forward(self, pixel_values: Tensor, *, output_attentions: bool = False) -> CLIPTowerOutput:
+        """Encode ``pixel_values (B, num_channels, image_size, image_size)``; pooled at [CLS]."""
+        cfg = self.config
+        pixel_values = check_pixel_values(pixel_values, num_channels=cfg.num_channels, image_size=cfg.image_size,
+                                          dtype=self.patch_embedding.weight.dtype)
+        x = self.patch_embedding(pixel_values).flatten(2).transpose(1, 2)  # (B, N, E)
+        x = torch.cat([self.class_embedding.expand(x.shape[0], 1, -1), x], dim=1)  # (B, 1 + N, E)
+        x = self.pre_norm(x + self.position_embedding.weight)
+        attns = []
+        for layer in self.layers:
+            if output_attentions:
+                attns.append(pre_norm_attention_weights(layer, x))
+            x = layer(x)
+        return CLIPTowerOutput(x, self.post_norm(x[:, 0]), tuple(attns) if output_attentions else None)
+
+
+# our parameter name -> HF's (full names; the packed in_proj is split separately).
+_RULES = [
+    (r"text_model\.(token|position)_embedding\.", r"text_model.embeddings.\1_embedding."),
+    (r"text_model\.final_norm\.", "text_model.final_layer_norm."),
+    (r"vision_model\.(class_embedding|patch_embedding\.|position_embedding\.)", r"vision_model.embeddings.\1"),
+    (r"vision_model\.pre_norm\.", "vision_model.pre_layrnorm."),
+    (r"vision_model\.post_norm\.", "vision_model.post_layernorm."),
+    (r"(\w+)\.layers\.(\d+)\.self_attn\.out_proj\.", r"\1.encoder.layers.\2.self_attn.out_proj."),
+    (r"(\w+)\.layers\.(\d+)\.norm(\d)\.", r"\1.encoder.layers.\2.layer_norm\3."),
+    (r"(\w+)\.layers\.(\d+)\.ffn\.w(\d)\.", r"\1.encoder.layers.\2.mlp.fc\3."),
+]
+_IN_PROJ = re.compile(r"(\w+)\.layers\.(\d+)\.self_attn\.in_proj\.(weight|bias)")
+
+
+def _hf_names(name: str) -> list[str]:
+    """HF names of one of our tensors (three, q/k/v, for the packed projection)."""
+    m = _IN_PROJ.fullmatch(name)
+    if m:
+        return [f"{m[1]}.encoder.layers.{m[2]}.self_attn.{p}_proj.{m[3]}" for p in "qkv"]
+    for pattern, repl in _RULES:
+        if re.match(pattern, name):
+            return [re.sub(pattern, repl, name, count=1)]
+    return [name]  # text_projection, visual_projection, logit_scale: the same in both
+
+
+class CLIPModel(PreTrainedMixin, nn.Module):
+    """CLIP: both towers, bias-free projections to ``projection_dim`` and the learned ``logit_scale``."""
+
+    hf_architecture = "CLIPModel"
+    hf_ignored = (r"position_ids$",)
+
+    def __init__(self, config: CLIPConfig) -> None:
+        super().__init__()
+        if not isinstance(config, CLIPConfig):
+            raise TypeError(f"config must be a CLIPConfig, got {type(config).__name__}")
+        self.config = config
+        t, v = config.text_config, config.vision_config
+        self.text_model = CLIPTextTransformer(t)
+        self.vision_model = CLIPVisionTransformer(v)
+        self.text_projection = nn.Linear(t.hidden_size, config.projection_dim, bias=False)
+        self.visual_projection = nn.Linear(v.hidden_size, config.projection_dim, bias=False)
+        self.logit_scale = nn.Parameter(torch.tensor(float(config.logit_scale_init_value)))
+        self._init_weights()
+
+    def get_text_features(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
+        """``W_t LN_f(hᴸ)_eos`` ``(B, projection_dim)``, not normalised."""
+        return self.text_projection(self.text_model(input_ids, attention_mask).pooler_output)
+
+    def get_image_features(self, pixel_values: Tensor) -> Tensor:
+        """``W_v LN_post(hᴸ_[CLS])`` ``(B, projection_dim)``, not normalised."""
+        return self.visual_projection(self.vision_model(pixel_values).pooler_output)
+
+    def forward(self, input_ids: Tensor, pixel_values: Tensor, attention_mask: Optional[Tensor] = None, *,
+                output_attentions: bool = False) -> CLIPOutput:
+        """Scaled cosine similarities of ``input_ids (B_txt, L)`` (``attention_mask``: 1 = token,
+        0 = padding) and ``pixel_values (B_img, C, S, S)``.
+
+        ``output_attentions`` adds each tower's per-layer softmax weights to its output.
+
+        Raises:
+            ValueError: bad ids, mask or pixels (the message names the argument), or a text row with
+                no EOS token to pool at.
+        """
+        text = self.text_model(input_ids, attention_mask, output_attentions=output_attentions)
+        vision = self.vision_model(pixel_values, output_attentions=output_attentions)
+        t = F.normalize(self.text_projection(text.pooler_output), dim=-1)  # (B_txt, P)
+        v = F.normalize(self.visual_projection(vision.pooler_output), dim=-1)  # (B_img, P)
+        logits_per_text = self.logit_scale.exp() * t @ v.T  # (B_txt, B_img)
+        return CLIPOutput(logits_per_text.T, logits_per_text, t, v, text, vision)
+
+    def to_hf_state_dict(self) -> dict[str, Tensor]:
+        """Our parameters under HF's names; the packed q/k/v projection split into q_proj/k_proj/v_proj."""
+        out = {}
+        for name, t in self.state_dict().items():
+            names = _hf_names(name)
+            out.update(zip(names, t.chunk(3, dim=0)) if len(names) == 3 else {names[0]: t})
+        return out
+
+    def from_hf_state_dict(self, hf: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The inverse of :meth:`to_hf_state_dict`: HF tensors under our names."""
+        out = {}
+        for name in self.state_dict():
+            names = _hf_names(name)
+            out[name] = hf[names[0]] if len(names) == 1 else torch.cat([hf[n] for n in names])
+        return out
+
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        """HF's CLIP init: N(0, σ) with σ scaled by width and depth, zero biases, unit LayerNorms."""
+        f = self.config.initializer_factor
+        for tower in (self.text_model, self.vision_model):
+            c = tower.config
+            E, depth = c.hidden_size, (2 * c.num_hidden_layers) ** -0.5
+            for layer in tower.layers:
+                nn.init.normal_(layer.self_attn.in_proj.weight, std=E ** -0.5 * depth * f)
+                nn.init.normal_(layer.self_attn.out_proj.weight, std=E ** -0.5 * f)
+                nn.init.normal_(layer.ffn.w1.weight, std=(2 * E) ** -0.5 * f)
+                nn.init.normal_(layer.ffn.w2.weight, std=E ** -0.5 * depth * f)
+                for lin in (layer.self_attn.in_proj, layer.self_attn.out_proj, layer.ffn.w1, layer.ffn.w2):
+                    nn.init.zeros_(lin.bias)
+        nn.init.normal_(self.text_model.token_embedding.weight, std=0.02 * f)
+        nn.init.normal_(self.text_model.position_embedding.weight, std=0.02 * f)
+        v = self.vision_model
+        nn.init.normal_(v.class_embedding, std=v.config.hidden_size ** -0.5 * f)
+        nn.init.normal_(v.patch_embedding.weight, std=v.config.initializer_range * f)
+        nn.init.normal_(v.position_embedding.weight, std=v.config.initializer_range * f)
+        nn.init.normal_(self.text_projection.weight, std=self.config.text_config.hidden_size ** -0.5 * f)
+        nn.init.normal_(self.visual_projection.weight, std=self.config.vision_config.hidden_size ** -0.5 * f)
+
+
+register("clip", config_from_hf=CLIPConfig.from_hf, architectures={"CLIPModel": CLIPModel}, default="CLIPModel")

@@ -1,0 +1,338 @@
+"""Vision Transformer (Dosovitskiy et al. 2021) from attnlab's blocks, loading and saving HF checkpoints.
+
+::
+
+    x_p = Conv2d_{P×P, stride P}(image)                  N = (S / P)² patches of width E
+    h⁰ = [x_cls; x_p¹; …; x_pᴺ] + E_pos                   (then dropout)
+    hˡ = EncoderLayer(hˡ⁻¹)    pre-norm: x + Attn(LN(x)), x + W₂ gelu(W₁ LN(x))
+    y = LN(hᴸ)
+    logits = W_c y_[CLS] + b_c;  pooler = tanh(W_p y_[CLS] + b_p)      (ViTModel only)
+
+Module names are ours (``layers.i.self_attn.in_proj`` packs HF's query/key/value); HF's checkpoint
+names (``vit.encoder.layer.i.attention.attention.query``, ...) appear only in
+:meth:`to_hf_state_dict` / :meth:`from_hf_state_dict`. Training-mode difference from HF: our
+feed-forward also applies dropout to its hidden activation (HF's ViT default dropout is 0).
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnlab.functional.attention import attention_weights
+from attnlab.models.bert import HIDDEN_ACTS
+from attnlab.models.hub import PreTrainedMixin, register
+from attnlab.nn.block import EncoderLayer
+
+
+@dataclass
+class ViTConfig:
+    """ViT hyper-parameters, with HF ``ViTConfig``'s field names and defaults (ViT-B/16 at 224²).
+
+    ``id2label`` (optional) names the ``num_labels`` classes; it is kept so that a checkpoint's
+    class names survive a load/save round trip.
+    """
+
+    image_size: int = 224
+    patch_size: int = 16
+    num_channels: int = 3
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.0
+    attention_probs_dropout_prob: float = 0.0
+    layer_norm_eps: float = 1e-12
+    qkv_bias: bool = True
+    initializer_range: float = 0.02
+    num_labels: int = 2
+    id2label: Optional[dict[int, str]] = None
+
+    def __post_init__(self) -> None:
+        for f in ("image_size", "patch_size", "num_channels", "hidden_size", "num_hidden_layers",
+                  "num_attention_heads", "intermediate_size", "num_labels"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
+                raise ValueError(f"{f} must be a positive int, got {v!r}")
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size={self.image_size} must be divisible by patch_size={self.patch_size}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} must be divisible by "
+                             f"num_attention_heads={self.num_attention_heads}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act must be one of {sorted(HIDDEN_ACTS)}, got {self.hidden_act!r}")
+        for f in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0.0 <= v < 1.0:
+                raise ValueError(f"{f} must be a float in [0, 1), got {v!r}")
+        if not isinstance(self.layer_norm_eps, numbers.Real) or self.layer_norm_eps <= 0:
+            raise ValueError(f"layer_norm_eps must be a positive float, got {self.layer_norm_eps!r}")
+        if not isinstance(self.qkv_bias, bool):
+            raise TypeError(f"qkv_bias must be a bool, got {self.qkv_bias!r}")
+        if self.id2label is not None:
+            if not isinstance(self.id2label, dict) or sorted(self.id2label) != list(range(self.num_labels)):
+                raise ValueError(f"id2label must map each class id 0..num_labels-1 ({self.num_labels} classes) "
+                                 f"to a name, got {self.id2label!r}")
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "ViTConfig":
+        """From an HF ``config.json`` dict; ``num_labels`` comes from ``id2label`` as in HF.
+
+        Raises:
+            ValueError: an unsupported variant (non-tanh or resized pooler) or an invalid field.
+        """
+        if d.get("pooler_act", "tanh") != "tanh":
+            raise ValueError(f"pooler_act must be 'tanh', got {d['pooler_act']!r}")
+        if d.get("pooler_output_size") not in (None, d.get("hidden_size", cls.hidden_size)):
+            raise ValueError(f"pooler_output_size must equal hidden_size, got {d['pooler_output_size']!r}")
+        names = {f.name for f in dataclasses.fields(cls)} - {"id2label", "num_labels"}
+        kw = {k: v for k, v in d.items() if k in names}
+        if d.get("id2label"):
+            kw["id2label"] = {int(k): v for k, v in d["id2label"].items()}
+            kw["num_labels"] = len(kw["id2label"])
+        elif "num_labels" in d:
+            kw["num_labels"] = d["num_labels"]
+        return cls(**kw)
+
+    def to_hf(self) -> dict:
+        """An HF ``config.json`` dict that ``transformers.ViTConfig`` reads back unchanged."""
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("num_labels", "id2label")}
+        id2label = self.id2label or {i: f"LABEL_{i}" for i in range(self.num_labels)}
+        return {**d, "model_type": "vit", "pooler_act": "tanh", "pooler_output_size": self.hidden_size,
+                "id2label": {str(i): name for i, name in id2label.items()},
+                "label2id": {name: i for i, name in id2label.items()}}
+
+
+@dataclass
+class ViTOutput:
+    """What a ViT forward returns; fields a model does not compute are None.
+
+    Attributes:
+        last_hidden_state: ``(B, 1 + N, E)`` after the final LayerNorm.
+        pooler_output: ``(B, E)``, ``tanh(W_p y_[CLS] + b_p)`` (ViTModel with a pooler).
+        logits: ``(B, num_labels)`` (ViTForImageClassification).
+        hidden_states: ``num_layers + 1`` tensors ``(B, 1 + N, E)`` (embeddings, then each layer; before
+            the final LayerNorm, as HF).
+        attentions: ``num_layers`` tensors ``(B, H, 1 + N, 1 + N)`` of softmax weights.
+    """
+
+    last_hidden_state: Optional[Tensor] = None
+    pooler_output: Optional[Tensor] = None
+    logits: Optional[Tensor] = None
+    hidden_states: Optional[tuple[Tensor, ...]] = None
+    attentions: Optional[tuple[Tensor, ...]] = None
+
+
+def check_pixel_values(pixel_values, *, num_channels: int, image_size: int, dtype: torch.dtype) -> Tensor:
+    """``pixel_values`` checked to be ``(B, num_channels, image_size, image_size)`` and cast to ``dtype``.
+
+    Raises:
+        ValueError: not a floating 4-D tensor, or the wrong number of channels or image size.
+    """
+    if not isinstance(pixel_values, Tensor) or pixel_values.dim() != 4 or not pixel_values.is_floating_point():
+        raise ValueError("pixel_values must be a floating tensor (B, C, H, W), got "
+                         f"{getattr(pixel_values, 'dtype', type(pixel_values).__name__)} "
+                         f"{tuple(getattr(pixel_values, 'shape', ()))}")
+    _, C, H, W = pixel_values.shape
+    if C != num_channels:
+        raise ValueError(f"pixel_values has {C} channels; the model expects num_channels={num_channels}")
+    if (H, W) != (image_size, image_size):
+        raise ValueError(f"pixel_values is {H}×{W}; the model expects image_size={image_size} "
+                         f"({image_size}×{image_size})")
+    return pixel_values.to(dtype)
+
+
+def pre_norm_attention_weights(layer: EncoderLayer, x: Tensor, *, key_padding_mask: Optional[Tensor] = None,
+                               causal: bool = False) -> Tensor:
+    """``softmax(q kᵀ / sqrt(d))`` ``(B, H, L, L)`` of a pre-norm layer's self-attention on its input ``x (B, L, E)``.
+
+    Recovered from q, k and the row log-sum-exp (:func:`attnlab.attention_weights`), beside the
+    layer's own fast forward, which is unchanged. ``key_padding_mask (B, L)``: True = padding.
+    """
+    attn = layer.self_attn
+    B, L, E = x.shape
+    b = attn.in_proj.bias
+    qk = F.linear(layer.norm1(x), attn.in_proj.weight[:2 * E], None if b is None else b[:2 * E])
+    q, k = qk.view(B, L, 2, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)  # (B, H, L, D)
+    mask = None if key_padding_mask is None else ~key_padding_mask.view(B, 1, 1, L)
+    return attention_weights(q, k, mask=mask, causal=causal)  # (B, H, L, L)
+
+
+class ViTEmbeddings(nn.Module):
+    """``[x_cls; Conv2d_P(image)] + E_pos`` then dropout: ``(B, C, S, S) -> (B, 1 + N, E)``."""
+
+    def __init__(self, config: ViTConfig) -> None:
+        super().__init__()
+        E = config.hidden_size
+        self.patch = nn.Conv2d(config.num_channels, E, kernel_size=config.patch_size, stride=config.patch_size)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, E))
+        self.position = nn.Parameter(torch.zeros(1, config.num_patches + 1, E))
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, pixel_values: Tensor) -> Tensor:
+        x = self.patch(pixel_values).flatten(2).transpose(1, 2)  # (B, N, E), patches in row-major order
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1 + N, E)
+        return self.dropout(x + self.position)
+
+
+# our parameter name (without "weight"/"bias") -> HF's, for the encoder.
+_RULES = [
+    (r"embeddings\.patch", "embeddings.patch_embeddings.projection"),
+    (r"layers\.(\d+)\.self_attn\.out_proj", r"encoder.layer.\1.attention.output.dense"),
+    (r"layers\.(\d+)\.norm1", r"encoder.layer.\1.layernorm_before"),
+    (r"layers\.(\d+)\.norm2", r"encoder.layer.\1.layernorm_after"),
+    (r"layers\.(\d+)\.ffn\.w1", r"encoder.layer.\1.intermediate.dense"),
+    (r"layers\.(\d+)\.ffn\.w2", r"encoder.layer.\1.output.dense"),
+    (r"norm", "layernorm"),
+    (r"pooler", "pooler.dense"),
+    (r"classifier", "classifier"),
+]
+_PARAMS = {"embeddings.cls_token": "embeddings.cls_token", "embeddings.position": "embeddings.position_embeddings"}
+_IN_PROJ = re.compile(r"layers\.(\d+)\.self_attn\.in_proj\.(weight|bias)")
+
+
+def _encoder_hf_names(name: str) -> list[str]:
+    """HF names of one of our encoder tensors (three, query/key/value, for the packed projection)."""
+    m = _IN_PROJ.fullmatch(name)
+    if m:
+        return [f"encoder.layer.{m[1]}.attention.attention.{p}.{m[2]}" for p in ("query", "key", "value")]
+    if name in _PARAMS:
+        return [_PARAMS[name]]
+    stem, _, suffix = name.rpartition(".")
+    for pattern, repl in _RULES:
+        if re.fullmatch(pattern, stem):
+            return [f"{re.sub(pattern, repl, stem)}.{suffix}"]
+    raise KeyError(f"no HF name for parameter {name!r}")
+
+
+class _ViTBase(PreTrainedMixin, nn.Module):
+    """HF name conversion shared by the ViT models: encoder names under ``vit.`` in the classifier."""
+
+    hf_ignored = ()
+
+    def _hf_names(self, name: str) -> list[str]:
+        if name.startswith("vit."):
+            return ["vit." + n for n in _encoder_hf_names(name[len("vit."):])]
+        return _encoder_hf_names(name)
+
+    def to_hf_state_dict(self) -> dict[str, Tensor]:
+        """Our parameters under HF's names; the packed q/k/v projection split into query/key/value."""
+        out = {}
+        for name, t in self.state_dict().items():
+            hf_names = self._hf_names(name)
+            for hf_name, chunk in zip(hf_names, t.chunk(len(hf_names), dim=0)):
+                out[hf_name] = chunk
+        return out
+
+    def from_hf_state_dict(self, hf: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The inverse of :meth:`to_hf_state_dict`: HF tensors under our names."""
+        return {name: torch.cat([hf[n] for n in self._hf_names(name)]) for name in self.state_dict()}
+
+    def _init_weights(self, std: float) -> None:
+        """HF's ViT init: truncated N(0, std) for weights and the [CLS]/position tables, zero biases."""
+        for mod in self.modules():
+            if isinstance(mod, (nn.Linear, nn.Conv2d)):
+                nn.init.trunc_normal_(mod.weight, std=std)
+                if mod.bias is not None:
+                    nn.init.zeros_(mod.bias)
+            elif isinstance(mod, nn.LayerNorm):
+                nn.init.ones_(mod.weight)
+                nn.init.zeros_(mod.bias)
+            elif isinstance(mod, ViTEmbeddings):
+                nn.init.trunc_normal_(mod.cls_token, std=std)
+                nn.init.trunc_normal_(mod.position, std=std)
+
+
+class ViTModel(_ViTBase):
+    """The ViT encoder (+ optional ``tanh`` pooler on [CLS]): HF ``ViTModel``.
+
+    Args:
+        config: :class:`ViTConfig`.
+        add_pooling_layer: keep the pooler (HF's classifier has none).
+    """
+
+    hf_architecture = "ViTModel"
+
+    def __init__(self, config: ViTConfig, *, add_pooling_layer: bool = True) -> None:
+        super().__init__()
+        if not isinstance(config, ViTConfig):
+            raise TypeError(f"config must be a ViTConfig, got {type(config).__name__}")
+        self.config = config
+        self.embeddings = ViTEmbeddings(config)
+        self.layers = nn.ModuleList(
+            EncoderLayer(config.hidden_size, config.num_attention_heads, ffn_dim=config.intermediate_size,
+                         activation=HIDDEN_ACTS[config.hidden_act], dropout=config.hidden_dropout_prob,
+                         attn_dropout=config.attention_probs_dropout_prob, norm_first=True,
+                         norm_eps=config.layer_norm_eps)
+            for _ in range(config.num_hidden_layers))
+        if not config.qkv_bias:  # HF keeps the output projection's bias; only q, k, v lose theirs
+            for layer in self.layers:
+                layer.self_attn.in_proj = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=False)
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.pooler = nn.Linear(config.hidden_size, config.hidden_size) if add_pooling_layer else None
+        self._init_weights(config.initializer_range)
+
+    def forward(self, pixel_values: Tensor, *, output_attentions: bool = False,
+                output_hidden_states: bool = False) -> ViTOutput:
+        """Encode ``pixel_values (B, num_channels, image_size, image_size)``.
+
+        ``output_attentions`` adds each layer's softmax weights ``(B, H, 1 + N, 1 + N)``
+        (:func:`pre_norm_attention_weights`).
+
+        Raises:
+            ValueError: ``pixel_values`` is not a floating ``(B, C, H, W)`` tensor, or its channels or
+                size differ from ``num_channels`` / ``image_size``.
+        """
+        cfg = self.config
+        pixel_values = check_pixel_values(pixel_values, num_channels=cfg.num_channels, image_size=cfg.image_size,
+                                          dtype=self.embeddings.patch.weight.dtype)
+        x = self.embeddings(pixel_values)  # (B, 1 + N, E)
+        hidden, attns = [x], []
+        for layer in self.layers:
+            if output_attentions:
+                attns.append(pre_norm_attention_weights(layer, x))
+            x = layer(x)
+            hidden.append(x)
+        y = self.norm(x)
+        pooled = None if self.pooler is None else torch.tanh(self.pooler(y[:, 0]))  # (B, E)
+        return ViTOutput(last_hidden_state=y, pooler_output=pooled,
+                         hidden_states=tuple(hidden) if output_hidden_states else None,
+                         attentions=tuple(attns) if output_attentions else None)
+
+
+class ViTForImageClassification(_ViTBase):
+    """ViT with a linear classifier on the final [CLS] state: HF ``ViTForImageClassification``."""
+
+    hf_architecture = "ViTForImageClassification"
+
+    def __init__(self, config: ViTConfig) -> None:
+        super().__init__()
+        if not isinstance(config, ViTConfig):
+            raise TypeError(f"config must be a ViTConfig, got {type(config).__name__}")
+        self.config = config
+        self.vit = ViTModel(config, add_pooling_layer=False)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self._init_weights(config.initializer_range)
+
+    def forward(self, pixel_values: Tensor, *, output_attentions: bool = False,
+                output_hidden_states: bool = False) -> ViTOutput:
+        """As :meth:`ViTModel.forward`, plus ``logits (B, num_labels) = W_c y_[CLS] + b_c``."""
+        out = self.vit(pixel_values, output_attentions=output_attentions,
+                       output_hidden_states=output_hidden_states)
+        out.logits = self.classifier(out.last_hidden_state[:, 0])
+        return out
+
+
+register("vit", config_from_hf=ViTConfig.from_hf, default="ViTModel",
+         architectures={c.hf_architecture: c for c in (ViTModel, ViTForImageClassification)})
