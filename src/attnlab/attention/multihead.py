@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.functional.attention import attention
+from attnlab.functional.attention import attention, attention_weights
 from attnlab.nn.cache import KVCache
 
 # A position bias larger than this many elements (H·L·S) is passed as a score_mod (computed block
@@ -142,14 +142,7 @@ class MultiheadAttention(nn.Module):
             k, v = cache.update(k, v)
         S = k.shape[2]
 
-        mask = self._mask(key_padding_mask, attn_mask, B, L, S, q.dtype)
-        score_mod = None
-        if self.position_bias is not None:
-            if self.backend in ("tiled", "flex") or H * L * S > DENSE_BIAS_LIMIT:
-                score_mod = self.position_bias.score_mod()
-            else:
-                bias = self.position_bias(torch.arange(S - L, S, device=q.device), torch.arange(S, device=q.device))
-                mask = bias.to(q.dtype) if mask is None else _add_masks(mask, bias.to(q.dtype))
+        mask, score_mod = self._mask_and_mod(key_padding_mask, attn_mask, B, L, S, q)
         res = attention(q, k, v, mask=mask, causal=is_causal, window=self.window, score_mod=score_mod,
                         dropout_p=self.dropout if self.training else 0.0, normalize=self.normalize,
                         top_k=self.top_k, return_weights=need_weights, backend=self.backend)
@@ -158,6 +151,37 @@ class MultiheadAttention(nn.Module):
         if weights is not None and average_attn_weights:
             weights = weights.mean(dim=1)
         return out, weights
+
+    @torch.no_grad()
+    def attention_weights(self, query: Tensor, key: Optional[Tensor] = None, *,
+                          key_padding_mask: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
+                          is_causal: bool = False) -> Tensor:
+        """Exact per-head weights ``(B, H, L, S)`` of attending from ``query`` to ``key``, recovered from
+        q, k and each row's log-sum-exp (:func:`attnlab.attention_weights`) in O(L + S) extra memory
+        per row block: the forward pass keeps its fast backend. Same masks as :meth:`forward`.
+        """
+        key = query if key is None else key
+        self._check_inputs(query, key, key)
+        B, L, _ = query.shape
+        q, k, _ = self._project(query, key, key, False)
+        q = q.reshape(B, L, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, Dh)
+        k = k.reshape(B, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, S, Dh)
+        S = k.shape[2]
+        if self.rotary is not None:
+            q = self.rotary(q, torch.arange(S - L, S, device=q.device))
+            k = self.rotary(k, torch.arange(S, device=k.device))
+        mask, score_mod = self._mask_and_mod(key_padding_mask, attn_mask, B, L, S, q)
+        return attention_weights(q, k, mask=mask, causal=is_causal, window=self.window, score_mod=score_mod)
+
+    def _mask_and_mod(self, key_padding_mask, attn_mask, B, L, S, q: Tensor):
+        """The pipeline mask (masks + a dense position bias) and score_mod (a large position bias)."""
+        mask = self._mask(key_padding_mask, attn_mask, B, L, S, q.dtype)
+        if self.position_bias is None:
+            return mask, None
+        if self.backend in ("tiled", "flex") or self.num_heads * L * S > DENSE_BIAS_LIMIT:
+            return mask, self.position_bias.score_mod()
+        bias = self.position_bias(torch.arange(S - L, S, device=q.device), torch.arange(S, device=q.device))
+        return (bias.to(q.dtype) if mask is None else _add_masks(mask, bias.to(q.dtype))), None
 
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
         for name, t, width in (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim)):

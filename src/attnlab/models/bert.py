@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.functional.attention import attention_weights
 from attnlab.models.hub import PreTrainedMixin, register
 from attnlab.nn.block import EncoderLayer
 from attnlab.nn.feedforward import ACTIVATIONS
@@ -251,23 +250,13 @@ class BertModel(_BertBase):
         hidden, attns = [x], []
         for layer in self.layers:
             if output_attentions:
-                attns.append(self._attention_weights(layer, x, pad))
+                attns.append(layer.attention_weights(x, key_padding_mask=pad))
             x = layer(x, key_padding_mask=pad)
             hidden.append(x)
         pooled = None if self.pooler is None else torch.tanh(self.pooler(x[:, 0]))  # (B, E)
         return BertOutput(last_hidden_state=x, pooler_output=pooled,
                           hidden_states=tuple(hidden) if output_hidden_states else None,
                           attentions=tuple(attns) if output_attentions else None)
-
-    @staticmethod
-    def _attention_weights(layer: EncoderLayer, x: Tensor, pad: Optional[Tensor]) -> Tensor:
-        """``softmax(q kᵀ / sqrt(d))`` of one layer's self-attention on its input ``x (B, L, E)``."""
-        attn = layer.self_attn
-        B, L, E = x.shape
-        w, b = attn.in_proj.weight[:2 * E], attn.in_proj.bias[:2 * E]
-        q, k = F.linear(x, w, b).view(B, L, 2, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)  # (B, H, L, D)
-        mask = None if pad is None else ~pad.view(B, 1, 1, L)
-        return attention_weights(q, k, mask=mask)  # (B, H, L, L)
 
     def _check_inputs(self, input_ids, attention_mask, token_type_ids) -> Tensor:
         cfg = self.config

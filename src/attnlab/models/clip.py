@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.models.hub import PreTrainedMixin, register
-from attnlab.models.vit import check_pixel_values, pre_norm_attention_weights
+from attnlab.models.vit import check_pixel_values
 from attnlab.nn.block import EncoderLayer
 
 # HF hidden_act -> our FeedForward activation ("quick_gelu" is patched in, see _encoder_layers).
@@ -255,7 +255,7 @@ class CLIPTextTransformer(nn.Module):
         attns = []
         for layer in self.layers:
             if output_attentions:
-                attns.append(pre_norm_attention_weights(layer, x, key_padding_mask=pad, causal=True))
+                attns.append(layer.attention_weights(x, key_padding_mask=pad, is_causal=True))
             x = layer(x, key_padding_mask=pad, is_causal=True)
         x = self.final_norm(x)
         pooled = x[torch.arange(B, device=x.device), self.eos_positions(input_ids)]  # (B, E)
@@ -309,7 +309,7 @@ class CLIPVisionTransformer(nn.Module):
         attns = []
         for layer in self.layers:
             if output_attentions:
-                attns.append(pre_norm_attention_weights(layer, x))
+                attns.append(layer.attention_weights(x))
             x = layer(x)
         return CLIPTowerOutput(x, self.post_norm(x[:, 0]), tuple(attns) if output_attentions else None)
 

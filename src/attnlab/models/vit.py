@@ -22,10 +22,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.functional.attention import attention_weights
 from attnlab.models.bert import HIDDEN_ACTS
 from attnlab.models.hub import PreTrainedMixin, register
 from attnlab.nn.block import EncoderLayer
@@ -153,22 +151,6 @@ def check_pixel_values(pixel_values, *, num_channels: int, image_size: int, dtyp
     return pixel_values.to(dtype)
 
 
-def pre_norm_attention_weights(layer: EncoderLayer, x: Tensor, *, key_padding_mask: Optional[Tensor] = None,
-                               causal: bool = False) -> Tensor:
-    """``softmax(q kᵀ / sqrt(d))`` ``(B, H, L, L)`` of a pre-norm layer's self-attention on its input ``x (B, L, E)``.
-
-    Recovered from q, k and the row log-sum-exp (:func:`attnlab.attention_weights`), beside the
-    layer's own fast forward, which is unchanged. ``key_padding_mask (B, L)``: True = padding.
-    """
-    attn = layer.self_attn
-    B, L, E = x.shape
-    b = attn.in_proj.bias
-    qk = F.linear(layer.norm1(x), attn.in_proj.weight[:2 * E], None if b is None else b[:2 * E])
-    q, k = qk.view(B, L, 2, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)  # (B, H, L, D)
-    mask = None if key_padding_mask is None else ~key_padding_mask.view(B, 1, 1, L)
-    return attention_weights(q, k, mask=mask, causal=causal)  # (B, H, L, L)
-
-
 class ViTEmbeddings(nn.Module):
     """``[x_cls; Conv2d_P(image)] + E_pos`` then dropout: ``(B, C, S, S) -> (B, 1 + N, E)``."""
 
@@ -288,7 +270,7 @@ class ViTModel(_ViTBase):
         """Encode ``pixel_values (B, num_channels, image_size, image_size)``.
 
         ``output_attentions`` adds each layer's softmax weights ``(B, H, 1 + N, 1 + N)``
-        (:func:`pre_norm_attention_weights`).
+        (:meth:`attnlab.nn.block.EncoderLayer.attention_weights`).
 
         Raises:
             ValueError: ``pixel_values`` is not a floating ``(B, C, H, W)`` tensor, or its channels or
@@ -301,7 +283,7 @@ class ViTModel(_ViTBase):
         hidden, attns = [x], []
         for layer in self.layers:
             if output_attentions:
-                attns.append(pre_norm_attention_weights(layer, x))
+                attns.append(layer.attention_weights(x))
             x = layer(x)
             hidden.append(x)
         y = self.norm(x)
