@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.models.hub import PreTrainedMixin, register
+from attnlab.models.hub import PreTrainedMixin, check_token_inputs, register
 from attnlab.models.vit import check_pixel_values
 from attnlab.nn.block import EncoderLayer
 
@@ -262,25 +262,8 @@ class CLIPTextTransformer(nn.Module):
         return CLIPTowerOutput(x, pooled, tuple(attns) if output_attentions else None)
 
     def _check_inputs(self, input_ids, attention_mask) -> None:
-        cfg = self.config
-        if (not isinstance(input_ids, Tensor) or input_ids.dim() != 2
-                or input_ids.dtype not in (torch.int64, torch.int32)):
-            raise ValueError("input_ids must be an integer tensor (B, L), got "
-                             f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} "
-                             f"{tuple(getattr(input_ids, 'shape', ()))}")
-        B, L = input_ids.shape
-        if L == 0 or L > cfg.max_position_embeddings:
-            raise ValueError(f"input_ids has length {L}; it must be in [1, max_position_embeddings="
-                             f"{cfg.max_position_embeddings}]")
-        if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= cfg.vocab_size):
-            raise ValueError(f"input_ids must lie in [0, vocab_size={cfg.vocab_size}), got values in "
-                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
-        if attention_mask is not None:
-            if not isinstance(attention_mask, Tensor) or attention_mask.shape != (B, L):
-                raise ValueError(f"attention_mask must be a tensor of shape (B, L) = {(B, L)}, got "
-                                 f"{tuple(getattr(attention_mask, 'shape', ())) or type(attention_mask).__name__}")
-            if not ((attention_mask == 0) | (attention_mask == 1)).all():
-                raise ValueError("attention_mask must hold only 1 (token) and 0 (padding)")
+        check_token_inputs(input_ids, attention_mask, vocab_size=self.config.vocab_size,
+                           max_positions=self.config.max_position_embeddings)
 
 
 class CLIPVisionTransformer(nn.Module):

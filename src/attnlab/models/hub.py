@@ -242,3 +242,31 @@ class PreTrainedMixin:
     def save_pretrained(self, path: PathLike) -> None:
         """Write HF-format ``config.json`` + ``model.safetensors`` (see :func:`save_pretrained`)."""
         save_pretrained(self, path)
+
+
+def check_token_inputs(input_ids, attention_mask, *, vocab_size: int, max_positions: int) -> tuple[int, int]:
+    """Validate ``input_ids (B, L)`` and an optional 0/1 ``attention_mask (B, L)`` at a model's
+    boundary; return ``(B, L)``.
+
+    Raises:
+        ValueError: not an integer (B, L) tensor, length outside ``[1, max_positions]``, ids outside
+            ``[0, vocab_size)``, or a mask of another shape or with values other than 0 and 1.
+    """
+    if (not isinstance(input_ids, Tensor) or input_ids.dim() != 2
+            or input_ids.dtype not in (torch.int64, torch.int32)):
+        raise ValueError("input_ids must be an integer tensor (B, L), got "
+                         f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} "
+                         f"{tuple(getattr(input_ids, 'shape', ()))}")
+    B, L = input_ids.shape
+    if L == 0 or L > max_positions:
+        raise ValueError(f"input_ids has length {L}; it must be in [1, max_position_embeddings={max_positions}]")
+    if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= vocab_size):
+        raise ValueError(f"input_ids must lie in [0, vocab_size={vocab_size}), got values in "
+                         f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+    if attention_mask is not None:
+        if not isinstance(attention_mask, Tensor) or attention_mask.shape != (B, L):
+            raise ValueError(f"attention_mask must be a tensor of shape (B, L) = {(B, L)}, got "
+                             f"{tuple(getattr(attention_mask, 'shape', ())) or type(attention_mask).__name__}")
+        if not ((attention_mask == 0) | (attention_mask == 1)).all():
+            raise ValueError("attention_mask must hold only 1 (token) and 0 (padding)")
+    return B, L
