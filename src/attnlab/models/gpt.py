@@ -19,11 +19,11 @@ import re
 from dataclasses import dataclass, fields
 from typing import Optional
 
-import torch
 from torch import Tensor, nn
 
-from attnlab.models.hub import PreTrainedMixin, register
-from attnlab.nn.block import DecoderLayer, LayerCache
+from attnlab.models.causal_lm import DecoderOnlyLM
+from attnlab.models.hub import register
+from attnlab.nn.block import DecoderLayer
 
 # HF activation_function -> our FeedForward activation
 _HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
@@ -89,17 +89,7 @@ class GPT2Config:
                 "activation_function": self.activation, "tie_word_embeddings": True, **d}
 
 
-@dataclass
-class CausalLMOutput:
-    """``logits (B, T, V)``; ``past_key_values`` (one :class:`LayerCache` per layer) when caching;
-    ``attentions``: per layer ``(B, H, T, S)`` weights with ``output_attentions``."""
-
-    logits: Tensor
-    past_key_values: Optional[list[LayerCache]] = None
-    attentions: Optional[tuple[Tensor, ...]] = None
-
-
-class GPT2LMHeadModel(PreTrainedMixin, nn.Module):
+class GPT2LMHeadModel(DecoderOnlyLM):
     """GPT-2 language model: embeddings, ``n_layer`` pre-norm causal :class:`DecoderLayer`, tied head.
 
     ``from_pretrained`` / ``save_pretrained`` read and write HF-format directories (see
@@ -131,65 +121,18 @@ class GPT2LMHeadModel(PreTrainedMixin, nn.Module):
             for proj in (layer.self_attn.out_proj, layer.ffn.w2):
                 nn.init.normal_(proj.weight, std=0.02 / (2 * c.n_layer) ** 0.5)
 
-    def new_cache(self, *, max_length: Optional[int] = None) -> list[LayerCache]:
-        """Empty per-layer caches; ``max_length`` preallocates them (a static cache)."""
-        return [LayerCache.create(max_length=max_length, cross_attention=False) for _ in self.layers]
+    positions_field = "n_positions"
 
-    def forward(self, input_ids: Tensor, *, attention_mask: Optional[Tensor] = None,
-                past_key_values: Optional[list[LayerCache]] = None, use_cache: bool = False,
-                output_attentions: bool = False) -> CausalLMOutput:
-        """Logits of ``input_ids (B, T)`` continuing the cached prefix (if any).
+    @property
+    def max_positions(self) -> int:
+        return self.config.n_positions
 
-        Args:
-            attention_mask: ``(B, past + T)``, 1 = token, 0 = padding (left padding supported); position
-                ids follow it as in HF: ``p = cumsum(mask) - 1`` (clamped at 0).
-            past_key_values: caches from :meth:`new_cache` or a previous call; updated in place.
-            use_cache: return the caches (new ones are made when ``past_key_values`` is None).
-            output_attentions: also return each layer's weights ``(B, H, T, past + T)``.
+    def embed(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        """Token + learned position embeddings (positions follow the mask, as in HF), then dropout."""
+        return self.drop(self.wte(input_ids) + self.wpe(positions))
 
-        Raises:
-            ValueError: an id is outside ``[0, vocab_size)``, past + T exceeds ``n_positions``, or
-                ``attention_mask`` has the wrong shape.
-        """
-        B, T = input_ids.shape
-        c = self.config
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= c.vocab_size):
-            raise ValueError(f"input_ids must lie in [0, vocab_size={c.vocab_size}), got "
-                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
-        if past_key_values is None and use_cache:
-            past_key_values = self.new_cache()
-        past = 0 if past_key_values is None else past_key_values[0].self_attn.length
-        if past + T > c.n_positions:
-            raise ValueError(f"input_ids: {past} cached + {T} new positions exceed n_positions={c.n_positions}")
-        padding = None
-        if attention_mask is None:
-            pos = torch.arange(past, past + T, device=input_ids.device).unsqueeze(0)  # (1, T)
-        else:
-            if attention_mask.shape != (B, past + T):
-                raise ValueError(f"attention_mask must be (B, past + T) = {(B, past + T)}, "
-                                 f"got {tuple(attention_mask.shape)}")
-            pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]  # (B, T)
-            if not bool(attention_mask.all()):
-                padding = attention_mask == 0  # (B, S), True = blocked
-        x = self.drop(self.wte(input_ids) + self.wpe(pos))  # (B, T, E)
-        weights = []
-        for i, layer in enumerate(self.layers):
-            # one query at the last position sees every key: no causal mask needed
-            out = layer(x, tgt_key_padding_mask=padding, is_causal=T > 1, need_weights=output_attentions,
-                        cache=None if past_key_values is None else past_key_values[i])
-            if output_attentions:
-                x, w = out
-                weights.append(w.self_attn)
-            else:
-                x = out
-        logits = self.lm_head(self.ln_f(x))  # (B, T, V)
-        return CausalLMOutput(logits, past_key_values if use_cache else None,
-                              tuple(weights) if output_attentions else None)
-
-    def generate(self, input_ids: Tensor, **kwargs) -> Tensor:
-        """:func:`attnlab.generation.generate` on this model (same arguments)."""
-        from attnlab.generation import generate
-        return generate(self, input_ids, **kwargs)
+    def head(self, x: Tensor) -> Tensor:
+        return self.lm_head(self.ln_f(x))  # (B, T, V)
 
     def to_hf_state_dict(self) -> dict[str, Tensor]:
         """HF names and layout; the tied ``lm_head.weight`` is left out (stored once, as ``wte``)."""

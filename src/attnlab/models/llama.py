@@ -26,9 +26,9 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from attnlab.models.gpt import CausalLMOutput
-from attnlab.models.hub import PreTrainedMixin, register
-from attnlab.nn.block import DecoderLayer, LayerCache
+from attnlab.models.causal_lm import DecoderOnlyLM
+from attnlab.models.hub import register
+from attnlab.nn.block import DecoderLayer
 from attnlab.nn.norms import RMSNorm
 from attnlab.nn.positional import RotaryEmbedding
 
@@ -132,7 +132,7 @@ class LlamaConfig:
                 **d}
 
 
-class LlamaForCausalLM(PreTrainedMixin, nn.Module):
+class LlamaForCausalLM(DecoderOnlyLM):
     """Llama language model: token embedding, ``num_hidden_layers`` pre-RMSNorm causal
     :class:`DecoderLayer` (GQA + RoPE, SwiGLU), final RMSNorm, LM head (tied per config).
 
@@ -165,61 +165,12 @@ class LlamaForCausalLM(PreTrainedMixin, nn.Module):
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def new_cache(self, *, max_length: Optional[int] = None) -> list[LayerCache]:
-        """Empty per-layer caches; ``max_length`` preallocates them (a static cache)."""
-        return [LayerCache.create(max_length=max_length, cross_attention=False) for _ in self.layers]
+    def embed(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        """Token embeddings; RoPE in each layer gives positions (relative, so left padding is exact)."""
+        return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids: Tensor, *, attention_mask: Optional[Tensor] = None,
-                past_key_values: Optional[list[LayerCache]] = None, use_cache: bool = False,
-                output_attentions: bool = False) -> CausalLMOutput:
-        """Logits of ``input_ids (B, T)`` continuing the cached prefix (if any).
-
-        Args:
-            attention_mask: ``(B, past + T)``, 1 = token, 0 = padding (left padding supported; RoPE
-                positions need not follow it, see the module docstring).
-            past_key_values: caches from :meth:`new_cache` or a previous call; updated in place.
-            use_cache: return the caches (new ones are made when ``past_key_values`` is None).
-            output_attentions: also return each layer's weights ``(B, H, T, past + T)``.
-
-        Raises:
-            ValueError: an id is outside ``[0, vocab_size)`` or ``attention_mask`` has the wrong shape.
-        """
-        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be a (B, T) tensor, got {getattr(input_ids, 'shape', input_ids)!r}")
-        B, T = input_ids.shape
-        c = self.config
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= c.vocab_size):
-            raise ValueError(f"input_ids must lie in [0, vocab_size={c.vocab_size}), got "
-                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
-        if past_key_values is None and use_cache:
-            past_key_values = self.new_cache()
-        past = 0 if past_key_values is None else past_key_values[0].self_attn.length
-        padding = None
-        if attention_mask is not None:
-            if attention_mask.shape != (B, past + T):
-                raise ValueError(f"attention_mask must be (B, past + T) = {(B, past + T)}, "
-                                 f"got {tuple(attention_mask.shape)}")
-            if not bool(attention_mask.all()):
-                padding = attention_mask == 0  # (B, S), True = blocked
-        x = self.embed_tokens(input_ids)  # (B, T, E)
-        weights = []
-        for i, layer in enumerate(self.layers):
-            # one query at the last position sees every key: no causal mask needed
-            out = layer(x, tgt_key_padding_mask=padding, is_causal=T > 1, need_weights=output_attentions,
-                        cache=None if past_key_values is None else past_key_values[i])
-            if output_attentions:
-                x, w = out
-                weights.append(w.self_attn)
-            else:
-                x = out
-        logits = self.lm_head(self.norm(x))  # (B, T, V)
-        return CausalLMOutput(logits, past_key_values if use_cache else None,
-                              tuple(weights) if output_attentions else None)
-
-    def generate(self, input_ids: Tensor, **kwargs) -> Tensor:
-        """:func:`attnlab.generation.generate` on this model (same arguments)."""
-        from attnlab.generation import generate
-        return generate(self, input_ids, **kwargs)
+    def head(self, x: Tensor) -> Tensor:
+        return self.lm_head(self.norm(x))  # (B, T, V)
 
     def to_hf_state_dict(self) -> dict[str, Tensor]:
         """HF names; with tied embeddings ``lm_head.weight`` is left out (stored once, as ``embed_tokens``)."""

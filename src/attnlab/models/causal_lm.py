@@ -1,0 +1,101 @@
+"""What every decoder-only language model shares: the cache, the forward plumbing, ``generate``.
+
+A family subclasses :class:`DecoderOnlyLM` and provides ``self.config`` (with ``vocab_size``),
+``self.layers`` (decoder-only :class:`~attnlab.nn.block.DecoderLayer` s), ``embed(input_ids,
+positions) -> (B, T, E)``, ``head(x) -> logits`` and ``max_positions`` (None when unbounded, e.g.
+RoPE). Positions follow the attention mask as in Hugging Face: ``p = cumsum(mask) - 1``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.models.hub import PreTrainedMixin
+from attnlab.nn.block import LayerCache
+
+
+@dataclass
+class CausalLMOutput:
+    """``logits (B, T, V)``; ``past_key_values`` (one :class:`LayerCache` per layer) when caching;
+    ``attentions``: per layer ``(B, H, T, S)`` weights with ``output_attentions``."""
+
+    logits: Tensor
+    past_key_values: Optional[list[LayerCache]] = None
+    attentions: Optional[tuple[Tensor, ...]] = None
+
+
+class DecoderOnlyLM(PreTrainedMixin, nn.Module):
+    """Base of the decoder-only models (GPT-2, Llama): see the module docstring for the contract."""
+
+    max_positions: Optional[int] = None
+    positions_field = "max_position_embeddings"  # the config field named in the too-long error
+
+    def embed(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def head(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def new_cache(self, *, max_length: Optional[int] = None) -> list[LayerCache]:
+        """Empty per-layer caches; ``max_length`` preallocates them (a static cache)."""
+        return [LayerCache.create(max_length=max_length, cross_attention=False) for _ in self.layers]
+
+    def forward(self, input_ids: Tensor, *, attention_mask: Optional[Tensor] = None,
+                past_key_values: Optional[list[LayerCache]] = None, use_cache: bool = False,
+                output_attentions: bool = False) -> CausalLMOutput:
+        """Logits of ``input_ids (B, T)`` continuing the cached prefix (if any).
+
+        Args:
+            attention_mask: ``(B, past + T)``, 1 = token, 0 = padding (left padding supported).
+            past_key_values: caches from :meth:`new_cache` or a previous call; updated in place.
+            use_cache: return the caches (new ones are made when ``past_key_values`` is None).
+            output_attentions: also return each layer's weights ``(B, H, T, past + T)``.
+
+        Raises:
+            ValueError: ``input_ids`` is not ``(B, T)`` or an id is outside ``[0, vocab_size)``,
+                past + T exceeds the model's positions, or ``attention_mask`` has the wrong shape.
+        """
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be a (B, T) tensor, got {getattr(input_ids, 'shape', input_ids)!r}")
+        B, T = input_ids.shape
+        vocab = self.config.vocab_size
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+            raise ValueError(f"input_ids must lie in [0, vocab_size={vocab}), got "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        if past_key_values is None and use_cache:
+            past_key_values = self.new_cache()
+        past = 0 if past_key_values is None else past_key_values[0].self_attn.length
+        if self.max_positions is not None and past + T > self.max_positions:
+            raise ValueError(f"input_ids: {past} cached + {T} new positions exceed "
+                             f"{self.positions_field}={self.max_positions}")
+        padding = None
+        if attention_mask is None:
+            pos = torch.arange(past, past + T, device=input_ids.device).unsqueeze(0)  # (1, T)
+        else:
+            if attention_mask.shape != (B, past + T):
+                raise ValueError(f"attention_mask must be (B, past + T) = {(B, past + T)}, "
+                                 f"got {tuple(attention_mask.shape)}")
+            pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]  # (B, T)
+            if not bool(attention_mask.all()):
+                padding = attention_mask == 0  # (B, S), True = blocked
+        x = self.embed(input_ids, pos)  # (B, T, E)
+        weights = []
+        for i, layer in enumerate(self.layers):
+            # one query at the last position sees every key: no causal mask needed
+            out = layer(x, tgt_key_padding_mask=padding, is_causal=T > 1, need_weights=output_attentions,
+                        cache=None if past_key_values is None else past_key_values[i])
+            if output_attentions:
+                x, w = out
+                weights.append(w.self_attn)
+            else:
+                x = out
+        return CausalLMOutput(self.head(x), past_key_values if use_cache else None,
+                              tuple(weights) if output_attentions else None)
+
+    def generate(self, input_ids: Tensor, **kwargs) -> Tensor:
+        """:func:`attnlab.generation.generate` on this model (same arguments)."""
+        from attnlab.generation import generate
+        return generate(self, input_ids, **kwargs)
