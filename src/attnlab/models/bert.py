@@ -205,6 +205,18 @@ class _BertBase(PreTrainedMixin, nn.Module):
                 nn.init.zeros_(mod.bias)
 
 
+def encoder_layers(config, *, norm_first: bool) -> nn.ModuleList:
+    """The encoder stack of a BERT-style HF config (BERT post-norm, ViT pre-norm): fields
+    ``hidden_size, num_attention_heads, intermediate_size, hidden_act, hidden_dropout_prob,
+    attention_probs_dropout_prob, layer_norm_eps, num_hidden_layers``."""
+    return nn.ModuleList(
+        EncoderLayer(config.hidden_size, config.num_attention_heads, ffn_dim=config.intermediate_size,
+                     activation=HIDDEN_ACTS[config.hidden_act], dropout=config.hidden_dropout_prob,
+                     attn_dropout=config.attention_probs_dropout_prob, norm_first=norm_first,
+                     norm_eps=config.layer_norm_eps)
+        for _ in range(config.num_hidden_layers))
+
+
 class BertModel(_BertBase):
     """The BERT encoder (+ pooler): HF ``BertModel``.
 
@@ -221,12 +233,7 @@ class BertModel(_BertBase):
             raise TypeError(f"config must be a BertConfig, got {type(config).__name__}")
         self.config = config
         self.embeddings = BertEmbeddings(config)
-        self.layers = nn.ModuleList(
-            EncoderLayer(config.hidden_size, config.num_attention_heads, ffn_dim=config.intermediate_size,
-                         activation=HIDDEN_ACTS[config.hidden_act], dropout=config.hidden_dropout_prob,
-                         attn_dropout=config.attention_probs_dropout_prob, norm_first=False,
-                         norm_eps=config.layer_norm_eps)
-            for _ in range(config.num_hidden_layers))
+        self.layers = encoder_layers(config, norm_first=False)
         self.pooler = nn.Linear(config.hidden_size, config.hidden_size) if add_pooling_layer else None
         self._init_weights(config.initializer_range)
 

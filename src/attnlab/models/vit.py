@@ -24,9 +24,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from attnlab.models.bert import HIDDEN_ACTS
+from attnlab.models.bert import HIDDEN_ACTS, encoder_layers
 from attnlab.models.hub import PreTrainedMixin, register
-from attnlab.nn.block import EncoderLayer
 
 
 @dataclass
@@ -252,12 +251,7 @@ class ViTModel(_ViTBase):
             raise TypeError(f"config must be a ViTConfig, got {type(config).__name__}")
         self.config = config
         self.embeddings = ViTEmbeddings(config)
-        self.layers = nn.ModuleList(
-            EncoderLayer(config.hidden_size, config.num_attention_heads, ffn_dim=config.intermediate_size,
-                         activation=HIDDEN_ACTS[config.hidden_act], dropout=config.hidden_dropout_prob,
-                         attn_dropout=config.attention_probs_dropout_prob, norm_first=True,
-                         norm_eps=config.layer_norm_eps)
-            for _ in range(config.num_hidden_layers))
+        self.layers = encoder_layers(config, norm_first=True)
         if not config.qkv_bias:  # HF keeps the output projection's bias; only q, k, v lose theirs
             for layer in self.layers:
                 layer.self_attn.in_proj = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=False)
