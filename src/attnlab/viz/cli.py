@@ -1,0 +1,87 @@
+"""``attnlab viz``: attention of a real model on a text, as one HTML page and/or PNG heatmaps."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from attnlab.viz.extract import AttentionRecord, extract_from_path, group_labels, pool_attention
+
+PNG_MAX_TOKENS = 64  # longer inputs are pooled to this many rows/columns in the PNGs
+
+
+def save_pngs(record: AttentionRecord, directory, *, layer: Optional[int] = None,
+              max_tokens: int = PNG_MAX_TOKENS) -> list[Path]:
+    """One heatmap per (kind, layer, head): ``DIR/{kind}_layer{l:02d}_head{h:02d}.png``, each
+    written atomically with :func:`attnlab.viz.heatmap.save_heatmap`.
+
+    Args:
+        record: the attention maps.
+        directory: output folder (created).
+        layer: only this layer (default: every layer).
+        max_tokens: maps longer than this are pooled (:func:`pool_attention`; labels become index ranges).
+
+    Raises:
+        ValueError: ``layer`` outside ``[0, layers)`` of some kind, or ``directory`` is a file.
+    """
+    from attnlab.viz.heatmap import save_heatmap
+
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"--png must name a folder, but {str(directory)!r} is a file")
+    _check_layer(record, layer)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for kind in record.kinds:
+        w = record.attentions[kind]  # (layers, heads, Lq, Lk)
+        pooled, rows, cols = pool_attention(w, max_tokens)
+        y, x = group_labels(record.tokens_q[kind], rows), group_labels(record.tokens_k[kind], cols)
+        for li in range(w.shape[0]) if layer is None else [layer]:
+            for h in range(w.shape[1]):
+                target = directory / f"{kind}_layer{li:02d}_head{h:02d}.png"
+                fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.stem}.", suffix=".png")
+                os.close(fd)
+                try:
+                    save_heatmap(pooled[li, h], tmp, x_labels=x, y_labels=y, title=f"{kind} layer {li} head {h}")
+                    os.replace(tmp, target)
+                except BaseException:
+                    Path(tmp).unlink(missing_ok=True)
+                    raise
+                written.append(target)
+    return written
+
+
+def _check_layer(record: AttentionRecord, layer: Optional[int]) -> None:
+    n = record.num_layers
+    if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n):
+        raise ValueError(f"--layer must be in [0, {n}), got {layer!r}")
+
+
+def main(args) -> int:
+    """Run ``attnlab viz`` (see ``attnlab viz --help``); returns the exit code.
+
+    Raises:
+        ValueError: neither ``--out`` nor ``--png``, texts that do not fit the model, a bad ``--layer``.
+        FileNotFoundError: the model directory, its weights or its tokenizer are missing.
+    """
+    from attnlab.viz.html import save_html
+
+    if args.out is None and args.png is None:
+        raise ValueError("give --out FILE.html and/or --png DIR")
+    if args.out is not None and not Path(args.out).parent.is_dir():
+        raise FileNotFoundError(f"--out: no such directory {str(Path(args.out).parent)!r}")
+    texts = {k: getattr(args, k) for k in ("text", "text_b", "src", "tgt") if getattr(args, k) is not None}
+    record = extract_from_path(args.model, tokenizer=args.tokenizer, **texts)
+    _check_layer(record, args.layer)
+    shape = ", ".join(f"{k} {tuple(record.attentions[k].shape)}" for k in record.kinds)
+    print(f"{record.model_name}: {shape} (layers, heads, queries, keys)")
+    if args.out is not None:
+        first = texts.get("text", texts.get("src", ""))
+        title = args.title or f"{Path(args.model).name}: {first[:80]}"
+        path = save_html(record, args.out, layer=args.layer, title=title)
+        print(f"wrote {path}")
+    if args.png is not None:
+        pngs = save_pngs(record, args.png, layer=args.layer)
+        print(f"wrote {len(pngs)} heatmaps to {args.png}")
+    return 0

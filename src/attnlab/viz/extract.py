@@ -1,0 +1,289 @@
+"""Attention weights of a real model on real text, as one :class:`AttentionRecord`.
+
+::
+
+    ids   = tokenizer.json(text [, text_b])                      (the model directory's tokenizer)
+    A[l]  = softmax(Q_l K_lᵀ / √d + mask)   (B=1, H, Lq, Lk)     for every layer l
+    record.attentions[kind] = stack_l A[l][0]   (layers, heads, Lq, Lk)
+
+The weights come from each model's ``output_attentions=True`` forward, which recovers them from
+q, k and the fast backend's row log-sum-exp; the model is never switched to a slow path.
+
+Kinds: ``"encoder"`` (BERT, the CLIP text tower, the T5/BART encoder), ``"decoder"`` (causal
+self-attention: GPT-2, Llama, the T5/BART decoder) and ``"cross"`` (decoder queries over encoder
+keys). For encoder–decoder models the decoder reads what teacher forcing feeds it: ``tgt``'s ids
+shifted right behind ``decoder_start_token_id`` (HF's ``labels`` -> ``decoder_input_ids``).
+"""
+from __future__ import annotations
+
+import math
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+KINDS = ("encoder", "decoder", "cross")
+PathLike = Union[str, os.PathLike]
+
+
+@dataclass(frozen=True)
+class AttentionRecord:
+    """Attention maps of one input, per kind.
+
+    Attributes:
+        attentions: kind -> ``(layers, heads, Lq, Lk)`` float32 weights (each row sums to 1, or
+            to 0 for a row that may attend to nothing).
+        tokens_q: kind -> the ``Lq`` query token strings.
+        tokens_k: kind -> the ``Lk`` key token strings.
+        model_name: e.g. ``"BertModel"`` (shown in the page; may be empty).
+
+    Raises:
+        ValueError: an unknown kind, a tensor that is not 4-D or not finite, token lists whose
+            lengths do not match the tensor, or a kind missing from one of the three dicts.
+        TypeError: ``tokens_q``/``tokens_k`` not dicts, or a token that is not a ``str``.
+    """
+
+    attentions: dict[str, Tensor]
+    tokens_q: dict[str, list[str]]
+    tokens_k: dict[str, list[str]]
+    model_name: str = ""
+    kinds: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.attentions, dict) or not self.attentions:
+            raise ValueError("attentions must be a non-empty dict {kind: (layers, heads, Lq, Lk) tensor}")
+        for name in ("tokens_q", "tokens_k"):
+            if not isinstance(getattr(self, name), dict):
+                got = type(getattr(self, name)).__name__
+                raise TypeError(f"{name} must be a dict {{kind: list of str}}, got {got}")
+        for kind, w in self.attentions.items():
+            if kind not in KINDS:
+                raise ValueError(f"attentions kind must be one of {KINDS}, got {kind!r}")
+            if not isinstance(w, Tensor) or w.dim() != 4 or 0 in w.shape:
+                raise ValueError(f"attentions[{kind!r}] must be a non-empty (layers, heads, Lq, Lk) tensor, "
+                                 f"got {tuple(getattr(w, 'shape', ())) or type(w).__name__}")
+            if not bool(torch.isfinite(w).all()):
+                raise ValueError(f"attentions[{kind!r}] holds NaN or inf")
+            for name, toks, n in (("tokens_q", self.tokens_q, w.shape[2]), ("tokens_k", self.tokens_k, w.shape[3])):
+                if kind not in toks or len(toks[kind]) != n:
+                    got = len(toks[kind]) if kind in toks else "none"
+                    raise ValueError(f"{name}[{kind!r}] must hold {n} tokens to match attentions, got {got}")
+                bad = next((t for t in toks[kind] if not isinstance(t, str)), None)
+                if bad is not None:
+                    raise TypeError(f"{name}[{kind!r}] must hold str tokens, got {type(bad).__name__}")
+        object.__setattr__(self, "kinds", tuple(k for k in KINDS if k in self.attentions))
+        object.__setattr__(self, "attentions",
+                           {k: v.detach().to("cpu", torch.float32) for k, v in self.attentions.items()})
+
+    @property
+    def num_layers(self) -> int:
+        """The layers every kind has (a T5 encoder and decoder may differ in depth)."""
+        return min(w.shape[0] for w in self.attentions.values())
+
+
+def _model_kind(model) -> str:
+    """``"bert"``, ``"causal"``, ``"seq2seq"`` or ``"clip"``: which forward to call."""
+    from attnlab.models.bart import BartForConditionalGeneration
+    from attnlab.models.bert import BertForMaskedLM, BertModel
+    from attnlab.models.causal_lm import DecoderOnlyLM
+    from attnlab.models.clip import CLIPModel
+    from attnlab.models.t5 import T5ForConditionalGeneration
+    from attnlab.models.vit import ViTForImageClassification, ViTModel
+
+    if isinstance(model, (BertModel, BertForMaskedLM)):
+        return "bert"
+    if isinstance(model, DecoderOnlyLM):
+        return "causal"
+    if isinstance(model, (T5ForConditionalGeneration, BartForConditionalGeneration)):
+        return "seq2seq"
+    if isinstance(model, CLIPModel):
+        return "clip"
+    if isinstance(model, (ViTModel, ViTForImageClassification)):
+        raise ValueError("model is a ViT, which reads images; viz shows text models "
+                         "(bert, gpt2, llama, t5, bart, the clip text tower)")
+    raise TypeError(f"model must be an attnlab BERT, GPT-2, Llama, T5, BART or CLIP model, got {type(model).__name__}")
+
+
+def _as_tokenizer(tokenizer):
+    """A ``tokenizers.Tokenizer`` becomes a :class:`TextTokenizer` (its padding and truncation off)."""
+    from tokenizers import Tokenizer
+
+    from attnlab.data.tokenizers import CharTokenizer, TextTokenizer
+
+    if isinstance(tokenizer, Tokenizer):
+        return TextTokenizer(tokenizer)
+    if not isinstance(tokenizer, (TextTokenizer, CharTokenizer)):
+        raise TypeError("tokenizer must be a tokenizers.Tokenizer, TextTokenizer or CharTokenizer, "
+                        f"got {type(tokenizer).__name__}")
+    return tokenizer
+
+
+def _encode(tokenizer, text: str, name: str, pair: Optional[str] = None) -> tuple[list[int], list[str], list[int]]:
+    """``(ids, token strings, token types)`` of ``text`` (and ``pair``), special tokens included."""
+    from attnlab.data.tokenizers import CharTokenizer
+
+    if not isinstance(text, str):
+        raise TypeError(f"{name} must be a str, got {type(text).__name__}")
+    if pair is not None and not isinstance(pair, str):
+        raise TypeError(f"text_b must be a str, got {type(pair).__name__}")
+    if isinstance(tokenizer, CharTokenizer):
+        if pair is not None:
+            raise ValueError("text_b needs a tokenizer.json with a sentence-pair template, not a CharTokenizer")
+        ids = tokenizer.encode(text)
+        out = (ids, list(text), [0] * len(ids))
+    else:
+        enc = tokenizer.tokenizer.encode(text, pair, add_special_tokens=True)
+        out = (list(enc.ids), list(enc.tokens), list(enc.type_ids))
+    if not out[0]:
+        raise ValueError(f"{name} gives no tokens: {text!r}")
+    return out
+
+
+def _token(tokenizer, i: int) -> str:
+    from attnlab.data.tokenizers import CharTokenizer
+
+    t = tokenizer.chars[i] if isinstance(tokenizer, CharTokenizer) else tokenizer.id_to_token(i)
+    return t if t is not None else f"<{i}>"
+
+
+@contextmanager
+def _rejected(what: str, n_tokens, model_name: str):
+    """Re-raise the model's input ValueError (e.g. too many positions) naming the user's text."""
+    try:
+        yield
+    except ValueError as e:
+        raise ValueError(f"{what} ({n_tokens} tokens) rejected by {model_name}: {e}") from e
+
+
+def _stack(attns: Sequence[Tensor]) -> Tensor:
+    return torch.stack([a[0] for a in attns])  # (layers, heads, Lq, Lk)
+
+
+@torch.no_grad()
+def extract_attention(model, tokenizer, *, text: Optional[str] = None, text_b: Optional[str] = None,
+                      src: Optional[str] = None, tgt: Optional[str] = None) -> AttentionRecord:
+    """Run ``model`` once on the text and return every layer's attention weights.
+
+    Args:
+        model: an attnlab model (e.g. from :func:`attnlab.from_pretrained`): BERT, GPT-2, Llama,
+            T5, BART, or CLIP (its text tower).
+        tokenizer: a ``tokenizers.Tokenizer``, or attnlab's ``TextTokenizer`` / ``CharTokenizer``
+            (:func:`attnlab.data.tokenizers.load_tokenizer`); padding and truncation are not applied.
+        text: the input of an encoder-only or decoder-only model.
+        text_b: a second sentence (BERT sentence pair: token types 0 then 1).
+        src, tgt: the source and target of an encoder–decoder model (T5, BART).
+
+    Returns:
+        An :class:`AttentionRecord`: ``encoder`` (BERT, CLIP), ``decoder`` (GPT-2, Llama) or all
+        three kinds (T5, BART).
+
+    Raises:
+        ValueError: the texts do not fit the model (``text`` for an encoder–decoder, ``src``/``tgt``
+            for another, ``text_b`` for a model without token types), a text gives no tokens, or
+            the model rejects the input (e.g. longer than its positions), or the model is in
+            training mode.
+        TypeError: an unsupported model or tokenizer, or a text that is not a ``str``.
+    """
+    family = _model_kind(model)
+    name = type(model).__name__
+    if model.training:
+        raise ValueError(f"{name} is in training mode (dropout would perturb the weights): call model.eval() first")
+    if family == "seq2seq":
+        if text is not None or text_b is not None:
+            raise ValueError(f"{name} is an encoder-decoder: give src and tgt, not text/text_b")
+        if src is None or tgt is None:
+            raise ValueError(f"{name} is an encoder-decoder: both src and tgt are required")
+        return _extract_seq2seq(model, tokenizer, src, tgt)
+    if src is not None or tgt is not None:
+        raise ValueError(f"src/tgt are for encoder-decoder models; {name} takes text")
+    if text is None:
+        raise ValueError("text is required")
+    if text_b is not None and family != "bert":
+        raise ValueError(f"text_b (a sentence pair with token types) needs a BERT model, not {name}")
+    ids, toks, types = _encode(_as_tokenizer(tokenizer), text, "text", text_b)
+    with _rejected("text", len(ids), name):
+        ids = torch.tensor([ids])  # (1, L)
+        if family == "bert":
+            out = model(ids, token_type_ids=torch.tensor([types]), output_attentions=True)
+            kind = "encoder"
+        elif family == "causal":
+            out = model(ids, output_attentions=True)
+            kind = "decoder"
+        else:  # CLIP: the text tower (causal mask, pooled at EOS)
+            out = model.text_model(ids, output_attentions=True)
+            kind = "encoder"
+    return AttentionRecord({kind: _stack(out.attentions)}, {kind: toks}, {kind: list(toks)}, name)
+
+
+def _extract_seq2seq(model, tokenizer, src: str, tgt: str) -> AttentionRecord:
+    tokenizer = _as_tokenizer(tokenizer)
+    (src_ids, src_toks, _), (tgt_ids, tgt_toks, _) = _encode(tokenizer, src, "src"), _encode(tokenizer, tgt, "tgt")
+    start = int(model.config.decoder_start_token_id)
+    dec_ids = [start, *tgt_ids[:-1]]  # teacher forcing: tgt shifted right
+    dec_toks = [_token(tokenizer, start), *tgt_toks[:-1]]
+    with _rejected("src/tgt", f"{len(src_ids)}/{len(dec_ids)}", type(model).__name__):
+        out = model(input_ids=torch.tensor([src_ids]), decoder_input_ids=torch.tensor([dec_ids]),
+                    output_attentions=True)
+    return AttentionRecord(
+        {"encoder": _stack(out.encoder_attentions), "decoder": _stack(out.decoder_attentions),
+         "cross": _stack(out.cross_attentions)},
+        {"encoder": src_toks, "decoder": dec_toks, "cross": list(dec_toks)},
+        {"encoder": list(src_toks), "decoder": list(dec_toks), "cross": list(src_toks)},
+        type(model).__name__)
+
+
+def extract_from_path(path: PathLike, *, tokenizer: Optional[PathLike] = None, **texts) -> AttentionRecord:
+    """Load an HF-format model directory (``attnlab.from_pretrained``, float32; e.g. one written by
+    ``save_pretrained``) and its tokenizer (``tokenizer``, default ``path/tokenizer.json``: a Hugging
+    Face file or a saved ``CharTokenizer``), then call :func:`extract_attention` with ``texts``.
+
+    Raises:
+        FileNotFoundError: the directory, its weights or the tokenizer are missing.
+        ValueError: as :func:`extract_attention` and :func:`attnlab.from_pretrained`.
+    """
+    from attnlab.data.tokenizers import load_tokenizer
+    from attnlab.models.hub import from_pretrained
+
+    model = from_pretrained(path, dtype=torch.float32)
+    tok = load_tokenizer(tokenizer if tokenizer is not None else path)
+    return extract_attention(model, tok, **texts)
+
+
+def pool_attention(w: Tensor, max_size: int) -> tuple[Tensor, list[range], list[range]]:
+    """Shrink ``w (..., Lq, Lk)`` to at most ``max_size`` rows and columns.
+
+    Row group ``I`` and column group ``J`` (consecutive tokens) become
+    ``P[I, J] = mean_{i∈I} Σ_{j∈J} w[i, j]``: the mean attention mass a query of ``I`` puts on
+    ``J``, so pooled rows still sum to 1.
+
+    Returns:
+        ``(P, row_groups, col_groups)``; ``P is w`` when no pooling is needed.
+
+    Raises:
+        ValueError: ``max_size`` < 1.
+    """
+    if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
+        raise ValueError(f"max_size must be an int >= 1, got {max_size!r}")
+    Lq, Lk = w.shape[-2:]
+    rows, cols = _groups(Lq, max_size), _groups(Lk, max_size)
+    if len(rows) == Lq and len(cols) == Lk:
+        return w, rows, cols
+    row_idx = torch.tensor([g for g, r in enumerate(rows) for _ in r])
+    col_idx = torch.tensor([g for g, c in enumerate(cols) for _ in c])
+    p = w.new_zeros(*w.shape[:-1], len(cols)).index_add_(-1, col_idx, w)  # (..., Lq, nk)
+    p = p.new_zeros(*w.shape[:-2], len(rows), len(cols)).index_add_(-2, row_idx, p)  # (..., nq, nk)
+    sizes = torch.tensor([len(r) for r in rows], dtype=w.dtype).unsqueeze(-1)  # (nq, 1)
+    return p / sizes, rows, cols
+
+
+def _groups(n: int, max_size: int) -> list[range]:
+    step = math.ceil(n / max_size)
+    return [range(i, min(i + step, n)) for i in range(0, n, step)]
+
+
+def group_labels(tokens: Sequence[str], groups: Sequence[range]) -> list[str]:
+    """``tokens[i]`` for single-token groups; ``"i–j"`` (first–last index) for pooled ones."""
+    return [tokens[g.start] if len(g) == 1 else f"{g.start}\u2013{g.stop - 1}" for g in groups]
