@@ -9,7 +9,7 @@ import torch
 import transformers
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from attnlab.generation import filter_logits, generate, reorder_cache
+from attnlab.generation import EncoderDecoderCache, filter_logits, generate, reorder_cache
 from attnlab.models.gpt import GPT2Config, GPT2LMHeadModel, state_dict_from_hf
 
 transformers.logging.set_verbosity_error()
@@ -171,3 +171,31 @@ def test_bad_ids_and_too_long_raise(pair, prompts):
         generate(ours, prompts, max_new_tokens=60)
     with pytest.raises(TypeError, match="cache"):
         reorder_cache({"k": 1}, torch.tensor([0]))
+
+
+def test_decoder_start_token_is_for_encoder_decoders_only(pair, prompts):
+    with pytest.raises(ValueError, match="decoder_start_token_id"):
+        generate(pair[1], prompts, max_new_tokens=2, decoder_start_token_id=0)
+    with pytest.raises(ValueError, match="decoder_start_token_id"):
+        generate(pair[1], prompts, max_new_tokens=2, decoder_start_token_id=-3)
+
+
+def test_encoder_decoder_encodes_once_and_beams_carry_the_memory(monkeypatch):
+    """The source is encoded once (B rows); the beams get copies of each row's memory and mask."""
+    from attnlab.models.config import TransformerConfig
+    from attnlab.models.transformer import Seq2SeqTransformer
+
+    torch.manual_seed(0)
+    model = Seq2SeqTransformer(TransformerConfig(src_vocab_size=11, tgt_vocab_size=9, dim=16, num_heads=2,
+                                                 ffn_dim=32, num_encoder_layers=1, num_decoder_layers=1,
+                                                 dropout=0.0, pad_id=0)).eval()
+    calls = []
+    encode = model.encode
+    monkeypatch.setattr(model, "encode", lambda ids, mask: calls.append(ids.shape) or encode(ids, mask))
+    src = torch.tensor([[3, 4, 5, 0], [6, 7, 8, 9]])
+    out = model.generate(src, max_new_tokens=5, decoder_start_token_id=1, eos_token_id=2, num_beams=3)
+    assert calls == [(2, 4)] and out[:, 0].eq(1).all()
+    memory, mask = torch.arange(2.0).view(2, 1, 1).expand(2, 4, 16), (src != 0).long()
+    state = EncoderDecoderCache(model.new_cache(), memory, mask)
+    reorder_cache(state, torch.tensor([1, 1, 0]))
+    assert state.memory[:, 0, 0].tolist() == [1.0, 1.0, 0.0] and torch.equal(state.memory_mask, mask[[1, 1, 0]])

@@ -11,21 +11,31 @@ Each step feeds only the newest token; the per-layer caches hold the keys and va
 The beam search follows Hugging Face ``transformers`` step for step (2·num_beams candidates per
 step, ``early_stopping=False`` heuristic), so on the same weights it returns the same tokens.
 
-The model protocol (what :func:`generate` needs) is small, so any decoder can adopt it:
+The decoder protocol (what the decoding loops need) is small, so any decoder can adopt it:
 
 - ``model(input_ids (B, T), attention_mask=None | (B, past + T), past_key_values=cache,
   use_cache=True)`` returns an object with ``.logits (B, T, V)``, updating ``cache`` in place;
 - ``model.new_cache(max_length=None)`` returns the empty cache: a list of
-  :class:`attnlab.nn.block.LayerCache` (or of :class:`attnlab.nn.cache.KVCache`); beams are
-  reordered by calling ``KVCache.reorder`` on every cache in it.
+  :class:`attnlab.nn.block.LayerCache` (or of :class:`attnlab.nn.cache.KVCache`), or an
+  :class:`EncoderDecoderCache`; beams are reordered by :func:`reorder_cache`.
 
-An encoder–decoder (``Seq2SeqTransformer``) adopts it with a thin wrapper that encodes the source
-once and whose ``__call__`` runs ``decode_step`` on that memory: its cross-attention caches are
-``KVCache``'s too, so they expand to the beams and reorder like the self-attention ones.
+An encoder–decoder (``is_encoder_decoder = True``: T5, BART, ``Seq2SeqTransformer``) provides instead
+
+- ``encode(input_ids (B, S), attention_mask (B, S) | None) -> memory (B, S, E)``;
+- ``decode(ids (B, T), memory, *, attention_mask=source mask, cache=list[LayerCache]) -> logits (B, T, V)``;
+- ``new_cache(*, max_length=None)`` and ``generation_defaults`` (``decoder_start_token_id``,
+  ``eos_token_id``, ``pad_token_id``, each may be None).
+
+:class:`EncoderDecoderAsDecoder` presents it through the decoder protocol: the source is encoded once,
+and the decoding state (:class:`EncoderDecoderCache`) carries the encoder output and the source mask
+beside the self- and cross-attention caches, so all of them expand to the beams and reorder with them.
+The one greedy/sampling loop and the one beam search serve both kinds of model.
 """
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -42,40 +52,103 @@ def generate(model, input_ids: Tensor, *, attention_mask: Optional[Tensor] = Non
              do_sample: bool = False, temperature: float = 1.0, top_k: Optional[int] = None,
              top_p: Optional[float] = None, num_beams: int = 1, length_penalty: float = 1.0,
              eos_token_id: Optional[int] = None, pad_token_id: Optional[int] = None,
-             generator: Optional[torch.Generator] = None, cache: str = "dynamic") -> Tensor:
+             decoder_start_token_id: Optional[int] = None, generator: Optional[torch.Generator] = None,
+             cache: str = "dynamic") -> Tensor:
     """Continue ``input_ids (B, T)`` by up to ``max_new_tokens`` tokens (call ``model.eval()`` first).
 
     Args:
-        model: a decoder following the protocol in this module's docstring (e.g. ``GPT2LMHeadModel``).
+        model: a decoder or an encoder–decoder following the protocols in this module's docstring
+            (e.g. ``GPT2LMHeadModel``, ``T5ForConditionalGeneration``).
+        input_ids: the prompt; for an encoder–decoder the source ``(B, S)``.
         attention_mask: ``(B, T)``, 1 = token, 0 = padding; prompts of different lengths are
-            **left**-padded.
+            **left**-padded. For an encoder–decoder, the source mask (any padding side); when omitted
+            it is inferred as ``input_ids != pad_token_id`` if the source holds that token and it
+            differs from ``eos_token_id`` (as ``transformers`` does).
         max_new_tokens: the most tokens to add.
         do_sample: sample instead of taking the argmax (``num_beams`` must be 1).
         temperature, top_k, top_p: sampling filters, applied in this order (as ``transformers``).
         num_beams: beam search when > 1; ``length_penalty`` is its exponent α.
         eos_token_id: a sequence ends at this token; later positions are filled with
             ``pad_token_id`` (default ``eos_token_id``). Generation stops when every sequence ended.
+            For an encoder–decoder, None means its ``generation_defaults`` (as for ``pad_token_id``).
+        decoder_start_token_id: encoder–decoders only: the first decoder token (default: the model's).
         generator: a seeded ``torch.Generator`` makes sampling reproducible.
         cache: ``"dynamic"`` (grows by concatenation) or ``"static"`` (preallocated to
-            ``T + max_new_tokens`` positions).
+            ``T + max_new_tokens`` positions; for an encoder–decoder ``1 + max_new_tokens``).
 
     Returns:
-        ``(B, T + n)`` ids: the prompt, then the ``n <= max_new_tokens`` new tokens (as ``transformers``).
+        ``(B, T + n)`` ids: the prompt, then the ``n <= max_new_tokens`` new tokens (as ``transformers``);
+        for an encoder–decoder ``(B, 1 + n)``: ``decoder_start_token_id`` then the new tokens.
 
     Raises:
-        ValueError: an argument is out of range (the message names it).
+        ValueError: an argument is out of range, or an encoder–decoder has no start token (the message
+            names the argument).
     """
     _check(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, num_beams,
-           eos_token_id, pad_token_id, cache)
+           eos_token_id, pad_token_id, decoder_start_token_id, cache)
+    encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
+    if encoder_decoder:
+        defaults = model.generation_defaults
+        eos_token_id = defaults["eos_token_id"] if eos_token_id is None else eos_token_id
+        pad_token_id = defaults["pad_token_id"] if pad_token_id is None else pad_token_id
+        if decoder_start_token_id is None:
+            decoder_start_token_id = defaults["decoder_start_token_id"]
+        if decoder_start_token_id is None:
+            raise ValueError(f"decoder_start_token_id is required: {type(model).__name__} has no default")
+        if (attention_mask is None and pad_token_id is not None and pad_token_id != eos_token_id
+                and bool((input_ids == pad_token_id).any())):
+            attention_mask = (input_ids != pad_token_id).long()
+    elif decoder_start_token_id is not None:
+        raise ValueError("decoder_start_token_id is only for encoder–decoder models, "
+                         f"got {decoder_start_token_id} for {type(model).__name__}")
     if pad_token_id is None:
         pad_token_id = eos_token_id
-    past = model.new_cache(max_length=input_ids.shape[1] + max_new_tokens if cache == "static" else None)
     with torch.inference_mode():
+        if encoder_decoder:
+            model = EncoderDecoderAsDecoder(model, input_ids, attention_mask)
+            input_ids, attention_mask = input_ids.new_full((input_ids.shape[0], 1), decoder_start_token_id), None
+        past = model.new_cache(max_length=input_ids.shape[1] + max_new_tokens if cache == "static" else None)
         if num_beams > 1:
             return _beam_search(model, input_ids, attention_mask, past, max_new_tokens, num_beams,
                                 length_penalty, eos_token_id, pad_token_id)
         return _decode(model, input_ids, attention_mask, past, max_new_tokens, do_sample, temperature, top_k,
                        top_p, eos_token_id, pad_token_id, generator)
+
+
+@dataclass
+class EncoderDecoderCache:
+    """An encoder–decoder's decoding state: per-layer caches, the encoder output ``memory (B, S, E)`` and
+    the source mask ``(B, S)`` (or None). :meth:`reorder` selects the same rows of all of them."""
+
+    layers: list
+    memory: Tensor
+    memory_mask: Optional[Tensor] = None
+
+    def reorder(self, index: Tensor) -> None:
+        reorder_cache(self.layers, index)
+        self.memory = self.memory.index_select(0, index)
+        if self.memory_mask is not None:
+            self.memory_mask = self.memory_mask.index_select(0, index)
+
+
+class EncoderDecoderAsDecoder:
+    """An encoder–decoder seen through the decoder protocol: ``input_ids (B, S)`` is encoded once,
+    then each call decodes the new target tokens on the memory its :class:`EncoderDecoderCache` carries."""
+
+    def __init__(self, model, input_ids: Tensor, attention_mask: Optional[Tensor]) -> None:
+        self.model = model
+        self.memory, self.memory_mask = model.encode(input_ids, attention_mask), attention_mask  # (B, S, E)
+
+    def new_cache(self, *, max_length: Optional[int] = None) -> EncoderDecoderCache:
+        return EncoderDecoderCache(self.model.new_cache(max_length=max_length), self.memory, self.memory_mask)
+
+    def __call__(self, input_ids: Tensor, *, attention_mask: Optional[Tensor] = None,
+                 past_key_values: EncoderDecoderCache, use_cache: bool = True) -> SimpleNamespace:
+        """Logits ``(B, T, V)`` of the target tokens ``input_ids`` continuing the cached prefix
+        (``attention_mask`` would be the target's: encoder–decoder prompts are unpadded)."""
+        s = past_key_values
+        return SimpleNamespace(logits=self.model.decode(input_ids, s.memory, attention_mask=s.memory_mask,
+                                                        cache=s.layers))
 
 
 def _decode(model, input_ids, mask, past, max_new_tokens, do_sample, temperature, top_k, top_p, eos, pad,
@@ -195,8 +268,9 @@ def _beam_search(model, input_ids, mask, past, max_new_tokens, nb, length_penalt
 
 
 def reorder_cache(cache, index: Tensor) -> None:
-    """Select batch rows of every :class:`KVCache` in ``cache`` (a KVCache, LayerCache or list of them)."""
-    if isinstance(cache, KVCache):
+    """Select batch rows of every :class:`KVCache` in ``cache`` (a KVCache, LayerCache, list of them or
+    :class:`EncoderDecoderCache`, whose memory and source mask follow)."""
+    if isinstance(cache, (KVCache, EncoderDecoderCache)):
         cache.reorder(index)
     elif isinstance(cache, LayerCache):
         for c in (cache.self_attn, cache.cross_attn):
@@ -206,7 +280,8 @@ def reorder_cache(cache, index: Tensor) -> None:
         for c in cache:
             reorder_cache(c, index)
     else:
-        raise TypeError(f"cache must be a KVCache, LayerCache or a list of them, got {type(cache).__name__}")
+        raise TypeError("cache must be a KVCache, LayerCache, a list of them or an EncoderDecoderCache, "
+                        f"got {type(cache).__name__}")
 
 
 def _is_int(v) -> bool:
@@ -214,7 +289,7 @@ def _is_int(v) -> bool:
 
 
 def _check(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, num_beams,
-           eos_token_id, pad_token_id, cache) -> None:
+           eos_token_id, pad_token_id, decoder_start_token_id, cache) -> None:
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
         raise ValueError("input_ids must be a (B, T) LongTensor, got "
                          f"{tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__}")
@@ -235,7 +310,8 @@ def _check(input_ids, attention_mask, max_new_tokens, do_sample, temperature, to
         raise ValueError(f"num_beams must be an int >= 1, got {num_beams!r}")
     if do_sample and num_beams > 1:
         raise ValueError(f"num_beams must be 1 with do_sample=True (beam sampling is not supported), got {num_beams}")
-    for name, v in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
+    for name, v in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id),
+                    ("decoder_start_token_id", decoder_start_token_id)):
         if v is not None and (not _is_int(v) or v < 0):
             raise ValueError(f"{name} must be a non-negative int or None, got {v!r}")
     if cache not in CACHES:

@@ -2,11 +2,13 @@
 
 Tolerances: logits max abs difference <= 1e-4 (float32, eval) on non-padded target positions;
 incremental (cached) against full decoding: logits within 1e-5 relative to the largest logit;
-cached against uncached greedy decoding and transformers' greedy ``generate``: identical tokens.
+attention weights against transformers' eager ones: 1e-5; greedy and beam-search ``generate``
+against transformers' (and cached against uncached greedy decoding): identical tokens.
 """
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from attnlab.models import hub
 from attnlab.models.bart import BartConfig, BartForConditionalGeneration, shift_tokens_right
@@ -125,33 +127,96 @@ def test_incremental_decoding_equals_full_forward(tmp_path):
     assert cache[0].self_attn.length == 9
 
 
-@torch.no_grad()
-def test_greedy_cached_equals_uncached_and_transformers_generate(tmp_path):
-    theirs, ours = _loaded(tmp_path)
-    src, src_mask, _, _ = _batch()
-    cached = ours.greedy(src, src_mask, max_new_tokens=12)
-    uncached = ours.greedy(src, src_mask, max_new_tokens=12, use_cache=False)
-    assert torch.equal(cached, uncached)
-    ref = theirs.generate(input_ids=src, attention_mask=src_mask, max_new_tokens=12, num_beams=1,
-                          do_sample=False, forced_bos_token_id=None, forced_eos_token_id=None,
-                          no_repeat_ngram_size=0, min_length=0)
-    assert torch.equal(cached, ref)
-    assert cached[:, 0].eq(START).all()
+def _uncached_greedy(model, src, src_mask, steps):
+    """Greedy decoding re-running the whole prefix each step (no cache, no EOS): the reference."""
+    memory = model.encode(src, src_mask)
+    ids = torch.full((src.shape[0], 1), START)
+    for _ in range(steps):
+        ids = torch.cat([ids, model.decode(ids, memory, attention_mask=src_mask)[:, -1:].argmax(-1)], dim=1)
+    return ids
+
+
+def _theirs_generate(model, src, src_mask, **kw):
+    return model.generate(input_ids=src, attention_mask=src_mask, max_new_tokens=12, do_sample=False,
+                          forced_bos_token_id=None, forced_eos_token_id=None, no_repeat_ngram_size=0, min_length=0,
+                          length_penalty=1.0, early_stopping=False, **kw)
 
 
 @torch.no_grad()
-def test_greedy_stops_at_eos_and_pads(tmp_path):
+def test_greedy_generate_equals_uncached_decoding(tmp_path):
+    _, ours = _loaded(tmp_path)
+    src, src_mask, _, _ = _batch()
+    got = ours.generate(src, attention_mask=src_mask, max_new_tokens=12, eos_token_id=V - 1)  # EOS never emitted
+    assert torch.equal(got, _uncached_greedy(ours, src, src_mask, 12)) and got[:, 0].eq(START).all()
+
+
+@pytest.mark.parametrize("num_beams", [1, 4])
+@torch.no_grad()
+def test_generate_equals_transformers_with_source_padding(tmp_path, num_beams):
     theirs, ours = _loaded(tmp_path)
     src, src_mask, _, _ = _batch()
-    first = ours.greedy(src, src_mask, max_new_tokens=1, eos_token_id=V - 1)[:, 1]  # each row's first token
-    eos = int(first[0])
-    out = ours.greedy(src, src_mask, max_new_tokens=6, eos_token_id=eos)
-    ref = theirs.generate(input_ids=src, attention_mask=src_mask, max_new_tokens=6, num_beams=1, do_sample=False,
-                          eos_token_id=eos, forced_bos_token_id=None, forced_eos_token_id=None,
-                          no_repeat_ngram_size=0, min_length=0)
-    assert torch.equal(out, ref)
-    assert out[0, 1] == eos and (out[0, 2:] == PAD).all()
-    assert (out != PAD).all(dim=1).any()  # a row that never met eos runs to the end
+    ref = _theirs_generate(theirs, src, src_mask, num_beams=num_beams, eos_token_id=V - 1)
+    got = ours.generate(src, attention_mask=src_mask, max_new_tokens=12, num_beams=num_beams, eos_token_id=V - 1)
+    assert torch.equal(got, ref)
+    for eos in (EOS, int(ref[0, 1]), int(ref[2, 5])):  # the config's and two emitted mid-sequence
+        ref = _theirs_generate(theirs, src, src_mask, num_beams=num_beams, eos_token_id=eos)
+        got = ours.generate(src, attention_mask=src_mask, max_new_tokens=12, num_beams=num_beams, eos_token_id=eos)
+        assert torch.equal(got, ref), eos
+    assert (got == PAD).any()  # a row ended and was padded while another ran on
+
+
+@torch.no_grad()
+def test_static_cache_and_default_eos_and_inferred_mask(tmp_path):
+    _, ours = _loaded(tmp_path)
+    src, src_mask, _, _ = _batch()
+    for beams in (1, 4):
+        dynamic = ours.generate(src, attention_mask=src_mask, max_new_tokens=10, num_beams=beams)
+        assert torch.equal(ours.generate(src, attention_mask=src_mask, max_new_tokens=10, num_beams=beams,
+                                         cache="static"), dynamic)
+        assert torch.equal(ours.generate(src, attention_mask=src_mask, max_new_tokens=10, num_beams=beams,
+                                         eos_token_id=EOS, pad_token_id=PAD), dynamic)  # the config's defaults
+        assert torch.equal(ours.generate(src, max_new_tokens=10, num_beams=beams), dynamic)  # mask: src != PAD
+
+
+@torch.no_grad()
+def test_output_attentions_equal_transformers_eager(tmp_path):
+    theirs, ours = _loaded(tmp_path)
+    theirs.set_attn_implementation("eager")
+    src, src_mask, tgt, tgt_mask = _batch()
+    kw = dict(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask,
+              output_attentions=True)
+    ref, got = theirs(**kw), ours(**kw)
+    assert (got.logits - ref.logits)[tgt_mask.bool()].abs().max() <= TOL
+    for name, rows in (("encoder_attentions", src_mask), ("decoder_attentions", tgt_mask),
+                       ("cross_attentions", tgt_mask)):
+        a, b = getattr(got, name), getattr(ref, name)
+        assert len(a) == len(b) == 2
+        for w, w_ref in zip(a, b):  # (B, H, Lq, Lk); rows of padded queries are not compared
+            assert w.shape == w_ref.shape
+            assert (w - w_ref).permute(0, 2, 1, 3)[rows.bool()].abs().max() <= 1e-5, name
+    plain = ours(**{**kw, "output_attentions": False})
+    assert plain.encoder_attentions is None and torch.equal(plain.logits, got.logits)
+    cache = ours.new_cache()
+    ours(**{**kw, "output_attentions": False}, past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="output_attentions"):  # past inputs are gone: refused, not wrong
+        ours(src, src_mask, tgt[:, :1], past_key_values=cache, output_attentions=True)
+
+
+def test_checkpoint_without_final_logits_bias_loads_zeros(tmp_path):
+    theirs = _theirs()
+    with torch.no_grad():
+        theirs.final_logits_bias.zero_()
+    theirs.save_pretrained(tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    del sd["final_logits_bias"]
+    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    ours = hub.from_pretrained(tmp_path)
+    assert ours.final_logits_bias.abs().max() == 0
+    _assert_close(ours, theirs, _batch()[3])
+    del sd["model.shared.weight"]  # a required tensor is still required
+    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing tensors \['model.shared.weight'\]"):
+        hub.from_pretrained(tmp_path)
 
 
 def test_lm_head_is_tied_and_positions_carry_the_offset():

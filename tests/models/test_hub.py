@@ -170,3 +170,20 @@ def test_register_validates_and_registers(monkeypatch):
         register("toy", config_from_hf=dict, architectures={}, default="Toy")
     register("toy", config_from_hf=dict, architectures={"Toy": BertModel}, default="Toy")
     assert hub.MODEL_TYPES["toy"].architectures == {"Toy": BertModel}
+
+
+def test_adapt_hf_checkpoint_completes_the_checkpoint_before_the_name_check(saved, monkeypatch):
+    model, path = saved
+    sd = load_file(path / "model.safetensors")
+    del sd["pooler.dense.bias"]
+    save_file(sd, path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing tensors \['pooler.dense.bias'\]"):
+        from_pretrained(path)
+
+    def fill(cls, config, hf):  # what BART does for final_logits_bias
+        return config, {**hf, "pooler.dense.bias": torch.zeros(32)}
+
+    monkeypatch.setattr(BertModel, "adapt_hf_checkpoint", classmethod(fill))
+    loaded = from_pretrained(path).to_hf_state_dict()
+    assert loaded["pooler.dense.bias"].abs().max() == 0
+    assert torch.equal(loaded["pooler.dense.weight"], model.to_hf_state_dict()["pooler.dense.weight"])

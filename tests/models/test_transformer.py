@@ -1,8 +1,10 @@
-"""Transformer stacks against torch.nn.Transformer; Seq2SeqTransformer's KV-cache decoding; config checks.
+"""Transformer stacks against torch.nn.Transformer; Seq2SeqTransformer's KV-cache decoding,
+generation (against uncached greedy decoding and an exhaustive search) and attentions; config checks.
 
 Tolerances: atol = rtol = 1e-5 in float32 (eval, dropout 0). torch's modules are called with grad
 enabled, which keeps them off their fused fast path, so every position is compared.
 """
+import itertools
 import json
 import warnings
 
@@ -59,11 +61,12 @@ def test_cached_decoding_matches_full_forward(position):
     model = Seq2SeqTransformer(_config(position=position, norm_first=position in ("rope", "t5"))).eval()
     src, tgt = _src(), torch.randint(3, 17, (3, 7))
     full = model(src, tgt)  # (B, T, V)
-    memory = model.encode(src)
+    src_mask = (src != PAD).long()
+    memory = model.encode(src, src_mask)
+    torch.testing.assert_close(memory, model.encode(src), **TOL)  # the 1/0 mask = the pad_id default
     for max_length in (None, 7):  # growing, then static (preallocated) cache
-        cache = model.decoder.new_cache(max_length=max_length)
-        kpm = model.padding_mask(src)
-        steps = [model.decode_step(tgt[:, t:t + 1], memory, cache=cache, memory_key_padding_mask=kpm) for t in range(7)]
+        cache = model.new_cache(max_length=max_length)
+        steps = [model.decode(tgt[:, t:t + 1], memory, attention_mask=src_mask, cache=cache) for t in range(7)]
         torch.testing.assert_close(torch.cat(steps, dim=1), full, **TOL)
 
 
@@ -80,28 +83,86 @@ def _greedy_without_cache(model, src, max_len):
 
 
 @pytest.mark.parametrize("position", ["sinusoidal", "rope"])
-def test_greedy_decode_matches_uncached_greedy_and_static_cache(position):
+def test_generate_matches_uncached_greedy_and_static_cache(position):
     model = Seq2SeqTransformer(_config(position=position, tgt_vocab_size=6)).eval()
     src = _src()
-    ids = model.greedy_decode(src, max_len=9, bos_id=BOS, eos_id=EOS)
+    ids = model.generate(src, max_new_tokens=9, decoder_start_token_id=BOS, eos_token_id=EOS)
     assert ids[:, 0].eq(BOS).all() and ids.shape[1] <= 10
     assert torch.equal(ids, _greedy_without_cache(model, src, 9))
-    assert torch.equal(model.greedy_decode(src, max_len=9, bos_id=BOS, eos_id=EOS, static_cache=True), ids)
+    assert torch.equal(model.generate(src, max_new_tokens=9, decoder_start_token_id=BOS, eos_token_id=EOS,
+                                      cache="static"), ids)
+    assert torch.equal(model.generate(src, max_new_tokens=9, decoder_start_token_id=BOS, eos_token_id=EOS,
+                                      num_beams=1), ids)
 
 
-def test_greedy_cross_attention_weights_match_full_decoder():
-    model = Seq2SeqTransformer(_config(tgt_vocab_size=6)).eval()
-    src = _src()
-    ids, cross = model.greedy_decode(src, max_len=5, bos_id=BOS, eos_id=EOS, return_cross_attention=True)
-    T = ids.shape[1] - 1
-    assert cross.shape == (3, 2, H, T, 6)
-    torch.testing.assert_close(cross.sum(-1), torch.ones(3, 2, H, T), **TOL)
-    assert cross[2, ..., 2:].abs().max() == 0  # padded source positions get no weight
+def _sequence_logp(model, src, seqs):
+    """Σ_t log p(y_t | y_<t, x) of each target ``seqs[i] = [BOS, y_1, …]`` by teacher forcing."""
+    out = []
+    for i, seq in enumerate(seqs):
+        y = torch.tensor([seq])
+        logp = model(src[i:i + 1], y[:, :-1]).log_softmax(-1)  # (1, T, V)
+        out.append(float(logp[0].gather(1, y[0, 1:, None]).sum()))
+    return out
+
+
+@pytest.mark.parametrize("length_penalty", [0.0, 1.0])
+@torch.no_grad()
+def test_beam_search_equals_exhaustive_search_on_a_tiny_vocabulary(length_penalty):
+    """V = 3 target tokens, 3 new tokens: 16 beams hold every live prefix and every finished hypothesis,
+    so beam search is exact: its answer is the argmax over all sequences of Σ log p / len^α."""
+    torch.manual_seed(0)
+    model = Seq2SeqTransformer(_config(tgt_vocab_size=3, pad_id=None)).eval()
+    with torch.no_grad():  # sharper distributions, so the optimum is not the greedy path by accident
+        model.tgt_embed.weight.mul_(4)
+    src = torch.randint(3, 20, (12, 5))
+    got = model.generate(src, max_new_tokens=3, decoder_start_token_id=BOS, eos_token_id=EOS, num_beams=16,
+                         length_penalty=length_penalty)
+    greedy = model.generate(src, max_new_tokens=3, decoder_start_token_id=BOS, eos_token_id=EOS)
+    # every hypothesis: ends at EOS, or runs to max_new_tokens
+    hyps = [[BOS, *p, EOS] for n in range(3) for p in itertools.product([0, 1], repeat=n)]
+    hyps += [[BOS, *p, last] for p in itertools.product([0, 1], repeat=2) for last in range(3)]
+    differs = False
+    for i in range(src.shape[0]):
+        scores = _sequence_logp(model, src[i:i + 1].expand(len(hyps), -1), hyps)
+        best = max(range(len(hyps)), key=lambda j: scores[j] / (len(hyps[j]) - 1) ** length_penalty)
+        row = got[i].tolist()
+        row = row[:row.index(EOS) + 1] if EOS in row else row
+        assert row == hyps[best], i
+        g = greedy[i].tolist()
+        differs |= row != (g[:g.index(EOS) + 1] if EOS in g else g)
+    assert differs  # the search found something greedy decoding did not
+
+
+@torch.no_grad()
+def test_output_attentions_match_the_reference_decoder_weights():
+    model = Seq2SeqTransformer(_config(tgt_vocab_size=6, position="alibi")).eval()
+    src, tgt = _src(), torch.randint(3, 6, (3, 5))
+    out = model(src, tgt, output_attentions=True)
+    torch.testing.assert_close(out.logits, model(src, tgt), **TOL)
+    assert len(out.encoder_attentions) == len(out.decoder_attentions) == len(out.cross_attentions) == 2
+    assert out.cross_attentions[0].shape == (3, H, 5, 6)
+    assert out.cross_attentions[1][2, ..., 2:].abs().max() == 0  # padded source positions get no weight
     memory, kpm = model.encode(src), model.padding_mask(src)
-    x = model.embed_target(ids[:, :-1])
-    _, weights = model.decoder(x, memory, memory_key_padding_mask=kpm, need_weights=True)
-    expected = torch.stack([w.cross_attn for w in weights], dim=1)  # (B, layers, H, T, S)
-    torch.testing.assert_close(cross, expected, **TOL)
+    _, weights = model.decoder(model.embed_target(tgt), memory, memory_key_padding_mask=kpm, need_weights=True)
+    for i, w in enumerate(weights):  # the materialising reference path
+        torch.testing.assert_close(out.decoder_attentions[i], w.self_attn, **TOL)
+        torch.testing.assert_close(out.cross_attentions[i], w.cross_attn, **TOL)
+    _, enc_weights = model.encoder(model.embed_source(src), key_padding_mask=kpm, need_weights=True)
+    for i, w in enumerate(enc_weights):
+        torch.testing.assert_close(out.encoder_attentions[i], w.self_attn, **TOL)
+
+
+def test_generate_arguments_are_checked():
+    model = Seq2SeqTransformer(_config()).eval()
+    with pytest.raises(TypeError, match="decoder_start_token_id"):
+        model.generate(_src(), max_new_tokens=3)
+    with pytest.raises(ValueError, match="decoder_start_token_id"):  # the function: no default for this model
+        from attnlab.generation import generate
+        generate(model, _src(), max_new_tokens=3)
+    with pytest.raises(ValueError, match="vocab_size=20"):
+        model.generate(_src() + 20, max_new_tokens=3, decoder_start_token_id=BOS)
+    with pytest.raises(ValueError, match="not both"):
+        model.encode(_src(), torch.ones(3, 6), src_key_padding_mask=model.padding_mask(_src()))
 
 
 def test_embeddings_tied_and_padding_and_positions_limit():

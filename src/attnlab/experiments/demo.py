@@ -44,7 +44,7 @@ def exact_match(model: Seq2SeqTransformer, task: ReverseTask, strings: list[list
     for i in range(0, len(strings), batch_size):
         chunk = strings[i:i + batch_size]
         src, _ = task.encode(chunk)
-        ids = model.greedy_decode(src, max_len=task.max_len + 1, bos_id=BOS, eos_id=EOS)
+        ids = model.generate(src, max_new_tokens=task.max_len + 1, decoder_start_token_id=BOS, eos_token_id=EOS)
         for s, row in zip(chunk, ids.tolist()):
             pred = row[1:]  # drop BOS
             pred = pred[:pred.index(EOS)] if EOS in pred else pred
@@ -118,9 +118,9 @@ def _cross_attention_png(model: Seq2SeqTransformer, task: ReverseTask, s: list[i
     model.eval()
     src, _ = task.encode([s])
     with torch.no_grad():
-        ids, cross = model.greedy_decode(src, max_len=len(s) + 1, bos_id=BOS, eos_id=EOS,
-                                         return_cross_attention=True)
-    w = cross[0, -1].mean(0)  # (T, S): last layer, mean over heads
+        ids = model.generate(src, max_new_tokens=len(s) + 1, decoder_start_token_id=BOS, eos_token_id=EOS)
+        cross = model(src, ids[:, :-1], output_attentions=True).cross_attentions  # row t predicts token t + 1
+    w = cross[-1][0].mean(0)  # (T, S): last layer, mean over heads
     out = ids[0, 1:].tolist()
     T = min(w.shape[0], len(out))
     y = [task.to_text([t]) or "<eos>" for t in out[:T]]

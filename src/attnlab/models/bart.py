@@ -13,6 +13,8 @@ The position tables have ``max_position_embeddings + 2`` rows and position ``i``
 Module names are ours (``self_attn.in_proj`` packs HF's q_proj/k_proj/v_proj, ``cross_attn`` is
 HF's ``encoder_attn``, ``norm1..3`` and ``ffn.w1/w2`` its layer norms and fc1/fc2); the HF names
 appear only in :meth:`~BartForConditionalGeneration.to_hf_state_dict` / ``from_hf_state_dict``.
+With ``output_attentions`` the per-head weights are recovered from each attention's q, k and
+log-sum-exp (:func:`attnlab.models.outputs.record_attention_weights`); the forward keeps its fast backend.
 """
 from __future__ import annotations
 
@@ -26,7 +28,9 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from attnlab.models.hub import PreTrainedMixin, register
+from attnlab.models.hub import (PreTrainedMixin, check_attention_mask, check_encoder_outputs,
+                               check_token_inputs, register)
+from attnlab.models.outputs import Seq2SeqLMOutput, record_attention_weights
 from attnlab.nn.block import DecoderLayer, EncoderLayer, LayerCache
 
 # HF activation_function -> our FeedForward activation ("gelu_new" is the tanh approximation).
@@ -107,16 +111,6 @@ class BartConfig:
                 "tie_word_embeddings": True, "encoder_layerdrop": 0.0, "decoder_layerdrop": 0.0}
 
 
-@dataclass
-class Seq2SeqLMOutput:
-    """``logits (B, T, V)``; ``encoder_last_hidden_state (B, S, E)``; ``past_key_values`` (one
-    :class:`LayerCache` per decoder layer) with ``use_cache``."""
-
-    logits: Tensor
-    encoder_last_hidden_state: Tensor
-    past_key_values: Optional[list[LayerCache]] = None
-
-
 class BartLearnedPositionalEmbedding(nn.Embedding):
     """``PE(i) = W[i + 2]``, ``W (max_positions + 2, dim)``: HF's table layout, offset included."""
 
@@ -156,12 +150,13 @@ class BartForConditionalGeneration(PreTrainedMixin, nn.Module):
     """BART encoder–decoder with the tied LM head: HF ``BartForConditionalGeneration``.
 
     ``from_pretrained`` / ``save_pretrained`` read and write HF-format directories
-    (see :mod:`attnlab.models.hub`).
+    (see :mod:`attnlab.models.hub`); :meth:`generate` decodes (greedy, sampling, beam search) on a KV cache.
     """
 
     hf_architecture = "BartForConditionalGeneration"
     hf_ignored = (r"^model\.(encoder|decoder)\.embed_tokens\.weight$", r"^lm_head\.weight$",  # tied copies
                   r"^model\.(encoder|decoder)\.version$")
+    is_encoder_decoder = True  # attnlab.generation encodes the source once
 
     def __init__(self, config: BartConfig) -> None:
         super().__init__()
@@ -189,6 +184,13 @@ class BartForConditionalGeneration(PreTrainedMixin, nn.Module):
             if isinstance(mod, nn.Embedding) and mod.padding_idx is not None:
                 nn.init.zeros_(mod.weight[mod.padding_idx])
 
+    @classmethod
+    def adapt_hf_checkpoint(cls, config: BartConfig, hf: dict[str, Tensor]) -> tuple[BartConfig, dict[str, Tensor]]:
+        """A checkpoint without ``final_logits_bias`` (an all-zero buffer some exports drop) gets zeros."""
+        if "final_logits_bias" not in hf:
+            hf = {**hf, "final_logits_bias": torch.zeros(1, config.vocab_size)}
+        return config, hf
+
     # ---- forward -------------------------------------------------------------------------
 
     def encode(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
@@ -197,12 +199,18 @@ class BartForConditionalGeneration(PreTrainedMixin, nn.Module):
         Raises:
             ValueError: bad ids (outside the vocabulary, longer than ``max_position_embeddings``) or mask.
         """
-        _check_ids(self.config, "input_ids", input_ids, 0)
-        pad = _padding(attention_mask, "attention_mask", input_ids.shape)
+        return self._encode(input_ids, attention_mask, False)[0]
+
+    def _encode(self, input_ids: Tensor, attention_mask: Optional[Tensor], need_weights: bool):
+        check_token_inputs(input_ids, attention_mask, vocab_size=self.config.vocab_size,
+                           max_positions=self.config.max_position_embeddings)
+        pad = _padding(attention_mask)
         x = self.encoder.embed(self.shared(input_ids) * self.embed_scale)  # (B, S, E)
-        for layer in self.encoder.layers:
-            x = layer(x, key_padding_mask=pad)
-        return x
+        attns = [layer.self_attn for layer in self.encoder.layers] if need_weights else []
+        with record_attention_weights(attns) as w:
+            for layer in self.encoder.layers:
+                x = layer(x, key_padding_mask=pad)
+        return x, tuple(w) if need_weights else None
 
     def new_cache(self, *, max_length: Optional[int] = None) -> list[LayerCache]:
         """Empty per-decoder-layer caches; ``max_length`` preallocates the self-attention ones."""
@@ -217,20 +225,32 @@ class BartForConditionalGeneration(PreTrainedMixin, nn.Module):
         prefix: positions start at its length and ``decoder_attention_mask`` covers ``past + T``.
         ``attention_mask`` is the encoder's ``(B, S)`` mask.
         """
+        return self._decode(decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
+                            cache, False)[0]
+
+    def _decode(self, ids: Tensor, memory: Tensor, attention_mask, decoder_attention_mask, cache, need_weights):
         past = 0 if cache is None else cache[0].self_attn.length
-        B, T = _check_ids(self.config, "decoder_input_ids", decoder_input_ids, past)
-        tgt_pad = _padding(decoder_attention_mask, "decoder_attention_mask", (B, past + T))
-        mem_pad = _padding(attention_mask, "attention_mask", encoder_hidden_states.shape[:2])
-        x = self.decoder.embed(self.shared(decoder_input_ids) * self.embed_scale, past)  # (B, T, E)
-        for i, layer in enumerate(self.decoder.layers):
-            x = layer(x, encoder_hidden_states, tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=mem_pad,
-                      is_causal=True, cache=None if cache is None else cache[i])
-        return self.lm_head(x) + self.final_logits_bias  # (B, T, V)
+        check_token_inputs(ids, decoder_attention_mask, vocab_size=self.config.vocab_size, past=past,
+                           max_positions=self.config.max_position_embeddings, name="decoder_input_ids",
+                           mask_name="decoder_attention_mask")
+        check_encoder_outputs(memory, self.config.d_model)
+        check_attention_mask(attention_mask, memory.shape[:2])
+        tgt_pad, mem_pad = _padding(decoder_attention_mask), _padding(attention_mask)
+        x = self.decoder.embed(self.shared(ids) * self.embed_scale, past)  # (B, T, E)
+        layers = self.decoder.layers
+        attns = [ly.self_attn for ly in layers] + [ly.cross_attn for ly in layers] if need_weights else []
+        with record_attention_weights(attns) as w:
+            for i, layer in enumerate(layers):
+                x = layer(x, memory, tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=mem_pad,
+                          is_causal=True, cache=None if cache is None else cache[i])
+        logits = self.lm_head(x) + self.final_logits_bias  # (B, T, V)
+        n = len(layers)
+        return (logits, tuple(w[:n]), tuple(w[n:])) if need_weights else (logits, None, None)
 
     def forward(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
                 decoder_input_ids: Optional[Tensor] = None, decoder_attention_mask: Optional[Tensor] = None,
                 *, encoder_outputs: Optional[Tensor] = None, past_key_values: Optional[list[LayerCache]] = None,
-                use_cache: bool = False) -> Seq2SeqLMOutput:
+                use_cache: bool = False, output_attentions: bool = False) -> Seq2SeqLMOutput:
         """Teacher-forced logits, with HF's argument names.
 
         Args:
@@ -242,59 +262,49 @@ class BartForConditionalGeneration(PreTrainedMixin, nn.Module):
             decoder_attention_mask: ``(B, past + T)``, 1 = token, 0 = padding (on top of causality).
             past_key_values, use_cache: as :meth:`decode`'s ``cache``; ``use_cache`` makes new
                 caches when none are given and returns them.
+            output_attentions: also return ``encoder_attentions`` (unless ``encoder_outputs`` is given),
+                ``decoder_attentions`` and ``cross_attentions``: per layer ``(B, H, Lq, Lk)``. The
+                decoder's self-attention cache must then be empty (its past inputs are gone).
 
         Raises:
             ValueError: neither ``input_ids`` nor ``encoder_outputs``; an id outside the vocabulary;
-                a sequence longer than ``max_position_embeddings``; a mask of the wrong shape or values.
+                a sequence longer than ``max_position_embeddings``; a mask of the wrong shape or values;
+                ``output_attentions`` with a non-empty cache.
         """
+        enc_w = None
         if encoder_outputs is None:
             if input_ids is None:
                 raise ValueError("input_ids is required unless encoder_outputs is given")
-            encoder_outputs = self.encode(input_ids, attention_mask)
+            encoder_outputs, enc_w = self._encode(input_ids, attention_mask, output_attentions)
         if decoder_input_ids is None:
             if input_ids is None:
                 raise ValueError("decoder_input_ids is required when input_ids is not given")
             decoder_input_ids = shift_tokens_right(input_ids, self.config.decoder_start_token_id)
         if past_key_values is None and use_cache:
             past_key_values = self.new_cache()
-        logits = self.decode(decoder_input_ids, encoder_outputs, attention_mask=attention_mask,
-                             decoder_attention_mask=decoder_attention_mask, cache=past_key_values)
-        return Seq2SeqLMOutput(logits, encoder_outputs, past_key_values if use_cache else None)
+        logits, self_w, cross_w = self._decode(decoder_input_ids, encoder_outputs, attention_mask,
+                                               decoder_attention_mask, past_key_values, output_attentions)
+        return Seq2SeqLMOutput(logits, encoder_outputs, past_key_values=past_key_values if use_cache else None,
+                               encoder_attentions=enc_w, decoder_attentions=self_w, cross_attentions=cross_w)
 
-    @torch.no_grad()
-    def greedy(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, *, max_new_tokens: int,
-               eos_token_id: Optional[int] = None, use_cache: bool = True) -> Tensor:
-        """Greedy decoding ``y_t = argmax_v p(v | y_<t, x)`` (call ``eval()`` first).
+    # ---- generation ----------------------------------------------------------------------
 
-        Args:
-            input_ids, attention_mask: the source, as in :meth:`forward`.
-            max_new_tokens: the most tokens generated after ``decoder_start_token_id``.
-            eos_token_id: a row ends at this token and is then filled with ``pad_token_id``;
-                default ``config.eos_token_id`` (when that is None too, rows never end early).
-            use_cache: feed one token per step on the KV cache (False re-runs the whole prefix).
-
-        Returns:
-            ``(B, 1 + n)`` ids starting with ``decoder_start_token_id``, ``n <= max_new_tokens``
-            (as ``transformers``' ``generate(num_beams=1, do_sample=False)`` with no forced tokens).
-        """
-        _check_int("max_new_tokens", max_new_tokens, minimum=1)
+    @property
+    def generation_defaults(self) -> dict[str, Optional[int]]:
+        """The config's ``decoder_start_token_id``, ``eos_token_id`` and ``pad_token_id``."""
         c = self.config
-        eos = c.eos_token_id if eos_token_id is None else eos_token_id
-        memory = self.encode(input_ids, attention_mask)
-        B = input_ids.shape[0]
-        ids = input_ids.new_full((B, 1), c.decoder_start_token_id)
-        done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
-        cache = self.new_cache() if use_cache else None
-        for _ in range(max_new_tokens):
-            step = ids[:, -1:] if use_cache else ids
-            logits = self.decode(step, memory, attention_mask=attention_mask, cache=cache)[:, -1]  # (B, V)
-            nxt = logits.argmax(dim=-1).masked_fill(done, c.pad_token_id)
-            ids = torch.cat([ids, nxt[:, None]], dim=1)
-            if eos is not None:
-                done |= nxt == eos
-                if bool(done.all()):
-                    break
-        return ids
+        return dict(decoder_start_token_id=c.decoder_start_token_id, eos_token_id=c.eos_token_id,
+                    pad_token_id=c.pad_token_id)
+
+    def generate(self, input_ids: Tensor, **kwargs) -> Tensor:
+        """:func:`attnlab.generation.generate` with ``input_ids (B, S)`` as the source (same arguments).
+
+        Returns the decoder ids ``(B, 1 + n)``, starting with ``decoder_start_token_id``, as
+        ``transformers`` does (without its BART-specific forced BOS/EOS tokens); the token ids default
+        to :attr:`generation_defaults`.
+        """
+        from attnlab.generation import generate
+        return generate(self, input_ids, **kwargs)
 
     # ---- HF names ------------------------------------------------------------------------
 
@@ -359,31 +369,9 @@ def _check_int(name: str, v, *, minimum: int) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
 
 
-def _check_ids(config: BartConfig, name: str, ids, past: int) -> tuple[int, int]:
-    """Check token ids ``(B, L)`` continuing ``past`` cached positions; return ``(B, L)``."""
-    if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"{name} must be an integer tensor (B, L), got "
-                         f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}")
-    B, L = ids.shape
-    if L == 0 or past + L > config.max_position_embeddings:
-        raise ValueError(f"{name}: {past} cached + {L} new positions must be in [1, max_position_embeddings="
-                         f"{config.max_position_embeddings}]")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size):
-        raise ValueError(f"{name} must lie in [0, vocab_size={config.vocab_size}), got values in "
-                         f"[{int(ids.min())}, {int(ids.max())}]")
-    return B, L
-
-
-def _padding(mask: Optional[Tensor], name: str, shape) -> Optional[Tensor]:
-    """A 1/0 attention mask -> key padding mask (True = padding), or None when there is no padding."""
-    if mask is None:
-        return None
-    if not isinstance(mask, Tensor) or tuple(mask.shape) != tuple(shape):
-        raise ValueError(f"{name} must be a tensor of shape {tuple(shape)}, got "
-                         f"{tuple(getattr(mask, 'shape', ())) or type(mask).__name__}")
-    if not ((mask == 0) | (mask == 1)).all():
-        raise ValueError(f"{name} must hold only 1 (token) and 0 (padding)")
-    return None if bool(mask.all()) else mask == 0
+def _padding(mask: Optional[Tensor]) -> Optional[Tensor]:
+    """A checked 1/0 attention mask -> key padding mask (True = padding), or None when nothing is padded."""
+    return None if mask is None or bool(mask.all()) else mask == 0
 
 
 register("bart", config_from_hf=BartConfig.from_hf, architectures={"BartForConditionalGeneration":

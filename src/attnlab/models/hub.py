@@ -20,7 +20,10 @@ Registration contract (one call per model family, at the bottom of its model fil
   ``hf_ignored: tuple[str, ...]`` — regexes of checkpoint keys dropped silently (non-persistent
   buffers such as ``position_ids``, tied copies);
   ``to_hf_state_dict() -> {hf_name: tensor}`` (every tensor HF expects, tied ones once) and
-  ``from_hf_state_dict(hf: dict) -> {our_name: tensor}`` (the inverse, for ``load_state_dict``).
+  ``from_hf_state_dict(hf: dict) -> {our_name: tensor}`` (the inverse, for ``load_state_dict``);
+  optionally the classmethod ``adapt_hf_checkpoint(config, hf) -> (config, hf)``, which settles what
+  ``config.json`` alone cannot say from the tensors present (T5: an ``lm_head.weight`` of its own
+  unties the head) and fills tensors a checkpoint may omit (BART: ``final_logits_bias`` = zeros).
 
 The loader checks names and shapes against ``to_hf_state_dict()`` of the freshly built model
 *before* anything is copied, so a bad checkpoint never leaves a half-loaded model.
@@ -172,8 +175,7 @@ def from_pretrained(path: PathLike, *, dtype: Optional[torch.dtype] = None, mode
     elif model_cls not in family.architectures.values():
         raise ValueError(f"model_cls {model_cls.__name__} is not registered for model_type "
                          f"{family.model_type!r}; registered: {sorted(c.__name__ for c in family.architectures.values())}")
-    config = family.config_from_hf(raw)
-    hf = load_weights(path)
+    config, hf = model_cls.adapt_hf_checkpoint(family.config_from_hf(raw), load_weights(path))
     model = model_cls(config)
     expected = model.to_hf_state_dict()
     ignored = [re.compile(p) for p in getattr(model_cls, "hf_ignored", ())]
@@ -235,6 +237,12 @@ class PreTrainedMixin:
     hf_ignored: tuple[str, ...] = ()
 
     @classmethod
+    def adapt_hf_checkpoint(cls, config, hf: dict[str, Tensor]) -> tuple[Any, dict[str, Tensor]]:
+        """``(config, hf)`` completed from what the checkpoint holds; unchanged by default (see the
+        module docstring). Runs before the names and shapes are checked."""
+        return config, hf
+
+    @classmethod
     def from_pretrained(cls, path: PathLike, *, dtype: Optional[torch.dtype] = None):
         """Load ``path`` into this class (see :func:`attnlab.models.hub.from_pretrained`)."""
         return from_pretrained(path, dtype=dtype, model_cls=cls)
@@ -244,29 +252,58 @@ class PreTrainedMixin:
         save_pretrained(self, path)
 
 
-def check_token_inputs(input_ids, attention_mask, *, vocab_size: int, max_positions: int) -> tuple[int, int]:
-    """Validate ``input_ids (B, L)`` and an optional 0/1 ``attention_mask (B, L)`` at a model's
-    boundary; return ``(B, L)``.
+def check_token_inputs(input_ids, attention_mask=None, *, vocab_size: int, max_positions: Optional[int] = None,
+                       past: int = 0, name: str = "input_ids", mask_name: str = "attention_mask") -> tuple[int, int]:
+    """Validate ``input_ids (B, L)`` continuing ``past`` cached positions, and an optional 0/1
+    ``attention_mask (B, past + L)``, at a model's boundary; return ``(B, L)``.
+
+    Args:
+        max_positions: the most positions ``past + L`` the model has (None: unbounded).
+        name, mask_name: the argument names used in the error messages.
 
     Raises:
-        ValueError: not an integer (B, L) tensor, length outside ``[1, max_positions]``, ids outside
-            ``[0, vocab_size)``, or a mask of another shape or with values other than 0 and 1.
+        ValueError: not a non-empty integer (B, L) tensor, more than ``max_positions`` positions, ids
+            outside ``[0, vocab_size)``, or a mask of another shape or with values other than 0 and 1.
     """
     if (not isinstance(input_ids, Tensor) or input_ids.dim() != 2
             or input_ids.dtype not in (torch.int64, torch.int32)):
-        raise ValueError("input_ids must be an integer tensor (B, L), got "
+        raise ValueError(f"{name} must be an integer tensor (B, L), got "
                          f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} "
                          f"{tuple(getattr(input_ids, 'shape', ()))}")
     B, L = input_ids.shape
-    if L == 0 or L > max_positions:
-        raise ValueError(f"input_ids has length {L}; it must be in [1, max_position_embeddings={max_positions}]")
-    if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= vocab_size):
-        raise ValueError(f"input_ids must lie in [0, vocab_size={vocab_size}), got values in "
-                         f"[{int(input_ids.min())}, {int(input_ids.max())}]")
-    if attention_mask is not None:
-        if not isinstance(attention_mask, Tensor) or attention_mask.shape != (B, L):
-            raise ValueError(f"attention_mask must be a tensor of shape (B, L) = {(B, L)}, got "
-                             f"{tuple(getattr(attention_mask, 'shape', ())) or type(attention_mask).__name__}")
-        if not ((attention_mask == 0) | (attention_mask == 1)).all():
-            raise ValueError("attention_mask must hold only 1 (token) and 0 (padding)")
+    if B == 0 or L == 0:
+        raise ValueError(f"{name} must be non-empty, got shape {(B, L)}")
+    if max_positions is not None and past + L > max_positions:
+        cached = f"{past} cached + " if past else ""
+        raise ValueError(f"{name} has {cached}{L} positions; at most max_position_embeddings={max_positions} fit")
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"{name} must lie in [0, vocab_size={vocab_size}), got values in [{lo}, {hi}]")
+    check_attention_mask(attention_mask, (B, past + L), name=mask_name)
     return B, L
+
+
+def check_attention_mask(mask, shape: tuple[int, ...], *, name: str = "attention_mask") -> None:
+    """Check that ``mask`` is None or a tensor of ``shape`` holding only 1 (token) and 0 (padding).
+
+    Raises:
+        ValueError: another shape, not a tensor, or other values (the message names ``name``).
+    """
+    if mask is None:
+        return
+    if not isinstance(mask, Tensor) or tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"{name} must be a tensor of shape {tuple(shape)}, got "
+                         f"{tuple(getattr(mask, 'shape', ())) or type(mask).__name__}")
+    if not ((mask == 0) | (mask == 1)).all():
+        raise ValueError(f"{name} must hold only 1 (token) and 0 (padding)")
+
+
+def check_encoder_outputs(memory, d_model: int) -> None:
+    """Check an encoder–decoder's ``encoder_outputs``: a ``(B, S, d_model)`` tensor.
+
+    Raises:
+        ValueError: anything else (the message names ``encoder_outputs`` and the expected shape).
+    """
+    if not isinstance(memory, Tensor) or memory.dim() != 3 or memory.shape[-1] != d_model:
+        raise ValueError(f"encoder_outputs must be a (B, S, d_model={d_model}) tensor, got "
+                         f"{tuple(getattr(memory, 'shape', ())) or type(memory).__name__}")

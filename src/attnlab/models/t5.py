@@ -10,10 +10,11 @@
                                                                    decoder; computed once per stack, shared by
                                                                    all its layers; none in cross-attention)
     FFN(x) = W_o relu(W_i x)   or   W_o (gelu_tanh(W_i0 x) ⊙ W_i1 x)        ("relu" / "gated-gelu", T5 v1.1)
-    logits = RMSNorm(h_dec) · d^-0.5 · Eᵀ   (tied)   or   RMSNorm(h_dec) W_lmᵀ   (untied, T5 v1.1 / Flan-T5)
+    logits = s · RMSNorm(h_dec) Wᵀ        W = E (tied) or W_lm (untied, T5 v1.1 / Flan-T5);
+                                          s = d^-0.5 (scale_decoder_outputs: original T5) or 1
 
-Attention runs through :func:`attnlab.attention` with ``scale=1.0`` and the bias as an additive float
-mask. HF names (``encoder.block.{i}.layer.0.SelfAttention.q`` …) appear only in
+The layers are in :mod:`attnlab.models.t5_layers` (attention with the bias as a dense mask or, for long
+inputs, a score_mod; weights recovered from the log-sum-exp for ``output_attentions``). HF names (``encoder.block.{i}.layer.0.SelfAttention.q`` …) appear only in
 :meth:`T5ForConditionalGeneration.to_hf_state_dict` / :meth:`~T5ForConditionalGeneration.from_hf_state_dict`.
 """
 from __future__ import annotations
@@ -28,12 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.functional.attention import attention
-from attnlab.models.hub import PreTrainedMixin, register
+from attnlab.models.hub import (PreTrainedMixin, check_attention_mask, check_encoder_outputs,
+                               check_token_inputs, register)
+from attnlab.models.outputs import Seq2SeqLMOutput
+from attnlab.models.t5_layers import T5Attention, T5Stack
 from attnlab.nn.block import LayerCache
-from attnlab.nn.cache import KVCache
-from attnlab.nn.feedforward import ACTIVATIONS
-from attnlab.nn.norms import RMSNorm
 from attnlab.nn.positional import T5RelativeBias
 
 FEED_FORWARD_PROJ = ("relu", "gated-gelu")
@@ -43,8 +43,9 @@ FEED_FORWARD_PROJ = ("relu", "gated-gelu")
 class T5Config:
     """T5 hyper-parameters with HF ``T5Config``'s names and defaults (t5-small).
 
-    ``tie_word_embeddings=True`` is original T5 (LM head = shared embedding, decoder output scaled by
-    ``d_model^-0.5``); ``False`` is T5 v1.1 / Flan-T5 (its own ``lm_head``, no scaling).
+    ``tie_word_embeddings``: the LM head is the shared embedding (else its own ``lm_head``);
+    ``scale_decoder_outputs``: the decoder output is scaled by ``d_model^-0.5`` before the head
+    (default: ``tie_word_embeddings``, i.e. original T5 ties and scales, T5 v1.1 / Flan-T5 do neither).
     ``num_decoder_layers`` defaults to ``num_layers``.
     """
 
@@ -61,6 +62,7 @@ class T5Config:
     layer_norm_epsilon: float = 1e-6
     feed_forward_proj: str = "relu"
     tie_word_embeddings: bool = True
+    scale_decoder_outputs: Optional[bool] = None
     pad_token_id: int = 0
     eos_token_id: int = 1
     decoder_start_token_id: int = 0
@@ -68,6 +70,8 @@ class T5Config:
     def __post_init__(self) -> None:
         if self.num_decoder_layers is None:
             self.num_decoder_layers = self.num_layers
+        if self.scale_decoder_outputs is None:
+            self.scale_decoder_outputs = self.tie_word_embeddings
         for f in ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads"):
             _check_int(f, getattr(self, f), minimum=1)
         _check_int("relative_attention_num_buckets", self.relative_attention_num_buckets, minimum=4)
@@ -84,153 +88,33 @@ class T5Config:
             raise ValueError(f"layer_norm_epsilon must be a positive float, got {self.layer_norm_epsilon!r}")
         if self.feed_forward_proj not in FEED_FORWARD_PROJ:
             raise ValueError(f"feed_forward_proj must be one of {list(FEED_FORWARD_PROJ)}, got {self.feed_forward_proj!r}")
-        if not isinstance(self.tie_word_embeddings, bool):
-            raise ValueError(f"tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
+        for f in ("tie_word_embeddings", "scale_decoder_outputs"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"{f} must be a bool, got {getattr(self, f)!r}")
 
     @classmethod
     def from_hf(cls, d: dict) -> "T5Config":
         """From an HF ``config.json`` dict (unknown keys ignored).
 
-        transformers 5 always writes ``tie_word_embeddings: true`` and records T5 v1.1's untied,
-        unscaled head as ``scale_decoder_outputs: false``; both spellings are read.
+        transformers 4 wrote ``tie_word_embeddings: false`` for T5 v1.1 (untied and unscaled);
+        transformers 5 always writes ``tie_word_embeddings: true`` with ``scale_decoder_outputs`` and
+        unties the head only when the checkpoint holds its own ``lm_head.weight`` — which
+        :meth:`T5ForConditionalGeneration.adapt_hf_checkpoint` settles from the tensors.
         """
-        tie, scale = d.get("tie_word_embeddings", True), d.get("scale_decoder_outputs")
-        if scale is not None and not tie and scale:
-            raise ValueError("scale_decoder_outputs=True with tie_word_embeddings=False is not supported")
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in names and v is not None}
-        kw["tie_word_embeddings"] = bool(tie) and scale is not False
         if isinstance(kw.get("eos_token_id"), list) and len(kw["eos_token_id"]) == 1:  # HF allows a list
             kw["eos_token_id"] = kw["eos_token_id"][0]
         return cls(**kw)
 
     def to_hf(self) -> dict:
         """An HF ``config.json`` dict that ``transformers.T5Config`` reads back to the same model."""
-        return {**dataclasses.asdict(self), "model_type": "t5", "is_encoder_decoder": True,
-                "scale_decoder_outputs": self.tie_word_embeddings}
+        return {**dataclasses.asdict(self), "model_type": "t5", "is_encoder_decoder": True}
 
 
 def _check_int(name: str, v, *, minimum: int) -> None:
     if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
-
-
-@dataclass
-class Seq2SeqLMOutput:
-    """``logits (B, T, V)``, ``encoder_last_hidden_state (B, S, E)``; ``loss`` with ``labels``;
-    ``past_key_values`` (one :class:`LayerCache` per decoder layer) with ``use_cache``."""
-
-    logits: Tensor
-    encoder_last_hidden_state: Tensor
-    loss: Optional[Tensor] = None
-    past_key_values: Optional[list[LayerCache]] = None
-
-
-class T5Attention(nn.Module):
-    """``softmax(Q Kᵀ + mask) V`` over ``H`` heads of width ``d_kv`` (inner dim ``H·d_kv``, may differ
-    from ``d_model``); projections ``q, k, v, o`` without bias; unscaled scores."""
-
-    def __init__(self, d_model: int, num_heads: int, d_kv: int, *, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.num_heads, self.d_kv, self.dropout = num_heads, d_kv, dropout
-        inner = num_heads * d_kv
-        self.q = nn.Linear(d_model, inner, bias=False)
-        self.k = nn.Linear(d_model, inner, bias=False)
-        self.v = nn.Linear(d_model, inner, bias=False)
-        self.o = nn.Linear(inner, d_model, bias=False)
-
-    def forward(self, x: Tensor, memory: Optional[Tensor] = None, *, mask: Optional[Tensor] = None,
-                causal: bool = False, cache: Optional[KVCache] = None) -> Tensor:
-        """``x (B, L, E)`` attends to itself or to ``memory (B, S, E)``; ``cache`` holds past keys/values."""
-        B, L, _ = x.shape
-        H, D = self.num_heads, self.d_kv
-        q = self.q(x).view(B, L, H, D).transpose(1, 2)  # (B, H, L, D)
-        if cache is not None and cache.static and cache.filled:
-            k, v = cache.k, cache.v  # cross-attention: the memory was projected at the first step
-        else:
-            src = x if memory is None else memory
-            k = self.k(src).view(B, -1, H, D).transpose(1, 2)  # (B, H, S, D)
-            v = self.v(src).view(B, -1, H, D).transpose(1, 2)
-            if cache is not None:
-                k, v = cache.update(k, v)
-        out = attention(q, k, v, mask=mask, causal=causal, scale=1.0,
-                        dropout_p=self.dropout if self.training else 0.0)  # (B, H, L, D)
-        return self.o(out.transpose(1, 2).reshape(B, L, H * D))  # (B, L, E)
-
-
-class T5FeedForward(nn.Module):
-    """``W_o relu(W_i x)`` or, gated, ``W_o (gelu_tanh(W_i0 x) ⊙ W_i1 x)``; no biases, HF's names."""
-
-    def __init__(self, d_model: int, d_ff: int, *, gated: bool, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.gated = gated
-        if gated:
-            self.wi_0 = nn.Linear(d_model, d_ff, bias=False)
-            self.wi_1 = nn.Linear(d_model, d_ff, bias=False)
-        else:
-            self.wi = nn.Linear(d_model, d_ff, bias=False)
-        self.wo = nn.Linear(d_ff, d_model, bias=False)
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = ACTIVATIONS["gelu_tanh"](self.wi_0(x)) * self.wi_1(x) if self.gated else F.relu(self.wi(x))
-        return self.wo(self.dropout(h))  # (B, L, E)
-
-
-class T5Layer(nn.Module):
-    """Pre-norm residual sub-layers: self-attention, (decoder) cross-attention, feed-forward."""
-
-    def __init__(self, config: T5Config, *, decoder: bool) -> None:
-        super().__init__()
-        c = config
-        self.self_norm = RMSNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.self_attn = T5Attention(c.d_model, c.num_heads, c.d_kv, dropout=c.dropout_rate)
-        if decoder:
-            self.cross_norm = RMSNorm(c.d_model, eps=c.layer_norm_epsilon)
-            self.cross_attn = T5Attention(c.d_model, c.num_heads, c.d_kv, dropout=c.dropout_rate)
-        self.ffn_norm = RMSNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.ffn = T5FeedForward(c.d_model, c.d_ff, gated=c.feed_forward_proj == "gated-gelu", dropout=c.dropout_rate)
-        self.dropout = nn.Dropout(c.dropout_rate)
-
-    def forward(self, x: Tensor, self_mask: Tensor, *, causal: bool = False, memory: Optional[Tensor] = None,
-                memory_mask: Optional[Tensor] = None, cache: Optional[LayerCache] = None) -> Tensor:
-        x = x + self.dropout(self.self_attn(self.self_norm(x), mask=self_mask, causal=causal,
-                                            cache=None if cache is None else cache.self_attn))
-        if memory is not None:
-            x = x + self.dropout(self.cross_attn(self.cross_norm(x), memory, mask=memory_mask,
-                                                 cache=None if cache is None else cache.cross_attn))
-        return x + self.dropout(self.ffn(self.ffn_norm(x)))
-
-
-class T5Stack(nn.Module):
-    """Layers sharing one relative bias (HF keeps it in block 0), then the final RMSNorm and dropout."""
-
-    def __init__(self, config: T5Config, *, decoder: bool) -> None:
-        super().__init__()
-        self.decoder = decoder
-        self.relative_bias = T5RelativeBias(config.num_heads, bidirectional=not decoder,
-                                            num_buckets=config.relative_attention_num_buckets,
-                                            max_distance=config.relative_attention_max_distance)
-        n = config.num_decoder_layers if decoder else config.num_layers
-        self.layers = nn.ModuleList(T5Layer(config, decoder=decoder) for _ in range(n))
-        self.final_norm = RMSNorm(config.d_model, eps=config.layer_norm_epsilon)
-        self.dropout = nn.Dropout(config.dropout_rate)
-
-    def forward(self, x: Tensor, key_mask: Optional[Tensor], *, memory: Optional[Tensor] = None,
-                memory_mask: Optional[Tensor] = None, caches: Optional[list[LayerCache]] = None) -> Tensor:
-        """``x (B, L, E)`` embeddings; ``key_mask (B, past + L)`` 1 = token, 0 = padding (or None)."""
-        L = x.shape[1]
-        past = 0 if caches is None else caches[0].self_attn.length
-        pos = torch.arange(past + L, device=x.device)
-        mask = self.relative_bias(pos[past:], pos).to(x.dtype)  # (1, H, L, past + L)
-        if key_mask is not None:
-            mask = mask.masked_fill(key_mask[:, None, None, :] == 0, float("-inf"))  # (B, H, L, past + L)
-        mem_mask = None if memory_mask is None else memory_mask[:, None, None, :].bool()  # (B, 1, 1, S)
-        x = self.dropout(x)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, mask, causal=self.decoder and L > 1, memory=memory, memory_mask=mem_mask,
-                      cache=None if caches is None else caches[i])
-        return self.dropout(self.final_norm(x))
 
 
 # our parameter name (without ".weight") -> HF's
@@ -263,13 +147,14 @@ class T5ForConditionalGeneration(PreTrainedMixin, nn.Module):
     """T5 encoder–decoder with the LM head: HF ``T5ForConditionalGeneration``.
 
     ``from_pretrained`` / ``save_pretrained`` read and write HF-format directories (see
-    :mod:`attnlab.models.hub`); :meth:`greedy` decodes on a KV cache.
+    :mod:`attnlab.models.hub`); :meth:`generate` decodes (greedy, sampling, beam search) on a KV cache.
     """
 
     hf_architecture = "T5ForConditionalGeneration"
     # tied copies of `shared` (and of lm_head when tied), an unused bias old checkpoints carry
     hf_ignored = (r"^(encoder|decoder)\.embed_tokens\.weight$", r"^lm_head\.weight$",
                   r"^decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight$")
+    is_encoder_decoder = True  # attnlab.generation encodes the source once
 
     def __init__(self, config: T5Config) -> None:
         super().__init__()
@@ -298,18 +183,57 @@ class T5ForConditionalGeneration(PreTrainedMixin, nn.Module):
         if self.lm_head is not None:
             nn.init.normal_(self.lm_head.weight, std=1.0)
 
+    @classmethod
+    def adapt_hf_checkpoint(cls, config: T5Config, hf: dict[str, Tensor]) -> tuple[T5Config, dict[str, Tensor]]:
+        """Untie the head when the checkpoint holds an ``lm_head.weight`` of its own (transformers 5
+        writes ``tie_word_embeddings: true`` for every T5 and unties on that tensor, as we do). A
+        config that declares the head untied (transformers 4) and a checkpoint without ``lm_head.weight``
+        fail to load, naming the missing tensor."""
+        head, shared = hf.get("lm_head.weight"), hf.get("shared.weight")
+        if config.tie_word_embeddings and head is not None and shared is not None and not torch.equal(head, shared):
+            config = dataclasses.replace(config, tie_word_embeddings=False)
+        return config, hf
+
     # ---- forward -------------------------------------------------------------------------
 
     def encode(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
         """``input_ids (B, S)`` -> encoder output ``(B, S, E)``; ``attention_mask`` 1 = token, 0 = padding."""
-        self._check_ids("input_ids", input_ids)
-        self._check_mask("attention_mask", attention_mask, input_ids.shape)
-        return self.encoder(self.shared(input_ids), attention_mask)
+        return self._encode(input_ids, attention_mask, False)[0]
+
+    def _encode(self, input_ids: Tensor, attention_mask: Optional[Tensor], need_weights: bool):
+        check_token_inputs(input_ids, attention_mask, vocab_size=self.config.vocab_size)
+        h, weights, _ = self.encoder(self.shared(input_ids), attention_mask, need_weights=need_weights)
+        return h, tuple(weights) if need_weights else None
+
+    def decode(self, decoder_input_ids: Tensor, encoder_hidden_states: Tensor, *,
+               attention_mask: Optional[Tensor] = None, decoder_attention_mask: Optional[Tensor] = None,
+               cache: Optional[list[LayerCache]] = None) -> Tensor:
+        """Logits ``(B, T, V)`` of ``decoder_input_ids (B, T)`` on the encoder output ``(B, S, E)``.
+
+        With ``cache`` (:meth:`new_cache`, updated in place) the ids continue the cached prefix and
+        ``decoder_attention_mask`` covers ``past + T``; ``attention_mask`` is the source's ``(B, S)``.
+        """
+        return self._decode(decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
+                            cache, False)[0]
+
+    def _decode(self, ids: Tensor, memory: Tensor, attention_mask, decoder_attention_mask, cache, need_weights):
+        check_encoder_outputs(memory, self.config.d_model)
+        check_attention_mask(attention_mask, memory.shape[:2])
+        past = 0 if cache is None else cache[0].self_attn.length
+        check_token_inputs(ids, decoder_attention_mask, vocab_size=self.config.vocab_size, past=past,
+                           name="decoder_input_ids", mask_name="decoder_attention_mask")
+        h, self_w, cross_w = self.decoder(self.shared(ids), decoder_attention_mask, memory=memory,
+                                          memory_mask=attention_mask, caches=cache, need_weights=need_weights)
+        if self.config.scale_decoder_outputs:
+            h = h * self.config.d_model ** -0.5
+        logits = F.linear(h, self.shared.weight if self.lm_head is None else self.lm_head.weight)  # (B, T, V)
+        return (logits, tuple(self_w), tuple(cross_w)) if need_weights else (logits, None, None)
 
     def forward(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
                 decoder_input_ids: Optional[Tensor] = None, decoder_attention_mask: Optional[Tensor] = None,
-                labels: Optional[Tensor] = None, *, encoder_last_hidden_state: Optional[Tensor] = None,
-                past_key_values: Optional[list[LayerCache]] = None, use_cache: bool = False) -> Seq2SeqLMOutput:
+                labels: Optional[Tensor] = None, *, encoder_outputs: Optional[Tensor] = None,
+                past_key_values: Optional[list[LayerCache]] = None, use_cache: bool = False,
+                output_attentions: bool = False) -> Seq2SeqLMOutput:
         """Logits of ``decoder_input_ids (B, T)`` given ``input_ids (B, S)``, as HF's forward.
 
         Args:
@@ -319,37 +243,34 @@ class T5ForConditionalGeneration(PreTrainedMixin, nn.Module):
                 (``-100`` replaced by ``pad_token_id``).
             decoder_attention_mask: ``(B, past + T)`` decoder padding.
             labels: ``(B, T)`` targets; ``loss`` is their mean cross-entropy, ``-100`` ignored.
-            encoder_last_hidden_state: skip the encoder and use this ``(B, S, E)`` output.
+            encoder_outputs: skip the encoder and use this ``(B, S, E)`` output of :meth:`encode`.
             past_key_values: per-layer caches (:meth:`new_cache`), updated in place.
             use_cache: return the caches (new ones are made when ``past_key_values`` is None).
+            output_attentions: also return ``encoder_attentions`` (unless ``encoder_outputs`` is given),
+                ``decoder_attentions`` and ``cross_attentions``: per layer ``(B, H, Lq, Lk)``.
 
         Raises:
             ValueError: ids outside ``[0, vocab_size)``, missing decoder inputs, masks of the wrong shape.
         """
-        if encoder_last_hidden_state is None:
+        enc_w = None
+        if encoder_outputs is None:
             if input_ids is None:
-                raise ValueError("input_ids (or encoder_last_hidden_state) is required")
-            encoder_last_hidden_state = self.encode(input_ids, attention_mask)
+                raise ValueError("input_ids (or encoder_outputs) is required")
+            encoder_outputs, enc_w = self._encode(input_ids, attention_mask, output_attentions)
         if decoder_input_ids is None:
             if labels is None:
                 raise ValueError("decoder_input_ids or labels is required")
             decoder_input_ids = self.shift_right(labels)
-        self._check_ids("decoder_input_ids", decoder_input_ids)
         if use_cache and past_key_values is None:
             past_key_values = self.new_cache()
-        past = 0 if past_key_values is None else past_key_values[0].self_attn.length
-        B, T = decoder_input_ids.shape
-        self._check_mask("decoder_attention_mask", decoder_attention_mask, (B, past + T))
-        h = self.decoder(self.shared(decoder_input_ids), decoder_attention_mask, memory=encoder_last_hidden_state,
-                         memory_mask=attention_mask, caches=past_key_values)  # (B, T, E)
-        if self.lm_head is None:
-            logits = F.linear(h * self.config.d_model ** -0.5, self.shared.weight)  # (B, T, V)
-        else:
-            logits = self.lm_head(h)
+        logits, self_w, cross_w = self._decode(decoder_input_ids, encoder_outputs, attention_mask,
+                                               decoder_attention_mask, past_key_values, output_attentions)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
-        return Seq2SeqLMOutput(logits, encoder_last_hidden_state, loss, past_key_values if use_cache else None)
+        return Seq2SeqLMOutput(logits, encoder_outputs, loss=loss,
+                               past_key_values=past_key_values if use_cache else None,
+                               encoder_attentions=enc_w, decoder_attentions=self_w, cross_attentions=cross_w)
 
     def shift_right(self, labels: Tensor) -> Tensor:
         """``[decoder_start, y_0, …, y_{T-2}]`` with ``-100`` replaced by ``pad_token_id`` (HF's ``_shift_right``)."""
@@ -361,53 +282,23 @@ class T5ForConditionalGeneration(PreTrainedMixin, nn.Module):
         """Empty per-decoder-layer caches (growing or preallocated self-attention, static cross-attention)."""
         return [LayerCache.create(max_length=max_length) for _ in self.decoder.layers]
 
-    @torch.no_grad()
-    def greedy(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, *, max_new_tokens: int,
-               eos_token_id: Optional[int] = None) -> Tensor:
-        """Greedy decoding ``y_t = argmax p(y | y_<t, x)`` on the KV cache, as HF's greedy ``generate``.
+    # ---- generation ----------------------------------------------------------------------
 
-        Returns ``(B, 1 + n)``: ``decoder_start_token_id`` then ``n <= max_new_tokens`` tokens; a
-        sequence that emitted ``eos_token_id`` (default the config's) is padded with ``pad_token_id``;
-        decoding stops when all have.
-
-        Raises:
-            ValueError: ``max_new_tokens`` is not a positive int, or an input is invalid (see :meth:`forward`).
-        """
-        _check_int("max_new_tokens", max_new_tokens, minimum=1)
+    @property
+    def generation_defaults(self) -> dict[str, int]:
+        """The config's ``decoder_start_token_id``, ``eos_token_id`` and ``pad_token_id``."""
         c = self.config
-        eos = c.eos_token_id if eos_token_id is None else eos_token_id
-        memory = self.encode(input_ids, attention_mask)
-        B = input_ids.shape[0]
-        out = input_ids.new_full((B, 1), c.decoder_start_token_id)
-        unfinished = torch.ones(B, dtype=torch.bool, device=input_ids.device)
-        cache = self.new_cache()
-        for _ in range(max_new_tokens):
-            logits = self(attention_mask=attention_mask, decoder_input_ids=out[:, -1:], encoder_last_hidden_state=memory,
-                          past_key_values=cache, use_cache=True).logits[:, -1]  # (B, V)
-            nxt = torch.where(unfinished, logits.argmax(dim=-1), c.pad_token_id)
-            unfinished &= nxt != eos
-            out = torch.cat([out, nxt[:, None]], dim=1)
-            if not bool(unfinished.any()):
-                break
-        return out
+        return dict(decoder_start_token_id=c.decoder_start_token_id, eos_token_id=c.eos_token_id,
+                    pad_token_id=c.pad_token_id)
 
-    def _check_ids(self, name: str, ids) -> None:
-        if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32) or 0 in ids.shape:
-            raise ValueError(f"{name} must be a non-empty integer tensor (B, L), got "
-                             f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}")
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= self.config.vocab_size:
-            raise ValueError(f"{name} must lie in [0, vocab_size={self.config.vocab_size}), got values in [{lo}, {hi}]")
+    def generate(self, input_ids: Tensor, **kwargs) -> Tensor:
+        """:func:`attnlab.generation.generate` with ``input_ids (B, S)`` as the source (same arguments).
 
-    @staticmethod
-    def _check_mask(name: str, mask, shape) -> None:
-        if mask is None:
-            return
-        if not isinstance(mask, Tensor) or tuple(mask.shape) != tuple(shape):
-            raise ValueError(f"{name} must be a tensor of shape {tuple(shape)}, got "
-                             f"{tuple(getattr(mask, 'shape', ())) or type(mask).__name__}")
-        if not ((mask == 0) | (mask == 1)).all():
-            raise ValueError(f"{name} must hold only 1 (token) and 0 (padding)")
+        Returns the decoder ids ``(B, 1 + n)``, starting with ``decoder_start_token_id``, as
+        ``transformers`` does; the token ids default to :attr:`generation_defaults`.
+        """
+        from attnlab.generation import generate
+        return generate(self, input_ids, **kwargs)
 
     # ---- HF names ------------------------------------------------------------------------
 

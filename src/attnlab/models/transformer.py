@@ -10,7 +10,8 @@
     x_0 = Embed(ids) · sqrt(d) + PE(positions)          # PE only for sinusoidal / learned
     logits = W_out Decoder(x_0^tgt, Encoder(x_0^src))   # W_out = Embed_tgt when tied
 
-  with greedy decoding on the KV cache.
+  with :meth:`~Seq2SeqTransformer.generate` (greedy, sampling, beam search on the KV cache) and
+  ``output_attentions`` (weights recovered from the log-sum-exp; the fast backends keep running).
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.models.config import TransformerConfig
+from attnlab.models.hub import check_attention_mask
+from attnlab.models.outputs import Seq2SeqLMOutput, record_attention_weights
 from attnlab.nn.block import AttentionWeights, DecoderLayer, EncoderLayer, LayerCache
 from attnlab.nn.norms import make_norm
 from attnlab.nn.positional import (ALiBi, LearnedPositionalEmbedding, RotaryEmbedding,
@@ -158,8 +161,12 @@ class Seq2SeqTransformer(nn.Module):
     cross-attention gets no positional signal. Final norms are added when ``norm_first``. Stochastic
     depth grows linearly with depth, ``linspace(0, drop_path, num_layers)`` per stack.
 
-    When ``pad_id`` is set, source positions holding it are masked by default.
+    When ``pad_id`` is set, source positions holding it are masked by default. The config names no
+    start or end token: :meth:`generate` takes them as ``decoder_start_token_id`` (the BOS every
+    target starts with) and ``eos_token_id``.
     """
+
+    is_encoder_decoder = True  # attnlab.generation encodes the source once
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
@@ -231,86 +238,104 @@ class Seq2SeqTransformer(nn.Module):
     def _embed(self, ids: Tensor, embed: nn.Embedding, pos: Optional[nn.Module], offset: int = 0) -> Tensor:
         if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.is_floating_point():
             raise ValueError(f"token ids must be an integer tensor (B, L), got {ids.dtype} {tuple(ids.shape)}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= embed.num_embeddings):
+            raise ValueError(f"token ids must lie in [0, vocab_size={embed.num_embeddings}), got values in "
+                             f"[{int(ids.min())}, {int(ids.max())}]")
         x = embed(ids) * math.sqrt(self.config.dim)  # (B, L, E)
         if pos is not None:  # the table raises a ValueError past max_positions
             x = x + pos(torch.arange(offset, offset + ids.shape[1], device=ids.device)).to(x.dtype)
         return self.dropout(x)
 
-    def encode(self, src_ids: Tensor, *, src_key_padding_mask: Optional[Tensor] = None) -> Tensor:
-        """``src_ids (B, S)`` -> memory ``(B, S, E)``; the padding mask defaults to :meth:`padding_mask`."""
-        if src_key_padding_mask is None:
+    def encode(self, src_ids: Tensor, attention_mask: Optional[Tensor] = None, *,
+               src_key_padding_mask: Optional[Tensor] = None) -> Tensor:
+        """``src_ids (B, S)`` -> memory ``(B, S, E)``.
+
+        The padding is ``attention_mask`` (1 = token, 0 = padding, as :meth:`generate`) or
+        ``src_key_padding_mask`` (True = padding, as :meth:`forward`); default :meth:`padding_mask`.
+
+        Raises:
+            ValueError: both masks are given, or ``attention_mask`` is not a 0/1 ``(B, S)`` tensor.
+        """
+        if attention_mask is not None:
+            if src_key_padding_mask is not None:
+                raise ValueError("give attention_mask or src_key_padding_mask, not both")
+            check_attention_mask(attention_mask, tuple(src_ids.shape))
+            src_key_padding_mask = attention_mask == 0
+        elif src_key_padding_mask is None:
             src_key_padding_mask = self.padding_mask(src_ids)
         return self.encoder(self.embed_source(src_ids), key_padding_mask=src_key_padding_mask)
 
     def forward(self, src_ids: Tensor, tgt_ids: Tensor, *, src_key_padding_mask: Optional[Tensor] = None,
-                tgt_key_padding_mask: Optional[Tensor] = None) -> Tensor:
+                tgt_key_padding_mask: Optional[Tensor] = None, output_attentions: bool = False
+                ) -> Union[Tensor, Seq2SeqLMOutput]:
         """Teacher-forced logits ``(B, T, V_tgt)`` for ``src_ids (B, S)``, ``tgt_ids (B, T)``.
 
         ``src_key_padding_mask`` defaults to ``src_ids == pad_id``; target padding needs no mask
-        (causal attention keeps it out of earlier positions) but may be given.
+        (causal attention keeps it out of earlier positions) but may be given. With
+        ``output_attentions`` returns a :class:`Seq2SeqLMOutput` (``logits``, ``encoder_last_hidden_state``
+        and per layer ``(B, H, Lq, Lk)`` ``encoder_attentions``, ``decoder_attentions``, ``cross_attentions``).
         """
         if src_key_padding_mask is None:
             src_key_padding_mask = self.padding_mask(src_ids)
-        memory = self.encode(src_ids, src_key_padding_mask=src_key_padding_mask)
-        h = self.decoder(self.embed_target(tgt_ids), memory,
-                         tgt_key_padding_mask=tgt_key_padding_mask, memory_key_padding_mask=src_key_padding_mask)
+        enc, dec = self.encoder.layers, self.decoder.layers
+        attns = ([ly.self_attn for ly in enc] + [ly.self_attn for ly in dec] + [ly.cross_attn for ly in dec]
+                 if output_attentions else [])
+        with record_attention_weights(attns) as w:
+            memory = self.encode(src_ids, src_key_padding_mask=src_key_padding_mask)
+            h = self.decoder(self.embed_target(tgt_ids), memory, tgt_key_padding_mask=tgt_key_padding_mask,
+                             memory_key_padding_mask=src_key_padding_mask)
+        logits = self.out_proj(h)
+        if not output_attentions:
+            return logits
+        n, m = len(enc), len(dec)
+        return Seq2SeqLMOutput(logits, memory, encoder_attentions=tuple(w[:n]), decoder_attentions=tuple(w[n:n + m]),
+                               cross_attentions=tuple(w[n + m:]))
+
+    # ---- generation (the encoder–decoder protocol of attnlab.generation) -------------------
+
+    def new_cache(self, *, max_length: Optional[int] = None) -> list[LayerCache]:
+        """Empty per-decoder-layer caches; ``max_length`` preallocates the self-attention ones."""
+        return self.decoder.new_cache(max_length=max_length)
+
+    def decode(self, tgt_ids: Tensor, memory: Tensor, *, attention_mask: Optional[Tensor] = None,
+               cache: Optional[list[LayerCache]] = None) -> Tensor:
+        """Logits ``(B, T, V)`` of the target tokens ``tgt_ids (B, T)`` on ``memory (B, S, E)``.
+
+        With ``cache`` (:meth:`new_cache`, updated in place) they continue the cached prefix and their
+        positions start at its length. ``attention_mask`` is the source's ``(B, S)`` (1 = token).
+        """
+        past = 0 if cache is None else cache[0].self_attn.length
+        check_attention_mask(attention_mask, tuple(memory.shape[:2]))
+        kpm = None if attention_mask is None else attention_mask == 0
+        h = self.decoder(self.embed_target(tgt_ids, offset=past), memory, memory_key_padding_mask=kpm, cache=cache)
         return self.out_proj(h)
 
-    def decode_step(self, tgt_ids: Tensor, memory: Tensor, *, cache: list[LayerCache],
-                    memory_key_padding_mask: Optional[Tensor] = None, need_weights: bool = False
-                    ) -> Union[Tensor, tuple[Tensor, list[AttentionWeights]]]:
-        """Logits ``(B, T_new, V)`` of the new tokens ``tgt_ids (B, T_new)`` given the cached prefix.
+    @property
+    def generation_defaults(self) -> dict[str, Optional[int]]:
+        """No start or end token (the config names none); ``pad_token_id`` is ``config.pad_id``."""
+        return dict(decoder_start_token_id=None, eos_token_id=None, pad_token_id=self.config.pad_id)
 
-        ``cache`` comes from ``self.decoder.new_cache()`` and is updated in place; positions
-        continue from the cached length.
-        """
-        past = cache[0].self_attn.length
-        x = self.embed_target(tgt_ids, offset=past)
-        out = self.decoder(x, memory, memory_key_padding_mask=memory_key_padding_mask, cache=cache,
-                           need_weights=need_weights)
-        return (self.out_proj(out[0]), out[1]) if need_weights else self.out_proj(out)
-
-    @torch.no_grad()
-    def greedy_decode(self, src_ids: Tensor, *, max_len: int, bos_id: int, eos_id: int,
-                      src_key_padding_mask: Optional[Tensor] = None, static_cache: bool = False,
-                      return_cross_attention: bool = False) -> Union[Tensor, tuple[Tensor, Tensor]]:
-        """Greedy decoding, one token per step on the KV cache (call ``eval()`` first for determinism).
+    def generate(self, src_ids: Tensor, *, decoder_start_token_id: int, eos_token_id: Optional[int] = None,
+                 **kwargs) -> Tensor:
+        """:func:`attnlab.generation.generate` from the source ``src_ids (B, S)`` (call ``eval()`` first).
 
         Args:
-            src_ids: ``(B, S)`` source tokens.
-            max_len: most tokens generated after ``bos_id``.
-            bos_id, eos_id: start and end tokens; a row stops at its first ``eos_id`` and is then
-                filled with ``pad_id`` (or ``eos_id`` without one). Stops early when all rows end.
-            static_cache: preallocate the self-attention caches (``max_length=max_len``).
-            return_cross_attention: also return the cross-attention weights
-                ``(B, num_layers, num_heads, T, S)``; row ``t`` is the distribution used to
-                predict token ``t + 1`` (``T`` = number of generated tokens).
+            decoder_start_token_id: the BOS token every target starts with.
+            eos_token_id: a row ends at this token and is then filled with ``pad_token_id`` (default
+                ``config.pad_id``, else ``eos_token_id``); None: rows run for ``max_new_tokens``.
+            kwargs: :func:`~attnlab.generation.generate`'s other arguments (``max_new_tokens``,
+                ``num_beams``, ``do_sample``, ...); ``attention_mask`` defaults to ``src_ids != pad_id``.
 
         Returns:
-            ``ids (B, 1 + T)`` starting with ``bos_id``, or ``(ids, cross_attention)``.
+            ``(B, 1 + n)`` ids: ``decoder_start_token_id`` then ``n <= max_new_tokens`` tokens.
         """
-        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len <= 0:
-            raise ValueError(f"max_len must be a positive int, got {max_len!r}")
-        if src_key_padding_mask is None:
-            src_key_padding_mask = self.padding_mask(src_ids)
-        memory = self.encode(src_ids, src_key_padding_mask=src_key_padding_mask)
-        cache = self.decoder.new_cache(max_length=max_len if static_cache else None)
-        fill = eos_id if self.config.pad_id is None else self.config.pad_id
-        ids = torch.full((src_ids.shape[0], 1), bos_id, dtype=torch.long, device=src_ids.device)
-        done = torch.zeros(src_ids.shape[0], dtype=torch.bool, device=src_ids.device)
-        cross = []
-        for _ in range(max_len):
-            out = self.decode_step(ids[:, -1:], memory, cache=cache, memory_key_padding_mask=src_key_padding_mask,
-                                   need_weights=return_cross_attention)
-            if return_cross_attention:
-                out, weights = out
-                cross.append(torch.stack([w.cross_attn for w in weights], dim=1))  # (B, layers, H, 1, S)
-            token = out[:, -1].argmax(dim=-1).masked_fill(done, fill)  # (B,)
-            ids = torch.cat([ids, token[:, None]], dim=1)
-            done |= token == eos_id
-            if done.all():
-                break
-        return (ids, torch.cat(cross, dim=3)) if return_cross_attention else ids
+        from attnlab.generation import generate
+        pad = self.config.pad_id
+        if kwargs.get("attention_mask") is None and pad is not None and isinstance(src_ids, Tensor) \
+                and bool((src_ids == pad).any()):
+            kwargs["attention_mask"] = (src_ids != pad).long()  # as forward's default
+        return generate(self, src_ids, decoder_start_token_id=decoder_start_token_id, eos_token_id=eos_token_id,
+                        **kwargs)
 
 
 def _xavier_(module: nn.Module) -> None:
