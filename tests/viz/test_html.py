@@ -185,7 +185,7 @@ def test_save_html_is_atomic(make_record, tmp_path, monkeypatch):
     def fail(*args):
         raise OSError("disk full")
 
-    monkeypatch.setattr("attnlab.viz.html.os.replace", fail)
+    monkeypatch.setattr("attnlab._io.os.replace", fail)
     with pytest.raises(OSError, match="disk full"):
         save_html(rec, tmp_path / "view.html", title="other")
     assert path.read_text(encoding="utf-8") == render_html(rec, title="t")  # the old file is intact

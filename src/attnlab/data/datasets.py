@@ -32,7 +32,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+
+from attnlab._io import atomic_write
 
 __all__ = ["RemoteFile", "DatasetSpec", "DATASETS", "DataUnavailableError", "ChecksumError", "data_dir",
            "fetch", "load_text", "load_parallel", "load_sentences", "MULTI30K_SPLITS", "MULTI30K_LANGS",
@@ -110,20 +111,6 @@ def data_dir() -> Path:
     """Where datasets live: ``$ATTNLAB_DATA_DIR`` if set (and non-empty), else ``~/.cache/attnlab``."""
     env = os.environ.get(ENV_VAR, "").strip()
     return Path(env).expanduser() if env else Path.home() / ".cache" / "attnlab"
-
-
-def atomic_write(target: Path, write: Callable[[str], None]) -> None:
-    """``write(tmp)`` to a temporary file beside ``target``, then ``os.replace`` it over ``target``."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _spec(name: str) -> DatasetSpec:

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
-from attnlab.data.datasets import atomic_write
+from attnlab._io import atomic_write
 
 __all__ = ["CharTokenizer", "TextTokenizer", "train_bpe", "train_wordpiece", "load_tokenizer"]
 

@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from attnlab.data.datasets import atomic_write
+from attnlab._io import atomic_write
 
 __all__ = ["MetricScore", "perplexity", "accuracy", "bleu", "chrf", "rouge", "calibration_bins",
            "expected_calibration_error", "reliability_diagram"]

@@ -34,13 +34,14 @@ import importlib
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor
+
+from attnlab._io import atomic_write
 
 PathLike = Union[str, os.PathLike]
 CONFIG_NAME, SAFETENSORS_NAME, TORCH_NAME = "config.json", "model.safetensors", "pytorch_model.bin"
@@ -213,21 +214,9 @@ def save_pretrained(model, path: PathLike) -> None:
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     cfg.update(architectures=[model.hf_architecture], torch_dtype=str(dtype).removeprefix("torch."))
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.to_hf_state_dict().items()}
-    _atomic_write(path / SAFETENSORS_NAME, lambda f: save_file(tensors, f, metadata={"format": "pt"}))
-    _atomic_write(path / CONFIG_NAME,
+    atomic_write(path / SAFETENSORS_NAME, lambda f: save_file(tensors, f, metadata={"format": "pt"}))
+    atomic_write(path / CONFIG_NAME,
                   lambda f: Path(f).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8"))
-
-
-def _atomic_write(target: Path, write: Callable[[str], None]) -> None:
-    """``write(tmp)`` to a temporary file beside ``target``, then rename it over ``target``."""
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class PreTrainedMixin:

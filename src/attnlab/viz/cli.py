@@ -1,8 +1,6 @@
 """``attnlab viz``: attention of a real model on a text, as one HTML page and/or PNG heatmaps."""
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -40,14 +38,7 @@ def save_pngs(record: AttentionRecord, directory, *, layer: Optional[int] = None
         for li in range(w.shape[0]) if layer is None else [layer]:
             for h in range(w.shape[1]):
                 target = directory / f"{kind}_layer{li:02d}_head{h:02d}.png"
-                fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.stem}.", suffix=".png")
-                os.close(fd)
-                try:
-                    save_heatmap(pooled[li, h], tmp, x_labels=x, y_labels=y, title=f"{kind} layer {li} head {h}")
-                    os.replace(tmp, target)
-                except BaseException:
-                    Path(tmp).unlink(missing_ok=True)
-                    raise
+                save_heatmap(pooled[li, h], target, x_labels=x, y_labels=y, title=f"{kind} layer {li} head {h}")
                 written.append(target)
     return written
 

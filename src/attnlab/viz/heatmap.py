@@ -10,6 +10,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from torch import Tensor  # noqa: E402
 
+from attnlab._io import atomic_write  # noqa: E402
+
 
 def save_heatmap(weights: Tensor, path, *, x_labels: Sequence[str], y_labels: Sequence[str],
                  title: str = "", x_name: str = "key", y_name: str = "query") -> Path:
@@ -19,7 +21,8 @@ def save_heatmap(weights: Tensor, path, *, x_labels: Sequence[str], y_labels: Se
     if weights.shape != (len(y_labels), len(x_labels)):
         raise ValueError(f"weights {tuple(weights.shape)} do not match labels ({len(y_labels)}, {len(x_labels)})")
     w = weights.detach().float().cpu().numpy()
-    fig, ax = plt.subplots(figsize=(1.0 + 0.45 * w.shape[1], 1.0 + 0.45 * w.shape[0]))
+    # 0.45 inch per token, capped so that long inputs stay a readable page (labels then shrink)
+    fig, ax = plt.subplots(figsize=(min(1.0 + 0.45 * w.shape[1], 24.0), min(1.0 + 0.45 * w.shape[0], 24.0)))
     im = ax.imshow(w, cmap="viridis", vmin=0.0, vmax=max(float(w.max()), 1e-9), aspect="equal")
     ax.set_xticks(range(len(x_labels)), labels=list(x_labels))
     ax.set_yticks(range(len(y_labels)), labels=list(y_labels))
@@ -30,6 +33,8 @@ def save_heatmap(weights: Tensor, path, *, x_labels: Sequence[str], y_labels: Se
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    finally:
+        plt.close(fig)
     return path

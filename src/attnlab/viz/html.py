@@ -22,13 +22,12 @@ import base64
 import hashlib
 import html
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from attnlab._io import atomic_write_text
 from attnlab.viz.extract import AttentionRecord, group_labels, pool_attention
 from attnlab.viz.page import SCRIPT, STYLE
 
@@ -86,16 +85,7 @@ def save_html(record: AttentionRecord, path, **kwargs) -> Path:
     if not path.parent.is_dir():
         raise FileNotFoundError(f"no such directory for the output file: {str(path.parent)!r}")
     text = render_html(record, **kwargs)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, text)
     return path
 
 

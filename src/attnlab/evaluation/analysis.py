@@ -1,0 +1,449 @@
+"""Attention analysis: what each head does, and what it is worth.
+
+Per head, over the valid query rows ``i`` of a set of texts (``a_ij`` = attention weight, rows
+pooled over texts):
+
+* entropy ``H = −Σ_j a_ij log a_ij`` (nats; ``log n`` for a uniform row over n keys, 0 for one key);
+* mean attention distance ``Σ_j a_ij |i − j|`` (tokens; 0 for the identity map);
+* attention to sinks: ``Σ_{j=0} a_ij`` (the first token) and ``Σ_{j∈special} a_ij`` ([CLS], [SEP], BOS…);
+* redundancy: pairwise similarity of head patterns (cosine of the flattened maps, or
+  ``1 − JS/ln 2`` of the rows), averaged over texts;
+* the loss change when one head is pruned (Michel et al. 2019): that head's output is zeroed
+  before the output projection, ``MHA(X) = Concat(m_1 head_1, …, m_H head_H) W_O`` with ``m_h = 0``.
+  Pruning is a forward pre-hook on each self-attention's ``out_proj`` (:func:`head_mask`), so no
+  model file changes. The loss: next-token cross-entropy for decoder-only LMs (GPT-2, Llama),
+  masked-LM cross-entropy on a fixed 15 % mask for ``BertForMaskedLM``, and for an encoder
+  without an LM head (``BertModel``, e.g. all-MiniLM-L6-v2) the sentence-embedding change
+  ``1 − cos(e_pruned, e)`` of the mean-pooled last hidden state (MiniLM's own pooling).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnlab.attention.multihead import MultiheadAttention
+
+SIMILARITIES = ("cosine", "js")
+
+
+# ---- metrics on attention maps (B, H, Lq, Lk) -------------------------------------------------
+
+def _rows(attn: Tensor, query_mask: Optional[Tensor]) -> Tensor:
+    """Valid query rows ``(B, 1, Lq, 1)`` as float: in ``query_mask`` and with any weight."""
+    if not isinstance(attn, Tensor) or attn.dim() != 4:
+        raise ValueError(f"attn must be a (B, H, Lq, Lk) tensor, got {getattr(attn, 'shape', type(attn).__name__)}")
+    valid = attn.sum(-1, keepdim=True).amax(1, keepdim=True) > 0  # (B, 1, Lq, 1): empty rows excluded
+    if query_mask is not None:
+        B, _, Lq, _ = attn.shape
+        if query_mask.shape != (B, Lq):
+            raise ValueError(f"query_mask must be (B, Lq) = {(B, Lq)}, got {tuple(query_mask.shape)}")
+        valid = valid & query_mask.bool()[:, None, :, None]
+    return valid.to(attn.dtype)
+
+
+def _row_mean(values: Tensor, rows: Tensor) -> Tensor:
+    """Mean of ``values (B, H, Lq)`` over the valid rows, pooled over the batch -> ``(H,)``."""
+    rows = rows.squeeze(-1)  # (B, 1, Lq)
+    n = rows.sum()
+    if n == 0:
+        raise ValueError("no valid query rows (every row is masked or empty)")
+    return (values * rows).sum((0, 2)) / n
+
+
+def head_entropy(attn: Tensor, query_mask: Optional[Tensor] = None) -> Tensor:
+    """``H_h = mean_i −Σ_j a_ij log a_ij`` (nats, ``0 log 0 = 0``) per head ``(H,)``.
+
+    Args:
+        attn: weights ``(B, H, Lq, Lk)``, rows summing to 1 (or 0 for an empty row).
+        query_mask: ``(B, Lq)``, True for real (non-padding) queries; empty rows are always excluded.
+
+    Raises:
+        ValueError: ``attn`` is not 4-D, ``query_mask`` has the wrong shape, or no row is valid.
+    """
+    rows = _rows(attn, query_mask)
+    return _row_mean(-torch.special.xlogy(attn, attn).sum(-1), rows)
+
+
+def mean_attention_distance(attn: Tensor, query_mask: Optional[Tensor] = None) -> Tensor:
+    """``D_h = mean_i Σ_j a_ij |p_i − j|`` per head ``(H,)``; query ``i`` sits at ``p_i = Lk − Lq + i``
+    (bottom-right aligned, as the pipeline's causal mask). Arguments as :func:`head_entropy`."""
+    rows = _rows(attn, query_mask)
+    Lq, Lk = attn.shape[-2:]
+    qpos = torch.arange(Lk - Lq, Lk, device=attn.device)
+    dist = (qpos[:, None] - torch.arange(Lk, device=attn.device)[None, :]).abs().to(attn.dtype)  # (Lq, Lk)
+    return _row_mean((attn * dist).sum(-1), rows)
+
+
+def sink_attention(attn: Tensor, key_mask: Optional[Tensor] = None, query_mask: Optional[Tensor] = None) -> Tensor:
+    """``S_h = mean_i Σ_{j ∈ sinks} a_ij`` per head ``(H,)``: the weight the rows give to the sink keys.
+
+    Args:
+        attn: weights ``(B, H, Lq, Lk)``.
+        key_mask: ``(B, Lk)`` bool, True for the sink keys (special tokens); None = the first key.
+        query_mask: as :func:`head_entropy`.
+    """
+    rows = _rows(attn, query_mask)
+    B, _, _, Lk = attn.shape
+    if key_mask is None:
+        key_mask = torch.zeros(B, Lk, dtype=torch.bool, device=attn.device)
+        key_mask[:, 0] = True
+    elif key_mask.shape != (B, Lk):
+        raise ValueError(f"key_mask must be (B, Lk) = {(B, Lk)}, got {tuple(key_mask.shape)}")
+    return _row_mean((attn * key_mask.bool()[:, None, None, :].to(attn.dtype)).sum(-1), rows)
+
+
+def head_similarity(attns: Sequence[Tensor], query_mask: Optional[Tensor] = None, *,
+                    metric: str = "cosine") -> Tensor:
+    """Pairwise similarity of all heads' patterns ``(N, N)``, ``N = layers · H`` (layer-major), averaged
+    over the texts of the batch.
+
+    ``"cosine"``: ``⟨A_h, A_g⟩ / (‖A_h‖ ‖A_g‖)`` of the flattened maps of the valid rows.
+    ``"js"``: ``1 − mean_i JS(a_i^h ‖ a_i^g) / ln 2`` (1 = identical rows, 0 = disjoint supports).
+
+    Raises:
+        ValueError: ``metric`` unknown, no maps, or maps of different shapes.
+    """
+    if metric not in SIMILARITIES:
+        raise ValueError(f"metric must be one of {SIMILARITIES}, got {metric!r}")
+    if not attns:
+        raise ValueError("attns must hold at least one (B, H, Lq, Lk) map")
+    if any(a.shape[0] != attns[0].shape[0] or a.shape[2:] != attns[0].shape[2:] for a in attns):
+        raise ValueError("all attention maps must share (B, ·, Lq, Lk)")
+    rows = _rows(attns[0], query_mask)  # (B, 1, Lq, 1)
+    a = torch.cat(list(attns), dim=1) * rows  # (B, N, Lq, Lk)
+    if metric == "cosine":
+        flat = F.normalize(a.flatten(2), dim=-1)  # (B, N, Lq·Lk)
+        return (flat @ flat.transpose(1, 2)).mean(0)  # (N, N)
+    n_rows = rows.squeeze(-1).sum(-1)  # (B, 1)
+    neg_ent = torch.special.xlogy(a, a).sum(-1)  # (B, N, Lq): Σ_j a log a
+    out = torch.empty(a.shape[1], a.shape[1], dtype=a.dtype, device=a.device)
+    for x in range(a.shape[1]):  # one head against all: O(B · N · Lq · Lk) memory
+        p = a[:, x:x + 1]  # (B, 1, Lq, Lk)
+        m = (p + a) / 2
+        # JS = (KL(p‖m) + KL(q‖m)) / 2 with KL(x‖m) = Σ x log x − Σ x log m; 0 on invalid rows
+        js = (neg_ent[:, x:x + 1] + neg_ent - torch.special.xlogy(p + a, m).sum(-1)) / 2  # (B, N, Lq)
+        out[x] = (1 - js.sum(-1) / (n_rows * math.log(2))).mean(0)
+    return out
+
+
+# ---- pruning heads --------------------------------------------------------------------------
+
+def self_attention_modules(model: nn.Module) -> list[MultiheadAttention]:
+    """The model's self-attention modules (``…self_attn`` :class:`MultiheadAttention`), in layer order;
+    a bare :class:`MultiheadAttention` is its own one layer.
+
+    Raises:
+        ValueError: the model holds no such module.
+    """
+    if isinstance(model, MultiheadAttention):
+        return [model]
+    mods = [m for name, m in model.named_modules() if name.endswith("self_attn") and isinstance(m, MultiheadAttention)]
+    if not mods:
+        raise ValueError(f"{type(model).__name__} has no attnlab MultiheadAttention self-attention modules")
+    return mods
+
+
+@contextlib.contextmanager
+def head_mask(model: nn.Module, mask: Tensor, *, modules: Optional[Sequence[MultiheadAttention]] = None
+              ) -> Iterator[None]:
+    """Within the block, head ``h`` of layer ``l`` outputs ``mask[l, h] · head_h`` (0 = pruned).
+
+    ``MHA(X) = Concat(m_1 head_1, …, m_H head_H) W_O``: a forward pre-hook on each module's
+    ``out_proj`` scales the ``h``-th ``head_dim`` slice of its input. The hooks are removed on exit.
+
+    Args:
+        model: the model (its modules are found by :func:`self_attention_modules`).
+        mask: ``(layers, H)`` float or bool.
+        modules: the attention modules the rows of ``mask`` refer to (default: all self-attentions).
+
+    Raises:
+        ValueError: ``mask`` does not match ``(len(modules), num_heads)``.
+    """
+    mods = list(modules) if modules is not None else self_attention_modules(model)
+    H = mods[0].num_heads
+    if not isinstance(mask, Tensor) or mask.shape != (len(mods), H) or any(m.num_heads != H for m in mods):
+        raise ValueError(f"mask must be a (layers, heads) = {(len(mods), H)} tensor, "
+                         f"got {tuple(getattr(mask, 'shape', ())) or type(mask).__name__}")
+    handles = []
+
+    def make_hook(row: Tensor, head_dim: int):
+        def hook(_module, inputs):
+            x = inputs[0]  # (B, L, H·Dh)
+            return (x * row.to(x.dtype).repeat_interleave(head_dim),) + tuple(inputs[1:])
+        return hook
+
+    try:
+        for mod, row in zip(mods, mask):
+            handles.append(mod.out_proj.register_forward_pre_hook(make_hook(row, mod.head_dim)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def prune_heads(model: nn.Module, heads: dict[int, Sequence[int]]):
+    """Context manager: ``heads = {layer: [head, …]}`` pruned (outputs zeroed), see :func:`head_mask`.
+
+    Raises:
+        ValueError: a layer or head index out of range.
+    """
+    mods = self_attention_modules(model)
+    mask = torch.ones(len(mods), mods[0].num_heads)
+    for layer, hs in heads.items():
+        for h in hs:
+            if not (0 <= layer < len(mods) and 0 <= h < mods[0].num_heads):
+                raise ValueError(f"heads: (layer {layer}, head {h}) out of range "
+                                 f"({len(mods)} layers × {mods[0].num_heads} heads)")
+            mask[layer, h] = 0.0
+    return head_mask(model, mask, modules=mods)
+
+
+# ---- models, texts and losses ---------------------------------------------------------------
+
+@dataclass
+class Batch:
+    """Encoded texts ``(B, L)``: ``input_ids``, ``attention_mask`` (1 = token, 0 = padding) and
+    ``special_tokens_mask`` (True at [CLS], [SEP], BOS…); :func:`attnlab.evaluation.analyze_cli.encode_texts`
+    makes one from strings."""
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    special_tokens_mask: Tensor
+
+
+def _is_causal_lm(model: nn.Module) -> bool:
+    from attnlab.models.causal_lm import DecoderOnlyLM
+    return isinstance(model, DecoderOnlyLM)
+
+
+def _is_bert(model: nn.Module) -> bool:
+    from attnlab.models.bert import BertForMaskedLM, BertModel
+    return isinstance(model, (BertModel, BertForMaskedLM))
+
+
+def _unsupported(model: nn.Module) -> ValueError:
+    return ValueError(f"model must be a BERT-style encoder or a decoder-only LM (GPT-2, Llama), "
+                      f"got {type(model).__name__}")
+
+
+def _forward(model: nn.Module, batch: Batch, *, output_attentions: bool = False):
+    if _is_causal_lm(model) or _is_bert(model):  # both take (input_ids, attention_mask=, output_attentions=)
+        return model(batch.input_ids, attention_mask=batch.attention_mask, output_attentions=output_attentions)
+    raise _unsupported(model)
+
+
+@torch.no_grad()
+def attention_maps(model: nn.Module, batch: Batch) -> list[Tensor]:
+    """Each layer's self-attention weights ``(B, H, L, L)`` (padding keys get 0)."""
+    return list(_forward(model, batch, output_attentions=True).attentions)
+
+
+def make_loss(model: nn.Module, batch: Batch, *, mask_token_id: Optional[int] = None, mask_prob: float = 0.15,
+              seed: int = 0) -> tuple[str, Callable[[], float]]:
+    """``(name, loss())``: the loss whose change measures a head's worth (see the module docstring).
+
+    Raises:
+        ValueError: an MLM model without ``mask_token_id``, or an unsupported model.
+    """
+    from attnlab.models.bert import BertForMaskedLM
+
+    valid = batch.attention_mask.bool()
+    if _is_causal_lm(model):
+        target = batch.input_ids[:, 1:].masked_fill(~valid[:, 1:], -100)
+
+        def lm_loss() -> float:
+            logits = _forward(model, batch).logits[:, :-1]  # (B, L-1, V)
+            return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100).item()
+        return "next-token cross-entropy (nats)", torch.no_grad()(lm_loss)
+    if isinstance(model, BertForMaskedLM):
+        if mask_token_id is None:
+            raise ValueError("mask_token_id is required for a masked-LM model (the tokenizer's [MASK] id)")
+        g = torch.Generator().manual_seed(seed)
+        maskable = valid & ~batch.special_tokens_mask.bool()
+        noise = torch.rand(batch.input_ids.shape, generator=g).masked_fill(~maskable, 2.0)
+        pick = (noise < mask_prob) | (noise == noise.min(1, keepdim=True).values) & maskable  # ≥ 1 per text
+        masked = Batch(batch.input_ids.masked_fill(pick, mask_token_id), batch.attention_mask,
+                       batch.special_tokens_mask)
+        target = batch.input_ids.masked_fill(~pick, -100)
+
+        def mlm_loss() -> float:
+            logits = _forward(model, masked).logits
+            return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100).item()
+        return "masked-LM cross-entropy (nats, 15 % of tokens)", torch.no_grad()(mlm_loss)
+    if _is_bert(model):
+        w = valid.unsqueeze(-1).float()
+
+        def embed() -> Tensor:
+            h = _forward(model, batch).last_hidden_state  # (B, L, E)
+            return (h * w).sum(1) / w.sum(1)  # (B, E) mean pooling
+        with torch.no_grad():
+            ref = embed()
+
+        def emb_loss() -> float:
+            return (1 - F.cosine_similarity(embed().double(), ref.double(), dim=-1)).mean().item()
+        return "1 − cos(mean-pooled embedding, unpruned)", torch.no_grad()(emb_loss)
+    raise _unsupported(model)
+
+
+def pruning_effect(model: nn.Module, loss: Callable[[], float]) -> tuple[float, Tensor]:
+    """``(base, Δ (layers, H))``: ``Δ[l, h] = loss(head h of layer l pruned) − loss()``."""
+    mods = self_attention_modules(model)
+    base = loss()
+    delta = torch.zeros(len(mods), mods[0].num_heads, dtype=torch.float64)
+    for layer in range(delta.shape[0]):
+        for h in range(delta.shape[1]):
+            with prune_heads(model, {layer: [h]}):
+                delta[layer, h] = loss() - base
+    return base, delta
+
+
+# ---- the whole analysis ---------------------------------------------------------------------
+
+@dataclass
+class AttentionAnalysis:
+    """Per-head statistics, each ``(layers, H)`` (float64), and the head-similarity matrix.
+
+    Attributes:
+        entropy: mean row entropy (nats). distance: mean attention distance (tokens).
+        first_token / special_tokens: mean weight on position 0 / on special tokens.
+        similarity: ``(N, N)`` pairwise head similarity, ``N = layers · H`` (layer-major).
+        similarity_metric: ``"cosine"`` or ``"js"``.
+        prune_delta: loss change when each head alone is pruned (None when not measured).
+        base_loss, loss_name: the unpruned loss and what it is.
+        num_texts, num_tokens: the texts analysed and their (non-padding) tokens.
+    """
+
+    entropy: Tensor
+    distance: Tensor
+    first_token: Tensor
+    special_tokens: Tensor
+    similarity: Tensor
+    similarity_metric: str
+    prune_delta: Optional[Tensor] = None
+    base_loss: Optional[float] = None
+    loss_name: Optional[str] = None
+    num_texts: int = 0
+    num_tokens: int = 0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.entropy.shape)
+
+    def most_similar(self) -> tuple[Tensor, Tensor]:
+        """Per head, the most similar *other* head of the same layer: ``(index, similarity)`` (layers, H)."""
+        Ly, H = self.shape
+        sim = self.similarity.view(Ly, H, Ly, H).diagonal(dim1=0, dim2=2).permute(2, 0, 1).clone()  # (Ly, H, H)
+        sim.diagonal(dim1=1, dim2=2).fill_(-math.inf)
+        best = sim.max(-1)
+        return best.indices, best.values
+
+    def rows(self) -> list[dict]:
+        """One dict per head: layer, head, entropy, distance, first, special, similar_head, similarity, prune_delta."""
+        idx, val = self.most_similar()
+        Ly, H = self.shape
+        out = []
+        for l in range(Ly):
+            for h in range(H):
+                row = {"layer": l, "head": h, "entropy": float(self.entropy[l, h]),
+                       "distance": float(self.distance[l, h]), "first": float(self.first_token[l, h]),
+                       "special": float(self.special_tokens[l, h]),
+                       "similar_head": int(idx[l, h]) if H > 1 else None,
+                       "similarity": float(val[l, h]) if H > 1 else None}
+                if self.prune_delta is not None:
+                    row["prune_delta"] = float(self.prune_delta[l, h])
+                out.append(row)
+        return out
+
+    def to_dict(self) -> dict:
+        """JSON-ready: the per-head rows, the similarity matrix and the metadata."""
+        return {"layers": self.shape[0], "heads": self.shape[1], "num_texts": self.num_texts,
+                "num_tokens": self.num_tokens, "similarity_metric": self.similarity_metric,
+                "loss_name": self.loss_name, "base_loss": self.base_loss, "rows": self.rows(),
+                "similarity": self.similarity.tolist()}
+
+
+def analyze(model: nn.Module, batch: Batch, *, similarity: str = "cosine", prune: bool = True,
+            mask_token_id: Optional[int] = None, seed: int = 0) -> AttentionAnalysis:
+    """Analyse every self-attention head of ``model`` on the encoded texts ``batch``.
+
+    Args:
+        model: a BERT-style encoder (``BertModel``, ``BertForMaskedLM``) or a decoder-only LM.
+        batch: the encoded texts (:class:`Batch`).
+        similarity: ``"cosine"`` or ``"js"`` (see :func:`head_similarity`).
+        prune: also measure the loss change of pruning each head (``layers · H`` forward passes).
+        mask_token_id: the [MASK] id, for a masked-LM model's loss.
+        seed: seed of the masked-LM mask.
+
+    Raises:
+        ValueError: unsupported model, bad ``similarity`` or inputs.
+    """
+    if similarity not in SIMILARITIES:
+        raise ValueError(f"similarity must be one of {SIMILARITIES}, got {similarity!r}")
+    if not isinstance(batch, Batch):
+        raise TypeError(f"batch must be an attnlab.evaluation.analysis.Batch, got {type(batch).__name__}")
+    was_training = model.training
+    model.eval()
+    try:
+        maps = [a.double() for a in attention_maps(model, batch)]  # layers × (B, H, L, L)
+        qm, special = batch.attention_mask.bool(), batch.special_tokens_mask.bool()
+        stack = lambda f: torch.stack([f(a) for a in maps])  # noqa: E731  (layers, H)
+        result = AttentionAnalysis(
+            entropy=stack(lambda a: head_entropy(a, qm)), distance=stack(lambda a: mean_attention_distance(a, qm)),
+            first_token=stack(lambda a: sink_attention(a, None, qm)),
+            special_tokens=stack(lambda a: sink_attention(a, special, qm)),
+            similarity=head_similarity(maps, qm, metric=similarity), similarity_metric=similarity,
+            num_texts=int(batch.input_ids.shape[0]), num_tokens=int(qm.sum()))
+        if prune:
+            result.loss_name, loss = make_loss(model, batch, mask_token_id=mask_token_id, seed=seed)
+            result.base_loss, result.prune_delta = pruning_effect(model, loss)
+    finally:
+        model.train(was_training)
+    return result
+
+
+def plot_analysis(result: AttentionAnalysis, path, *, title: str = "") -> Path:
+    """Heatmaps (layers × heads) of every statistic and the head-similarity matrix, one PNG (atomic write)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from attnlab._io import atomic_write
+
+    panels = [("entropy (nats)", result.entropy), ("mean distance (tokens)", result.distance),
+              ("weight on first token", result.first_token), ("weight on special tokens", result.special_tokens)]
+    if result.prune_delta is not None:
+        panels.append((f"Δ loss when pruned\n{result.loss_name}", result.prune_delta))
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
+    for ax, (name, t) in zip(axes.flat, panels):
+        im = ax.imshow(t.float().numpy(), cmap="viridis", aspect="auto")
+        ax.set_title(name, fontsize=10)
+        ax.set_xticks(range(0, t.shape[1], max(1, t.shape[1] // 12)))
+        ax.set_yticks(range(0, t.shape[0], max(1, t.shape[0] // 12)))
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    for ax in list(axes.flat)[len(panels):5]:
+        ax.axis("off")
+    ax = axes.flat[5]
+    im = ax.imshow(result.similarity.float().numpy(), cmap="magma", vmin=0, vmax=1)
+    ax.set_title(f"head similarity ({result.similarity_metric}), layer-major", fontsize=10)
+    H = result.shape[1]
+    ticks = list(range(0, result.similarity.shape[0], H))
+    ax.set_xticks(ticks, labels=[f"L{t // H}" for t in ticks])
+    ax.set_yticks(ticks, labels=[f"L{t // H}" for t in ticks])
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    plt.close(fig)
+    return path

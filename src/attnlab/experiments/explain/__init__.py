@@ -1,0 +1,43 @@
+"""``attnlab explain``: the classic questions about attention, answered by measurement.
+
+Each experiment is a module with ``run(out_dir, *, seed=0, quick=False) -> dict``: it prints the
+numbers it measures and writes ``NAME.png`` (plot), ``NAME.md`` (a short report: the numbers and
+what they show) and ``NAME.json`` (the numbers) into ``out_dir``. A full run takes at most about
+two minutes on two CPU cores; ``quick=True`` takes seconds (smaller sizes, fewer steps), for tests.
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Union
+
+# name -> (one-line description, "module:function")
+EXPERIMENTS = {
+    "scaling": ("why 1/sqrt(d_k): var(q.k) grows as d_k; saturation, entropy and gradient with and without it",
+                "attnlab.experiments.explain.scaling:run"),
+    "heads": ("one wide head vs several narrow heads vs heads summed, on a task that reads four positions",
+              "attnlab.experiments.explain.heads:run"),
+    "position": ("sinusoidal / learned / RoPE / ALiBi / none: train short, test long; the permutation test",
+                 "attnlab.experiments.explain.position:run"),
+    "linear": ("time and memory of exact vs linear attention vs a GRU as length grows; the crossover",
+               "attnlab.experiments.explain.linear:run"),
+    "receptive-field": ("effective receptive field (|dy_t/dx_s|) of a CNN, an RNN and self-attention by depth",
+                        "attnlab.experiments.explain.receptive_field:run"),
+    "redundancy": ("prune the heads of a trained model one by one and cumulatively: how many are needed?",
+                   "attnlab.experiments.explain.redundancy:run"),
+}
+
+
+def run_experiment(name: str, out_dir: Union[str, Path], *, seed: int = 0, quick: bool = False) -> dict:
+    """Run the experiment ``name`` (a key of :data:`EXPERIMENTS`) into ``out_dir``; return its numbers.
+
+    Raises:
+        ValueError: unknown ``name`` (the message lists the known ones).
+    """
+    if name not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)}")
+    module, func = EXPERIMENTS[name][1].split(":")
+    return getattr(importlib.import_module(module), func)(out_dir, seed=seed, quick=quick)
+
+
+__all__ = ["EXPERIMENTS", "run_experiment"]
