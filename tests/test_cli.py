@@ -31,3 +31,59 @@ def test_user_error_is_one_line_without_traceback(capsys):
 def test_unknown_subcommand_fails():
     out = _run("no-such-command")
     assert out.returncode == 2 and "invalid choice" in out.stderr
+
+
+def test_every_subcommand_help_has_examples_and_the_common_flags():
+    from attnlab.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert set(sub.choices) == set(COMMANDS)
+    for name, parser in sub.choices.items():
+        text = parser.format_help()
+        assert "examples:" in text, name
+        for flag in ("--seed", "--threads", "--device", "--dtype"):
+            assert flag in text, (name, flag)
+
+
+def _one_line_error(capsys, argv, command, fragment):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"attnlab {command}: error:") and fragment in err, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_common_flags_are_checked_in_one_line(capsys):
+    _one_line_error(capsys, ["bench", "--list", "--threads", "0"], "bench", "--threads must be >= 1")
+    _one_line_error(capsys, ["bench", "--list", "--device", "no-such-device"], "bench", "--device must name")
+    _one_line_error(capsys, ["demo", "--dtype", "bfloat16", "--out", "/tmp/x"], "demo", "runs on the CPU in float32")
+    _one_line_error(capsys, ["eval", "--hyp", "a", "--ref", "b", "--device", "cpu"], "eval",
+                    "--device applies to --checkpoint only")
+
+
+def test_common_seed_and_threads_are_applied(monkeypatch):
+    import torch
+
+    import attnlab.cli as cli
+    seen = {}
+
+    def fake(args):
+        seen.update(seed=args.seed, first=torch.rand(1).item(), threads=torch.get_num_threads())
+        return 0
+
+    monkeypatch.setitem(COMMANDS, "bench", COMMANDS["bench"][:3] + ("tests.fake:fn",))
+    monkeypatch.setattr(cli.importlib, "import_module", lambda name: type("M", (), {"fn": staticmethod(fake)}))
+    before = torch.get_num_threads()
+    try:
+        assert cli.main(["bench", "--seed", "7", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    torch.manual_seed(7)
+    assert seen == {"seed": 7, "first": torch.rand(1).item(), "threads": 1}
+
+
+def test_bench_lists_the_scripts_and_refuses_unknown_names(capsys):
+    assert main(["bench", "--list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("attention", "generate", "encode", "train"):
+        assert any(line.startswith(name + " ") for line in out.splitlines()), name
+    _one_line_error(capsys, ["bench", "no-such-benchmark"], "bench", "unknown benchmark")

@@ -46,12 +46,13 @@ class SentenceEncoder:
         self.batch_size = batch_size
 
     @classmethod
-    def from_pretrained(cls, path, **kwargs) -> "SentenceEncoder":
-        """Load an HF-format BERT directory holding ``tokenizer.json`` (e.g. all-MiniLM-L6-v2's)."""
+    def from_pretrained(cls, path, *, dtype=None, device="cpu", **kwargs) -> "SentenceEncoder":
+        """Load an HF-format BERT directory holding ``tokenizer.json`` (e.g. all-MiniLM-L6-v2's) in ``dtype``
+        (default: the checkpoint's) on ``device``."""
         from attnlab.data.tokenizers import TextTokenizer, load_tokenizer
         from attnlab.models.hub import from_pretrained
 
-        model = from_pretrained(path)
+        model = from_pretrained(path, dtype=dtype).to(device)
         if not hasattr(model, "embeddings") or not hasattr(model, "pooler"):
             raise ValueError(f"{str(path)!r} holds a {type(model).__name__}; a BERT encoder (BertModel) is needed")
         tokenizer = load_tokenizer(path)
@@ -84,8 +85,10 @@ class SentenceEncoder:
             ids = pad_batch([seqs[i] for i in idx], self.tokenizer.pad_id)  # (B, L)
             lengths = torch.tensor([len(seqs[i]) for i in idx])
             mask = (torch.arange(ids.shape[1]) < lengths[:, None]).long()  # (B, L)
+            device = next(self.model.parameters()).device
+            ids, mask = ids.to(device), mask.to(device)
             h = self.model(ids, mask).last_hidden_state  # (B, L, E)
-            out[idx] = F.normalize(mean_pool(h, mask), dim=-1).float()
+            out[idx] = F.normalize(mean_pool(h, mask), dim=-1).float().cpu()
         return out
 
 

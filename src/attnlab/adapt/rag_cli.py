@@ -47,14 +47,17 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--query must not be empty")
     if args.k < 1:
         raise ValueError(f"--k must be >= 1, got {args.k}")
-    encoder = SentenceEncoder.from_pretrained(args.model or default_encoder_path())
+    from attnlab.cli import model_dtype
+
+    encoder = SentenceEncoder.from_pretrained(args.model or default_encoder_path(), dtype=model_dtype(args),
+                                              device=args.device or "cpu")
     retriever = Retriever(encoder, passages)
     k = min(args.k, len(passages))
     if args.generator:
         from attnlab.data.tokenizers import load_tokenizer
         from attnlab.models.hub import from_pretrained
 
-        out = rag_generate(retriever, from_pretrained(args.generator), load_tokenizer(args.generator), args.query,
+        out = rag_generate(retriever, from_pretrained(args.generator, dtype=model_dtype(args)).to(args.device or "cpu"), load_tokenizer(args.generator), args.query,
                            k=k, max_new_tokens=args.max_new_tokens)
         hits = out.hits
     else:

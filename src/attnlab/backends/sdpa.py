@@ -27,7 +27,7 @@ def attention(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, drop
     """``softmax(κ Q Kᵀ + M) V`` through PyTorch's fused kernel."""
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
-    gqa = k.shape[1] != H
+    gqa = bool(k.shape[1] != H)  # a Python bool even while tracing (ONNX export)
     if mask is None and window is None and mask_mod is None and (not causal or Lq == 1 or Lq == Lk):
         # plain or causal: the fast paths (bottom-right causal with one query attends to all)
         is_causal = causal and Lq > 1

@@ -126,11 +126,14 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-length must be >= 2, got {args.max_length}")
     texts = read_texts(args.text, args.file)
     tok = load_tokenizer(args.model)
-    model = from_pretrained(args.model)
-    torch.manual_seed(args.seed)
+    from attnlab.cli import model_dtype
+
+    model = from_pretrained(args.model, dtype=model_dtype(args)).to(args.device or "cpu")
+    seed = args.seed or 0
+    torch.manual_seed(seed)
     batch = encode_texts(tok, texts, max_length=args.max_length)
     result = analyze(model, batch, similarity=args.similarity, prune=not args.no_prune,
-                     mask_token_id=tok.token_to_id("[MASK]"), seed=args.seed)
+                     mask_token_id=tok.token_to_id("[MASK]"), seed=seed)
     title = (f"{type(model).__name__}: {result.shape[0]} layers × {result.shape[1]} heads, "
              f"{result.num_texts} text(s), {result.num_tokens} tokens")
     print_table(result, title)

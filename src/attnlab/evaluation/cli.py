@@ -76,7 +76,7 @@ def _checkpoint_scores(args: argparse.Namespace) -> dict:
     ckpt = Path(args.checkpoint)
     if not ckpt.is_dir():
         raise FileNotFoundError(f"--checkpoint: no such folder {ckpt}")
-    wanted = {"metrics": _parse_metrics(args.metrics, allowed=None), "split": args.split,
+    wanted = {"device": args.device, "metrics": _parse_metrics(args.metrics, allowed=None), "split": args.split,
               "max_batches": args.max_batches, "reliability_png": args.reliability_png}
     params = inspect.signature(evaluate_checkpoint).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -105,6 +105,8 @@ def format_table(scores: dict) -> str:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``attnlab eval``; returns 0. User errors raise ValueError/FileNotFoundError."""
+    if args.dtype not in (None, "float32"):
+        raise ValueError(f"attnlab eval scores in float32; --dtype {args.dtype} is not supported")
     if args.checkpoint is not None:
         if args.hyp is not None or args.ref:
             raise ValueError("give either --checkpoint or --hyp/--ref, not both")
@@ -112,7 +114,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         if args.hyp is None or not args.ref:
             raise ValueError("give --hyp FILE and --ref FILE (or --checkpoint DIR)")
-        for opt in ("split", "max_batches", "reliability_png"):
+        for opt in ("device", "split", "max_batches", "reliability_png"):
             if getattr(args, opt) is not None:
                 raise ValueError(f"--{opt.replace('_', '-')} applies to --checkpoint only")
         metrics = _parse_metrics(args.metrics or DEFAULT_METRICS, allowed=TEXT_METRICS)

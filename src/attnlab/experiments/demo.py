@@ -130,9 +130,10 @@ def _cross_attention_png(model: Seq2SeqTransformer, task: ReverseTask, s: list[i
 
 
 def main(args) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    m = run(out=args.out, seed=args.seed, max_steps=args.max_steps, max_seconds=args.max_seconds,
+    from attnlab.cli import cpu_float32_only
+
+    cpu_float32_only(args)
+    m = run(out=args.out, seed=args.seed or 0, max_steps=args.max_steps, max_seconds=args.max_seconds,
             progress=not args.quiet)
     print(f"\nheld-out exact match: {m['accuracy']:.2%} of {m['held_out']} strings "
           f"after {m['steps']} steps in {m['train_seconds']:.0f} s ({m['train_tokens_per_s']:.0f} tokens/s)")

@@ -63,7 +63,10 @@ def main(args) -> int:
     if args.out is not None and not Path(args.out).parent.is_dir():
         raise FileNotFoundError(f"--out: no such directory {str(Path(args.out).parent)!r}")
     texts = {k: getattr(args, k) for k in ("text", "text_b", "src", "tgt") if getattr(args, k) is not None}
-    record = extract_from_path(args.model, tokenizer=args.tokenizer, **texts)
+    from attnlab.cli import model_dtype
+
+    record = extract_from_path(args.model, tokenizer=args.tokenizer, dtype=model_dtype(args),
+                               device=args.device or "cpu", **texts)
     _check_layer(record, args.layer)
     shape = ", ".join(f"{k} {tuple(record.attentions[k].shape)}" for k in record.kinds)
     print(f"{record.model_name}: {shape} (layers, heads, queries, keys)")

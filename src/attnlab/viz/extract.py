@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 KINDS = ("encoder", "decoder", "cross")
 PathLike = Union[str, os.PathLike]
@@ -159,7 +159,7 @@ def _rejected(what: str, n_tokens, model_name: str):
 
 
 def _stack(attns: Sequence[Tensor]) -> Tensor:
-    return torch.stack([a[0] for a in attns])  # (layers, heads, Lq, Lk)
+    return torch.stack([a[0].float().cpu() for a in attns])  # (layers, heads, Lq, Lk)
 
 
 @torch.no_grad()
@@ -205,9 +205,9 @@ def extract_attention(model, tokenizer, *, text: Optional[str] = None, text_b: O
         raise ValueError(f"text_b (a sentence pair with token types) needs a BERT model, not {name}")
     ids, toks, types = _encode(_as_tokenizer(tokenizer), text, "text", text_b)
     with _rejected("text", len(ids), name):
-        ids = torch.tensor([ids])  # (1, L)
+        ids = torch.tensor([ids], device=_device(model))  # (1, L)
         if family == "bert":
-            out = model(ids, token_type_ids=torch.tensor([types]), output_attentions=True)
+            out = model(ids, token_type_ids=torch.tensor([types], device=_device(model)), output_attentions=True)
             kind = "encoder"
         elif family == "causal":
             out = model(ids, output_attentions=True)
@@ -218,6 +218,10 @@ def extract_attention(model, tokenizer, *, text: Optional[str] = None, text_b: O
     return AttentionRecord({kind: _stack(out.attentions)}, {kind: toks}, {kind: list(toks)}, name)
 
 
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
 def _extract_seq2seq(model, tokenizer, src: str, tgt: str) -> AttentionRecord:
     tokenizer = _as_tokenizer(tokenizer)
     (src_ids, src_toks, _), (tgt_ids, tgt_toks, _) = _encode(tokenizer, src, "src"), _encode(tokenizer, tgt, "tgt")
@@ -225,7 +229,7 @@ def _extract_seq2seq(model, tokenizer, src: str, tgt: str) -> AttentionRecord:
     dec_ids = [start, *tgt_ids[:-1]]  # teacher forcing: tgt shifted right
     dec_toks = [_token(tokenizer, start), *tgt_toks[:-1]]
     with _rejected("src/tgt", f"{len(src_ids)}/{len(dec_ids)}", type(model).__name__):
-        out = model(input_ids=torch.tensor([src_ids]), decoder_input_ids=torch.tensor([dec_ids]),
+        out = model(input_ids=torch.tensor([src_ids], device=_device(model)), decoder_input_ids=torch.tensor([dec_ids], device=_device(model)),
                     output_attentions=True)
     return AttentionRecord(
         {"encoder": _stack(out.encoder_attentions), "decoder": _stack(out.decoder_attentions),
@@ -235,8 +239,9 @@ def _extract_seq2seq(model, tokenizer, src: str, tgt: str) -> AttentionRecord:
         type(model).__name__)
 
 
-def extract_from_path(path: PathLike, *, tokenizer: Optional[PathLike] = None, **texts) -> AttentionRecord:
-    """Load an HF-format model directory (``attnlab.from_pretrained``, float32; e.g. one written by
+def extract_from_path(path: PathLike, *, tokenizer: Optional[PathLike] = None, dtype: torch.dtype = torch.float32,
+                      device="cpu", **texts) -> AttentionRecord:
+    """Load an HF-format model directory (``attnlab.from_pretrained`` in ``dtype`` on ``device``; e.g. one written by
     ``save_pretrained``) and its tokenizer (``tokenizer``, default ``path/tokenizer.json``: a Hugging
     Face file or a saved ``CharTokenizer``), then call :func:`extract_attention` with ``texts``.
 
@@ -247,7 +252,7 @@ def extract_from_path(path: PathLike, *, tokenizer: Optional[PathLike] = None, *
     from attnlab.data.tokenizers import load_tokenizer
     from attnlab.models.hub import from_pretrained
 
-    model = from_pretrained(path, dtype=torch.float32)
+    model = from_pretrained(path, dtype=dtype).to(device)
     tok = load_tokenizer(tokenizer if tokenizer is not None else path)
     return extract_attention(model, tok, **texts)
 

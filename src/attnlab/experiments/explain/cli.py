@@ -13,6 +13,9 @@ def main(args: argparse.Namespace) -> int:
     Raises:
         ValueError: neither ``--list`` nor a name, or an unknown name.
     """
+    from attnlab.cli import cpu_float32_only
+
+    cpu_float32_only(args)
     if args.list:
         width = max(map(len, EXPERIMENTS))
         for name, (description, _) in EXPERIMENTS.items():
@@ -24,7 +27,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown experiment {args.name!r}; choose one of {', '.join(EXPERIMENTS)}")
     out = args.out or f"attnlab-explain-{args.name}"
     start = time.perf_counter()
-    result = run_experiment(args.name, out, seed=args.seed, quick=args.quick)
+    result = run_experiment(args.name, out, seed=args.seed or 0, quick=args.quick)
     print(f"\n{args.name}: done in {time.perf_counter() - start:.1f} s; wrote "
           + ", ".join(result["files"].values()))
     return 0

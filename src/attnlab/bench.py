@@ -1,0 +1,67 @@
+"""``attnlab bench``: run the benchmark scripts of a source checkout and print their tables.
+
+The scripts live in ``benchmarks/`` beside ``src/`` (they compare attnlab with its peers —
+PyTorch SDPA, ``torch.nn.MultiheadAttention``, ``transformers``, sentence-transformers — in the same
+run, print a table of ratios and write JSON under ``benchmarks/results/``). Each shares the flags
+``--quick`` (small sizes), ``--threads N`` and ``--out FILE``; ``--script-args`` passes more.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+
+def benchmarks_dir() -> Path:
+    """``$ATTNLAB_BENCHMARKS_DIR``, else the ``benchmarks/`` folder of this source checkout.
+
+    Raises:
+        FileNotFoundError: neither exists (an installed wheel carries no benchmarks).
+    """
+    env = os.environ.get("ATTNLAB_BENCHMARKS_DIR")
+    path = Path(env) if env else Path(__file__).resolve().parents[2] / "benchmarks"
+    if not path.is_dir():
+        raise FileNotFoundError(f"no benchmarks folder at {path}: attnlab bench runs the scripts of a source "
+                                "checkout (git clone), or set ATTNLAB_BENCHMARKS_DIR")
+    return path
+
+
+def available() -> dict[str, str]:
+    """``{name: first line of the script's docstring}`` for every ``benchmarks/NAME.py``."""
+    out = {}
+    for script in sorted(benchmarks_dir().glob("[!_]*.py")):
+        doc = ast.get_docstring(ast.parse(script.read_text(encoding="utf-8"))) or ""
+        out[script.stem] = doc.strip().splitlines()[0] if doc.strip() else ""
+    return out
+
+
+def main(args) -> int:
+    """Run the chosen benchmarks one after another (default: ``attention``); exit 1 if any failed."""
+    from attnlab.cli import cpu_float32_only
+
+    cpu_float32_only(args)
+    names = available()
+    if args.list:
+        width = max(map(len, names), default=0)
+        for name, line in names.items():
+            print(f"{name:<{width}}  {line}")
+        return 0
+    chosen = args.names or ["attention"]
+    unknown = [n for n in chosen if n not in names]
+    if unknown:
+        raise ValueError(f"unknown benchmark(s) {unknown}; available: {', '.join(names)}")
+    failed = []
+    for name in chosen:
+        cmd = [sys.executable, str(benchmarks_dir() / f"{name}.py")]
+        cmd += ["--quick"] if args.quick else []
+        cmd += ["--threads", str(args.threads)] if args.threads is not None else []
+        cmd += shlex.split(args.script_args or "")
+        print(f"== attnlab bench {name}: {' '.join(cmd[1:])}", flush=True)
+        if subprocess.run(cmd).returncode != 0:
+            failed.append(name)
+    if failed:
+        print(f"attnlab bench: failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
