@@ -19,6 +19,9 @@ def atomic_write(target: Union[str, os.PathLike], write: Callable[[str], None]) 
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # the mode a plain open() would give, not mkstemp's 0600
     try:
         write(tmp)
         with open(tmp, "rb+") as f:

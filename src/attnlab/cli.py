@@ -195,7 +195,7 @@ def common_flags() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     g.add_argument("--device", default=None, help="cpu (default), cuda, cuda:1, ...")
     g.add_argument("--dtype", choices=DTYPES, default=None,
-                   help="model dtype (default float32; for train: the autocast dtype)")
+                   help="model dtype (default float32; for train: the autocast dtype, default the recipe's)")
     return common
 
 

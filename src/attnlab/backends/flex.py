@@ -42,7 +42,6 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch._dynamo.exc import BackendCompilerFailed
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from attnlab.backends.tiled import captured_tensors
@@ -92,6 +91,8 @@ def attention(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, drop
     signature = _signature(q, k, v, **request)
     why = _fallback_reason(q, k, v, mask, score_mod, mask_mod, signature)
     if not why:
+        from torch._dynamo.exc import BackendCompilerFailed  # here: importing torch._dynamo costs ~1 s
+
         try:
             out = _flex(q, k, v, mask=mask, causal=causal, window=window, scale=scale,
                         score_mod=score_mod, mask_mod=mask_mod)

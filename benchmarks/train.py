@@ -1,0 +1,108 @@
+"""Training speed and quality of the ``shakespeare-char`` recipes against nanoGPT's recorded numbers.
+
+Each recipe runs as ``python -m attnlab train shakespeare-char --preset P --threads T`` in a fresh
+process (nothing warm from a previous row), into a temporary folder; its ``metrics.json`` gives the
+steps, the training tokens/s and the validation loss (fp32, fixed validation blocks). Two wall
+times are reported: ``run_s`` = the recipe from data loading to the last file written (what the
+targets are about) and ``process_s`` = the whole command, Python and torch start-up included.
+
+nanoGPT is not installed here: its rows are the numbers recorded on this kind of machine in
+``BASELINES.md`` (fp32, 2 threads), labelled "recorded", never re-run. With ``--ablate`` each
+recipe also runs with ``dtype=fp32`` in the same invocation: our own same-machine peer.
+
+| recipe | target |
+|---|---|
+| ``nanogpt-cpu`` | val loss <= 1.88 and run_s <= 30 (nanoGPT: 1.874 in 59 s) |
+| ``default`` | best val loss <= 1.50 and run_s <= 600 (nanoGPT 4x256: 1.554 in 9 m 20 s) |
+
+Run: ``python benchmarks/train.py [--recipe nanogpt-cpu|default|all] [--threads 2] [--ablate]
+[--set key=value ...] [--quick] [--out PATH]`` (``--quick``: the ``tiny`` preset, a smoke run).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import parser, print_table, setup, write_json  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+# BASELINES.md, "Training: nanoGPT, character-level tiny-shakespeare" (fp32, 2 threads; recorded, not re-run)
+NANOGPT = {
+    "nanogpt-cpu": {"wall_s": 59.0, "steps": 2000, "tokens_per_s": 29_000, "val_loss": 1.874,
+                    "config": "4 layers x 128, block 64, batch 12, 2000 iters"},
+    "default": {"wall_s": 560.0, "steps": 1500, "tokens_per_s": 12_000, "val_loss": 1.554,
+                "config": "4 layers x 256, block 128, batch 32, 1500 iters"},
+}
+TARGETS = {"nanogpt-cpu": ("val_loss", 1.88, 30.0), "default": ("best_val_loss", 1.50, 600.0),
+           "tiny": ("val_loss", 4.2, 120.0)}
+
+
+def run_preset(preset: str, *, threads: int, overrides: list[str], out: Path) -> dict:
+    """One ``attnlab train`` process; its metrics plus the process wall time."""
+    cmd = [sys.executable, "-m", "attnlab", "train", "shakespeare-char", "--preset", preset, "--out", str(out),
+           "--threads", str(threads), "--quiet"]
+    for kv in overrides:
+        cmd += ["--set", kv]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
+    process_s = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    m = json.loads((out / "metrics.json").read_text())
+    key, limit, budget = TARGETS[preset]
+    met = m[key] is not None and m[key] <= limit and m["total_wall_s"] <= budget
+    return {"run": "", "preset": preset, "run_s": m["total_wall_s"], "process_s": process_s, "steps": m["steps"],
+            "tokens_per_s": m["train_tokens_per_s"], "val_loss": m["val_loss"], "best_val_loss": m["best_val_loss"],
+            "target": f"{key} <= {limit} in <= {budget:.0f} s", "met": "yes" if met else "no",
+            "parameters": m.get("parameters"), "overrides": overrides}
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0], "train.json")
+    p.add_argument("--recipe", choices=("nanogpt-cpu", "default", "all"), default="all")
+    p.add_argument("--ablate", action="store_true", help="also run each recipe with dtype=fp32")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra setting for every run")
+    args = p.parse_args()
+    setup(args)
+    if not os.environ.get("ATTNLAB_DATA_DIR"):
+        print("note: ATTNLAB_DATA_DIR is not set; the data comes from ~/.cache/attnlab (or a download)")
+    presets = ["tiny"] if args.quick else (["nanogpt-cpu", "default"] if args.recipe == "all" else [args.recipe])
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, preset in enumerate(presets):
+            extra = ["max_steps=20"] if args.quick else []
+            variants = [("attnlab", args.set + extra)]
+            if args.ablate:
+                variants.append(("attnlab fp32", args.set + extra + ["dtype=fp32"]))
+            for j, (label, overrides) in enumerate(variants):
+                row = run_preset(preset, threads=args.threads, overrides=overrides, out=Path(tmp) / f"{i}-{j}")
+                row["run"] = label
+                ref = NANOGPT.get(preset)
+                if ref:
+                    row["speedup_vs_nanogpt"] = ref["wall_s"] / row["run_s"]
+                rows.append(row)
+                print(f"{label} {preset}: {row['run_s']:.1f} s, val loss {row['val_loss']:.4f}", flush=True)
+            if preset in NANOGPT:
+                ref = NANOGPT[preset]
+                rows.append({"run": "nanoGPT (recorded)", "preset": preset, "run_s": ref["wall_s"], "process_s": "",
+                             "steps": ref["steps"], "tokens_per_s": ref["tokens_per_s"], "val_loss": ref["val_loss"],
+                             "best_val_loss": ref["val_loss"], "target": ref["config"], "met": ""})
+    print()
+    print_table(rows, ["run", "preset", "run_s", "process_s", "steps", "tokens_per_s", "val_loss", "best_val_loss",
+                       "speedup_vs_nanogpt", "target", "met"])
+    ours = [r for r in rows if r["run"] == "attnlab"]
+    print(f"\ntargets met: {sum(r['met'] == 'yes' for r in ours)}/{len(ours)}  "
+          "(nanoGPT rows: BASELINES.md numbers, recorded on this kind of machine, not re-run)")
+    write_json(args.out, rows, quick=args.quick, threads=args.threads, nanogpt_recorded=NANOGPT)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

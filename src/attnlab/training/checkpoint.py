@@ -1,0 +1,135 @@
+"""Training checkpoints: atomic writes, safe loads, RNG capture, the last K kept.
+
+A checkpoint is one file ``ckpt-<step:08d>.pt`` holding a dict of tensors, dicts, lists, ints,
+floats, strings and None only, so :func:`load_checkpoint` can use ``torch.load(weights_only=True)``.
+It is written to a temporary file in the same folder (name starting with ``.``), flushed and
+fsynced, then renamed over the final name (``os.replace`` is atomic on POSIX): a process killed at
+any moment leaves either the previous checkpoints or the new complete one, plus at worst a
+temporary file that :func:`latest_checkpoint` ignores.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import re
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from attnlab.data.datasets import atomic_write
+
+__all__ = ["checkpoint_path", "list_checkpoints", "latest_checkpoint", "save_checkpoint", "load_checkpoint",
+           "rng_state", "set_rng_state", "atomic_write_bytes"]
+
+PathLike = Union[str, os.PathLike]
+_NAME = re.compile(r"ckpt-(\d{8,})\.pt")
+
+
+def atomic_write_bytes(path: PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically and durably (temp file in the same folder, fsync, rename)."""
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    atomic_write(Path(path), write)
+
+
+def checkpoint_path(directory: PathLike, step: int) -> Path:
+    """``directory / f"ckpt-{step:08d}.pt"``."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    return Path(directory) / f"ckpt-{step:08d}.pt"
+
+
+def list_checkpoints(directory: PathLike) -> list[Path]:
+    """The complete checkpoints in ``directory``, oldest step first (temporary files are not listed)."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.fullmatch(p.name)) and p.is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(directory: PathLike) -> Optional[Path]:
+    """The checkpoint with the highest step in ``directory``, or None if there is none."""
+    found = list_checkpoints(directory)
+    return found[-1] if found else None
+
+
+def save_checkpoint(state: dict, directory: PathLike, step: int, *, keep: Optional[int] = None) -> Path:
+    """Write ``state`` atomically to ``checkpoint_path(directory, step)``; then delete all but the newest ``keep``.
+
+    Raises:
+        ValueError: ``keep`` < 1.
+    """
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be an int >= 1 or None, got {keep!r}")
+    path = checkpoint_path(directory, step)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    atomic_write(path, write)
+    _fsync_dir(path.parent)
+    if keep is not None:
+        for old in list_checkpoints(directory)[:-keep]:
+            old.unlink(missing_ok=True)
+    return path
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (POSIX); a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def load_checkpoint(path: PathLike, *, map_location: Union[str, torch.device] = "cpu") -> dict:
+    """Read a checkpoint with ``torch.load(weights_only=True)`` (no arbitrary code runs).
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: the file is not a readable checkpoint dict.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as e:
+        raise ValueError(f"{path} is not a readable checkpoint: {str(e).splitlines()[0]}") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} is not a checkpoint (expected a dict, got {type(state).__name__})")
+    return state
+
+
+def rng_state() -> dict:
+    """Every RNG the training loop draws from: torch CPU, each CUDA device (if initialised), ``random``."""
+    version, internal, gauss = random.getstate()
+    state = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore :func:`rng_state`. Raises ValueError if ``state`` lacks the torch or python entry."""
+    if not isinstance(state, dict) or not {"torch", "python"} <= state.keys():
+        raise ValueError("rng state must be a dict with 'torch' and 'python' entries (from rng_state())")
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

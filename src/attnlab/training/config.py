@@ -1,0 +1,98 @@
+""":class:`TrainConfig`: the trainer's hyper-parameters, validated with errors that name the field."""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from attnlab.training.optim import OPTIMIZERS
+from attnlab.training.schedules import SCHEDULES, Schedule
+
+__all__ = ["DTYPES", "TrainConfig"]
+
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class TrainConfig:
+    """Hyper-parameters of :class:`~attnlab.training.trainer.Trainer` (ValueError naming a bad field).
+
+    ``eval_every`` / ``checkpoint_every`` = 0 mean "only at the end"; ``clip`` = 0 turns clipping
+    off. ``dtype``: ``"bf16"`` autocasts on CPU or CUDA, ``"fp16"`` (CUDA only) adds a
+    ``GradScaler``. ``compile`` runs the forward through ``torch.compile``.
+
+    Time limits (seconds of ``fit``):
+
+    - ``max_seconds``: a hard stop at the first step boundary past it (then the final evaluation
+      and checkpoint).
+    - ``time_budget``: plan the run to end within it. After :data:`PLAN_AT` steps the trainer
+      times a step and one evaluation and sets the run's length to
+      ``min(max_steps, steps that fit)``, so the cosine schedule decays fully inside the budget.
+      The planned length is saved in checkpoints (a resumed run keeps it); it depends on the
+      machine's speed, so two runs on different machines differ in length.
+    """
+
+    max_steps: int = 1000
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    optimizer: str = "adamw"
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    schedule: str = "cosine"
+    warmup_steps: int = 0
+    grad_accum: int = 1
+    clip: float = 1.0
+    dtype: str = "fp32"
+    grad_checkpointing: bool = False
+    compile: bool = False
+    eval_every: int = 0
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    seed: int = 0
+    device: str = "cpu"
+    max_seconds: Optional[float] = None
+    time_budget: Optional[float] = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, what: str) -> None:
+            if not ok:
+                raise ValueError(f"TrainConfig.{name} must be {what}, got {getattr(self, name)!r}")
+
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v) -> bool:
+            return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+        for name in ("max_steps", "grad_accum", "keep_checkpoints", "log_every"):
+            need(is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "an int >= 1")
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed"):
+            need(is_int(getattr(self, name)) and getattr(self, name) >= 0, name, "an int >= 0")
+        for name in ("lr", "min_lr", "eps", "weight_decay", "clip"):
+            need(is_num(getattr(self, name)) and getattr(self, name) >= 0, name, "a finite number >= 0")
+        need(self.lr > 0, "lr", "> 0")
+        need(self.min_lr <= self.lr, "min_lr", f"<= lr ({self.lr})")
+        need(isinstance(self.betas, (tuple, list)) and len(self.betas) == 2
+             and all(is_num(b) and 0 <= b < 1 for b in self.betas), "betas", "two numbers in [0, 1)")
+        self.betas = tuple(float(b) for b in self.betas)
+        need(self.optimizer in OPTIMIZERS, "optimizer", f"one of {list(OPTIMIZERS)}")
+        need(self.schedule in SCHEDULES, "schedule", f"one of {list(SCHEDULES)}")
+        need(self.dtype in DTYPES, "dtype", f"one of {list(DTYPES)}")
+        for name in ("max_seconds", "time_budget"):
+            v = getattr(self, name)
+            need(v is None or (is_num(v) and v > 0), name, "None or a number > 0")
+        for name in ("grad_checkpointing", "compile", "progress"):
+            need(isinstance(getattr(self, name), bool), name, "a bool")
+        need(isinstance(self.device, str) and bool(self.device), "device", "a device string ('cpu', 'cuda', 'auto')")
+        self.schedule_fn()  # schedule-specific checks (noam needs warmup_steps >= 1)
+
+    def schedule_fn(self, total_steps: Optional[int] = None) -> Schedule:
+        """The learning-rate schedule over ``total_steps`` (default ``max_steps``)."""
+        return Schedule(self.schedule, lr=float(self.lr), min_lr=float(self.min_lr),
+                        warmup_steps=self.warmup_steps, total_steps=total_steps or self.max_steps)

@@ -1,0 +1,285 @@
+"""Training recipes: a name -> :class:`Recipe` registry, ``--set key=value`` parsing, run and evaluate.
+
+A recipe is a settings dataclass (a subclass of :class:`~attnlab.training.trainer.TrainConfig`,
+so every trainer field — ``max_steps``, ``eval_every``, ``checkpoint_every``, ``seed``, … — is a
+setting too, plus the recipe's own: model size, batch, data), named presets (overrides of the
+dataclass defaults) and a build function that turns settings into a model, batches, a loss and an
+evaluation. Adding a recipe = one module that calls :func:`register`, one entry in
+:data:`RECIPE_MODULES` (recipe name -> module, imported only when that recipe is asked for).
+
+:func:`run_recipe` writes the resolved ``config.json`` into the output folder, builds, trains
+(under ``torchrun`` too) and writes ``metrics.json``; :func:`evaluate_checkpoint` rebuilds a
+run's model from its ``config.json`` and scores a checkpoint (``attnlab eval --checkpoint``).
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import time
+import types
+import typing
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from attnlab.training.checkpoint import latest_checkpoint, load_checkpoint
+from attnlab.training.distributed import DistInfo, distributed
+from attnlab.training.reporting import write_json
+from attnlab.training.trainer import TrainConfig, Trainer
+
+__all__ = ["Recipe", "Built", "RECIPE_MODULES", "register", "get_recipe", "recipe_names", "resolve_settings",
+           "parse_set", "run_recipe", "evaluate_checkpoint"]
+
+# recipe name -> the module that registers it (imported on first lookup of that name)
+RECIPE_MODULES = {
+    "shakespeare-char": "attnlab.training.recipes.shakespeare",
+    "multi30k-de-en": "attnlab.training.recipes.multi30k",
+    "mlm": "attnlab.training.recipes.mlm",
+}
+_REGISTRY: dict[str, "Recipe"] = {}
+PathLike = Union[str, os.PathLike]
+
+
+@dataclass
+class Built:
+    """What a recipe's build function returns.
+
+    Attributes:
+        model: the model to train (or to load a checkpoint into).
+        train_batches: the training iterator (None when built for evaluation only).
+        loss_fn: ``loss_fn(model, batch) -> (mean loss, n_tokens)``.
+        evaluate: ``evaluate(model) -> dict`` with ``"val_loss"``, run during training.
+        score: ``score(model, **options) -> dict`` for :func:`evaluate_checkpoint` (options such as
+            ``split``, ``max_batches``, ``metrics``, ``reliability_png``); default: ``evaluate``.
+        info: extra facts recorded in ``metrics.json`` (parameter count, dataset sizes, …).
+    """
+
+    model: nn.Module
+    train_batches: Any
+    loss_fn: Callable
+    evaluate: Callable[[nn.Module], dict]
+    score: Optional[Callable[..., dict]] = None
+    info: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A named way to train: ``settings`` dataclass, ``presets`` (name -> overrides), ``build``.
+
+    ``build(settings, *, out: Path, dist: DistInfo, training: bool) -> Built``; ``targets`` maps a
+    preset to the goal it is tuned for (shown in ``--help`` and the benchmark).
+    """
+
+    name: str
+    description: str
+    settings: type
+    build: Callable[..., Built]
+    presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    targets: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.settings, type) and issubclass(self.settings, TrainConfig)):
+            raise TypeError(f"recipe {self.name!r}: settings must be a TrainConfig subclass")
+        for preset, overrides in self.presets.items():
+            unknown = set(overrides) - {f.name for f in fields(self.settings)}
+            if unknown:
+                raise ValueError(f"recipe {self.name!r}, preset {preset!r}: unknown settings {sorted(unknown)}")
+
+
+def register(recipe: Recipe) -> Recipe:
+    """Add ``recipe`` to the registry (a name can be registered once)."""
+    if recipe.name in _REGISTRY and _REGISTRY[recipe.name] is not recipe:
+        raise ValueError(f"a recipe named {recipe.name!r} is already registered")
+    _REGISTRY[recipe.name] = recipe
+    return recipe
+
+
+def recipe_names() -> list[str]:
+    """Every known recipe name (nothing is imported)."""
+    return sorted(set(RECIPE_MODULES) | set(_REGISTRY))
+
+
+def get_recipe(name: str) -> Recipe:
+    """The registered recipe ``name`` (its module imported on first use). Raises ValueError listing the names."""
+    if name not in _REGISTRY and name in RECIPE_MODULES:
+        importlib.import_module(RECIPE_MODULES[name])
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown recipe {name!r}; available: {', '.join(recipe_names())}")
+    return _REGISTRY[name]
+
+
+def parse_set(items: Sequence[str]) -> dict[str, str]:
+    """``["key=value", …]`` (the CLI's ``--set``) -> ``{key: value}``; the last of a repeated key wins."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _convert(key: str, raw: str, tp) -> Any:
+    """Text -> the dataclass field type ``tp`` (int, float, bool, str, Optional[...], tuple[...])."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (Union, types.UnionType) and type(None) in args:
+        if raw.lower() in ("none", "null", ""):
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(key, raw, inner)
+    try:
+        if origin is tuple:
+            parts = [p for p in raw.replace("(", "").replace(")", "").split(",") if p.strip()]
+            item_types = args if args and args[-1] is not Ellipsis else [args[0]] * len(parts)
+            if len(parts) != len(item_types):
+                raise ValueError
+            return tuple(_convert(key, p.strip(), t) for p, t in zip(parts, item_types))
+        if tp is bool:
+            low = raw.lower()
+            if low not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                raise ValueError
+            return low in ("true", "1", "yes", "on")
+        if tp is int:
+            return int(raw)
+        if tp is float:
+            return float(raw)
+        if tp is str:
+            return raw
+    except ValueError:
+        pass
+    else:
+        raise ValueError(f"setting {key!r} has an unsupported type {tp!r}")
+    name = tp.__name__ if origin is None and hasattr(tp, "__name__") else str(tp)
+    if origin is tuple:
+        name += " (comma-separated)"
+    raise ValueError(f"--set {key}={raw!r}: expected {name}")
+
+
+def resolve_settings(recipe: Recipe, *, preset: Optional[str] = None, overrides: Optional[Mapping[str, Any]] = None,
+                     base: Optional[Mapping[str, Any]] = None):
+    """Settings = dataclass defaults, then ``base`` (a saved config) or the ``preset``, then ``overrides``.
+
+    String override values are converted to the field's type; other values are used as given.
+
+    Raises:
+        ValueError: unknown preset, unknown setting (the message lists the valid ones), bad value.
+    """
+    names = [f.name for f in fields(recipe.settings)]
+    hints = typing.get_type_hints(recipe.settings)
+    if preset is not None and preset not in recipe.presets and preset != "default":
+        raise ValueError(f"unknown preset {preset!r} for recipe {recipe.name}; available: "
+                         f"{', '.join(['default', *recipe.presets])}")
+    if base is not None and preset is not None:
+        raise ValueError("give a preset or saved settings (base), not both")
+    values: dict[str, Any] = dict(base) if base is not None else dict(recipe.presets.get(preset or "default", {}))
+    for key, value in (overrides or {}).items():
+        if key not in hints or key not in names:
+            raise ValueError(f"unknown setting {key!r} for recipe {recipe.name}; valid settings: {', '.join(names)}")
+        values[key] = _convert(key, value, hints[key]) if isinstance(value, str) else value
+    unknown = set(values) - set(names)
+    if unknown:
+        raise ValueError(f"saved settings {sorted(unknown)} are not settings of recipe {recipe.name}")
+    return recipe.settings(**values)
+
+
+def _read_config(out: Path) -> Optional[dict]:
+    path = out / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+def run_recipe(name: str, *, out: PathLike, preset: Optional[str] = None,
+               overrides: Optional[Mapping[str, Any]] = None, resume: bool = False) -> dict:
+    """Resolve settings, write ``out/config.json``, build, train, write ``out/metrics.json``; return the metrics.
+
+    With ``resume`` the settings saved in ``out/config.json`` are the base (``preset``, if given,
+    must be the saved one; ``overrides`` apply on top) and training continues from the latest
+    checkpoint. Under ``torchrun`` every rank runs this; rank 0 writes the files.
+
+    Raises:
+        ValueError: unknown recipe/preset/setting, or ``out`` holds checkpoints and ``resume`` is False.
+        FileNotFoundError: the recipe's data is missing (offline: names ``ATTNLAB_DATA_DIR``).
+        TrainingDivergedError: the loss became NaN/inf.
+    """
+    t0 = time.perf_counter()
+    recipe = get_recipe(name)
+    out = Path(out)
+    saved = _read_config(out) if resume else None
+    if saved is not None and saved.get("recipe") != name:
+        raise ValueError(f"{out} holds a {saved.get('recipe')!r} run, not {name!r}")
+    if saved is not None:
+        if preset is not None and preset != (saved.get("preset") or "default"):
+            raise ValueError(f"{out} was trained with preset {saved.get('preset') or 'default'!r}, not {preset!r}: "
+                             "resume it without --preset (use --set to change a setting)")
+        preset = saved.get("preset")
+        settings = resolve_settings(recipe, overrides=overrides, base=saved.get("settings", {}))
+    else:
+        settings = resolve_settings(recipe, preset=preset, overrides=overrides)
+    with distributed(settings.device) as dist:
+        torch.manual_seed(settings.seed)  # the same initial weights on every rank and every run
+        built = recipe.build(settings, out=out, dist=dist, training=True)  # missing data fails here, before any file
+        if dist.is_main:
+            write_json(out / "config.json", {"recipe": name, "preset": preset, "settings": asdict(settings),
+                                             "world_size": dist.world_size, "torch": torch.__version__})
+        train_cfg = TrainConfig(**{f.name: getattr(settings, f.name) for f in fields(TrainConfig)})
+        trainer = Trainer(built.model, train_cfg, train_batches=built.train_batches, loss_fn=built.loss_fn,
+                          evaluate=built.evaluate, out_dir=out)
+        metrics = trainer.fit(resume=resume)
+        metrics = {"recipe": name, "preset": preset or "default", **metrics, **built.info,
+                   "world_size": dist.world_size, "total_wall_s": time.perf_counter() - t0}
+        if dist.is_main:
+            write_json(out / "metrics.json", metrics)
+    return metrics
+
+
+def evaluate_checkpoint(directory: PathLike, *, checkpoint: Optional[PathLike] = None, device: str = "cpu",
+                        **options) -> dict:
+    """Score a checkpoint of a ``run_recipe`` output folder with its recipe's evaluation.
+
+    Args:
+        directory: the run's output folder (holds ``config.json`` and ``ckpt-*.pt``).
+        checkpoint: a checkpoint file (default: the latest in ``directory``).
+        device: where to evaluate.
+        **options: passed to the recipe's ``score`` (language models: ``split``, ``max_batches``,
+            ``metrics``, ``reliability_png``).
+
+    Returns:
+        ``{"recipe", "checkpoint", "step", **scores}``.
+
+    Raises:
+        FileNotFoundError: no ``config.json`` or no checkpoint.
+        ValueError: an option the recipe's evaluation does not take, or a bad value.
+    """
+    directory = Path(directory)
+    saved = _read_config(directory)
+    if saved is None:
+        raise FileNotFoundError(f"no config.json in {directory}: not an `attnlab train` output folder")
+    recipe = get_recipe(saved.get("recipe", "?"))
+    settings = resolve_settings(recipe, base=saved.get("settings", {}))
+    path = Path(checkpoint) if checkpoint is not None else latest_checkpoint(directory)
+    if path is None:
+        raise FileNotFoundError(f"no checkpoint (ckpt-*.pt) in {directory}")
+    state = load_checkpoint(path, map_location=device)
+    if "model" not in state:
+        raise ValueError(f"{path} holds no model weights")
+    built = recipe.build(settings, out=directory, dist=DistInfo(), training=False)
+    model = built.model.to(device)
+    model.load_state_dict(state["model"])
+    model.eval()
+    score = built.score or built.evaluate
+    accepted = inspect.signature(score).parameters
+    bad = [k for k in options if k not in accepted]
+    if bad:
+        raise ValueError(f"recipe {recipe.name} does not take evaluation option(s) {bad}")
+    with torch.no_grad():
+        scores = score(model, **options)
+    return {"recipe": recipe.name, "checkpoint": str(path), "step": state.get("step"), **scores}

@@ -1,0 +1,90 @@
+"""Learning-rate schedules as pure functions of the step (so a resumed run is exact).
+
+With peak rate ``η``, floor ``η_min``, ``w`` warm-up steps and ``S`` total steps, step ``s = 0, 1, …``:
+
+- ``cosine`` (nanoGPT's ``get_lr``)::
+
+      η(s) = η · (s + 1) / (w + 1)                                   s < w
+      η(s) = η_min + ½ (η − η_min) (1 + cos(π (s − w) / (S − w)))     w ≤ s ≤ S
+      η(s) = η_min                                                   s > S
+
+- ``noam`` / inverse square root (Vaswani et al. 2017, with the model-size factor folded into ``η``)::
+
+      η(s) = η · min(t / w, √(w / t)),   t = s + 1     (peak η at t = w)
+
+- ``constant``: ``η · (s + 1) / (w + 1)`` while ``s < w``, then ``η``.
+
+The trainer writes ``lr_at(s)`` into every parameter group before step ``s``; a
+``torch.optim.lr_scheduler.LambdaLR`` view is available through :meth:`Schedule.lambda_lr`.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SCHEDULES", "Schedule"]
+
+SCHEDULES = ("cosine", "noam", "constant")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A learning-rate schedule; call :meth:`lr_at` with the 0-based step.
+
+    Args:
+        kind: one of :data:`SCHEDULES`.
+        lr: peak learning rate ``η``.
+        min_lr: floor ``η_min`` of the cosine decay (ignored by the others).
+        warmup_steps: ``w``; must be >= 1 for ``noam``.
+        total_steps: ``S``, the end of the cosine decay.
+
+    Raises:
+        ValueError: unknown ``kind`` or an out-of-range argument (the message names it).
+    """
+
+    kind: str
+    lr: float
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    total_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {self.kind!r}")
+        for name in ("lr", "min_lr"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not v >= 0 or math.isinf(v):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must be <= lr ({self.lr})")
+        for name, lo in (("warmup_steps", 0), ("total_steps", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        if self.kind == "noam" and self.warmup_steps < 1:
+            raise ValueError("warmup_steps must be >= 1 for the noam schedule")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of 0-based step ``step`` (see the module docstring for the formulas)."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        w = self.warmup_steps
+        if self.kind == "noam":
+            t = step + 1
+            return self.lr * min(t / w, math.sqrt(w / t))
+        if step < w:
+            return self.lr * (step + 1) / (w + 1)
+        if self.kind == "constant":
+            return self.lr
+        if step > self.total_steps or self.total_steps <= w:
+            return self.min_lr
+        ratio = (step - w) / (self.total_steps - w)
+        return self.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (self.lr - self.min_lr)
+
+    def lambda_lr(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        """The same schedule as a ``LambdaLR`` (factor ``lr_at(s) / lr`` on each group's initial lr)."""
+        peak = self.lr if self.lr > 0 else 1.0
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: self.lr_at(s) / peak)

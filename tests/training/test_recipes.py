@@ -1,0 +1,141 @@
+"""Recipe registry, --set parsing, shakespeare-char presets, run_recipe/evaluate_checkpoint, `attnlab train`."""
+import json
+
+import pytest
+
+from attnlab import cli
+from attnlab.training.checkpoint import latest_checkpoint
+from attnlab.training.recipes import evaluate_checkpoint, get_recipe, parse_set, resolve_settings, run_recipe
+
+FAST = {"progress": False}
+
+
+def test_parse_set_and_type_conversion():
+    assert parse_set(["a=1", "b = x=y", "a=2"]) == {"a": "2", "b": "x=y"}
+    with pytest.raises(ValueError, match="key=value"):
+        parse_set(["novalue"])
+    r = get_recipe("shakespeare-char")
+    s = resolve_settings(r, preset="tiny", overrides={
+        "betas": "0.9,0.95", "compile": "true", "max_seconds": "none", "lr": "3e-3", "n_layer": "3",
+        "dtype": "bf16", "dropout": "0.2", "progress": "off"})
+    assert s.betas == (0.9, 0.95) and s.compile is True and s.max_seconds is None and s.lr == 3e-3
+    assert s.n_layer == 3 and s.dtype == "bf16" and s.dropout == 0.2 and s.progress is False
+    assert s.n_embd == 32  # from the preset
+    assert resolve_settings(r, overrides={"max_steps": 7}).max_steps == 7  # typed values pass through
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"nope": "1"}, r"unknown setting 'nope' for recipe shakespeare-char; valid settings: max_steps, .*n_layer"),
+    ({"n_layer": "abc"}, r"--set n_layer='abc': expected int"),
+    ({"compile": "maybe"}, r"--set compile='maybe': expected bool"),
+    ({"betas": "0.9"}, r"--set betas='0.9': expected tuple\[float, float\]"),
+    ({"n_layer": "0"}, r"n_layer must be an int >= 1"),
+    ({"lr": "-1"}, r"TrainConfig.lr must be"),
+])
+def test_setting_errors(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_settings(get_recipe("shakespeare-char"), overrides=overrides)
+
+
+def test_unknown_recipe_and_preset():
+    with pytest.raises(ValueError, match="unknown recipe 'gpt5'; available: .*shakespeare-char"):
+        get_recipe("gpt5")
+    with pytest.raises(ValueError, match="unknown preset 'huge' .* available: default, nanogpt-cpu, tiny"):
+        resolve_settings(get_recipe("shakespeare-char"), preset="huge")
+
+
+def test_nanogpt_cpu_preset_is_nanogpts_recipe():
+    s = resolve_settings(get_recipe("shakespeare-char"), preset="nanogpt-cpu")
+    got = {k: getattr(s, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "max_steps", "lr",
+                                      "min_lr", "warmup_steps", "betas", "weight_decay", "clip", "dropout",
+                                      "optimizer", "schedule", "grad_accum")}
+    assert got == dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12, max_steps=2000, lr=1e-3,
+                       min_lr=1e-4, warmup_steps=100, betas=(0.9, 0.99), weight_decay=0.1, clip=1.0, dropout=0.0,
+                       optimizer="adamw", schedule="cosine", grad_accum=1)
+
+
+def test_run_resume_and_evaluate_checkpoint(tmp_path, shakespeare):
+    out = tmp_path / "run"
+    m = run_recipe("shakespeare-char", out=out, preset="tiny", overrides={**FAST, "max_steps": 20})
+    for name in ("config.json", "metrics.json", "metrics.jsonl", "loss.png", "tokenizer.json"):
+        assert (out / name).is_file(), name
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["recipe"] == "shakespeare-char" and cfg["preset"] == "tiny" and cfg["settings"]["max_steps"] == 20
+    saved = json.loads((out / "metrics.json").read_text())
+    assert saved["val_loss"] == m["val_loss"] and saved["steps"] == 20 and saved["vocab_size"] == 65
+    assert saved["val_loss"] < 4.17  # below the uniform guess ln 65: it learns
+    for key in ("train_tokens_per_s", "wall_s", "total_wall_s", "best_val_loss"):
+        assert saved[key] > 0
+    # resume with only an override: the saved settings (preset tiny) are the base; 20 -> 30 steps
+    m2 = run_recipe("shakespeare-char", out=out, overrides={"max_steps": 30}, resume=True)
+    assert m2["steps"] == 30 and m2["preset"] == "tiny"
+    assert json.loads((out / "config.json").read_text())["settings"]["max_steps"] == 30
+    # the checkpoint scores exactly as the run's own final evaluation
+    scores = evaluate_checkpoint(out)
+    assert scores["step"] == 30 and scores["checkpoint"] == str(latest_checkpoint(out))
+    assert scores["val_loss"] == m2["val_loss"] and scores["val_accuracy"] == m2["val_accuracy"]
+    png = tmp_path / "calib.png"
+    some = evaluate_checkpoint(out, max_batches=1, metrics=["loss", "ece"], reliability_png=str(png))
+    assert set(some) >= {"val_loss", "val_ece"} and "val_ppl" not in some and 0 <= some["val_ece"] <= 1
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="split must be 'val'"):
+        evaluate_checkpoint(out, split="test")
+    with pytest.raises(ValueError, match="does not take evaluation option"):
+        evaluate_checkpoint(out, beam=4)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        evaluate_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="was trained with preset 'tiny', not 'nanogpt-cpu'"):
+        run_recipe("shakespeare-char", out=out, preset="nanogpt-cpu", resume=True)
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        run_recipe("shakespeare-char", out=out, preset="tiny", overrides=FAST)
+
+
+def test_cli_train_and_eval(tmp_path, shakespeare, capsys):
+    out = tmp_path / "cli"
+    rc = cli.main(["train", "shakespeare-char", "--preset", "tiny", "--out", str(out), "--set", "max_steps=10",
+                   "--quiet", "--threads", "1"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["steps"] == 10 and summary["val_loss"] > 0
+    assert cli.main(["eval", "--checkpoint", str(out)]) == 0
+    assert "val_loss" in capsys.readouterr().out
+    assert cli.main(["train", "shakespeare-char", "--out", str(tmp_path / "x"), "--set", "foo=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown setting 'foo'" in err and "valid settings" in err
+
+
+def test_cli_diverged_run_prints_one_line(tmp_path, shakespeare, capsys):
+    rc = cli.main(["train", "shakespeare-char", "--preset", "tiny", "--out", str(tmp_path), "--quiet",
+                   "--set", "lr=1e30", "--set", "min_lr=0"])
+    assert rc == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "training diverged at step" in err and "loss is nan" in err
+
+
+def test_cli_missing_data_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ATTNLAB_DATA_DIR", str(tmp_path / "nothing-here"))
+    rc = cli.main(["train", "shakespeare-char", "--preset", "tiny", "--out", str(tmp_path / "run")])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "ATTNLAB_DATA_DIR" in err
+    assert "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt" in err
+    assert not (tmp_path / "run").exists()  # nothing written for a run that could not start
+
+
+@pytest.mark.slow
+def test_compiled_forward_trains_like_eager(tmp_path, shakespeare, monkeypatch):
+    """``compile=true`` (inductor on CPU) gives the eager run's losses up to kernel round-off (1e-4 relative)."""
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    eager = run_recipe("shakespeare-char", out=tmp_path / "e", preset="tiny", overrides={**FAST, "max_steps": 10})
+    comp = run_recipe("shakespeare-char", out=tmp_path / "c", preset="tiny",
+                      overrides={**FAST, "max_steps": 10, "compile": True})
+    assert comp["train_loss"] == pytest.approx(eager["train_loss"], rel=1e-4)
+    assert comp["val_loss"] == pytest.approx(eager["val_loss"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_nanogpt_cpu_preset_learns(tmp_path, shakespeare):
+    """The full nanogpt-cpu recipe (2000 steps). Quality only; speed is benchmarks/train.py's job.
+    nanoGPT reports 1.874 on its 20 x 12-block estimate; seeds and eval draws move ours by ~0.01."""
+    m = run_recipe("shakespeare-char", out=tmp_path, preset="nanogpt-cpu", overrides=FAST)
+    assert m["steps"] == 2000 and m["val_loss"] < 1.92

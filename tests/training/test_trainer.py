@@ -1,0 +1,241 @@
+"""The training loop: exact resume, accumulation, clipping, mixed precision, NaN stop, outputs."""
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+from attnlab.training.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from attnlab.training.losses import causal_lm_loss, token_cross_entropy
+from attnlab.training.trainer import TrainConfig, Trainer, TrainingDivergedError, enable_gradient_checkpointing
+
+VOCAB, BLOCK = 17, 16  # as the tiny_gpt fixture (tests/training/conftest.py)
+
+
+def params(trainer):
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def assert_bitwise_equal(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+class CrashAfter:
+    """A loss_fn that raises (like a killed process) on call number ``n + 1``."""
+
+    def __init__(self, n):
+        self.n, self.calls = n, 0
+
+    def __call__(self, model, batch):
+        self.calls += 1
+        if self.calls > self.n:
+            raise KeyboardInterrupt("simulated crash")
+        return causal_lm_loss(model, batch)
+
+
+def strip_timing(records):
+    return [{k: v for k, v in r.items() if k not in ("elapsed_s", "tokens_per_s")} for r in records]
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_resume_is_bitwise_exact(tmp_path, make_trainer, grad_accum):
+    """12 steps straight == 6 steps, crash in step 7, resume, 6 more (CPU fp32, dropout 0.1 on)."""
+    straight = make_trainer(tmp_path / "a", grad_accum=grad_accum, eval_every=4, checkpoint_every=3)
+    m_a = straight.fit()
+    crash = make_trainer(tmp_path / "b", grad_accum=grad_accum, eval_every=4, checkpoint_every=3,
+                         loss_fn=CrashAfter(6 * grad_accum + 1))
+    with pytest.raises(KeyboardInterrupt):
+        crash.fit()
+    assert latest_checkpoint(tmp_path / "b").name == "ckpt-00000006.pt"
+    resumed = make_trainer(tmp_path / "b", grad_accum=grad_accum, eval_every=4, checkpoint_every=3,
+                           init_seed=123)  # different initial weights: they must come from the checkpoint
+    m_b = resumed.fit(resume=True)
+    assert_bitwise_equal(params(straight), params(resumed))
+    assert m_b["val_loss"] == m_a["val_loss"] and m_b["best_val_loss"] == m_a["best_val_loss"]
+    assert m_b["steps"] == 12 and m_b["train_tokens"] == m_a["train_tokens"]
+    # the resumed log reads as one run: same records, no step logged twice
+    assert strip_timing(read_jsonl(tmp_path / "b" / "metrics.jsonl")) == \
+        strip_timing(read_jsonl(tmp_path / "a" / "metrics.jsonl"))
+
+
+def test_evaluation_does_not_change_the_trajectory(tmp_path, make_trainer):
+    a = make_trainer(tmp_path / "a", eval_every=1)
+    b = make_trainer(tmp_path / "b", evaluate=False)
+    a.fit()
+    b.fit()
+    assert_bitwise_equal(params(a), params(b))
+
+
+def test_resume_without_checkpoint_starts_fresh_and_fresh_run_refuses_old_checkpoints(tmp_path, make_trainer):
+    a = make_trainer(tmp_path / "a", max_steps=4)
+    a.fit()
+    b = make_trainer(tmp_path / "b", max_steps=4)
+    b.fit(resume=True)  # nothing to resume: same as a fresh run
+    assert_bitwise_equal(params(a), params(b))
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        make_trainer(tmp_path / "a", max_steps=4).fit()
+
+
+def capture_grads(trainer):
+    """Record the gradients handed to the optimiser at every step."""
+    seen, orig_step = [], trainer.optimizer.step
+
+    def step(*a, **k):
+        seen.append([p.grad.clone() for p in trainer.model.parameters()])
+        return orig_step(*a, **k)
+    trainer.optimizer.step = step
+    return seen
+
+
+def test_grad_accumulation_equals_the_big_batch(tmp_path, tiny_gpt):
+    torch.manual_seed(0)
+    xs = [torch.randint(0, VOCAB, (8, BLOCK)) for _ in range(3)]
+    batches = [(x, torch.roll(x, -1, 1)) for x in xs]
+    halves = [(x[i:i + 4], y[i:i + 4]) for x, y in batches for i in (0, 4)]
+    cfg = dict(max_steps=3, lr=1e-2, progress=False, warmup_steps=0, weight_decay=0.1)
+    big = Trainer(tiny_gpt(dropout=0.0), TrainConfig(**cfg), train_batches=iter(batches), loss_fn=causal_lm_loss,
+                  out_dir=tmp_path / "big")
+    acc = Trainer(tiny_gpt(dropout=0.0), TrainConfig(**cfg, grad_accum=2), train_batches=iter(halves),
+                  loss_fn=causal_lm_loss, out_dir=tmp_path / "acc")
+    g_big, g_acc = capture_grads(big), capture_grads(acc)
+    mb, ma = big.fit(), acc.fit()
+    for step_big, step_acc in zip(g_big, g_acc):  # (1/2)(mean over half 1 + mean over half 2) = mean over 8 rows
+        for a, b in zip(step_acc, step_big):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)  # float32 summation order
+    assert len(g_big) == len(g_acc) == 3
+    assert ma["train_tokens"] == mb["train_tokens"] == 3 * 8 * BLOCK
+    assert ma["train_loss"] == pytest.approx(mb["train_loss"], rel=1e-6)
+
+
+def test_clipping_bounds_the_update(tmp_path, make_trainer):
+    """With clip c the gradient fed to the optimiser has norm <= c (checked on a plain SGD step)."""
+    t = make_trainer(tmp_path, max_steps=2, clip=1e-3, dropout=0.0, evaluate=False)
+    seen = capture_grads(t)
+    t.fit()
+    assert len(seen) == 2
+    for grads in seen:
+        assert torch.nn.utils.get_total_norm(grads).item() <= 1e-3 * (1 + 1e-4)
+
+
+def test_bf16_autocast_on_cpu(tmp_path, make_trainer):
+    dtypes = []
+
+    def loss_fn(model, batch):
+        x, y = batch
+        logits = model(x).logits
+        dtypes.append(logits.dtype)
+        return token_cross_entropy(logits, y), y.numel()
+    fp32 = make_trainer(tmp_path / "a", max_steps=3, dropout=0.0).fit()
+    bf16 = make_trainer(tmp_path / "b", max_steps=3, dropout=0.0, dtype="bf16", loss_fn=loss_fn).fit()
+    assert set(dtypes) == {torch.bfloat16}
+    assert math.isfinite(bf16["train_loss"]) and abs(bf16["train_loss"] - fp32["train_loss"]) < 0.05
+    with pytest.raises(ValueError, match="fp16.*CUDA"):
+        make_trainer(tmp_path / "c", dtype="fp16")
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, make_trainer):
+    calls = []
+
+    def poisoned(model, batch):
+        calls.append(1)
+        loss, n = causal_lm_loss(model, batch)
+        return (loss * float("nan") if len(calls) == 5 else loss), n
+    t = make_trainer(tmp_path, checkpoint_every=2, loss_fn=poisoned)
+    with pytest.raises(TrainingDivergedError, match=r"step 5: loss is nan.*ckpt-00000004\.pt"):
+        t.fit()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-00000002.pt", "ckpt-00000004.pt"]
+    state = load_checkpoint(latest_checkpoint(tmp_path))
+    assert state["step"] == 4 and all(torch.isfinite(v).all() for v in state["model"].values())
+    assert all(torch.isfinite(p).all() for p in t.model.parameters())  # the bad update was never applied
+
+
+def test_gradient_checkpointing_gives_equal_gradients(tiny_gpt):
+    torch.manual_seed(0)
+    plain = tiny_gpt(dropout=0.1)
+    ckpt = copy.deepcopy(plain)
+    enable_gradient_checkpointing(ckpt)
+    assert ckpt.state_dict().keys() == plain.state_dict().keys()
+    x = torch.randint(0, VOCAB, (3, BLOCK))
+    for m in (plain, ckpt):
+        torch.manual_seed(7)  # same dropout masks (checkpoint replays the RNG in recompute)
+        m(x).logits.square().mean().backward()
+    for (name, p), q in zip(plain.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7, msg=name)
+    with torch.no_grad():  # no grad: the plain forward, same output
+        torch.testing.assert_close(ckpt.eval()(x).logits, plain.eval()(x).logits)
+    with pytest.raises(ValueError, match="grad_checkpointing"):
+        enable_gradient_checkpointing(torch.nn.Linear(2, 2))
+
+
+def test_outputs_and_max_seconds(tmp_path, make_trainer):
+    m = make_trainer(tmp_path / "a", eval_every=5, log_every=2, keep_checkpoints=1, checkpoint_every=4).fit()
+    out = tmp_path / "a"
+    saved = json.loads((out / "metrics.json").read_text())
+    for key in ("val_loss", "best_val_loss", "best_step", "train_tokens_per_s", "wall_s", "steps", "train_loss"):
+        assert key in saved and saved[key] == m[key]
+    recs = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in recs if r["kind"] == "eval"] == [5, 10, 12]
+    assert [r["step"] for r in recs if r["kind"] == "train"] == [2, 4, 6, 8, 10, 12]
+    assert saved["best_val_loss"] == min(r["val_loss"] for r in recs if r["kind"] == "eval")
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in list_checkpoints(out)] == ["ckpt-00000012.pt"]
+    # a wall budget stops at a step boundary, with a final evaluation and checkpoint
+    m = make_trainer(tmp_path / "b", max_steps=10_000, max_seconds=0.5).fit()
+    assert 0 < m["steps"] < 10_000 and "val_loss" in m
+    assert latest_checkpoint(tmp_path / "b").name == f"ckpt-{m['steps']:08d}.pt"
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("max_steps", 0, "max_steps must be an int >= 1"),
+    ("lr", 0.0, "lr must be > 0"),
+    ("min_lr", 1.0, "min_lr must be <= lr"),
+    ("dtype", "fp8", "dtype must be one of"),
+    ("optimizer", "sgd", "optimizer must be one of"),
+    ("schedule", "step", "schedule must be one of"),
+    ("betas", (0.9,), "betas must be two numbers"),
+    ("grad_accum", 1.5, "grad_accum must be an int"),
+    ("max_seconds", -1, "max_seconds must be None or a number > 0"),
+    ("compile", "yes", "compile must be a bool"),
+])
+def test_config_errors_name_the_field(field, value, match):
+    with pytest.raises(ValueError, match=f"TrainConfig.{match}"):
+        TrainConfig(**{field: value})
+
+
+def test_trainer_argument_errors(tmp_path, tiny_gpt):
+    model = tiny_gpt()
+    with pytest.raises(TypeError, match="config must be a TrainConfig"):
+        Trainer(model, {}, train_batches=iter([]), loss_fn=causal_lm_loss, out_dir=tmp_path)
+    with pytest.raises(TypeError, match="train_batches must be an iterator"):
+        Trainer(model, TrainConfig(), train_batches=[1, 2], loss_fn=causal_lm_loss, out_dir=tmp_path)
+    with pytest.raises(TypeError, match="evaluate"):
+        Trainer(model, TrainConfig(), train_batches=iter([]), loss_fn=causal_lm_loss, evaluate=3, out_dir=tmp_path)
+
+
+def test_time_budget_plans_the_run_and_resume_keeps_the_plan(tmp_path, make_trainer):
+    from attnlab.training.trainer import PLAN_AT
+    m = make_trainer(tmp_path / "a", max_steps=100_000, time_budget=2.0, eval_every=25, log_every=5).fit()
+    recs = read_jsonl(tmp_path / "a" / "metrics.jsonl")
+    (plan,) = [r for r in recs if r["kind"] == "plan"]
+    assert plan["step"] == PLAN_AT and PLAN_AT < plan["max_steps"] < 100_000 and plan["step_s"] > 0
+    assert m["steps"] == plan["max_steps"]
+    assert m["wall_s"] < 2.0 * 2  # planned for 2 s; generous for a busy machine
+    last_lr = [r["lr"] for r in recs if r["kind"] == "train"][-1]
+    assert last_lr == pytest.approx(1e-3, rel=0.05)  # the cosine reached min_lr inside the budget
+    # crash after the plan, resume: the planned length (and so the schedule) is kept, not re-planned
+    crash = make_trainer(tmp_path / "b", max_steps=100_000, time_budget=2.0, checkpoint_every=PLAN_AT + 3,
+                         loss_fn=CrashAfter(PLAN_AT + 5))
+    with pytest.raises(KeyboardInterrupt):
+        crash.fit()
+    planned = load_checkpoint(latest_checkpoint(tmp_path / "b"))["max_steps"]
+    assert crash.max_steps == planned < 100_000
+    resumed = make_trainer(tmp_path / "b", max_steps=100_000, time_budget=2.0, checkpoint_every=PLAN_AT + 3)
+    assert resumed.fit(resume=True)["steps"] == planned
+    assert len([r for r in read_jsonl(tmp_path / "b" / "metrics.jsonl") if r["kind"] == "plan"]) == 1
