@@ -192,3 +192,23 @@ def test_position_bias_dense_and_score_mod_paths_agree(kind, monkeypatch):
     assert torch.allclose(dense, modded, atol=1e-5)
     for a, b in zip(g_dense, g_mod):
         assert torch.allclose(a, b, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_decode_step_fast_path_equals_reference_backend(num_kv_heads):
+    """A one-query step with no mask goes straight to SDPA; it must equal the readable reference path."""
+    from attnlab.nn.positional import RotaryEmbedding
+
+    torch.manual_seed(0)
+    fast = MultiheadAttention(32, 4, num_kv_heads=num_kv_heads, rotary=RotaryEmbedding(8)).eval()
+    ref = MultiheadAttention(32, 4, num_kv_heads=num_kv_heads, rotary=RotaryEmbedding(8), backend="reference").eval()
+    ref.load_state_dict(fast.state_dict())
+    x = torch.randn(2, 6, 32)
+    caches = KVCache(max_length=6), KVCache()
+    for m, c in zip((fast, ref), caches):
+        m(x[:, :5], is_causal=True, need_weights=False, cache=c)
+    a, wa = fast(x[:, 5:], is_causal=True, need_weights=False, cache=caches[0])
+    b, _ = ref(x[:, 5:], is_causal=True, need_weights=False, cache=caches[1])
+    assert wa is None and (a - b).abs().max() <= 1e-6
+    _, w = fast(x[:, :1], need_weights=True)  # weights requested: the pipeline serves them
+    assert w.shape == (2, 1, 1)

@@ -194,3 +194,32 @@ def test_minilm_sentence_embedding(minilm):
     assert F.cosine_similarity(emb, ref_emb).min().item() >= 0.99999
     for a, b in zip(ours.attentions, theirs.attentions, strict=True):
         assert (a - b).abs().max().item() <= ATOL
+
+
+def test_optimize_for_inference_keeps_transformers_outputs(tmp_path):
+    """Packed fp32 linear layers (oneDNN): every output still within 1e-4 of transformers', the same
+    state dict, and a checkpoint transformers loads."""
+    theirs = _hf_model("BertForPreTraining")
+    theirs.save_pretrained(tmp_path / "hf")
+    ours = from_pretrained(tmp_path / "hf")
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    assert ours.optimize_for_inference() is ours
+    assert type(ours.bert.layers[0].ffn.w1).__name__ == "PackedLinear"
+    _assert_same(*_run_both(ours, theirs), "BertForPreTraining")
+    after = ours.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    ours.save_pretrained(tmp_path / "ours")
+    _assert_same(*_run_both(ours, _hf_model("BertForPreTraining", tmp_path / "ours")), "BertForPreTraining")
+
+
+def test_minilm_sentence_embedding_after_optimize_for_inference(minilm):
+    path, tok, _ = minilm
+    model = from_pretrained(path).optimize_for_inference()
+    enc = tok.encode_batch([SENTENCE, "A short one."])
+    ids, mask = torch.tensor([e.ids for e in enc]), torch.tensor([e.attention_mask for e in enc])
+    ref = transformers.AutoModel.from_pretrained(path).eval()
+    with torch.no_grad():
+        emb = _mean_pool(model(ids, mask).last_hidden_state, mask)
+        ref_emb = _mean_pool(ref(input_ids=ids, attention_mask=mask).last_hidden_state, mask)
+    torch.testing.assert_close(emb[0, :5], torch.tensor(EXPECTED), atol=1e-5, rtol=0)
+    assert F.cosine_similarity(emb, ref_emb).min().item() >= 0.99999

@@ -9,6 +9,7 @@ import transformers
 
 from attnlab.models import hub
 from attnlab.models.gpt import GPT2Config, GPT2LMHeadModel, state_dict_from_hf, state_dict_to_hf
+from attnlab.nn.inference import PackedLinear
 
 transformers.logging.set_verbosity_error()
 V, N_POS = 101, 64
@@ -161,3 +162,46 @@ def test_from_hf_rejects_unsupported_options_and_state_dict_rejects_unknown_keys
     sd = dict(theirs.state_dict(), **{"transformer.h.0.attn.extra.weight": torch.zeros(1)})
     with pytest.raises(ValueError, match="extra"):
         state_dict_from_hf(sd)
+
+
+@torch.no_grad()
+def test_optimize_for_inference_float32_keeps_logits_and_greedy_tokens_of_transformers():
+    """Packed fp32 weights: the same products up to summation order, the same state dict."""
+    theirs, ours = _pair()
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    assert ours.optimize_for_inference() is ours and not ours.training
+    assert isinstance(ours.lm_head, PackedLinear) and isinstance(ours.layers[0].ffn.w1, PackedLinear)
+    ids, mask = _left_padded(torch.randint(0, V, (3, 12)))
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    ref = theirs(ids, attention_mask=mask, position_ids=pos).logits
+    assert (ours(ids, attention_mask=mask).logits - ref)[mask.bool()].abs().max() <= TOL
+    prompt = torch.randint(0, V, (1, 6))
+    expected = theirs.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+    assert torch.equal(ours.generate(prompt, max_new_tokens=20, cache="static"), expected)
+    after = ours.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+
+
+@torch.no_grad()
+def test_optimize_for_inference_bfloat16_is_weight_only_bf16(tmp_path):
+    """bf16 weights, fp32 activations: logits within bf16 rounding of fp32 (≤ 3 % of their range here),
+    fp32 logits, and a state dict that still saves to a directory transformers loads."""
+    _, ours = _pair()
+    ids = torch.randint(0, V, (2, 12))
+    ref = ours(ids).logits
+    ours.optimize_for_inference(dtype=torch.bfloat16)
+    got = ours(ids).logits
+    assert got.dtype == torch.float32
+    assert (got - ref).abs().max() <= 0.03 * ref.abs().max()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    assert ours.wte.weight.dtype == torch.float32  # embeddings stay fp32
+    cache = ours.new_cache(max_length=12)
+    steps = [ours(ids[:, :5], past_key_values=cache, use_cache=True).logits]
+    steps += [ours(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(5, 12)]
+    assert (torch.cat(steps, 1) - got).abs().max() <= 1e-5
+    ours.save_pretrained(tmp_path / "bf16")
+    again = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "bf16", dtype=torch.float32).eval()
+    assert (again(ids).logits - got).abs().max() <= 0.03 * ref.abs().max()
+    with pytest.raises(ValueError, match="dtype"):
+        ours.optimize_for_inference(dtype=torch.float16)

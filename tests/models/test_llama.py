@@ -151,3 +151,20 @@ def test_from_hf_rejects_scaled_rope_and_other_activations():
         LlamaConfig.from_hf(dict(transformers.LlamaConfig(**SIZES).to_dict(), hidden_act="gelu"))
     with pytest.raises(ValueError, match="extra"):
         state_dict_from_hf({"model.layers.0.extra.weight": torch.zeros(1)}, LlamaConfig(**SIZES))
+
+
+@torch.no_grad()
+def test_optimize_for_inference_keeps_greedy_tokens_and_bf16_is_close(tmp_path):
+    theirs, ours = _pair(tmp_path)
+    ids, mask = _left_padded(torch.randint(1, V, (3, 7)))
+    ref_logits = ours(ids, attention_mask=mask).logits
+    ours.optimize_for_inference()
+    assert ours.layers[0].self_attn.in_proj.dtype == torch.float32  # a PackedLinear
+    ref = theirs.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(ids, attention_mask=mask, max_new_tokens=8), ref)
+    _, ours = _pair(tmp_path)
+    ours.optimize_for_inference(dtype=torch.bfloat16)  # weight-only bf16: logits within bf16 rounding
+    got = ours(ids, attention_mask=mask).logits
+    keep = mask.bool()
+    assert got.dtype == torch.float32
+    assert (got - ref_logits)[keep].abs().max() <= 0.03 * ref_logits[keep].abs().max()

@@ -86,9 +86,10 @@ class MultiheadAttention(nn.Module):
     # ---- projections ---------------------------------------------------------------------
 
     def _linear(self, x: Tensor, start: int, end: int) -> Tensor:
-        """Rows ``start:end`` of the packed projection (views, no copy)."""
-        b = self.in_proj.bias
-        return F.linear(x, self.in_proj.weight[start:end], None if b is None else b[start:end])
+        """Rows ``start:end`` of the packed projection (views, no copy; in the weight's dtype, which a
+        bf16 :class:`~attnlab.nn.inference.PackedLinear` makes differ from ``x``'s)."""
+        w, b = self.in_proj.weight[start:end], self.in_proj.bias
+        return F.linear(x.to(w.dtype), w, None if b is None else b[start:end]).to(x.dtype)
 
     def _project(self, query: Tensor, key: Tensor, value: Tensor, skip_kv: bool):
         """``Q W_Q, K W_K, V W_V`` as ``(B, L, ·)``; k and v are None with ``skip_kv``."""
@@ -143,10 +144,15 @@ class MultiheadAttention(nn.Module):
         S = k.shape[2]
 
         mask, score_mod = self._mask_and_mod(key_padding_mask, attn_mask, B, L, S, q)
-        res = attention(q, k, v, mask=mask, causal=is_causal, window=self.window, score_mod=score_mod,
-                        dropout_p=self.dropout if self.training else 0.0, normalize=self.normalize,
-                        top_k=self.top_k, return_weights=need_weights, backend=self.backend)
-        out, weights = res if need_weights else (res, None)
+        if L == 1 and mask is None and score_mod is None and not need_weights and self._plain_softmax():
+            # a decode step: one query sees every cached key, so no mask — straight to SDPA (the backend
+            # "auto" picks), without the pipeline's per-call checks of tensors built just above
+            out, weights = F.scaled_dot_product_attention(q, k, v, enable_gqa=H != Hkv), None  # (B, H, 1, Dh)
+        else:
+            res = attention(q, k, v, mask=mask, causal=is_causal, window=self.window, score_mod=score_mod,
+                            dropout_p=self.dropout if self.training else 0.0, normalize=self.normalize,
+                            top_k=self.top_k, return_weights=need_weights, backend=self.backend)
+            out, weights = res if need_weights else (res, None)
         out = self.out_proj(out.transpose(1, 2).reshape(B, L, H * Dh))  # (B, L, E)
         if weights is not None and average_attn_weights:
             weights = weights.mean(dim=1)
@@ -172,6 +178,11 @@ class MultiheadAttention(nn.Module):
             k = self.rotary(k, torch.arange(S, device=k.device))
         mask, score_mod = self._mask_and_mod(key_padding_mask, attn_mask, B, L, S, q)
         return attention_weights(q, k, mask=mask, causal=is_causal, window=self.window, score_mod=score_mod)
+
+    def _plain_softmax(self) -> bool:
+        """Plain softmax, no window, no dropout in effect, on SDPA (or "auto", which picks it)."""
+        return (self.normalize == "softmax" and self.window is None and self.backend in ("auto", "sdpa")
+                and not (self.training and self.dropout > 0))
 
     def _mask_and_mod(self, key_padding_mask, attn_mask, B, L, S, q: Tensor):
         """The pipeline mask (masks + a dense position bias) and score_mod (a large position bias)."""

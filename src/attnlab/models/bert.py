@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from attnlab.models.hub import PreTrainedMixin, check_token_inputs, register
 from attnlab.nn.block import EncoderLayer
 from attnlab.nn.feedforward import ACTIVATIONS
+from attnlab.nn.inference import InferenceLayoutMixin
 
 # HF hidden_act -> our activation name ("gelu_new" and "gelu_pytorch_tanh" are the tanh approximation).
 HIDDEN_ACTS = {"gelu": "gelu", "relu": "relu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -152,8 +153,12 @@ def _rename(name: str, rules) -> str:
     raise KeyError(f"no HF name for parameter {name!r}")
 
 
-class _BertBase(PreTrainedMixin, nn.Module):
-    """HF name conversion shared by the BERT models (``prefix``: where the encoder sits in HF's names)."""
+class _BertBase(InferenceLayoutMixin, PreTrainedMixin, nn.Module):
+    """HF name conversion shared by the BERT models (``prefix``: where the encoder sits in HF's names).
+
+    ``optimize_for_inference(dtype=...)`` packs every linear layer for oneDNN
+    (:class:`~attnlab.nn.inference.InferenceLayoutMixin`).
+    """
 
     hf_ignored = (r"position_ids$", r"^cls\.predictions\.decoder\.(weight|bias)$")
     prefix = ""

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from attnlab.models.hub import PreTrainedMixin
 from attnlab.nn.block import LayerCache
+from attnlab.nn.inference import InferenceLayoutMixin
 
 
 @dataclass
@@ -27,8 +28,14 @@ class CausalLMOutput:
     attentions: Optional[tuple[Tensor, ...]] = None
 
 
-class DecoderOnlyLM(PreTrainedMixin, nn.Module):
-    """Base of the decoder-only models (GPT-2, Llama): see the module docstring for the contract."""
+class DecoderOnlyLM(InferenceLayoutMixin, PreTrainedMixin, nn.Module):
+    """Base of the decoder-only models (GPT-2, Llama): see the module docstring for the contract.
+
+    ``optimize_for_inference(dtype=...)`` packs every linear layer for one-token decoding steps
+    (:class:`~attnlab.nn.inference.InferenceLayoutMixin`).
+    """
+
+    packed_rows = 1  # a decode step multiplies one row per sequence
 
     max_positions: Optional[int] = None
     positions_field = "max_position_embeddings"  # the config field named in the too-long error
@@ -62,9 +69,10 @@ class DecoderOnlyLM(PreTrainedMixin, nn.Module):
             raise ValueError(f"input_ids must be a (B, T) tensor, got {getattr(input_ids, 'shape', input_ids)!r}")
         B, T = input_ids.shape
         vocab = self.config.vocab_size
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
-            raise ValueError(f"input_ids must lie in [0, vocab_size={vocab}), got "
-                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        if input_ids.numel():
+            lo, hi = (int(v) for v in torch.aminmax(input_ids))
+            if lo < 0 or hi >= vocab:
+                raise ValueError(f"input_ids must lie in [0, vocab_size={vocab}), got [{lo}, {hi}]")
         if past_key_values is None and use_cache:
             past_key_values = self.new_cache()
         past = 0 if past_key_values is None else past_key_values[0].self_attn.length

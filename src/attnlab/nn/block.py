@@ -97,10 +97,11 @@ class _ResidualLayer(nn.Module):
 
     def _residual(self, x: Tensor, i: int, branch: Callable[[Tensor], Tensor]) -> Tensor:
         """Sub-layer ``i`` (1-based) around ``branch`` with norm ``norm{i}`` and dropout ``dropout{i}``."""
-        norm, dropout = getattr(self, f"norm{i}"), getattr(self, f"dropout{i}")
-        if self.norm_first:
-            return x + self.drop_path(dropout(branch(norm(x))))
-        return norm(x + self.drop_path(dropout(branch(x))))
+        norm = getattr(self, f"norm{i}")
+        h = branch(norm(x) if self.norm_first else x)
+        if self.training:  # dropout and stochastic depth are the identity in eval: skip the calls
+            h = self.drop_path(getattr(self, f"dropout{i}")(h))
+        return x + h if self.norm_first else norm(x + h)
 
     def _load_torch(self, layer: nn.Module, attn_names: dict[str, str], num_sublayers: int) -> None:
         """Copy weights from a torch layer: attention modules by name, FFN, norms."""

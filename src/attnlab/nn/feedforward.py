@@ -82,7 +82,7 @@ class FeedForward(nn.Module):
         h = self.act(self.w1(x))  # (B, L, hidden)
         if self.w3 is not None:
             h = h * self.w3(x)
-        return self.w2(self.dropout(h))  # (B, L, dim)
+        return self.w2(self.dropout(h) if self.training else h)  # (B, L, dim)
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"

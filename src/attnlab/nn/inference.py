@@ -1,0 +1,184 @@
+"""Inference layouts for ``nn.Linear``: the weight stored the way the CPU matrix–vector kernels read fastest.
+
+Decoding one token at batch 1 turns every ``y = x Wᵀ + b`` into a matrix–vector product that reads
+each weight once, so its speed is the speed at which the kernel streams ``W`` from memory, and on
+CPU that depends on the layout:
+
+- MKL's fp32 GEMV (what ``F.linear`` calls at batch 1) runs on **one** thread; it streams a
+  column-major ``W`` (``(in, out)`` in memory, Hugging Face GPT-2's ``Conv1D`` layout) up to 2×
+  faster than ``nn.Linear``'s ``(out, in)`` rows when ``out >= in``.
+- oneDNN's inner product on a weight **pre-packed** once into its blocked layout
+  (``torch.ops.mkldnn._reorder_linear_weight``) splits the product over all threads, with no
+  per-call reorder; on many rows (an encoder's batch) its fp32 GEMM also beats MKL's on AVX-512
+  CPUs. :class:`PackedLinear` holds that, in float32 or bfloat16 (half the bytes), and falls back
+  to the column-major layout where oneDNN is missing. In bf16 only the weight is bf16: the input
+  is rounded to bf16, the product accumulates in fp32 and the bf16 output is cast back, so norms,
+  softmax, the residual stream and the KV cache keep fp32.
+
+:class:`InferenceLayoutMixin` gives a model ``optimize_for_inference(dtype=...)``, which converts
+every linear layer at once.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+INFERENCE_DTYPES = (torch.float32, torch.bfloat16)
+try:  # oneDNN's inner product on a packed weight (the overload itself: no per-call overload resolution)
+    _ONEDNN_LINEAR = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
+except (AttributeError, RuntimeError):  # a build without the op
+    _ONEDNN_LINEAR = None
+
+
+def _packable(weight: Tensor) -> bool:
+    """oneDNN's packed inner product: CPU builds with MKL-DNN (and, for bf16, a CPU that runs it)."""
+    if weight.device.type != "cpu" or _ONEDNN_LINEAR is None:
+        return False
+    return weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+class PackedLinear(nn.Module):
+    """``y = x Wᵀ + b`` with ``W`` pre-packed for oneDNN's inner product, in ``dtype`` (inference only).
+
+    ``x`` keeps its dtype: with a bfloat16 ``W`` it is rounded to bf16 for the product (fp32
+    accumulation) and ``y`` is cast back. Where oneDNN cannot run it (another device, a build
+    without MKL-DNN) ``W`` is kept plain — column-major when ``out >= in`` — and ``F.linear``
+    computes the same product.
+
+    The state dict holds ``weight`` and ``bias`` as ordinary tensors (in ``dtype``), so
+    ``state_dict`` and ``save_pretrained`` work as before; loading one repacks it.
+
+    Args:
+        linear: the layer to convert (its weights are copied; it is not modified).
+        dtype: ``torch.float32`` or ``torch.bfloat16``.
+        rows: the number of rows ``x`` will have (the product's M) the packing is tuned for:
+            1 for a decode step, None for any (the layout still serves every M).
+
+    Raises:
+        TypeError: ``linear`` is not an ``nn.Linear``.
+        ValueError: ``dtype`` is not one of :data:`INFERENCE_DTYPES`.
+    """
+
+    def __init__(self, linear: nn.Linear, *, dtype: torch.dtype = torch.float32, rows: Optional[int] = None) -> None:
+        super().__init__()
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+        if dtype not in INFERENCE_DTYPES:
+            raise ValueError(f"dtype must be one of {INFERENCE_DTYPES}, got {dtype!r}")
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows <= 0):
+            raise ValueError(f"rows must be a positive int or None, got {rows!r}")
+        self.in_features, self.out_features, self.dtype, self.rows = linear.in_features, linear.out_features, dtype, rows
+        self._pack(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+
+    def _pack(self, weight: Tensor, bias: Optional[Tensor]) -> None:
+        w = weight.to(self.dtype).contiguous()  # (out, in)
+        self.bias_: Optional[Tensor] = None if bias is None else bias.to(self.dtype).contiguous()  # (out,)
+        self.packed = _packable(w)
+        if self.packed:  # oneDNN's opaque blocked tensor
+            self.weight_ = torch.ops.mkldnn._reorder_linear_weight(w, self.rows)
+        else:
+            self.weight_ = w.t().contiguous().t() if self.out_features >= self.in_features else w
+
+    @property
+    def weight(self) -> Tensor:
+        """The dense ``(out, in)`` weight, in ``dtype`` (unpacked on each access)."""
+        return self.weight_.to_dense() if self.packed else self.weight_
+
+    @property
+    def bias(self) -> Optional[Tensor]:
+        return self.bias_
+
+    def forward(self, x: Tensor) -> Tensor:
+        # lean on purpose: a decode step calls this ~50 times, so each avoidable op shows
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"PackedLinear expected last dim {self.in_features}, got shape {tuple(x.shape)}")
+        xw = x.reshape(-1, self.in_features)  # (N, in)
+        if xw.dtype != self.dtype:
+            xw = xw.to(self.dtype)
+        if self.packed:
+            y = _ONEDNN_LINEAR(xw, self.weight_, self.bias_, "none", [], "")
+        else:
+            y = F.linear(xw, self.weight_, self.bias_)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y.view(x.shape[:-1] + (self.out_features,))  # (..., out)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        destination[prefix + "weight"] = self.weight
+        if self.bias_ is not None:
+            destination[prefix + "bias"] = self.bias_
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        names = ["weight"] + ([] if self.bias_ is None else ["bias"])
+        missing = [prefix + n for n in names if prefix + n not in state_dict]
+        missing_keys.extend(missing)
+        if missing:
+            return
+        w, b = state_dict[prefix + "weight"], state_dict.get(prefix + "bias")
+        if tuple(w.shape) != (self.out_features, self.in_features):
+            error_msgs.append(f"size mismatch for {prefix}weight: expected {(self.out_features, self.in_features)}, "
+                              f"got {tuple(w.shape)}")
+            return
+        self._pack(w, b)
+
+    def __getstate__(self) -> dict:
+        """For ``copy.deepcopy`` and pickling: the dense weight (oneDNN's packed tensor has no storage)."""
+        return {**self.__dict__, "weight_": self.weight}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._pack(self.weight_, self.bias_)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias_ is not None}, "
+                f"dtype={self.dtype}, packed={self.packed}, rows={self.rows}")
+
+
+def optimize_linears_(module: nn.Module, *, dtype: torch.dtype = torch.float32, rows: Optional[int] = None
+                      ) -> nn.Module:
+    """Replace every ``nn.Linear`` inside ``module`` by a :class:`PackedLinear` (``dtype``, ``rows``), in
+    place; returns ``module``. A weight shared by several layers (tied) is packed once per layer.
+
+    Raises:
+        ValueError: ``dtype`` is not one of :data:`INFERENCE_DTYPES`.
+    """
+    if dtype not in INFERENCE_DTYPES:
+        raise ValueError(f"dtype must be one of {INFERENCE_DTYPES}, got {dtype!r}")
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(module, name, PackedLinear(child, dtype=dtype, rows=rows))
+        else:
+            optimize_linears_(child, dtype=dtype, rows=rows)
+    return module
+
+
+class InferenceLayoutMixin:
+    """Adds :meth:`optimize_for_inference` to an ``nn.Module`` model; ``packed_rows`` is the product
+    size its packing is tuned for (1 for a decoder's one-token steps, None for an encoder's batches)."""
+
+    packed_rows: Optional[int] = None
+
+    def optimize_for_inference(self, *, dtype: torch.dtype = torch.float32):
+        """Give every linear layer its fast inference layout, in place, and switch to eval; returns ``self``.
+
+        Each ``nn.Linear`` becomes a :class:`PackedLinear`: its weight pre-packed for oneDNN, whose
+        inner product uses every thread at batch 1 (MKL's GEMV, behind ``F.linear``, uses one) and
+        whose fp32 GEMM is faster than MKL's on AVX-512 CPUs.
+
+        - ``float32``: the same products up to float32 summation order (≈1e-6 relative), the same
+          state dict.
+        - ``bfloat16``: bf16 weights (half the bytes to read); embeddings, norms, attention, the
+          residual stream, the KV cache and the outputs stay float32 (weight-only bf16).
+
+        Inference only: the packed layers have no trainable parameters. A tied output layer gets its
+        own packed copy (the embedding keeps the table for its lookups). Call it after loading weights.
+
+        Raises:
+            ValueError: ``dtype`` is not float32 or bfloat16.
+        """
+        optimize_linears_(self, dtype=dtype, rows=self.packed_rows)
+        return self.eval()

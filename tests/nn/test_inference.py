@@ -1,0 +1,136 @@
+"""Inference layouts of ``nn.Linear`` (attnlab.nn.inference).
+
+Oracles: ``F.linear`` on the same weights (float32: ≤ 1e-5, summation order only), and for bfloat16
+a float64 product of the bf16-rounded input, weight and bias, rounded to bf16: ≤ 2⁻⁷ relative (one
+bf16 rounding of the output after fp32 accumulation).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnlab.nn import inference
+from attnlab.nn.inference import PackedLinear, optimize_linears_
+
+HAS_ONEDNN = {dt: inference._packable(torch.zeros(1, dtype=dt)) for dt in (torch.float32, torch.bfloat16)}
+
+
+def _linear(i=48, o=80, bias=True):
+    torch.manual_seed(0)
+    lin = nn.Linear(i, o, bias=bias)
+    with torch.no_grad():
+        lin.weight.normal_(0, 0.5)
+        if bias:
+            lin.bias.uniform_(-1, 1)
+    return lin
+
+
+def _expected(x, lin, dtype):
+    if dtype == torch.float32:
+        return F.linear(x, lin.weight, lin.bias)
+    def r(t):
+        return None if t is None else t.bfloat16().double()
+
+    return F.linear(r(x), r(lin.weight), r(lin.bias)).bfloat16().float()
+
+
+def _close(y, ref, dtype):
+    if dtype == torch.float32:
+        return (y - ref).abs().max() <= 1e-5
+    return ((y - ref).abs() <= 2**-7 * ref.abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("packed", [True, False], ids=["onednn", "plain"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_packed_linear_equals_the_product(dtype, packed, bias, rows, monkeypatch):
+    if packed and not HAS_ONEDNN[dtype]:
+        pytest.skip(f"this torch build or CPU has no oneDNN {dtype} inner product")
+    if not packed:
+        monkeypatch.setattr(inference, "_packable", lambda w: False)
+    lin = _linear(bias=bias)
+    p = PackedLinear(lin, dtype=dtype)
+    assert p.packed is packed
+    x = torch.randn(2, rows, 48)
+    y = p(x)
+    assert y.dtype == torch.float32 and y.shape == (2, rows, 80)
+    assert _close(y, _expected(x, lin, dtype), dtype)
+    assert torch.equal(p.weight, lin.weight.detach().to(dtype))
+    if not packed:  # the fallback keeps out >= in weights column-major, MKL's faster GEMV layout
+        assert p.weight_.t().is_contiguous()
+
+
+def test_packed_linear_state_dict_round_trip():
+    lin = _linear()
+    p = PackedLinear(lin)
+    sd = p.state_dict()
+    assert set(sd) == {"weight", "bias"} and torch.equal(sd["weight"], lin.weight.detach())
+    with torch.no_grad():
+        lin.weight.mul_(-1)
+    q = PackedLinear(lin)
+    p.load_state_dict(q.state_dict())
+    x = torch.randn(4, 48)
+    assert torch.equal(p(x), q(x))
+    with pytest.raises(RuntimeError, match="weight"):
+        p.load_state_dict({"weight": torch.zeros(3, 3), "bias": torch.zeros(80)})
+    with pytest.raises(RuntimeError, match="bias"):
+        p.load_state_dict({"weight": sd["weight"]})
+
+
+def test_packed_linear_deepcopies():
+    import copy
+
+    p = PackedLinear(_linear(), rows=1)
+    q = copy.deepcopy(p)  # oneDNN's packed tensor has no storage: copied through the dense weight
+    x = torch.randn(3, 48)
+    assert q.packed == p.packed and q.weight_ is not p.weight_ and torch.equal(q(x), p(x))
+
+
+def test_packed_linear_errors():
+    with pytest.raises(TypeError, match="linear"):
+        PackedLinear(nn.Conv1d(2, 2, 1))
+    with pytest.raises(ValueError, match="dtype"):
+        PackedLinear(_linear(), dtype=torch.float16)
+    with pytest.raises(ValueError, match="last dim 48"):
+        PackedLinear(_linear())(torch.randn(2, 47))
+
+
+def test_optimize_linears_walks_the_module_tree():
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Sequential(nn.Linear(32, 8), nn.Linear(8, 8)))
+    x = torch.randn(5, 8)
+    ref = model(x)
+    sd = model.state_dict()
+    optimize_linears_(model)
+    assert all(isinstance(m, PackedLinear) for m in (model[0], model[2][0], model[2][1]))
+    assert (model(x) - ref).abs().max() <= 1e-5
+    assert all(torch.equal(v, sd[k]) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="dtype"):
+        optimize_linears_(model, dtype=torch.float16)
+    bf16 = optimize_linears_(nn.Sequential(nn.Linear(8, 32)), dtype=torch.bfloat16)
+    assert bf16[0].dtype == torch.bfloat16 and bf16(x).dtype == torch.float32
+
+
+@pytest.mark.parametrize("rows", [1, 32, None])
+def test_packed_linear_rows_is_a_tuning_hint_only(rows):
+    lin = _linear()
+    p = PackedLinear(lin, rows=rows)
+    for n in (1, 5, 40):
+        x = torch.randn(n, 48)
+        assert (p(x) - lin(x)).abs().max() <= 1e-5
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="rows"):
+            PackedLinear(lin, rows=bad)
+
+
+def test_inference_layout_mixin_packs_for_its_rows():
+    class Model(inference.InferenceLayoutMixin, nn.Module):
+        packed_rows = 1
+
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 16)
+
+    m = Model().train()
+    assert m.optimize_for_inference(dtype=torch.bfloat16) is m and not m.training
+    assert m.proj.rows == 1 and m.proj.dtype == torch.bfloat16
