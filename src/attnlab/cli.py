@@ -104,6 +104,8 @@ TRAIN_HELP = """examples:
   attnlab train shakespeare-char --preset tiny --out runs/t --set max_steps=100 --set seed=1
   attnlab train shakespeare-char --out runs/char --resume                  # continue from the latest checkpoint
   torchrun --nproc_per_node=2 -m attnlab train shakespeare-char --preset tiny --out runs/ddp
+  attnlab train shakespeare-char --preset nanogpt-cpu --init runs/nanogpt --lora r=8 --out runs/lora  # ~2 % trainable
+  attnlab train shakespeare-char --preset nanogpt-cpu --set n_layer=2 --set teacher=runs/nanogpt --out runs/kd  # distil
 Settings (--set): every field of the recipe's settings (max_steps, lr, eval_every, checkpoint_every, seed,
 dtype, compile, n_layer, ...); an unknown key lists the valid ones. Data comes from $ATTNLAB_DATA_DIR."""
 
@@ -115,6 +117,10 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--init", default=None, metavar="RUN_DIR",
+                   help="start from the latest checkpoint of that run (the setting init=RUN_DIR)")
+    p.add_argument("--lora", default=None, metavar="SPEC",
+                   help="fine-tune with LoRA only, e.g. r=8 or r=8,alpha=16,dropout=0.0 (the setting lora=SPEC)")
 
 
 RAG_HELP = """examples:

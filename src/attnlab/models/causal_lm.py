@@ -69,7 +69,7 @@ class DecoderOnlyLM(InferenceLayoutMixin, PreTrainedMixin, nn.Module):
             raise ValueError(f"input_ids must be a (B, T) tensor, got {getattr(input_ids, 'shape', input_ids)!r}")
         B, T = input_ids.shape
         vocab = self.config.vocab_size
-        if input_ids.numel():
+        if input_ids.numel() and not torch.compiler.is_compiling():  # a data-dependent check breaks the graph
             lo, hi = (int(v) for v in torch.aminmax(input_ids))
             if lo < 0 or hi >= vocab:
                 raise ValueError(f"input_ids must lie in [0, vocab_size={vocab}), got [{lo}, {hi}]")

@@ -1,4 +1,4 @@
-"""``attnlab train RECIPE --out DIR [--preset NAME] [--set key=value ...] [--resume]``.
+"""``attnlab train RECIPE --out DIR [--preset NAME] [--set key=value ...] [--resume] [--init DIR] [--lora SPEC]``.
 
 Works the same under ``torchrun`` (every rank runs it; rank 0 prints and writes). A diverged run
 (NaN/inf loss) prints one line and exits with status 1, leaving the last good checkpoint.
@@ -22,7 +22,8 @@ def main(args: argparse.Namespace) -> int:
     get_recipe(args.recipe)  # unknown recipe: one clear line before anything else
     overrides = parse_set(args.set or [])
     # the common flags, where given, are settings too (an explicit --set wins)
-    for key, value in (("seed", args.seed), ("device", args.device), ("dtype", TRAIN_DTYPES.get(args.dtype))):
+    for key, value in (("seed", args.seed), ("device", args.device), ("dtype", TRAIN_DTYPES.get(args.dtype)),
+                       ("init", getattr(args, "init", None)), ("lora", getattr(args, "lora", None))):
         if value is not None:
             overrides.setdefault(key, str(value))
     if args.quiet:

@@ -14,29 +14,43 @@ runs ``bias=False``).
 
 Presets (see :data:`PRESETS`): ``nanogpt-cpu`` is nanoGPT's README CPU run; the default is tuned
 for a 10-minute budget on 2 CPU cores; ``tiny`` is a seconds-long smoke run.
+
+Adapting a trained run (each setting names a previous run's output folder; its latest checkpoint is used):
+
+- ``init``: start from that run's weights (same shapes; a LoRA run is merged into its base first).
+- ``lora``: ``"r=8"`` or ``"r=8,alpha=16,dropout=0.0"`` (``alpha`` defaults to ``r``): after ``init``,
+  :func:`~attnlab.adapt.apply_lora` on every attention query and value projection, so only the
+  low-rank ``A``, ``B`` train (``ΔW = (α/r) B A``); the checkpoints hold the LoRA model.
+- ``teacher``: distil from that run's frozen model (eval mode, no grad, same vocabulary); the loss is
+  :func:`~attnlab.training.losses.distillation_loss` with ``distill_temperature`` ``T`` and ``distill_alpha`` ``α``::
+
+      loss = α · T² · KL(softmax(t/T) ‖ softmax(s/T)) + (1 − α) · CE(s, y)
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab.adapt.io import trainable_parameters
+from attnlab.adapt.lora import apply_lora, lora_layers, unload_lora
 from attnlab.data.batching import LMBatches, lm_eval_batches
 from attnlab.data.datasets import load_text
 from attnlab.data.tokenizers import CharTokenizer
 from attnlab.evaluation.metrics import expected_calibration_error, perplexity, reliability_diagram
 from attnlab.models.gpt import GPT2Config, GPT2LMHeadModel
+from attnlab.training.checkpoint import latest_checkpoint, load_checkpoint
 from attnlab.training.distributed import DistInfo
-from attnlab.training.losses import causal_lm_loss
-from attnlab.training.recipes import Built, Recipe, register
+from attnlab.training.losses import causal_lm_loss, distillation_loss
+from attnlab.training.recipes import Built, Recipe, _read_config, get_recipe, register, resolve_settings
 from attnlab.training.trainer import TrainConfig
 
-__all__ = ["ShakespeareSettings", "PRESETS", "evaluate_lm", "build"]
+__all__ = ["ShakespeareSettings", "PRESETS", "evaluate_lm", "build", "parse_lora_spec", "load_run_model", "load_init"]
 
 LM_METRICS = ("val_loss", "val_ppl", "val_accuracy", "val_ece")
 
@@ -79,6 +93,12 @@ class ShakespeareSettings(TrainConfig):
     time_budget: Optional[float] = 575.0  # + data, model and files: the 10-minute target
     max_seconds: Optional[float] = 590.0  # a hard stop if the machine slows down after planning
     max_steps: int = 20_000
+    # adapting a previous run (see the module docstring)
+    init: Optional[str] = None
+    lora: Optional[str] = None
+    teacher: Optional[str] = None
+    distill_temperature: float = 2.0
+    distill_alpha: float = 0.5
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -91,6 +111,12 @@ class ShakespeareSettings(TrainConfig):
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
+        if self.lora is not None:
+            parse_lora_spec(self.lora)
+        if not (isinstance(self.distill_temperature, (int, float)) and self.distill_temperature > 0):
+            raise ValueError(f"distill_temperature must be > 0, got {self.distill_temperature!r}")
+        if not (isinstance(self.distill_alpha, (int, float)) and 0.0 <= self.distill_alpha <= 1.0):
+            raise ValueError(f"distill_alpha must be in [0, 1], got {self.distill_alpha!r}")
 
 
 PRESETS = {
@@ -175,6 +201,7 @@ def build(s: ShakespeareSettings, *, out: Path, dist: DistInfo, training: bool) 
                         n_layer=s.n_layer, n_head=s.n_head, activation=s.activation, embd_pdrop=s.dropout,
                         resid_pdrop=s.dropout, attn_pdrop=s.attn_dropout, bos_token_id=None, eos_token_id=None)
     model = GPT2LMHeadModel(config)
+    loss_fn, info = _adapt(model, s, out=Path(out), tokenizer=tokenizer, training=training)
     batches = LMBatches(train, block_size=s.block_size, batch_size=s.batch_size, seed=s.seed, rank=dist.rank,
                         world_size=dist.world_size) if training else None
     val_batches = lm_eval_batches(val, block_size=s.block_size, batch_size=s.eval_batch_size,
@@ -182,9 +209,125 @@ def build(s: ShakespeareSettings, *, out: Path, dist: DistInfo, training: bool) 
     evaluate = functools.partial(evaluate_lm, batches=val_batches)
     info = {"parameters": sum(p.numel() for p in model.parameters()), "vocab_size": tokenizer.vocab_size,
             "train_chars": len(train), "val_chars": len(val), "val_eval_tokens": len(val_batches) * s.eval_batch_size
-            * s.block_size}
-    return Built(model=model, train_batches=batches, loss_fn=causal_lm_loss, evaluate=evaluate, score=evaluate,
+            * s.block_size, **info}
+    return Built(model=model, train_batches=batches, loss_fn=loss_fn, evaluate=evaluate, score=evaluate,
                  info=info)
+
+
+def _adapt(model: GPT2LMHeadModel, s: ShakespeareSettings, *, out: Path, tokenizer: CharTokenizer,
+           training: bool) -> tuple:
+    """Apply ``init`` (fresh training runs only), ``lora`` (always: checkpoints hold the LoRA model) and
+    ``teacher`` (training only) to a freshly built ``model``; return ``(loss_fn, info for metrics.json)``."""
+    info: dict = {}
+    if training and s.init is not None and latest_checkpoint(out) is None:  # resuming: the checkpoint wins
+        load_init(model, s.init)
+        info["init"] = s.init
+    if s.lora is not None:
+        apply_lora(model, **parse_lora_spec(s.lora))
+        trainable, total = trainable_parameters(model)
+        info.update(lora=s.lora, trainable_parameters=trainable, total_parameters=total,
+                    trainable_fraction=trainable / total)
+    if not training or s.teacher is None:
+        return causal_lm_loss, info
+    teacher = load_run_model(s.teacher, role="teacher")
+    saved_tokenizer = Path(s.teacher) / "tokenizer.json"
+    chars = CharTokenizer.load(saved_tokenizer).chars if saved_tokenizer.is_file() else None
+    if teacher.config.vocab_size != tokenizer.vocab_size or (chars is not None and chars != tokenizer.chars):
+        raise ValueError(f"teacher={s.teacher}: its vocabulary ({teacher.config.vocab_size} characters) is not "
+                         f"this run's ({tokenizer.vocab_size}): a teacher must share the tokenizer")
+    if teacher.config.n_positions < s.block_size:
+        raise ValueError(f"teacher={s.teacher}: its context ({teacher.config.n_positions}) is shorter than "
+                         f"block_size={s.block_size}")
+    info.update(teacher=s.teacher, teacher_parameters=sum(p.numel() for p in teacher.parameters()))
+    return functools.partial(_distill_loss, teacher=teacher, temperature=s.distill_temperature,
+                             alpha=s.distill_alpha), info
+
+
+def parse_lora_spec(spec: str) -> dict:
+    """``"r=8"`` or ``"r=8,alpha=16,dropout=0.0"`` -> ``apply_lora`` keywords (``alpha`` defaults to ``r``).
+
+    Raises:
+        ValueError: not comma-separated ``key=value`` items, an unknown key, no ``r``, or a bad value.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"lora must be a spec like 'r=8' or 'r=8,alpha=16,dropout=0.0', got {spec!r}")
+    kinds = {"r": int, "alpha": float, "dropout": float}
+    out: dict = {}
+    for item in spec.split(","):
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or key not in kinds:
+            raise ValueError(f"lora spec {spec!r}: expected comma-separated r=INT, alpha=FLOAT, dropout=FLOAT, "
+                             f"got {item.strip()!r}")
+        try:
+            out[key] = kinds[key](value)
+        except ValueError:
+            raise ValueError(f"lora spec {spec!r}: {key} must be {kinds[key].__name__}, got {value!r}") from None
+    if "r" not in out:
+        raise ValueError(f"lora spec {spec!r} has no rank: expected e.g. 'r=8'")
+    out.setdefault("alpha", float(out["r"]))
+    out.setdefault("dropout", 0.0)
+    if out["r"] < 1 or not out["alpha"] > 0 or not 0.0 <= out["dropout"] < 1.0:
+        raise ValueError(f"lora spec {spec!r}: need r >= 1, alpha > 0, 0 <= dropout < 1")
+    return out
+
+
+def load_run_model(directory: Union[str, Path], *, role: str = "run") -> GPT2LMHeadModel:
+    """The model of a ``shakespeare-char`` output folder at its latest checkpoint, frozen, in eval mode.
+
+    A LoRA run's adapters are merged into the weights (``W + (α/r) B A``), so the result is a plain GPT.
+
+    Raises:
+        FileNotFoundError: no ``config.json`` or no checkpoint in ``directory``.
+        ValueError: the folder holds another recipe's run, or its checkpoint has no model weights.
+    """
+    directory = Path(directory)
+    saved = _read_config(directory)
+    if saved is None:
+        raise FileNotFoundError(f"{role}={directory}: no config.json there (not an `attnlab train` output folder)")
+    if saved.get("recipe") != "shakespeare-char":
+        raise ValueError(f"{role}={directory} holds a {saved.get('recipe')!r} run, not a shakespeare-char one")
+    settings = resolve_settings(get_recipe("shakespeare-char"), base=saved.get("settings", {}))
+    path = latest_checkpoint(directory)
+    if path is None:
+        raise FileNotFoundError(f"{role}={directory}: no checkpoint (ckpt-*.pt) there")
+    state = load_checkpoint(path).get("model")
+    if state is None:
+        raise ValueError(f"{role}={directory}: {path.name} holds no model weights")
+    model = build(settings, out=directory, dist=DistInfo(), training=False).model
+    model.load_state_dict(state)
+    if lora_layers(model):
+        unload_lora(model, merge=True)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()
+
+
+def load_init(model: nn.Module, directory: Union[str, Path]) -> None:
+    """Copy the weights of run ``directory`` (see :func:`load_run_model`) into ``model``; shapes must match.
+
+    Raises:
+        ValueError: a parameter missing on either side or of another shape (named in the message).
+    """
+    src = load_run_model(directory, role="init").state_dict()
+    dst = model.state_dict()
+    for name in sorted(set(src) | set(dst)):
+        a, b = src.get(name), dst.get(name)
+        if a is None or b is None or a.shape != b.shape:
+            def shape(t):
+                return "absent" if t is None else tuple(t.shape)
+            raise ValueError(f"init={directory}: {name} is {shape(a)} there but {shape(b)} in this model "
+                             "(n_layer, n_head, n_embd and block_size must match the init run)")
+    model.load_state_dict(src)
+
+
+def _distill_loss(model: nn.Module, batch: tuple[Tensor, Tensor], *, teacher: nn.Module, temperature: float,
+                  alpha: float) -> tuple[Tensor, int]:
+    """The trainer's ``loss_fn`` with a frozen teacher: ``distillation_loss(student, teacher, y)``."""
+    x, y = batch  # (B, T), (B, T)
+    logits = model(x).logits  # (B, T, V)
+    with torch.no_grad():
+        teacher_logits = teacher.to(x.device)(x).logits  # (B, T, V)
+    return distillation_loss(logits, teacher_logits, y, temperature=temperature, alpha=alpha), y.numel()
 
 
 register(Recipe(
