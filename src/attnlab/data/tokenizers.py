@@ -23,13 +23,17 @@ __all__ = ["CharTokenizer", "TextTokenizer", "train_bpe", "train_wordpiece", "lo
 PathLike = Union[str, os.PathLike]
 
 
-def _ids_list(ids) -> list[int]:
-    """Accept a list/tuple of ints or a 1-D integer tensor/array."""
+def _ids_list(ids, vocab_size: int) -> list[int]:
+    """Accept a list/tuple of ints or a 1-D integer tensor/array, each in ``[0, vocab_size)``."""
     if hasattr(ids, "tolist"):
         ids = ids.tolist()
     if not isinstance(ids, (list, tuple)) or any(isinstance(i, (list, tuple)) for i in ids):
         raise TypeError(f"ids must be a flat sequence of ints, got {type(ids).__name__}")
-    return [int(i) for i in ids]
+    ids = [int(i) for i in ids]
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"id {bad[0]} is outside [0, {vocab_size})")
+    return ids
 
 
 class CharTokenizer:
@@ -93,10 +97,7 @@ class CharTokenizer:
         Raises:
             ValueError: an id outside ``[0, vocab_size)``.
         """
-        ids = _ids_list(ids)
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"id {bad[0]} is outside [0, {self.vocab_size})")
+        ids = _ids_list(ids, self.vocab_size)
         return "".join(self.chars[i] for i in ids)
 
     def save(self, path: PathLike) -> None:
@@ -203,10 +204,7 @@ class TextTokenizer:
         Raises:
             ValueError: an id outside ``[0, vocab_size)``.
         """
-        ids = _ids_list(ids)
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"id {bad[0]} is outside [0, {self.vocab_size})")
+        ids = _ids_list(ids, self.vocab_size)
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def decode_batch(self, batch, *, skip_special_tokens: bool = True) -> list[str]:
