@@ -197,9 +197,23 @@ def translate(model: Seq2SeqTransformer, tokenizer: TextTokenizer, sentences: Se
               length_penalty: float = 1.0, batch_size: int = 64, dtype: str = "fp32") -> list[str]:
     """Detokenised translations of ``sentences`` (greedy when ``num_beams`` is 1), in input order.
 
-    Sentences are decoded ``batch_size`` at a time, sorted by length; each batch may add up to
-    ``1.5 · S + 10`` tokens (``S``: its longest source), within the model's position table.
+    Args:
+        model: a :class:`Seq2SeqTransformer` over ``tokenizer``'s ids (call ``eval()`` first).
+        tokenizer: gives ``<s>`` (the decoder start), ``</s>`` (the end) and ``<pad>``.
+        num_beams, length_penalty: beam search with ``Σ log p / len^α`` (``α = length_penalty``).
+        batch_size: sentences decoded together, sorted by length; a batch may add up to ``1.5 · S + 10``
+            tokens (``S``: its longest source), within the model's position table.
+        dtype: ``"fp32"`` or ``"bf16"`` (autocast).
+
+    Returns:
+        one string per sentence, special tokens removed.
+
+    Raises:
+        ValueError: an unknown ``dtype`` or ``batch_size < 1``.
     """
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError(f"dtype must be 'fp32' or 'bf16', got {dtype!r}")
+    check_int("batch_size", batch_size, 1)
     ids = tokenizer.encode_batch(list(sentences), add_special_tokens=True)
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     device = next(model.parameters()).device
@@ -220,9 +234,10 @@ def translate(model: Seq2SeqTransformer, tokenizer: TextTokenizer, sentences: Se
 @torch.no_grad()
 def _teacher_forced_loss(model: nn.Module, src: list[list[int]], tgt: list[list[int]], *, pad_id: int,
                          max_tokens: int) -> float:
-    """Mean token cross-entropy (no smoothing, fp32) over every target token of the pairs."""
-    batches = TokenBucketBatches([(len(a), len(b)) for a, b in zip(src, tgt)], max_tokens=max_tokens,
-                                 shuffle=False)
+    """Mean token cross-entropy (no smoothing, fp32) over every target token of the pairs, in batches of
+    about ``max_tokens`` padded tokens (more when one pair is longer)."""
+    lengths = [(len(a), len(b)) for a, b in zip(src, tgt)]
+    batches = TokenBucketBatches(lengths, max_tokens=max(max_tokens, *map(max, lengths)), shuffle=False)
     nll, n = 0.0, 0
     device = next(model.parameters()).device
     for idx in batches.epoch_batches(0):
@@ -285,8 +300,7 @@ def score_translation(model: nn.Module, *, tokenizer: TextTokenizer, settings: M
     if "loss" in wanted:
         src = tokenizer.encode_batch([p[0] for p in pairs], add_special_tokens=True)
         tgt = tokenizer.encode_batch([p[1] for p in pairs], add_special_tokens=True)
-        loss = _teacher_forced_loss(model, src, tgt, pad_id=tokenizer.pad_id,
-                                    max_tokens=max(settings.max_tokens, max(map(len, src + tgt))))
+        loss = _teacher_forced_loss(model, src, tgt, pad_id=tokenizer.pad_id, max_tokens=settings.max_tokens)
         out.update({f"{split}_loss": loss, f"{split}_ppl": perplexity(loss)})
     if "bleu" in wanted or "chrf" in wanted:
         hyps = translate(model, tokenizer, [p[0] for p in pairs], num_beams=num_beams, length_penalty=length_penalty,
