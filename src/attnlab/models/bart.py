@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from attnlab._checks import check_int
 from attnlab.models.hub import (PreTrainedMixin, check_attention_mask, check_encoder_outputs,
                                check_token_inputs, register)
 from attnlab.models.outputs import Seq2SeqLMOutput, record_attention_weights
@@ -69,7 +70,7 @@ class BartConfig:
     def __post_init__(self) -> None:
         for f in ("vocab_size", "max_position_embeddings", "d_model", "encoder_layers", "decoder_layers",
                   "encoder_attention_heads", "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim"):
-            _check_int(f, getattr(self, f), minimum=1)
+            check_int(f, getattr(self, f), minimum=1)
         for f in ("encoder_attention_heads", "decoder_attention_heads"):
             if self.d_model % getattr(self, f):
                 raise ValueError(f"d_model={self.d_model} must be divisible by {f}={getattr(self, f)}")
@@ -86,7 +87,7 @@ class BartConfig:
             v = getattr(self, f)
             if v is None and f in ("bos_token_id", "eos_token_id"):
                 continue
-            _check_int(f, v, minimum=0)
+            check_int(f, v, minimum=0)
             if v >= self.vocab_size:
                 raise ValueError(f"{f} must be < vocab_size={self.vocab_size}, got {v}")
 
@@ -362,11 +363,6 @@ def _hf_name(name: str) -> str:
 def shift_tokens_right(input_ids: Tensor, decoder_start_token_id: int) -> Tensor:
     """``[start, x_0, …, x_{L-2}]``: the decoder input BART derives from ``input_ids (B, L)``."""
     return torch.cat([input_ids.new_full((input_ids.shape[0], 1), decoder_start_token_id), input_ids[:, :-1]], 1)
-
-
-def _check_int(name: str, v, *, minimum: int) -> None:
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
 
 
 def _padding(mask: Optional[Tensor]) -> Optional[Tensor]:

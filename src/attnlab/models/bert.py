@@ -15,7 +15,6 @@ from HF: our feed-forward also applies dropout to its hidden activation.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -24,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab._checks import check_int, check_positive_float, check_rate
 from attnlab.models.hub import PreTrainedMixin, check_token_inputs, register
 from attnlab.nn.block import EncoderLayer
 from attnlab.nn.feedforward import ACTIVATIONS
@@ -31,6 +31,21 @@ from attnlab.nn.inference import InferenceLayoutMixin
 
 # HF hidden_act -> our activation name ("gelu_new" and "gelu_pytorch_tanh" are the tanh approximation).
 HIDDEN_ACTS = {"gelu": "gelu", "relu": "relu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def check_encoder_config(config, int_fields) -> None:
+    """The checks every BERT-style encoder config shares (BERT, ViT): positive sizes, heads dividing the
+    width, a known activation, dropout rates in [0, 1), a positive LayerNorm ε. Raises ValueError naming the field."""
+    for f in int_fields:
+        check_int(f, getattr(config, f))
+    if config.hidden_size % config.num_attention_heads:
+        raise ValueError(f"hidden_size={config.hidden_size} must be divisible by "
+                         f"num_attention_heads={config.num_attention_heads}")
+    if config.hidden_act not in HIDDEN_ACTS:
+        raise ValueError(f"hidden_act must be one of {sorted(HIDDEN_ACTS)}, got {config.hidden_act!r}")
+    for f in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+        check_rate(f, getattr(config, f))
+    check_positive_float("layer_norm_eps", config.layer_norm_eps)
 
 
 @dataclass
@@ -52,22 +67,8 @@ class BertConfig:
     pad_token_id: int = 0
 
     def __post_init__(self) -> None:
-        for f in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                  "max_position_embeddings", "type_vocab_size"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
-                raise ValueError(f"{f} must be a positive int, got {v!r}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size={self.hidden_size} must be divisible by "
-                             f"num_attention_heads={self.num_attention_heads}")
-        if self.hidden_act not in HIDDEN_ACTS:
-            raise ValueError(f"hidden_act must be one of {sorted(HIDDEN_ACTS)}, got {self.hidden_act!r}")
-        for f in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0.0 <= v < 1.0:
-                raise ValueError(f"{f} must be a float in [0, 1), got {v!r}")
-        if not isinstance(self.layer_norm_eps, numbers.Real) or self.layer_norm_eps <= 0:
-            raise ValueError(f"layer_norm_eps must be a positive float, got {self.layer_norm_eps!r}")
+        check_encoder_config(self, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                    "intermediate_size", "max_position_embeddings", "type_vocab_size"))
 
     @classmethod
     def from_hf(cls, d: dict) -> "BertConfig":

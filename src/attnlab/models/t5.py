@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab._checks import check_int
 from attnlab.models.hub import (PreTrainedMixin, check_attention_mask, check_encoder_outputs,
                                check_token_inputs, register)
 from attnlab.models.outputs import Seq2SeqLMOutput
@@ -73,13 +74,13 @@ class T5Config:
         if self.scale_decoder_outputs is None:
             self.scale_decoder_outputs = self.tie_word_embeddings
         for f in ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads"):
-            _check_int(f, getattr(self, f), minimum=1)
-        _check_int("relative_attention_num_buckets", self.relative_attention_num_buckets, minimum=4)
+            check_int(f, getattr(self, f), minimum=1)
+        check_int("relative_attention_num_buckets", self.relative_attention_num_buckets, minimum=4)
         # the causal decoder's exact range is num_buckets // 2 (the encoder's is half that)
-        _check_int("relative_attention_max_distance", self.relative_attention_max_distance,
+        check_int("relative_attention_max_distance", self.relative_attention_max_distance,
                    minimum=self.relative_attention_num_buckets // 2 + 1)
         for f in ("pad_token_id", "eos_token_id", "decoder_start_token_id"):
-            _check_int(f, getattr(self, f), minimum=0)
+            check_int(f, getattr(self, f), minimum=0)
         if (isinstance(self.dropout_rate, bool) or not isinstance(self.dropout_rate, numbers.Real)
                 or not 0.0 <= self.dropout_rate < 1.0):
             raise ValueError(f"dropout_rate must be a float in [0, 1), got {self.dropout_rate!r}")
@@ -110,11 +111,6 @@ class T5Config:
     def to_hf(self) -> dict:
         """An HF ``config.json`` dict that ``transformers.T5Config`` reads back to the same model."""
         return {**dataclasses.asdict(self), "model_type": "t5", "is_encoder_decoder": True}
-
-
-def _check_int(name: str, v, *, minimum: int) -> None:
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
 
 
 # our parameter name (without ".weight") -> HF's

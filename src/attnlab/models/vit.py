@@ -16,7 +16,6 @@ feed-forward also applies dropout to its hidden activation (HF's ViT default dro
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -24,7 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from attnlab.models.bert import HIDDEN_ACTS, encoder_layers
+from attnlab.models.bert import check_encoder_config, encoder_layers
 from attnlab.models.hub import PreTrainedMixin, register
 
 
@@ -53,24 +52,10 @@ class ViTConfig:
     id2label: Optional[dict[int, str]] = None
 
     def __post_init__(self) -> None:
-        for f in ("image_size", "patch_size", "num_channels", "hidden_size", "num_hidden_layers",
-                  "num_attention_heads", "intermediate_size", "num_labels"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
-                raise ValueError(f"{f} must be a positive int, got {v!r}")
+        check_encoder_config(self, ("image_size", "patch_size", "num_channels", "hidden_size", "num_hidden_layers",
+                                    "num_attention_heads", "intermediate_size", "num_labels"))
         if self.image_size % self.patch_size:
             raise ValueError(f"image_size={self.image_size} must be divisible by patch_size={self.patch_size}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size={self.hidden_size} must be divisible by "
-                             f"num_attention_heads={self.num_attention_heads}")
-        if self.hidden_act not in HIDDEN_ACTS:
-            raise ValueError(f"hidden_act must be one of {sorted(HIDDEN_ACTS)}, got {self.hidden_act!r}")
-        for f in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0.0 <= v < 1.0:
-                raise ValueError(f"{f} must be a float in [0, 1), got {v!r}")
-        if not isinstance(self.layer_norm_eps, numbers.Real) or self.layer_norm_eps <= 0:
-            raise ValueError(f"layer_norm_eps must be a positive float, got {self.layer_norm_eps!r}")
         if not isinstance(self.qkv_bias, bool):
             raise TypeError(f"qkv_bias must be a bool, got {self.qkv_bias!r}")
         if self.id2label is not None:

@@ -39,7 +39,8 @@ from attnlab.training.checkpoint import latest_checkpoint
 from attnlab.training.distributed import DistInfo
 from attnlab.training.losses import token_cross_entropy
 from attnlab.training.recipes import Built, Recipe, register
-from attnlab.training.recipes.multi30k import check_int, run_tokenizer
+from attnlab._checks import check_int
+from attnlab.training.recipes.multi30k import run_tokenizer
 from attnlab.training.trainer import TrainConfig
 
 __all__ = ["MLMSettings", "PRESETS", "MLMBatches", "mask_tokens", "mlm_loss", "evaluate_mlm", "build"]

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.data.batching import TokenBucketBatches, pad_batch
+from attnlab._checks import check_int
 from attnlab.data.datasets import atomic_write, load_parallel
 from attnlab.data.tokenizers import TextTokenizer, train_bpe
 from attnlab.evaluation.metrics import bleu, chrf, perplexity
@@ -124,14 +125,6 @@ class Multi30kSettings(TrainConfig):
             raise ValueError(f"average_checkpoints={self.average_checkpoints} needs checkpoint_every >= 1 and "
                              f"keep_checkpoints >= {self.average_checkpoints - 1}, got {self.checkpoint_every} "
                              f"and {self.keep_checkpoints}")
-
-
-def check_int(name: str, value, minimum: int, *, optional: bool = False) -> None:
-    """Raise ``ValueError`` naming the setting unless ``value`` is an int ``>= minimum`` (or None if ``optional``)."""
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be {'None or ' if optional else ''}an int >= {minimum}, got {value!r}")
 
 
 PRESETS = {
