@@ -57,6 +57,9 @@ class Built:
         score: ``score(model, **options) -> dict`` for :func:`evaluate_checkpoint` (options such as
             ``split``, ``max_batches``, ``metrics``, ``reliability_png``); default: ``evaluate``.
         info: extra facts recorded in ``metrics.json`` (parameter count, dataset sizes, …).
+        finish: ``finish(model) -> dict``, run once on rank 0 after training (eval mode, no grad) and
+            merged into ``metrics.json``: the expensive final evaluation (e.g. checkpoint averaging and
+            beam search) that the periodic ``evaluate`` should not repeat.
     """
 
     model: nn.Module
@@ -65,6 +68,7 @@ class Built:
     evaluate: Callable[[nn.Module], dict]
     score: Optional[Callable[..., dict]] = None
     info: dict = field(default_factory=dict)
+    finish: Optional[Callable[[nn.Module], dict]] = None
 
 
 @dataclass(frozen=True)
@@ -234,6 +238,10 @@ def run_recipe(name: str, *, out: PathLike, preset: Optional[str] = None,
         trainer = Trainer(built.model, train_cfg, train_batches=built.train_batches, loss_fn=built.loss_fn,
                           evaluate=built.evaluate, out_dir=out)
         metrics = trainer.fit(resume=resume)
+        if built.finish is not None and dist.is_main:
+            built.model.eval()
+            with torch.no_grad():
+                metrics.update(built.finish(built.model))
         metrics = {"recipe": name, "preset": preset or "default", **metrics, **built.info,
                    "world_size": dist.world_size, "total_wall_s": time.perf_counter() - t0}
         if dist.is_main:

@@ -311,38 +311,29 @@ def score_translation(model: nn.Module, *, tokenizer: TextTokenizer, settings: M
 
 
 class _Evaluation:
-    """The trainer's ``evaluate``: cheap while training, averaged + beam search at the final call.
+    """The trainer's ``evaluate`` (cheap: val loss, greedy BLEU on a subset) and the recipe's ``finish``
+    (once, after training: the last checkpoints averaged, beam search on all of val and test)."""
 
-    The call is final when the optimiser has taken ``max_steps`` steps (counted by the batches) or the
-    run's wall clock has reached ``max_seconds``. That clock starts when :func:`build` returns — before
-    the trainer's own — and continues a resumed run's recorded wall time, so it never reads less than
-    the trainer's: a run stopped by its time budget always gets the final evaluation.
-    """
-
-    def __init__(self, s: Multi30kSettings, tokenizer: TextTokenizer, out: Path, batches: PairBatches,
-                 prior_wall: float) -> None:
+    def __init__(self, s: Multi30kSettings, tokenizer: TextTokenizer, out: Path, batches: PairBatches) -> None:
         self.s, self.tokenizer, self.out, self.batches = s, tokenizer, out, batches
-        self.t0, self.prior_wall = time.perf_counter(), prior_wall
         val = load_parallel("val")
         self.val_src = tokenizer.encode_batch([p[0] for p in val], add_special_tokens=True)
         self.val_tgt = tokenizer.encode_batch([p[1] for p in val], add_special_tokens=True)
         self.subset = val[:s.eval_sentences]
 
-    def is_final(self) -> bool:
-        wall = self.prior_wall + time.perf_counter() - self.t0
-        return self.batches.steps >= self.s.max_steps or (self.s.max_seconds is not None and wall >= self.s.max_seconds)
-
     def __call__(self, model: nn.Module) -> dict:
         s, t0 = self.s, time.perf_counter()
-        if not self.is_final():
-            loss = _teacher_forced_loss(model, self.val_src, self.val_tgt, pad_id=self.tokenizer.pad_id,
-                                        max_tokens=s.max_tokens)
-            out = {"val_loss": loss, "val_ppl": perplexity(loss)}
-            if self.subset:
-                hyps = translate(model, self.tokenizer, [p[0] for p in self.subset], batch_size=s.decode_batch,
-                                 dtype=s.eval_dtype)
-                out["val_greedy_bleu"] = bleu(hyps, [p[1] for p in self.subset]).score
-            return {**out, "eval_s": time.perf_counter() - t0}
+        loss = _teacher_forced_loss(model, self.val_src, self.val_tgt, pad_id=self.tokenizer.pad_id,
+                                    max_tokens=s.max_tokens)
+        out = {"val_loss": loss, "val_ppl": perplexity(loss)}
+        if self.subset:
+            hyps = translate(model, self.tokenizer, [p[0] for p in self.subset], batch_size=s.decode_batch,
+                             dtype=s.eval_dtype)
+            out["val_greedy_bleu"] = bleu(hyps, [p[1] for p in self.subset]).score
+        return {**out, "eval_s": time.perf_counter() - t0}
+
+    def finish(self, model: nn.Module) -> dict:
+        s, t0 = self.s, time.perf_counter()
         step, window = self.batches.steps, (s.average_checkpoints - 1) * s.checkpoint_every
         recent = [p for p in list_checkpoints(self.out)
                   if step - window <= int(p.stem.split("-")[1]) < step][-(s.average_checkpoints - 1):] \
@@ -414,10 +405,10 @@ def build(s: Multi30kSettings, *, out: Path, dist: DistInfo, training: bool) -> 
     batches = PairBatches([src[i] for i in keep], [tgt[i] for i in keep], pad_id=tokenizer.pad_id,
                           max_tokens=s.max_tokens, seed=s.seed, rank=dist.rank, world_size=dist.world_size,
                           grad_accum=s.grad_accum)
-    prior_wall = load_checkpoint(resumed).get("counters", {}).get("wall_s", 0.0) if resumed is not None else 0.0
     info.update(train_pairs=len(keep), batches_per_epoch=len(batches.sampler))
-    evaluate = _Evaluation(s, tokenizer, out, batches, prior_wall)
-    return Built(model=model, train_batches=batches, loss_fn=loss_fn, evaluate=evaluate, score=score, info=info)
+    evaluate = _Evaluation(s, tokenizer, out, batches)
+    return Built(model=model, train_batches=batches, loss_fn=loss_fn, evaluate=evaluate, score=score, info=info,
+                 finish=evaluate.finish)
 
 
 register(Recipe(
