@@ -205,3 +205,25 @@ def test_optimize_for_inference_bfloat16_is_weight_only_bf16(tmp_path):
     assert (again(ids).logits - got).abs().max() <= 0.03 * ref.abs().max()
     with pytest.raises(ValueError, match="dtype"):
         ours.optimize_for_inference(dtype=torch.float16)
+
+
+@torch.no_grad()
+def test_bias_free_model_equals_transformers_with_zero_biases(tmp_path):
+    """``bias=False`` (nanoGPT's): no bias parameter anywhere; logits = HF GPT-2 whose biases are all 0."""
+    theirs, _ = _pair()
+    for name, p in theirs.named_parameters():
+        if name.endswith(".bias"):
+            p.zero_()
+    ours = GPT2LMHeadModel(GPT2Config.from_hf({**theirs.config.to_dict(), "bias": False})).eval()
+    assert not any(name.endswith("bias") for name, _ in ours.named_parameters())
+    weights = {k: v for k, v in state_dict_from_hf(theirs.state_dict()).items() if not k.endswith("bias")}
+    ours.load_state_dict(weights)
+    ids, mask = _left_padded(torch.randint(0, V, (3, 12)))
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)  # our positions follow the mask
+    diff = (ours(ids, attention_mask=mask).logits - theirs(ids, attention_mask=mask, position_ids=pos).logits)[mask.bool()]
+    assert diff.abs().max() <= TOL
+    with pytest.raises(ValueError, match="bias=False"):
+        ours.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(TypeError, match="bias"):
+        GPT2Config(bias="no")

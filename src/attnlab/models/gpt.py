@@ -41,7 +41,9 @@ class GPT2Config:
     """GPT-2 hyper-parameters; the defaults are GPT-2 small (124M). Names follow HF's ``GPT2Config``.
 
     ``activation`` is HF's ``activation_function`` (``"gelu_new"`` = tanh-approximated GELU);
-    ``n_inner`` the FFN width (default ``4 · n_embd``).
+    ``n_inner`` the FFN width (default ``4 · n_embd``). ``bias=False`` drops every bias of the linear
+    layers and LayerNorms (nanoGPT's ``bias=False``): attnlab-only, Hugging Face's GPT-2 has no such
+    option, so such a model cannot be saved in its format.
     """
 
     vocab_size: int = 50257
@@ -57,8 +59,11 @@ class GPT2Config:
     attn_pdrop: float = 0.1
     bos_token_id: Optional[int] = 50256
     eos_token_id: Optional[int] = 50256
+    bias: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.bias, bool):
+            raise TypeError(f"bias must be a bool, got {type(self.bias).__name__}")
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
@@ -84,7 +89,10 @@ class GPT2Config:
 
     def to_hf(self) -> dict:
         """A Hugging Face GPT-2 ``config.json`` dict (loads with ``transformers.GPT2Config(**d)``)."""
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "activation"}
+        if not self.bias:
+            raise ValueError("GPT2Config(bias=False) has no Hugging Face GPT-2 equivalent (HF's GPT-2 always "
+                             "has biases); save this model's state_dict with safetensors instead")
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("activation", "bias")}
         return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
                 "activation_function": self.activation, "tie_word_embeddings": True, **d}
 
@@ -111,9 +119,9 @@ class GPT2LMHeadModel(DecoderOnlyLM):
             DecoderLayer(c.n_embd, c.n_head, ffn_dim=c.n_inner or 4 * c.n_embd,
                          activation=_HF_ACTIVATIONS[c.activation], dropout=c.resid_pdrop,
                          attn_dropout=c.attn_pdrop, norm_first=True, norm_eps=c.layer_norm_epsilon,
-                         cross_attention=False)
+                         bias=c.bias, cross_attention=False)
             for _ in range(c.n_layer))
-        self.ln_f = nn.LayerNorm(c.n_embd, eps=c.layer_norm_epsilon)
+        self.ln_f = nn.LayerNorm(c.n_embd, eps=c.layer_norm_epsilon, bias=c.bias)
         self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
         self.apply(_init_weights)

@@ -208,9 +208,9 @@ def save_pretrained(model, path: PathLike) -> None:
                             f"got {type(model).__name__}")
     from safetensors.torch import save_file
 
+    cfg = model.config.to_hf()  # first: a config HF cannot express is refused before anything is written
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg = model.config.to_hf()
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     cfg.update(architectures=[model.hf_architecture], torch_dtype=str(dtype).removeprefix("torch."))
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.to_hf_state_dict().items()}

@@ -91,7 +91,7 @@ class _ResidualLayer(nn.Module):
                                             backend=backend)
         self.ffn = FeedForward(dim, ffn_dim, activation=activation, dropout=dropout, bias=bias)
         for i in range(1, num_sublayers + 1):
-            setattr(self, f"norm{i}", make_norm(norm, dim, eps=norm_eps))
+            setattr(self, f"norm{i}", make_norm(norm, dim, eps=norm_eps, bias=bias))
             setattr(self, f"dropout{i}", nn.Dropout(dropout))
         self.drop_path = DropPath(drop_path)
 

@@ -48,8 +48,10 @@ class RMSNorm(nn.Module):
         return f"{self.dim}, eps={self.eps}"
 
 
-def make_norm(kind: str, dim: int, *, eps: float = 1e-5) -> nn.Module:
+def make_norm(kind: str, dim: int, *, eps: float = 1e-5, bias: bool = True) -> nn.Module:
     """Build a norm layer by name: ``"layernorm"`` (:class:`torch.nn.LayerNorm`) or ``"rmsnorm"``.
+
+    ``bias=False`` leaves out LayerNorm's additive ``β`` (RMSNorm has none).
 
     Raises:
         ValueError: ``kind`` is not one of :data:`NORMS`, or ``dim``/``eps`` are invalid.
@@ -58,7 +60,7 @@ def make_norm(kind: str, dim: int, *, eps: float = 1e-5) -> nn.Module:
         raise ValueError(f"norm must be one of {list(NORMS)}, got {kind!r}")
     _check_dim_eps(dim, eps)
     if kind == "layernorm":
-        return nn.LayerNorm(dim, eps=eps)
+        return nn.LayerNorm(dim, eps=eps, bias=bias)
     return RMSNorm(dim, eps=eps)
 
 

@@ -1,0 +1,98 @@
+"""The SDPA backend's two CPU training paths: torch's fused kernel and :class:`ShortAttention`
+(explicit products with a hand-written backward, for at most ``SHORT_KEYS`` keys).
+
+The conformance suite already holds both dtypes of the short path to the float64 reference
+(it trains with gradients on short sequences); here: which path runs when, gradcheck, the two
+paths against each other (float32, 1e-5), bf16 against float64 (2e-2), a learned additive bias.
+"""
+import pytest
+import torch
+
+from attnlab import attention
+from attnlab.backends import sdpa
+
+F64 = torch.float64
+
+
+def _qkv(B=2, H=3, Lq=9, Lk=9, D=8, Dv=5, dtype=torch.float32, grad=True):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(B, H, L, d, generator=gen, dtype=F64).to(dtype).requires_grad_(grad)
+            for L, d in ((Lq, D), (Lk, D), (Lk, Dv))]
+
+
+def _grads(out, leaves):
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=F64).to(out.dtype)
+    return torch.autograd.grad((out * weights).sum(), leaves)
+
+
+def _path(out) -> str:
+    return type(out.grad_fn).__name__
+
+
+def test_short_path_runs_only_when_training_short_sequences_on_cpu(monkeypatch):
+    q, k, v = _qkv()
+    assert "ShortAttention" in _path(attention(q, k, v, causal=True, backend="sdpa"))
+    with torch.no_grad():  # inference: the fused kernel
+        assert attention(q, k, v, causal=True, backend="sdpa").grad_fn is None
+    assert "ShortAttention" not in _path(attention(q, k, v, causal=True, backend="sdpa", dropout_p=0.1))
+    monkeypatch.setattr(sdpa, "SHORT_KEYS", 8)  # 9 keys is now long
+    assert "ShortAttention" not in _path(attention(q, k, v, causal=True, backend="sdpa"))
+
+
+def test_gqa_keeps_the_fused_kernel():
+    q, _, _ = _qkv(H=4)
+    _, k, v = _qkv(H=2)
+    assert "ShortAttention" not in _path(attention(q, k, v, causal=True, backend="sdpa"))
+
+
+def test_gradcheck_with_mask_bias_and_empty_rows():
+    q, k, v = _qkv(B=1, H=2, Lq=4, Lk=5, D=3, Dv=2, dtype=F64)
+    bias = torch.randn(1, 2, 4, 5, dtype=F64)
+    bias[0, :, 1] = -torch.inf  # an empty row
+    bias.requires_grad_(True)
+    fn = lambda q, k, v, b: sdpa.ShortAttention.apply(q, k, v, b.masked_fill(b.isinf(), -torch.inf), 0.7)
+    out = fn(q, k, v, bias)
+    assert torch.equal(out[0, :, 1], torch.zeros_like(out[0, :, 1]))
+    assert torch.autograd.gradcheck(lambda q, k, v: sdpa.ShortAttention.apply(q, k, v, None, 0.7), (q, k, v))
+    finite = torch.randn(1, 2, 4, 5, dtype=F64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *t: sdpa.ShortAttention.apply(*t, 0.7), (q, k, v, finite))
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(mask="bool"), dict(mask="float"), dict(window=3, causal=True)],
+                         ids=["causal", "bool_mask", "float_mask", "window"])
+def test_short_path_equals_fused_kernel_float32(kw, monkeypatch):
+    q, k, v = _qkv(Lq=7, Lk=11)
+    if kw.get("mask") == "bool":
+        kw = dict(mask=torch.rand(2, 1, 7, 11, generator=torch.Generator().manual_seed(2)) > 0.3)
+    elif kw.get("mask") == "float":
+        kw = dict(mask=torch.randn(7, 11, generator=torch.Generator().manual_seed(3)))
+    short = attention(q, k, v, backend="sdpa", **kw)
+    g_short = _grads(short, (q, k, v))
+    monkeypatch.setattr(sdpa, "SHORT_KEYS", 0)
+    fused = attention(q, k, v, backend="sdpa", **kw)
+    assert "ShortAttention" in _path(short) and "ShortAttention" not in _path(fused)
+    torch.testing.assert_close(short, fused, rtol=1e-5, atol=1e-5)
+    for a, b in zip(g_short, _grads(fused, (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_training_path_against_float64_reference():
+    q, k, v = _qkv(B=4, H=4, Lq=64, Lk=64, D=32, Dv=32, dtype=torch.bfloat16)
+    out = attention(q, k, v, causal=True, backend="sdpa")
+    assert out.dtype == torch.bfloat16 and "ShortAttention" in _path(out)
+    ref_leaves = [t.detach().to(F64).requires_grad_(True) for t in (q, k, v)]
+    ref = attention(*ref_leaves, causal=True, backend="reference")
+    torch.testing.assert_close(out.to(F64), ref, rtol=0, atol=2e-2)
+    for a, b in zip(_grads(out.float(), (q, k, v)), _grads(ref, ref_leaves)):
+        torch.testing.assert_close(a.to(F64), b, rtol=0, atol=5e-2)
+
+
+def test_learned_bias_gets_the_reference_gradient():
+    q, k, v = _qkv(dtype=F64)
+    bias = torch.randn(1, 3, 9, 9, dtype=F64, requires_grad=True)
+    out = attention(q, k, v, mask=bias, causal=True, backend="sdpa")
+    assert "ShortAttention" in _path(out)
+    got = _grads(out, (q, k, v, bias))
+    ref = attention(q, k, v, mask=bias, causal=True, backend="reference")
+    for a, b in zip(got, _grads(ref, (q, k, v, bias))):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
