@@ -227,3 +227,13 @@ def test_bias_free_model_equals_transformers_with_zero_biases(tmp_path):
     assert not (tmp_path / "out").exists()
     with pytest.raises(TypeError, match="bias"):
         GPT2Config(bias="no")
+
+
+def test_dropout_sites_are_hf_gpt2s():
+    """Embeddings, attention weights, attention output and MLP output; none on the MLP hidden layer."""
+    c = GPT2Config(vocab_size=V, n_positions=N_POS, n_embd=32, n_layer=2, n_head=4, embd_pdrop=0.1, resid_pdrop=0.2,
+                   attn_pdrop=0.3)
+    model = GPT2LMHeadModel(c)
+    layer = model.layers[0]
+    assert model.drop.p == 0.1 and layer.dropout1.p == 0.2 and layer.dropout2.p == 0.2
+    assert layer.self_attn.dropout == 0.3 and layer.ffn.dropout.p == 0.0

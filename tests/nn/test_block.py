@@ -152,3 +152,12 @@ def test_layers_reject_bad_arguments(kwargs, name):
         DecoderLayer(E, H, **args)
     with pytest.raises(TypeError, match="norm_first"):
         EncoderLayer(E, H, ffn_dim=FF, norm_first="yes")
+
+
+def test_ffn_dropout_defaults_to_dropout_and_is_checked():
+    from attnlab.nn.block import DecoderLayer, EncoderLayer
+    assert EncoderLayer(8, 2, ffn_dim=16, dropout=0.2).ffn.dropout.p == 0.2  # torch.nn.Transformer's placement
+    assert EncoderLayer(8, 2, ffn_dim=16, dropout=0.2, ffn_dropout=0.0).ffn.dropout.p == 0.0
+    assert DecoderLayer(8, 2, ffn_dim=16, dropout=0.2, ffn_dropout=0.05).ffn.dropout.p == 0.05
+    with pytest.raises(ValueError, match="ffn_dropout"):
+        EncoderLayer(8, 2, ffn_dim=16, ffn_dropout=1.5)

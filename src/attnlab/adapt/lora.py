@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.attention.multihead import MultiheadAttention
+from attnlab.nn.dropout import Dropout
 
 Pattern = Union[str, "re.Pattern[str]"]
 DEFAULT_TARGETS = ("*q_proj", "*v_proj")  # the paper's choice: the query and value projections
@@ -71,7 +72,7 @@ class LoRALinear(nn.Module):
                                         for n, (s, e) in self.slices.items()})
         for a in self.lora_A.values():
             nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # as nn.Linear (and PEFT)
-        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.lora_dropout = Dropout(dropout) if dropout > 0 else nn.Identity()
         self.dropout = float(dropout)
         self.merged = False
 

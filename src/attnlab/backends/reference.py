@@ -6,11 +6,11 @@ and the path that returns attention weights and runs the non-softmax normalisers
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab.functional.masks import build_mask, index_grids, split_mask
 from attnlab.functional.normalize import NORMALIZERS
+from attnlab.nn.dropout import dropout
 
 
 def unsupported(q, k, v, **request) -> str:
@@ -51,6 +51,6 @@ def attention(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, drop
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     weights = NORMALIZERS[normalize](scores, top_k)  # (B, H, Lq, Lk)
-    dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
+    dropped = dropout(weights, dropout_p) if dropout_p > 0 else weights
     out = torch.matmul(dropped, v)  # (B, H, Lq, Dv)
     return out, (weights if return_weights else None)

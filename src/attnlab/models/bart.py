@@ -29,10 +29,11 @@ import torch
 from torch import Tensor, nn
 
 from attnlab._checks import check_int
-from attnlab.models.hub import (PreTrainedMixin, check_attention_mask, check_encoder_outputs,
-                               check_token_inputs, register)
+from attnlab.models.hub import (PreTrainedMixin, check_attention_mask, check_encoder_outputs, check_token_inputs,
+                                register)
 from attnlab.models.outputs import Seq2SeqLMOutput, record_attention_weights
 from attnlab.nn.block import DecoderLayer, EncoderLayer, LayerCache
+from attnlab.nn.dropout import Dropout
 
 # HF activation_function -> our FeedForward activation ("gelu_new" is the tanh approximation).
 HF_ACTIVATIONS = {"gelu": "gelu", "relu": "relu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -131,10 +132,10 @@ class _BartStack(nn.Module):
         super().__init__()
         self.embed_positions = BartLearnedPositionalEmbedding(config.max_position_embeddings, config.d_model)
         self.layernorm_embedding = nn.LayerNorm(config.d_model)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
         self.layers = nn.ModuleList(layers)
         for layer in self.layers:  # HF's activation_dropout, separate from the residual dropout
-            layer.ffn.dropout = nn.Dropout(config.activation_dropout)
+            layer.ffn.dropout = Dropout(config.activation_dropout)
 
     def embed(self, tokens: Tensor, past: int = 0) -> Tensor:
         """``LN_emb(tokens + P[past .. past + T - 1])`` then dropout, for embedded ``tokens (B, T, E)``."""

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from attnlab._checks import check_int, check_positive_float, check_rate
 from attnlab.models.hub import PreTrainedMixin, check_token_inputs, register
 from attnlab.nn.block import EncoderLayer
+from attnlab.nn.dropout import Dropout
 from attnlab.nn.feedforward import ACTIVATIONS
 from attnlab.nn.inference import InferenceLayoutMixin
 
@@ -117,7 +118,7 @@ class BertEmbeddings(nn.Module):
         self.position = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.token_type = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = Dropout(config.hidden_dropout_prob)
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor) -> Tensor:
         pos = torch.arange(input_ids.shape[1], device=input_ids.device)
@@ -219,7 +220,7 @@ def encoder_layers(config, *, norm_first: bool) -> nn.ModuleList:
         EncoderLayer(config.hidden_size, config.num_attention_heads, ffn_dim=config.intermediate_size,
                      activation=HIDDEN_ACTS[config.hidden_act], dropout=config.hidden_dropout_prob,
                      attn_dropout=config.attention_probs_dropout_prob, norm_first=norm_first,
-                     norm_eps=config.layer_norm_eps)
+                     norm_eps=config.layer_norm_eps, ffn_dropout=0.0)  # HF: no dropout on the FFN hidden layer
         for _ in range(config.num_hidden_layers))
 
 

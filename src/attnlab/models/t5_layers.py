@@ -23,6 +23,7 @@ from attnlab.attention.multihead import DENSE_BIAS_LIMIT
 from attnlab.functional.attention import ScoreMod, attention, attention_weights
 from attnlab.nn.block import LayerCache
 from attnlab.nn.cache import KVCache
+from attnlab.nn.dropout import Dropout
 from attnlab.nn.feedforward import ACTIVATIONS
 from attnlab.nn.norms import RMSNorm
 from attnlab.nn.positional import T5RelativeBias
@@ -84,7 +85,7 @@ class T5FeedForward(nn.Module):
         else:
             self.wi = nn.Linear(d_model, d_ff, bias=False)
         self.wo = nn.Linear(d_ff, d_model, bias=False)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         h = ACTIVATIONS["gelu_tanh"](self.wi_0(x)) * self.wi_1(x) if self.gated else F.relu(self.wi(x))
@@ -104,7 +105,7 @@ class T5Layer(nn.Module):
             self.cross_attn = T5Attention(c.d_model, c.num_heads, c.d_kv, dropout=c.dropout_rate)
         self.ffn_norm = RMSNorm(c.d_model, eps=c.layer_norm_epsilon)
         self.ffn = T5FeedForward(c.d_model, c.d_ff, gated=c.feed_forward_proj == "gated-gelu", dropout=c.dropout_rate)
-        self.dropout = nn.Dropout(c.dropout_rate)
+        self.dropout = Dropout(c.dropout_rate)
 
     def forward(self, x: Tensor, self_mask: Optional[Tensor], *, score_mod: Optional[ScoreMod] = None,
                 causal: bool = False, memory: Optional[Tensor] = None, memory_mask: Optional[Tensor] = None,
@@ -134,7 +135,7 @@ class T5Stack(nn.Module):
         n = config.num_decoder_layers if decoder else config.num_layers
         self.layers = nn.ModuleList(T5Layer(config, decoder=decoder) for _ in range(n))
         self.final_norm = RMSNorm(config.d_model, eps=config.layer_norm_epsilon)
-        self.dropout = nn.Dropout(config.dropout_rate)
+        self.dropout = Dropout(config.dropout_rate)
 
     def self_attention_bias(self, L: int, past: int, key_mask: Optional[Tensor], dtype: torch.dtype
                             ) -> tuple[Optional[Tensor], Optional[ScoreMod]]:

@@ -25,9 +25,10 @@ from attnlab.models.config import TransformerConfig
 from attnlab.models.hub import check_attention_mask
 from attnlab.models.outputs import Seq2SeqLMOutput, record_attention_weights
 from attnlab.nn.block import AttentionWeights, DecoderLayer, EncoderLayer, LayerCache
+from attnlab.nn.dropout import Dropout
 from attnlab.nn.norms import make_norm
-from attnlab.nn.positional import (ALiBi, LearnedPositionalEmbedding, RotaryEmbedding,
-                                   SinusoidalPositionalEmbedding, T5RelativeBias)
+from attnlab.nn.positional import (ALiBi, LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEmbedding,
+                                   T5RelativeBias)
 
 
 class _LayerStack(nn.Module):
@@ -182,7 +183,7 @@ class Seq2SeqTransformer(nn.Module):
             self.src_pos = LearnedPositionalEmbedding(c.max_positions, c.dim)
             self.tgt_pos = LearnedPositionalEmbedding(c.max_positions, c.dim)
         enc_pos, dec_pos = self._attention_positions(c)
-        self.dropout = nn.Dropout(c.dropout)
+        self.dropout = Dropout(c.dropout)
         kw = dict(ffn_dim=c.ffn_dim, activation=c.activation, dropout=c.dropout, attn_dropout=c.attn_dropout,
                   norm_first=c.norm_first, norm=c.norm, norm_eps=c.norm_eps, num_kv_heads=c.num_kv_heads,
                   bias=c.bias, backend=c.backend)

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from attnlab.models.bert import check_encoder_config, encoder_layers
 from attnlab.models.hub import PreTrainedMixin, register
+from attnlab.nn.dropout import Dropout
 
 
 @dataclass
@@ -144,7 +145,7 @@ class ViTEmbeddings(nn.Module):
         self.patch = nn.Conv2d(config.num_channels, E, kernel_size=config.patch_size, stride=config.patch_size)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, E))
         self.position = nn.Parameter(torch.zeros(1, config.num_patches + 1, E))
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = Dropout(config.hidden_dropout_prob)
 
     def forward(self, pixel_values: Tensor) -> Tensor:
         x = self.patch(pixel_values).flatten(2).transpose(1, 2)  # (B, N, E), patches in row-major order

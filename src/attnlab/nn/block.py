@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from attnlab.attention.multihead import MultiheadAttention
 from attnlab.nn.cache import KVCache
+from attnlab.nn.dropout import Dropout
 from attnlab.nn.feedforward import FeedForward
 from attnlab.nn.norms import make_norm
 
@@ -78,21 +79,24 @@ class _ResidualLayer(nn.Module):
     def __init__(self, dim: int, num_heads: int, *, ffn_dim: int, activation: str, dropout: float,
                  attn_dropout: Optional[float], norm_first: bool, norm: str, norm_eps: float,
                  drop_path: float, num_kv_heads: Optional[int], bias: bool, rotary: Optional[nn.Module],
-                 position_bias: Optional[nn.Module], backend: str, num_sublayers: int) -> None:
+                 position_bias: Optional[nn.Module], backend: str, num_sublayers: int,
+                 ffn_dropout: Optional[float]) -> None:
         super().__init__()
         _check_prob("dropout", dropout)
         attn_dropout = dropout if attn_dropout is None else attn_dropout
         _check_prob("attn_dropout", attn_dropout)
+        ffn_dropout = dropout if ffn_dropout is None else ffn_dropout
+        _check_prob("ffn_dropout", ffn_dropout)
         if not isinstance(norm_first, bool):
             raise TypeError(f"norm_first must be a bool, got {type(norm_first).__name__}")
         self.dim, self.num_heads, self.norm_first = dim, num_heads, norm_first
         self.self_attn = MultiheadAttention(dim, num_heads, num_kv_heads=num_kv_heads, bias=bias,
                                             dropout=attn_dropout, rotary=rotary, position_bias=position_bias,
                                             backend=backend)
-        self.ffn = FeedForward(dim, ffn_dim, activation=activation, dropout=dropout, bias=bias)
+        self.ffn = FeedForward(dim, ffn_dim, activation=activation, dropout=ffn_dropout, bias=bias)
         for i in range(1, num_sublayers + 1):
             setattr(self, f"norm{i}", make_norm(norm, dim, eps=norm_eps, bias=bias))
-            setattr(self, f"dropout{i}", nn.Dropout(dropout))
+            setattr(self, f"dropout{i}", Dropout(dropout))
         self.drop_path = DropPath(drop_path)
 
     def _residual(self, x: Tensor, i: int, branch: Callable[[Tensor], Tensor]) -> Tensor:
@@ -129,8 +133,9 @@ class EncoderLayer(_ResidualLayer):
         num_heads: attention heads H.
         ffn_dim: feed-forward hidden width.
         activation: FFN activation (see :class:`attnlab.nn.feedforward.FeedForward`).
-        dropout: dropout on the residual branches and the FFN hidden layer.
+        dropout: dropout on the residual branches (and the FFN hidden layer, as ``torch.nn.Transformer``).
         attn_dropout: dropout on the attention weights (default ``dropout``).
+        ffn_dropout: dropout on the FFN hidden layer (default ``dropout``; GPT-2 and BERT have none).
         norm_first: pre-norm instead of post-norm.
         norm: ``"layernorm"`` or ``"rmsnorm"``; ``norm_eps`` its ε.
         drop_path: stochastic-depth probability of each residual branch.
@@ -148,11 +153,12 @@ class EncoderLayer(_ResidualLayer):
                  dropout: float = 0.1, attn_dropout: Optional[float] = None, norm_first: bool = False,
                  norm: str = "layernorm", norm_eps: float = 1e-5, drop_path: float = 0.0,
                  num_kv_heads: Optional[int] = None, bias: bool = True, rotary: Optional[nn.Module] = None,
-                 position_bias: Optional[nn.Module] = None, backend: str = "auto") -> None:
+                 position_bias: Optional[nn.Module] = None, backend: str = "auto",
+                 ffn_dropout: Optional[float] = None) -> None:
         super().__init__(dim, num_heads, ffn_dim=ffn_dim, activation=activation, dropout=dropout,
                          attn_dropout=attn_dropout, norm_first=norm_first, norm=norm, norm_eps=norm_eps,
                          drop_path=drop_path, num_kv_heads=num_kv_heads, bias=bias, rotary=rotary,
-                         position_bias=position_bias, backend=backend, num_sublayers=2)
+                         position_bias=position_bias, backend=backend, num_sublayers=2, ffn_dropout=ffn_dropout)
 
     def forward(self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
                 is_causal: bool = False, need_weights: bool = False
@@ -205,13 +211,14 @@ class DecoderLayer(_ResidualLayer):
                  norm: str = "layernorm", norm_eps: float = 1e-5, drop_path: float = 0.0,
                  num_kv_heads: Optional[int] = None, bias: bool = True, rotary: Optional[nn.Module] = None,
                  position_bias: Optional[nn.Module] = None, backend: str = "auto",
-                 cross_attention: bool = True) -> None:
+                 cross_attention: bool = True, ffn_dropout: Optional[float] = None) -> None:
         if not isinstance(cross_attention, bool):
             raise TypeError(f"cross_attention must be a bool, got {type(cross_attention).__name__}")
         super().__init__(dim, num_heads, ffn_dim=ffn_dim, activation=activation, dropout=dropout,
                          attn_dropout=attn_dropout, norm_first=norm_first, norm=norm, norm_eps=norm_eps,
                          drop_path=drop_path, num_kv_heads=num_kv_heads, bias=bias, rotary=rotary,
-                         position_bias=position_bias, backend=backend, num_sublayers=3 if cross_attention else 2)
+                         position_bias=position_bias, backend=backend, num_sublayers=3 if cross_attention else 2,
+                         ffn_dropout=ffn_dropout)
         self.cross_attn = None
         if cross_attention:
             self.cross_attn = MultiheadAttention(dim, num_heads, num_kv_heads=num_kv_heads, bias=bias,

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab.nn.dropout import Dropout
+
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "relu": F.relu,
     "gelu": F.gelu,
@@ -76,7 +78,7 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden_dim, bias=bias)
         self.w3 = nn.Linear(dim, hidden_dim, bias=bias) if self.gated else None
         self.w2 = nn.Linear(hidden_dim, dim, bias=bias)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.act(self.w1(x))  # (B, L, hidden)
