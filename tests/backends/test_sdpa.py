@@ -45,17 +45,32 @@ def test_gqa_keeps_the_fused_kernel():
     assert "ShortAttention" not in _path(attention(q, k, v, causal=True, backend="sdpa"))
 
 
-def test_gradcheck_with_mask_bias_and_empty_rows():
+def test_gradcheck_and_empty_rows():
     q, k, v = _qkv(B=1, H=2, Lq=4, Lk=5, D=3, Dv=2, dtype=F64)
-    bias = torch.randn(1, 2, 4, 5, dtype=F64)
-    bias[0, :, 1] = -torch.inf  # an empty row
-    bias.requires_grad_(True)
-    fn = lambda q, k, v, b: sdpa.ShortAttention.apply(q, k, v, b.masked_fill(b.isinf(), -torch.inf), 0.7)
-    out = fn(q, k, v, bias)
-    assert torch.equal(out[0, :, 1], torch.zeros_like(out[0, :, 1]))
     assert torch.autograd.gradcheck(lambda q, k, v: sdpa.ShortAttention.apply(q, k, v, None, 0.7), (q, k, v))
     finite = torch.randn(1, 2, 4, 5, dtype=F64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda *t: sdpa.ShortAttention.apply(*t, 0.7), (q, k, v, finite))
+    bias = torch.randn(1, 2, 4, 5, dtype=F64)
+    bias[0, :, 1] = -torch.inf  # query 1 sees no key
+    bias.requires_grad_(True)
+    out = sdpa.ShortAttention.apply(q, k, v, bias, 0.7)
+    gq, gb = torch.autograd.grad(out.sum(), (q, bias))
+    assert torch.equal(out[0, :, 1], torch.zeros_like(out[0, :, 1]))
+    assert torch.equal(gq[0, :, 1], torch.zeros_like(gq[0, :, 1])) and torch.equal(gb[0, :, 1], torch.zeros_like(gb[0, :, 1]))
+    assert torch.isfinite(gq).all() and torch.isfinite(gb).all()
+
+
+def test_half_precision_training_outside_the_short_path_runs_the_kernel_in_float32():
+    """Attention dropout and GQA in bf16: the fused kernel in float32, cast back (its bf16 backward is slow)."""
+    q, _, _ = _qkv(H=4, dtype=torch.bfloat16)
+    _, k, v = _qkv(H=2, Dv=8, dtype=torch.bfloat16)
+    out = attention(q, k, v, causal=True, backend="sdpa")
+    assert out.dtype == torch.bfloat16 and _path(out) == "ToCopyBackward0"
+    leaves = [t.detach().to(F64) for t in (q, k, v)]
+    ref = attention(*leaves, causal=True, backend="reference")
+    torch.testing.assert_close(out.to(F64), ref, rtol=0, atol=2e-2)
+    q2, k2, v2 = _qkv(dtype=torch.bfloat16)
+    assert _path(attention(q2, k2, v2, causal=True, backend="sdpa", dropout_p=0.1)) == "ToCopyBackward0"
 
 
 @pytest.mark.parametrize("kw", [dict(causal=True), dict(mask="bool"), dict(mask="float"), dict(window=3, causal=True)],

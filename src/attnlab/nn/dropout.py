@@ -12,6 +12,8 @@ runs reproducible as before. On other devices this is :func:`torch.nn.functional
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -23,9 +25,7 @@ _LEVELS = 1 << 15  # 15 random bits per draw: an int64 word gives 4 (its top sig
 
 def keep_mask(shape: torch.Size | tuple[int, ...], p: float, *, device=None) -> Tensor:
     """Bool mask of ``shape``, each entry ``True`` (kept) with probability ``1 − round(p · 2¹⁵) / 2¹⁵``."""
-    n = 1
-    for s in shape:
-        n *= s
+    n = math.prod(shape)
     words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_()
     draws = words.view(torch.int16)[:n].view(shape).bitwise_and(_LEVELS - 1)
     return draws >= round(p * _LEVELS)
@@ -48,6 +48,4 @@ class Dropout(nn.Dropout):
     """:class:`torch.nn.Dropout` (same arguments, ``p`` and ``inplace``) computed by :func:`dropout`."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.inplace or x.device.type != "cpu":
-            return super().forward(x)
-        return dropout(x, self.p, self.training)
+        return super().forward(x) if self.inplace else dropout(x, self.p, self.training)
