@@ -83,8 +83,9 @@ def auto_repeat(fn: Callable[[], object], *, budget_s: float, lo: int = 5, hi: i
 
 def peak_rss_rise_mib(setup_code: str, stmt: str, *, threads: int = 2, attempts: int = 3) -> float:
     """Rise of the peak resident memory (MiB) while ``stmt`` runs, after ``setup_code``, in a
-    fresh Python process. A reading of 0 means the rise was hidden (the allocator reused pages freed
-    during setup, which RSS already counted): it is measured again, in up to ``attempts`` processes.
+    fresh Python process. A reading <= 0 means the rise was hidden (the allocator reused pages freed
+    during setup, which RSS already counted; RSS moves by a few hundred KiB meanwhile): it is measured
+    again, in up to ``attempts`` processes, and a last negative reading counts as 0.
 
     On Linux the high-water mark ``VmHWM`` is reset to the current RSS just before ``stmt``
     (``echo 5 > /proc/self/clear_refs``) and read after it, so neither a peak reached in
@@ -114,7 +115,7 @@ def peak_rss_rise_mib(setup_code: str, stmt: str, *, threads: int = 2, attempts:
         rise_kib = int(out.split()[-1])  # KiB on Linux
         if rise_kib > 0:
             break
-    return rise_kib / 1024
+    return max(rise_kib, 0) / 1024
 
 
 def environment() -> dict:
