@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.nn.feedforward import FFN_ACTIVATIONS, FeedForward
-from attnlab.nn.norms import RMSNorm, make_norm
+from attnlab.nn.norms import RMSNorm, _RMSNormFunction, make_norm
 
 
 def test_rmsnorm_matches_loop_formula():
@@ -28,6 +28,35 @@ def test_rmsnorm_matches_torch_builtin_and_keeps_half_dtype():
     ours = RMSNorm(8, eps=1e-5)
     torch.testing.assert_close(ours(x), F.rms_norm(x, (8,), ours.weight, eps=1e-5), atol=1e-6, rtol=1e-6)
     assert ours.to(torch.bfloat16)(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_rmsnorm_hand_written_backward():
+    # float64: gradcheck (finite differences) on x and the gain
+    norm = RMSNorm(6, eps=1e-5).double()
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(-1.5, 2.0, 6))
+    x = torch.randn(3, 4, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: _RMSNormFunction.apply(x, w, 1e-5), (x, norm.weight),
+                                    eps=1e-6, atol=1e-8)
+    # float32: values and gradients = autograd through the plain formula (torch's rms_norm)
+    x32 = torch.randn(5, 7, 32, requires_grad=True)
+    w32 = torch.randn(32, requires_grad=True)
+    ours = RMSNorm(32, eps=1e-6)
+    with torch.no_grad():
+        ours.weight.copy_(w32)
+    g = torch.randn(5, 7, 32)
+    ref = F.rms_norm(x32, (32,), w32, eps=1e-6)
+    gx, gw = torch.autograd.grad(ref, (x32, w32), g)
+    out = ours(x32)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+    ox, ow = torch.autograd.grad(out, (x32, ours.weight), g)
+    torch.testing.assert_close(ox, gx, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ow, gw, atol=1e-4, rtol=1e-5)
+    # a second derivative is refused, not silently wrong
+    x2 = torch.randn(2, 6, dtype=torch.float64, requires_grad=True)
+    (gx2,) = torch.autograd.grad(norm(x2).pow(2).sum(), x2, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|double backward|twice"):
+        gx2.sum().backward()
 
 
 def test_make_norm_kinds_and_errors():

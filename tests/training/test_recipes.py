@@ -54,6 +54,56 @@ def test_nanogpt_cpu_preset_is_nanogpts_recipe():
                        optimizer="adamw", schedule="cosine", grad_accum=1)
 
 
+@pytest.mark.parametrize("overrides, match", [
+    ({"arch": "mamba"}, r"arch must be one of \['gpt2', 'llama'\], got 'mamba'"),
+    ({"arch": "llama", "dropout": "0.1"}, r"arch=llama has no dropout, no biases and a SwiGLU MLP; got dropout=0.1"),
+    ({"arch": "llama", "dropout": "0", "bias": "true"}, r"arch=llama .*got bias=True"),
+    ({"arch": "llama", "dropout": "0", "activation": "gelu"}, r"arch=llama .*got activation='gelu'"),
+    ({"ffn_dim": "0"}, r"ffn_dim must be an int >= 1 or None"),
+])
+def test_arch_setting_errors(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_settings(get_recipe("shakespeare-char"), overrides=overrides)
+
+
+def test_arch_builds_gpt2_or_llama_with_gpt2_initialisation():
+    import torch
+
+    from attnlab.models.gpt import GPT2LMHeadModel
+    from attnlab.models.llama import LlamaForCausalLM
+    from attnlab.training.recipes.shakespeare import make_model
+    r = get_recipe("shakespeare-char")
+    torch.manual_seed(0)
+    gpt = make_model(resolve_settings(r, overrides={"arch": "gpt2", "n_layer": 2}), vocab_size=65)
+    llama = make_model(resolve_settings(r, overrides={"arch": "llama", "n_layer": 2, "dropout": 0.0}), vocab_size=65)
+    assert isinstance(gpt, GPT2LMHeadModel) and isinstance(llama, LlamaForCausalLM)
+    assert gpt.layers[0].ffn.w1.out_features == 1024 and gpt.layers[0].ffn.w1.bias is not None
+    # SwiGLU width 8/3 x 256 = 682.7, rounded up to a multiple of 32: the parameter counts nearly match
+    assert llama.layers[0].ffn.w1.out_features == 704 and llama.layers[0].ffn.w1.bias is None
+    n_gpt, n_llama = (sum(p.numel() for p in m.parameters()) for m in (gpt, llama))
+    assert abs(n_llama - n_gpt) / n_gpt < 0.05
+    assert llama.lm_head.weight is llama.embed_tokens.weight  # tied, as the GPT
+    for model in (gpt, llama):  # GPT-2's init: N(0, 0.02), residual projections N(0, 0.02 / sqrt(2 n_layer))
+        layer = model.layers[1]
+        assert layer.self_attn.in_proj.weight.std().item() == pytest.approx(0.02, rel=0.05)
+        for proj in (layer.self_attn.out_proj, layer.ffn.w2):
+            assert proj.weight.std().item() == pytest.approx(0.02 / 2, rel=0.05)
+
+
+def test_llama_arch_trains_resumes_and_reloads(tmp_path, shakespeare):
+    from attnlab.models.llama import LlamaForCausalLM
+    from attnlab.training.recipes.shakespeare import load_run_model
+    out = tmp_path / "llama"
+    over = {**FAST, "arch": "llama", "max_steps": 20}
+    m = run_recipe("shakespeare-char", out=out, preset="tiny", overrides=over)
+    assert m["steps"] == 20 and m["val_loss"] < 4.17  # learns
+    m2 = run_recipe("shakespeare-char", out=out, overrides={"max_steps": 25}, resume=True)
+    assert m2["steps"] == 25
+    model = load_run_model(out)
+    assert isinstance(model, LlamaForCausalLM) and model.config.hidden_size == 32
+    assert evaluate_checkpoint(out)["val_loss"] == m2["val_loss"]
+
+
 def test_run_resume_and_evaluate_checkpoint(tmp_path, shakespeare):
     out = tmp_path / "run"
     m = run_recipe("shakespeare-char", out=out, preset="tiny", overrides={**FAST, "max_steps": 20})

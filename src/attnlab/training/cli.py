@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 
+from attnlab._runtime import reuse_freed_memory
 from attnlab.training.distributed import dist_info_from_env
 from attnlab.training.recipes import get_recipe, parse_set, run_recipe
 from attnlab.training.trainer import TrainingDivergedError
@@ -30,6 +31,7 @@ def main(args: argparse.Namespace) -> int:
     if args.quiet:
         overrides["progress"] = False
     main_rank = dist_info_from_env().is_main
+    reuse_freed_memory()  # activations re-use freed pages: 15-20 % faster CPU steps (see attnlab._runtime)
     try:
         metrics = run_recipe(args.recipe, out=args.out, preset=args.preset, overrides=overrides, resume=args.resume)
     except TrainingDivergedError as e:

@@ -31,8 +31,10 @@ class TrainConfig:
     - ``time_budget``: plan the run to end within it. After :data:`PLAN_AT` steps the trainer
       times a step and one evaluation and sets the run's length to
       ``min(max_steps, steps that fit)``, so the cosine schedule decays fully inside the budget.
-      The planned length is saved in checkpoints (a resumed run keeps it); it depends on the
-      machine's speed, so two runs on different machines differ in length.
+      At each later evaluation it re-plans from the wall time per step so far (evaluations,
+      checkpoints and a machine that slowed down included; a ``replan`` record in the metrics).
+      The planned length is saved in checkpoints (a resumed run keeps it and re-plans from its own
+      pace); it depends on the machine's speed, so two runs on different machines differ in length.
     """
 
     max_steps: int = 1000

@@ -95,6 +95,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, name=config.optimizer, lr=config.lr, betas=config.betas,
                                          eps=config.eps, weight_decay=config.weight_decay)
         self.max_steps, self.planned = config.max_steps, False  # max_steps may be planned (time_budget)
+        self._eval_s = 0.0  # one evaluation's time, measured by the plan
         self.schedule = config.schedule_fn()
         self.scaler = torch.amp.GradScaler("cuda") if config.dtype == "fp16" else None
         self.ddp = D.wrap_ddp(self.model, self.device)
@@ -110,6 +111,7 @@ class Trainer:
         data = self.train_batches.state_dict() if hasattr(self.train_batches, "state_dict") else None
         return {
             "format": "attnlab-train-1", "step": self.step, "max_steps": self.max_steps, "planned": self.planned,
+            "plan_eval_s": self._eval_s,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
@@ -137,6 +139,7 @@ class Trainer:
         self.step, self.best_val, self.best_step = state["step"], state.get("best_val_loss"), state.get("best_step")
         if state.get("planned"):  # keep the planned length (and so the schedule) of the interrupted run
             self.max_steps, self.planned = min(self.config.max_steps, state["max_steps"]), True
+            self._eval_s = state.get("plan_eval_s", 0.0)
             self.schedule = self.config.schedule_fn(self.max_steps)
         c = state.get("counters", {})
         self.tokens, self.train_time = c.get("tokens", 0), c.get("train_time_s", 0.0)
@@ -185,8 +188,8 @@ class Trainer:
         try:
             while self.step < self.max_steps:
                 t = time.perf_counter()
-                if cfg.time_budget is not None and not self.planned and plan_mark is None and self.step >= _PLAN_FROM:
-                    plan_mark = (self.step, t)
+                if cfg.time_budget is not None and plan_mark is None and (self.planned or self.step >= _PLAN_FROM):
+                    plan_mark = (self.step, t)  # timing for the plan, or for re-plans after a resume
                 loss, tokens, stop = self._train_step()
                 self.train_time += time.perf_counter() - t
                 self.step += 1
@@ -211,6 +214,9 @@ class Trainer:
                     last_eval = self._run_eval()
                     bar.set_postfix(loss=f"{loss:.4f}", val=f"{last_eval.get('val_loss', float('nan')):.4f}",
                                     refresh=False)
+                    if plan_mark is not None and self.planned and not last:
+                        self._replan(plan_mark)
+                        bar.total = self.max_steps
                 if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or last:
                     self._save()
                 if stop:
@@ -274,10 +280,29 @@ class Trainer:
         remaining = cfg.time_budget - self._wall() - eval_s - 1.0  # the final evaluation and files
         fit = self.step + max(1, int(0.97 * remaining / per_step))
         planned = D.broadcast_object(min(cfg.max_steps, fit) if self.dist.is_main else None)
-        self.max_steps, self.planned = planned, True
+        self.max_steps, self.planned, self._eval_s = planned, True, eval_s
         self.schedule = cfg.schedule_fn(planned)
         self._record({"kind": "plan", "step": self.step, "max_steps": planned, "step_s": step_s, "eval_s": eval_s,
                       "elapsed_s": self._wall()})
+
+    def _replan(self, mark: tuple[int, float]) -> None:
+        """Re-fit ``max_steps`` to the budget left, from the wall time per step since ``mark`` = (step, time).
+
+        That time includes evaluations, checkpoints and a machine slower (or faster) than during the
+        first plan, so the cosine still ends inside ``time_budget`` instead of being cut by
+        ``max_seconds`` before it decays. The schedule is rebuilt for the new length (a small step in
+        the learning rate); the length is saved in checkpoints like the first plan.
+        """
+        cfg = self.config
+        per_step = (time.perf_counter() - mark[1]) / max(1, self.step - mark[0])
+        remaining = cfg.time_budget - self._wall() - self._eval_s - 1.0
+        fit = self.step + max(1, int(0.98 * remaining / per_step))
+        planned = D.broadcast_object(min(cfg.max_steps, fit) if self.dist.is_main else None)
+        if planned != self.max_steps:
+            self.max_steps = planned
+            self.schedule = cfg.schedule_fn(planned)
+            self._record({"kind": "replan", "step": self.step, "max_steps": planned, "step_s": per_step,
+                          "elapsed_s": self._wall()})
 
     def _diverged(self, what: str) -> str:
         good = latest_checkpoint(self.out_dir)

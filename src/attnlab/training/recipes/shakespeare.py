@@ -8,10 +8,18 @@ computed in fp32 (the model's weights are fp32; evaluation runs outside autocast
 
     val_loss = (1/N) Σ_n −log p(y_n | x_{≤n}),    val_ppl = exp(val_loss)
 
-The model is attnlab's :class:`~attnlab.models.gpt.GPT2LMHeadModel` (learned positions,
-pre-norm, tied embeddings, GELU): nanoGPT's architecture, with GPT-2's biases by default
-(``bias=False`` is nanoGPT's ``bias=False``; on the ``nanogpt-cpu`` preset it trains 7 % faster but
-ends at val loss 1.901 instead of 1.887, so the preset keeps the biases).
+Two architectures (``arch``), both pre-norm with tied embeddings and GPT-2's initialisation
+(``N(0, 0.02)``, residual output projections ``N(0, 0.02/√(2·n_layer))``):
+
+- ``gpt2``: attnlab's :class:`~attnlab.models.gpt.GPT2LMHeadModel` (learned positions, LayerNorm,
+  GELU MLP 4× wide): nanoGPT's architecture, with GPT-2's biases by default (``bias=False`` is nanoGPT's
+  ``bias=False``; on the ``nanogpt-cpu`` preset it trains 7 % faster but ends at val loss 1.901 instead
+  of 1.887, so the preset keeps the biases).
+- ``llama``: :class:`~attnlab.models.llama.LlamaForCausalLM` (rotary positions, RMSNorm, SwiGLU MLP
+  ``ffn_dim`` = 8/3 × wide rounded up to a multiple of 32, so the parameters match ``gpt2``'s; no
+  biases, no dropout). The default preset's architecture: it learns faster per step. Measured on
+  2 cores, 10 minutes each (4 × 256, batch 32 × 128, lr 2e-3): gpt2 with dropout 0.1 ended at val loss
+  1.598, gpt2 without dropout 1.540, llama 1.502 (cosine to 2e-4) and 1.490 (cosine to 0, the default).
 
 Presets (see :data:`PRESETS`): ``nanogpt-cpu`` is nanoGPT's README CPU run; the default is tuned
 for a 10-minute budget on 2 CPU cores; ``tiny`` is a seconds-long smoke run.
@@ -45,51 +53,60 @@ from attnlab.data.datasets import load_text
 from attnlab.data.tokenizers import CharTokenizer
 from attnlab.evaluation.metrics import expected_calibration_error, perplexity, reliability_diagram
 from attnlab.models.gpt import GPT2Config, GPT2LMHeadModel
+from attnlab.models.llama import LlamaConfig, LlamaForCausalLM
 from attnlab.training.checkpoint import latest_checkpoint, load_checkpoint
 from attnlab.training.distributed import DistInfo
 from attnlab.training.losses import causal_lm_loss, distillation_loss
 from attnlab.training.recipes import Built, Recipe, _read_config, get_recipe, register, resolve_settings
 from attnlab.training.trainer import TrainConfig
 
-__all__ = ["ShakespeareSettings", "PRESETS", "evaluate_lm", "build", "parse_lora_spec", "load_run_model", "load_init"]
+__all__ = ["ShakespeareSettings", "PRESETS", "ARCHS", "evaluate_lm", "build", "make_model", "parse_lora_spec",
+           "load_run_model", "load_init"]
 
 LM_METRICS = ("val_loss", "val_ppl", "val_accuracy", "val_ece")
+ARCHS = ("gpt2", "llama")
 
 
 @dataclass
 class ShakespeareSettings(TrainConfig):
     """The default preset (10-minute budget); every :class:`TrainConfig` field is a setting too.
 
-    Model: ``n_layer`` × (``n_head`` heads, ``n_embd`` wide), context ``block_size``, ``dropout`` on
+    Model: ``arch`` (``gpt2`` or ``llama``, see the module docstring), ``n_layer`` × (``n_head`` heads,
+    ``n_embd`` wide), context ``block_size``, MLP hidden width ``ffn_dim`` (None: 4 × ``n_embd`` for
+    ``gpt2``, 8/3 × rounded up to a multiple of 32 for ``llama``). ``gpt2`` only: ``dropout`` on
     embeddings and residual branches, ``attn_dropout`` on attention weights (0 keeps the fused
-    attention kernel), ``bias=False`` drops the biases of linear layers and LayerNorms (nanoGPT's ``bias``). ``batch_size`` rows per optimiser micro-step (the global batch under DDP).
+    attention kernel), ``activation`` (default ``gelu``), ``bias=False`` drops the biases of linear
+    layers and LayerNorms (nanoGPT's ``bias``; default True). ``batch_size`` rows per optimiser
+    micro-step (the global batch under DDP).
     Validation: ``eval_batches`` × ``eval_batch_size`` blocks of the last ``val_fraction`` of the text.
 
     The default plans its length to a 10-minute budget (``time_budget``, see :class:`TrainConfig`):
     ``max_steps`` is only the upper bound, the cosine decay ends where the budget does.
     """
 
+    arch: str = "llama"
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 256
     block_size: int = 128
     batch_size: int = 32
-    dropout: float = 0.1
+    ffn_dim: Optional[int] = None
+    dropout: float = 0.0
     attn_dropout: float = 0.0
-    activation: str = "gelu"
-    bias: bool = True
+    activation: Optional[str] = None
+    bias: Optional[bool] = None
     eval_batches: int = 8
     eval_batch_size: int = 64
     val_fraction: float = 0.1
     # trainer defaults for this recipe
     lr: float = 2e-3
-    min_lr: float = 2e-4
+    min_lr: float = 0.0  # cosine to zero: 1.490 vs 1.505 ending at 2e-4 (same 10 minutes)
     betas: tuple[float, float] = (0.9, 0.99)
     weight_decay: float = 0.1
     warmup_steps: int = 100
     clip: float = 1.0
     dtype: str = "bf16"
-    eval_every: int = 250
+    eval_every: int = 500  # each evaluation costs ~3.5 s of the 10 minutes
     checkpoint_every: int = 500
     log_every: int = 50
     time_budget: Optional[float] = 575.0  # + data, model and files: the 10-minute target
@@ -104,15 +121,27 @@ class ShakespeareSettings(TrainConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.bias, bool):
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {list(ARCHS)}, got {self.arch!r}")
+        if self.bias is not None and not isinstance(self.bias, bool):
             raise ValueError(f"bias must be true or false, got {self.bias!r}")
         for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "eval_batches", "eval_batch_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.ffn_dim is not None and (isinstance(self.ffn_dim, bool) or not isinstance(self.ffn_dim, int)
+                                         or self.ffn_dim < 1):
+            raise ValueError(f"ffn_dim must be an int >= 1 or None, got {self.ffn_dim!r}")
         for name in ("dropout", "attn_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+        if self.arch == "llama":  # Llama has no dropout and no biases, and one MLP (SwiGLU)
+            bad = {k: v for k, v in (("dropout", self.dropout), ("attn_dropout", self.attn_dropout)) if v}
+            bad.update({k: v for k, v in (("bias", self.bias),) if v})
+            bad.update({k: v for k, v in (("activation", self.activation),) if v not in (None, "swiglu")})
+            if bad:
+                raise ValueError(f"arch=llama has no dropout, no biases and a SwiGLU MLP; got "
+                                 f"{', '.join(f'{k}={v!r}' for k, v in bad.items())} (use arch=gpt2 for these)")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
         if self.lora is not None:
@@ -128,12 +157,12 @@ PRESETS = {
     #   --eval_iters=20 --log_interval=1 --block_size=64 --batch_size=12 --n_layer=4 --n_head=4
     #   --n_embd=128 --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0
     # (lr 1e-3 -> 1e-4 cosine, warmup 100, beta2 0.99, weight decay 0.1, clip 1.0)
-    "nanogpt-cpu": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12, dropout=0.0, max_steps=2000,
-                        lr=1e-3, min_lr=1e-4, warmup_steps=100, betas=(0.9, 0.99), weight_decay=0.1, clip=1.0,
-                        attn_dropout=0.0, dtype="bf16", eval_every=0, checkpoint_every=0, log_every=100,
+    "nanogpt-cpu": dict(arch="gpt2", n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12, dropout=0.0,
+                        max_steps=2000, lr=1e-3, min_lr=1e-4, warmup_steps=100, betas=(0.9, 0.99), weight_decay=0.1,
+                        clip=1.0, attn_dropout=0.0, dtype="bf16", eval_every=0, checkpoint_every=0, log_every=100,
                         eval_batches=16, eval_batch_size=64, time_budget=None, max_seconds=None),
-    "tiny": dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=8, dropout=0.0, max_steps=40, lr=1e-2,
-                 min_lr=1e-3, warmup_steps=5, dtype="fp32", eval_every=20, checkpoint_every=10, log_every=10,
+    "tiny": dict(arch="gpt2", n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=8, dropout=0.0, max_steps=40,
+                 lr=1e-2, min_lr=1e-3, warmup_steps=5, dtype="fp32", eval_every=20, checkpoint_every=10, log_every=10,
                  eval_batches=2, eval_batch_size=16, time_budget=None, max_seconds=None),
 }
 
@@ -201,10 +230,7 @@ def build(s: ShakespeareSettings, *, out: Path, dist: DistInfo, training: bool) 
     data = torch.tensor(tokenizer.encode(text), dtype=torch.uint8 if tokenizer.vocab_size <= 256 else torch.long)
     n_train = int(len(data) * (1.0 - s.val_fraction))
     train, val = data[:n_train], data[n_train:]  # (N_train,), (N_val,)
-    config = GPT2Config(vocab_size=tokenizer.vocab_size, n_positions=s.block_size, n_embd=s.n_embd,
-                        n_layer=s.n_layer, n_head=s.n_head, activation=s.activation, embd_pdrop=s.dropout,
-                        resid_pdrop=s.dropout, attn_pdrop=s.attn_dropout, bias=s.bias, bos_token_id=None, eos_token_id=None)
-    model = GPT2LMHeadModel(config)
+    model = make_model(s, vocab_size=tokenizer.vocab_size)
     loss_fn, info = _adapt(model, s, out=Path(out), tokenizer=tokenizer, training=training)
     batches = LMBatches(train, block_size=s.block_size, batch_size=s.batch_size, seed=s.seed, rank=dist.rank,
                         world_size=dist.world_size) if training else None
@@ -218,7 +244,26 @@ def build(s: ShakespeareSettings, *, out: Path, dist: DistInfo, training: bool) 
                  info=info)
 
 
-def _adapt(model: GPT2LMHeadModel, s: ShakespeareSettings, *, out: Path, tokenizer: CharTokenizer,
+def make_model(s: ShakespeareSettings, *, vocab_size: int) -> nn.Module:
+    """The ``arch`` model of settings ``s`` with GPT-2's initialisation (see the module docstring)."""
+    if s.arch == "gpt2":
+        config = GPT2Config(vocab_size=vocab_size, n_positions=s.block_size, n_embd=s.n_embd, n_layer=s.n_layer,
+                            n_head=s.n_head, n_inner=s.ffn_dim, activation=s.activation or "gelu",
+                            embd_pdrop=s.dropout, resid_pdrop=s.dropout, attn_pdrop=s.attn_dropout,
+                            bias=True if s.bias is None else s.bias, bos_token_id=None, eos_token_id=None)
+        return GPT2LMHeadModel(config)  # initialised as GPT-2
+    ffn_dim = s.ffn_dim or -(-8 * s.n_embd // (3 * 32)) * 32  # 8/3 · n_embd rounded up to a multiple of 32
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=s.n_embd, intermediate_size=ffn_dim,
+                         num_hidden_layers=s.n_layer, num_attention_heads=s.n_head,
+                         max_position_embeddings=s.block_size, tie_word_embeddings=True, rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None)
+    model = LlamaForCausalLM(config)  # N(0, 0.02) everywhere, as HF; then GPT-2's residual scaling
+    for layer in model.layers:
+        for proj in (layer.self_attn.out_proj, layer.ffn.w2):
+            nn.init.normal_(proj.weight, std=0.02 / (2 * s.n_layer) ** 0.5)
+    return model
+
+
+def _adapt(model: nn.Module, s: ShakespeareSettings, *, out: Path, tokenizer: CharTokenizer,
            training: bool) -> tuple:
     """Apply ``init`` (fresh training runs only), ``lora`` (always: checkpoints hold the LoRA model) and
     ``teacher`` (training only) to a freshly built ``model``; return ``(loss_fn, info for metrics.json)``."""
@@ -239,8 +284,8 @@ def _adapt(model: GPT2LMHeadModel, s: ShakespeareSettings, *, out: Path, tokeniz
     if teacher.config.vocab_size != tokenizer.vocab_size or (chars is not None and chars != tokenizer.chars):
         raise ValueError(f"teacher={s.teacher}: its vocabulary ({teacher.config.vocab_size} characters) is not "
                          f"this run's ({tokenizer.vocab_size}): a teacher must share the tokenizer")
-    if teacher.config.n_positions < s.block_size:
-        raise ValueError(f"teacher={s.teacher}: its context ({teacher.config.n_positions}) is shorter than "
+    if teacher.max_positions is not None and teacher.max_positions < s.block_size:
+        raise ValueError(f"teacher={s.teacher}: its context ({teacher.max_positions}) is shorter than "
                          f"block_size={s.block_size}")
     info.update(teacher=s.teacher, teacher_parameters=sum(p.numel() for p in teacher.parameters()))
     return functools.partial(_distill_loss, teacher=teacher, temperature=s.distill_temperature,
@@ -275,10 +320,10 @@ def parse_lora_spec(spec: str) -> dict:
     return out
 
 
-def load_run_model(directory: Union[str, Path], *, role: str = "run") -> GPT2LMHeadModel:
+def load_run_model(directory: Union[str, Path], *, role: str = "run") -> nn.Module:
     """The model of a ``shakespeare-char`` output folder at its latest checkpoint, frozen, in eval mode.
 
-    A LoRA run's adapters are merged into the weights (``W + (α/r) B A``), so the result is a plain GPT.
+    A LoRA run's adapters are merged into the weights (``W + (α/r) B A``), so the result is a plain model.
 
     Raises:
         FileNotFoundError: no ``config.json`` or no checkpoint in ``directory``.

@@ -1,0 +1,52 @@
+"""attnlab._runtime.reuse_freed_memory: a training step reuses freed pages instead of faulting new ones."""
+import platform
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = r"""
+import resource, sys, torch
+from attnlab._runtime import reuse_freed_memory
+from attnlab.models.gpt import GPT2Config, GPT2LMHeadModel
+from attnlab.training.losses import causal_lm_loss
+
+applied = reuse_freed_memory() if sys.argv[1] == "reuse" else None
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(vocab_size=65, n_positions=64, n_embd=128, n_layer=4, n_head=4))
+x = torch.randint(0, 65, (12, 64))
+
+def step():  # nanoGPT's CPU shape: a training step's forward and backward
+    loss, _ = causal_lm_loss(model, (x, x))
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+
+for _ in range(3):  # warm up: glibc's dynamic thresholds adjust, the heap grows to its size
+    step()
+r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):
+    step()
+print(applied, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0) / 20)
+"""
+
+
+def minor_faults_per_step(mode):
+    out = subprocess.run([sys.executable, "-c", SCRIPT, mode], check=True, capture_output=True, text=True)
+    applied, faults = out.stdout.split()
+    return applied, float(faults)
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt only")
+def test_reuse_freed_memory_stops_page_faults_in_a_training_step():
+    _, default = minor_faults_per_step("default")
+    applied, reused = minor_faults_per_step("reuse")
+    assert applied == "True"
+    # measured: 560-1,170 faulted pages per step by default, 29-48 with the thresholds raised
+    assert default > 200, default
+    assert reused < default / 5, (default, reused)
+
+
+def test_reuse_freed_memory_is_a_no_op_off_glibc(monkeypatch):
+    from attnlab import _runtime
+    monkeypatch.setattr(_runtime.platform, "libc_ver", lambda: ("musl", "1.2"))
+    assert _runtime.reuse_freed_memory() is False
