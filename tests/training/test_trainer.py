@@ -258,15 +258,16 @@ class SlowAfter:
 
 
 def test_time_budget_replans_when_the_run_slows_down(tmp_path, make_trainer):
-    # planned on fast steps, then every step costs 10 ms more: without re-planning max_seconds would cut
-    # the run with the learning rate still high; re-planned at each evaluation, the cosine ends in the budget
+    # planned on fast steps, then every step costs 10 ms more: without re-planning the planned steps take
+    # several times the budget and max_seconds cuts the run with the learning rate still high; re-planned at
+    # each evaluation, the cosine ends in the budget
     from attnlab.training.trainer import PLAN_AT
-    m = make_trainer(tmp_path, max_steps=100_000, time_budget=3.0, max_seconds=3.5, eval_every=20, log_every=1,
+    m = make_trainer(tmp_path, max_steps=100_000, time_budget=3.0, max_seconds=6.0, eval_every=20, log_every=1,
                      loss_fn=SlowAfter(PLAN_AT + 1, 0.01)).fit()
     recs = read_jsonl(tmp_path / "metrics.jsonl")
     (plan,) = [r for r in recs if r["kind"] == "plan"]
     replans = [r for r in recs if r["kind"] == "replan"]
     assert replans and replans[-1]["max_steps"] < plan["max_steps"]  # slower steps: fewer of them
-    assert m["steps"] == replans[-1]["max_steps"] and m["wall_s"] < 3.5
+    assert m["steps"] == replans[-1]["max_steps"] and m["wall_s"] < 6.0  # ended by the plan, not by max_seconds
     last_lr = [r["lr"] for r in recs if r["kind"] == "train"][-1]
     assert last_lr == pytest.approx(1e-3, rel=0.05)  # min_lr reached: the schedule decayed fully
