@@ -102,6 +102,13 @@ def test_llama_arch_trains_resumes_and_reloads(tmp_path, shakespeare):
     model = load_run_model(out)
     assert isinstance(model, LlamaForCausalLM) and model.config.hidden_size == 32
     assert evaluate_checkpoint(out)["val_loss"] == m2["val_loss"]
+    # adapting a llama run: LoRA on its packed query/value projections, and distillation from it
+    lora = run_recipe("shakespeare-char", out=tmp_path / "lora", preset="tiny",
+                      overrides={**over, "max_steps": 5, "init": str(out), "lora": "r=4"})
+    assert lora["steps"] == 5 and 0 < lora["trainable_fraction"] < 0.5
+    kd = run_recipe("shakespeare-char", out=tmp_path / "kd", preset="tiny",
+                    overrides={**over, "max_steps": 5, "n_layer": 1, "teacher": str(out)})
+    assert kd["steps"] == 5 and kd["teacher"] == str(out) and kd["val_loss"] < 4.17
 
 
 def test_run_resume_and_evaluate_checkpoint(tmp_path, shakespeare):
