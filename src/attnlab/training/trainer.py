@@ -214,9 +214,10 @@ class Trainer:
                     last_eval = self._run_eval()
                     bar.set_postfix(loss=f"{loss:.4f}", val=f"{last_eval.get('val_loss', float('nan')):.4f}",
                                     refresh=False)
-                    if plan_mark is not None and self.planned and not last:
-                        self._replan(plan_mark)
-                        bar.total = self.max_steps
+                if plan_mark is not None and self.planned and not last and cfg.eval_every \
+                        and self.step % cfg.eval_every == 0:  # every rank, evaluating or not
+                    self._replan(plan_mark)
+                    bar.total = self.max_steps
                 if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or last:
                     self._save()
                 if stop:
@@ -276,14 +277,8 @@ class Trainer:
             t = time.perf_counter()
             self._run_eval()  # also times one evaluation
             eval_s = time.perf_counter() - t
-        per_step = step_s + (eval_s / cfg.eval_every if cfg.eval_every else 0.0)
-        remaining = cfg.time_budget - self._wall() - eval_s - 1.0  # the final evaluation and files
-        fit = self.step + max(1, int(0.97 * remaining / per_step))
-        planned = D.broadcast_object(min(cfg.max_steps, fit) if self.dist.is_main else None)
-        self.max_steps, self.planned, self._eval_s = planned, True, eval_s
-        self.schedule = cfg.schedule_fn(planned)
-        self._record({"kind": "plan", "step": self.step, "max_steps": planned, "step_s": step_s, "eval_s": eval_s,
-                      "elapsed_s": self._wall()})
+        self.planned, self._eval_s = True, eval_s
+        self._fit_length(step_s + (eval_s / cfg.eval_every if cfg.eval_every else 0.0), kind="plan", eval_s=eval_s)
 
     def _replan(self, mark: tuple[int, float]) -> None:
         """Re-fit ``max_steps`` to the budget left, from the wall time per step since ``mark`` = (step, time).
@@ -293,15 +288,19 @@ class Trainer:
         ``max_seconds`` before it decays. The schedule is rebuilt for the new length (a small step in
         the learning rate); the length is saved in checkpoints like the first plan.
         """
+        self._fit_length((time.perf_counter() - mark[1]) / max(1, self.step - mark[0]), kind="replan")
+
+    def _fit_length(self, per_step: float, *, kind: str, **record) -> None:
+        """``max_steps`` = the steps of ``per_step`` seconds that fit in the budget left (less the final
+        evaluation and files), rank 0's answer on every rank; the schedule follows; logged when it changes."""
         cfg = self.config
-        per_step = (time.perf_counter() - mark[1]) / max(1, self.step - mark[0])
         remaining = cfg.time_budget - self._wall() - self._eval_s - 1.0
-        fit = self.step + max(1, int(0.98 * remaining / per_step))
+        fit = self.step + max(1, int(0.97 * remaining / per_step))
         planned = D.broadcast_object(min(cfg.max_steps, fit) if self.dist.is_main else None)
-        if planned != self.max_steps:
+        if kind == "plan" or planned != self.max_steps:
             self.max_steps = planned
             self.schedule = cfg.schedule_fn(planned)
-            self._record({"kind": "replan", "step": self.step, "max_steps": planned, "step_s": per_step,
+            self._record({"kind": kind, "step": self.step, "max_steps": planned, "step_s": per_step, **record,
                           "elapsed_s": self._wall()})
 
     def _diverged(self, what: str) -> str:

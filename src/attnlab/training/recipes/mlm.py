@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab._checks import check_int
 from attnlab.data.batching import pad_batch
 from attnlab.data.datasets import load_sentences
 from attnlab.data.tokenizers import TextTokenizer, train_wordpiece
@@ -39,7 +40,6 @@ from attnlab.training.checkpoint import latest_checkpoint
 from attnlab.training.distributed import DistInfo
 from attnlab.training.losses import token_cross_entropy
 from attnlab.training.recipes import Built, Recipe, register
-from attnlab._checks import check_int
 from attnlab.training.recipes.multi30k import run_tokenizer
 from attnlab.training.trainer import TrainConfig
 

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.data.batching import TokenBucketBatches, pad_batch
 from attnlab._checks import check_int
+from attnlab.data.batching import TokenBucketBatches, pad_batch
 from attnlab.data.datasets import atomic_write, load_parallel
 from attnlab.data.tokenizers import TextTokenizer, train_bpe
 from attnlab.evaluation.metrics import bleu, chrf, perplexity
