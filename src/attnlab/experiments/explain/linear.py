@@ -95,7 +95,7 @@ def crossover(lengths: list[int], fast: list[Optional[float]], slow: list[Option
     tail = pts[-3:]
     pf, cf = power_fit([n for n, _, _ in tail], [f for _, f, _ in tail])
     ps, cs = power_fit([n for n, _, _ in tail], [s for _, _, s in tail])
-    if ps <= pf:
+    if ps <= pf + 1e-9 * max(1.0, abs(pf)):  # equal slopes up to LAPACK's round-off (it varies with alignment)
         return None, "curves do not meet"
     log_l = (cf - cs) / (ps - pf)
     if log_l > math.log(1e12):
