@@ -1,4 +1,5 @@
-"""Process-wide CPU memory setting for long-running commands (``attnlab train``).
+"""What this machine computes natively (:func:`probe`), the precision that follows (:func:`resolve_dtype`),
+and the process-wide CPU memory setting for long-running commands (:func:`reuse_freed_memory`).
 
 PyTorch's CPU tensors come from ``malloc``. glibc serves a block larger than ``M_MMAP_THRESHOLD``
 with a fresh ``mmap`` and gives the top of its heap back to the kernel once more than
@@ -14,9 +15,17 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
+import os
 import platform
+import time
+import warnings
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Optional
 
-__all__ = ["reuse_freed_memory"]
+__all__ = ["reuse_freed_memory", "Capability", "probe", "resolve_dtype", "check_dtype_name", "torch_dtype",
+           "DTYPE_CHOICES"]
 
 # mallopt(3) parameter numbers (glibc's malloc.h)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
@@ -39,3 +48,191 @@ def reuse_freed_memory(*, mmap_threshold: int = 32 << 20, trim_threshold: int = 
     ok = [libc.mallopt(param, int(value)) == 1 for param, value in (
         (_M_MMAP_THRESHOLD, mmap_threshold), (_M_TRIM_THRESHOLD, trim_threshold), (_M_TOP_PAD, top_pad))]
     return all(ok)
+
+
+# ---- what this machine computes natively, and the precision that follows -------------------------
+
+@dataclass(frozen=True)
+class Capability:
+    """The facts of this machine that decide precision and speed (see :func:`probe`).
+
+    ``isa`` is the instruction set torch's CPU kernels use (``torch.backends.cpu.get_cpu_capability()``,
+    which honours ``ATEN_CPU_CAPABILITY``); ``bf16_native`` / ``fp16_native`` say whether oneDNN computes
+    those types in hardware (honours ``ONEDNN_MAX_CPU_ISA``), ``amx`` whether the CPU has AMX tiles.
+    The measured figures are None unless the probe was asked to measure.
+    """
+
+    torch_version: str
+    cpu: str
+    isa: str
+    bf16_native: bool
+    fp16_native: bool
+    amx: bool
+    cores: int
+    threads: int
+    cuda: Optional[str]
+    fp32_gflops: Optional[float] = None
+    bf16_gflops: Optional[float] = None
+    copy_gbps: Optional[float] = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def line(self) -> str:
+        """One line for a benchmark header: CPU, ISA, native bf16, threads, torch, measured rates."""
+        parts = [f"{self.cpu}", f"ISA {self.isa}", f"bf16 {'native' if self.bf16_native else 'emulated'}",
+                 f"AMX {'yes' if self.amx else 'no'}", f"{self.threads} threads", f"torch {self.torch_version}"]
+        if self.fp32_gflops is not None:
+            parts.append(f"matmul fp32 {self.fp32_gflops:.0f} / bf16 {self.bf16_gflops:.0f} GFLOP/s")
+        if self.copy_gbps is not None:
+            parts.append(f"copy {self.copy_gbps:.1f} GB/s")
+        if self.cuda:
+            parts.append(f"CUDA {self.cuda}")
+        return " | ".join(parts)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _matmul_gflops(dtype, *, n: int = 512, seconds: float = 0.25) -> float:
+    """GFLOP/s of an ``n × n`` product in ``dtype`` (2n³ flops per product), best of a short run."""
+    import torch
+
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b  # warm-up: first call picks the kernel
+    best, end = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best / 1e9
+
+
+def _copy_gbps(*, mib: int = 64, repeats: int = 5) -> float:
+    """GB/s of a ``mib`` MiB tensor copy, counting the bytes read and written."""
+    import torch
+
+    src = torch.ones(mib << 18)  # float32: 4 bytes each
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+@functools.lru_cache(maxsize=2)
+def probe(*, measure: bool = False) -> Capability:
+    """What this process's torch computes natively; with ``measure=True`` also a ~1 s measured figure
+    (fp32 and bf16 GFLOP/s of a 512² product, copy GB/s). Cached per process.
+
+    Honours the standard overrides, read by torch and oneDNN at start-up: ``ATEN_CPU_CAPABILITY``
+    (e.g. ``avx2``) and ``ONEDNN_MAX_CPU_ISA`` (e.g. ``AVX2``), so an AVX-512 machine started with both
+    reports — and behaves — as an AVX2 one.
+    """
+    import torch
+
+    isa = torch.backends.cpu.get_cpu_capability()
+    onednn_isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    amx = bool({"amx_bf16", "amx_tile"} & _cpu_flags()) and (not onednn_isa or "AMX" in onednn_isa
+                                                             or onednn_isa in ("ALL", "DEFAULT"))
+    bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    fp16 = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    cap = Capability(torch_version=torch.__version__, cpu=_cpu_name(), isa=isa, bf16_native=bf16,
+                     fp16_native=fp16, amx=amx, cores=os.cpu_count() or 1, threads=torch.get_num_threads(),
+                     cuda=cuda)
+    if measure:
+        cap = replace(cap, fp32_gflops=round(_matmul_gflops(torch.float32), 1),
+                      bf16_gflops=round(_matmul_gflops(torch.bfloat16), 1), copy_gbps=round(_copy_gbps(), 1))
+    return cap
+
+
+DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16",
+               "fp16": "fp16", "float16": "fp16", "half": "fp16"}
+DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16")
+
+
+def check_dtype_name(value, *, name: str = "dtype") -> str:
+    """``value`` as one of ``auto``, ``fp32``, ``bf16``, ``fp16`` (long names and torch dtypes accepted).
+
+    Raises:
+        ValueError: anything else, naming ``name`` and the valid values.
+    """
+    import torch
+
+    if isinstance(value, torch.dtype):
+        value = str(value).removeprefix("torch.")
+    if isinstance(value, str) and (value == "auto" or value.lower() in DTYPE_NAMES):
+        return "auto" if value == "auto" else DTYPE_NAMES[value.lower()]
+    raise ValueError(f"{name} must be one of {', '.join(DTYPE_CHOICES)} (or float32, bfloat16, float16), "
+                     f"got {value!r}")
+
+
+_WARNED: set[str] = set()
+
+
+def resolve_dtype(value="auto", device="cpu", *, name: str = "dtype") -> tuple[str, str]:
+    """The precision to compute in, and why: ``(dtype, reason)`` with dtype one of fp32, bf16, fp16.
+
+    ``auto`` on a CPU = bf16 where the CPU computes it natively **and** a measured bf16 product beats
+    fp32 (see :func:`probe`), else fp32; on CUDA, bf16 where the device supports it, else fp32. An
+    explicit ``bf16`` on a CPU without native bf16 is honoured with one warning (once per process)
+    saying how much slower it is measured to be; ``fp16`` needs CUDA.
+
+    Raises:
+        ValueError: an unknown ``value`` (naming ``name`` and the valid values), or fp16 on a CPU.
+    """
+    import torch
+
+    dtype = check_dtype_name(value, name=name)
+    device = torch.device(device if device not in (None, "auto") else "cpu")
+    if device.type == "cuda":
+        if dtype == "auto":
+            return ("bf16", "CUDA with bf16") if torch.cuda.is_bf16_supported() else ("fp32", "CUDA without bf16")
+        return dtype, "asked for"
+    if dtype == "fp16":
+        raise ValueError(f"{name}=fp16 needs a CUDA device; on a CPU use fp32 or bf16 (or auto)")
+    cap = probe()
+    if dtype == "auto":
+        if not cap.bf16_native:
+            return "fp32", f"no native bf16 ({cap.isa})"
+        measured = probe(measure=True)
+        if measured.bf16_gflops <= measured.fp32_gflops:
+            return "fp32", (f"bf16 not faster here ({measured.bf16_gflops:.0f} vs "
+                            f"{measured.fp32_gflops:.0f} GFLOP/s fp32)")
+        return "bf16", (f"native bf16 ({cap.isa}{', AMX' if cap.amx else ''}: {measured.bf16_gflops:.0f} vs "
+                        f"{measured.fp32_gflops:.0f} GFLOP/s fp32)")
+    if dtype == "bf16" and not cap.bf16_native and "bf16" not in _WARNED:
+        _WARNED.add("bf16")
+        measured = probe(measure=True)
+        slower = measured.fp32_gflops / max(measured.bf16_gflops, 1e-9)
+        warnings.warn(f"{name}=bf16 on a CPU without native bf16 ({cap.isa}): matrix products run about "
+                      f"{slower:.0f}x slower than fp32 here; {name}=auto would choose fp32", stacklevel=2)
+    return dtype, "asked for"
+
+
+def torch_dtype(name: str):
+    """``"fp32"``/``"bf16"``/``"fp16"`` -> the torch dtype."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]

@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from attnlab._runtime import DTYPE_CHOICES, check_dtype_name
 from attnlab.training.optim import OPTIMIZERS
 from attnlab.training.schedules import SCHEDULES, Schedule
 
@@ -21,8 +22,9 @@ class TrainConfig:
     """Hyper-parameters of :class:`~attnlab.training.trainer.Trainer` (ValueError naming a bad field).
 
     ``eval_every`` / ``checkpoint_every`` = 0 mean "only at the end"; ``clip`` = 0 turns clipping
-    off. ``dtype``: ``"bf16"`` autocasts on CPU or CUDA, ``"fp16"`` (CUDA only) adds a
-    ``GradScaler``. ``compile`` runs the forward through ``torch.compile``.
+    off. ``dtype``: ``"auto"`` = bf16 where the machine computes it natively and faster, else fp32
+    (:func:`attnlab._runtime.resolve_dtype`; the trainer prints and records the choice); ``"bf16"``
+    autocasts on CPU or CUDA, ``"fp16"`` (CUDA only) adds a ``GradScaler``. ``compile`` runs the forward through ``torch.compile``.
 
     Time limits (seconds of ``fit``):
 
@@ -85,7 +87,9 @@ class TrainConfig:
         self.betas = tuple(float(b) for b in self.betas)
         need(self.optimizer in OPTIMIZERS, "optimizer", f"one of {list(OPTIMIZERS)}")
         need(self.schedule in SCHEDULES, "schedule", f"one of {list(SCHEDULES)}")
-        need(self.dtype in DTYPES, "dtype", f"one of {list(DTYPES)}")
+        need(isinstance(self.dtype, str) and self.dtype.lower() in DTYPE_CHOICES + ("float32", "bfloat16", "float16"),
+             "dtype", f"one of {', '.join(DTYPE_CHOICES)}")
+        self.dtype = check_dtype_name(self.dtype)
         for name in ("max_seconds", "time_budget"):
             v = getattr(self, name)
             need(v is None or (is_num(v) and v > 0), name, "None or a number > 0")

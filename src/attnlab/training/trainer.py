@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from attnlab._runtime import resolve_dtype
 from attnlab.training import distributed as D
 from attnlab.training.activation_checkpointing import enable_gradient_checkpointing
 from attnlab.training.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
@@ -87,8 +89,8 @@ class Trainer:
         self.out_dir = Path(out_dir)
         self.dist = D.dist_info_from_env()
         self.device = D.resolve_device(config.device, self.dist)
-        if config.dtype == "fp16" and self.device.type != "cuda":
-            raise ValueError("TrainConfig.dtype='fp16' needs a CUDA device; on CPU use 'bf16'")
+        # "auto" -> what this machine computes natively (bf16 or fp32); printed once in fit, kept in metrics
+        self.dtype, self.dtype_reason = resolve_dtype(config.dtype, self.device, name="TrainConfig.dtype")
         self.model = model.to(self.device)
         if config.grad_checkpointing:
             enable_gradient_checkpointing(self.model)
@@ -97,7 +99,7 @@ class Trainer:
         self.max_steps, self.planned = config.max_steps, False  # max_steps may be planned (time_budget)
         self._eval_s = 0.0  # one evaluation's time, measured by the plan
         self.schedule = config.schedule_fn()
-        self.scaler = torch.amp.GradScaler("cuda") if config.dtype == "fp16" else None
+        self.scaler = torch.amp.GradScaler("cuda") if self.dtype == "fp16" else None
         self.ddp = D.wrap_ddp(self.model, self.device)
         self.forward_model = torch.compile(self.ddp) if config.compile else self.ddp
         self.log = MetricsLog(self.out_dir / "metrics.jsonl", enabled=self.dist.is_main)
@@ -168,6 +170,8 @@ class Trainer:
         self._t0 = time.perf_counter()
         if main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
+            if cfg.progress:  # quiet runs still record it in metrics.json
+                print(f"dtype: {self.dtype} ({self.dtype_reason})", file=sys.stderr)
         latest = D.broadcast_object(latest_checkpoint(self.out_dir) if main else None)
         if latest is not None and not resume:
             raise ValueError(f"{self.out_dir} already holds checkpoints (latest {latest.name}): "
@@ -234,7 +238,7 @@ class Trainer:
         lr = self.schedule.lr_at(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        dtype = DTYPES[cfg.dtype]
+        dtype = DTYPES[self.dtype]
         autocast = (lambda: torch.autocast(self.device.type, dtype=dtype)) if dtype else contextlib.nullcontext
         loss_sum, tokens = 0.0, 0
         for micro in range(cfg.grad_accum):
@@ -338,7 +342,8 @@ class Trainer:
         wall = self._wall()
         metrics = {"steps": self.step, "train_tokens": self.tokens,
                    "train_tokens_per_s": self.tokens / self.train_time if self.train_time > 0 else 0.0,
-                   "train_time_s": self.train_time, "wall_s": wall}
+                   "train_time_s": self.train_time, "wall_s": wall,
+                   "dtype": self.dtype, "dtype_reason": self.dtype_reason}
         train = [r for r in self.history if r.get("kind") == "train"]
         if train:
             metrics["train_loss"] = train[-1]["loss"]

@@ -78,7 +78,7 @@ class MLMSettings(TrainConfig):
     betas: tuple[float, float] = (0.9, 0.98)
     weight_decay: float = 0.01
     clip: float = 1.0
-    dtype: str = "bf16"
+    dtype: str = "auto"  # bf16 where the CPU computes it natively (and faster), else fp32
     eval_every: int = 250
     checkpoint_every: int = 500
     log_every: int = 50

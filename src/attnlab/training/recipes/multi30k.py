@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab._checks import check_int
+from attnlab._runtime import check_dtype_name, resolve_dtype
 from attnlab.data.batching import TokenBucketBatches, pad_batch
 from attnlab.data.datasets import atomic_write, load_parallel
 from attnlab.data.tokenizers import TextTokenizer, train_bpe
@@ -88,7 +89,7 @@ class Multi30kSettings(TrainConfig):
     num_beams: int = 5
     length_penalty: float = 1.0
     average_checkpoints: int = 3
-    eval_dtype: str = "bf16"
+    eval_dtype: str = "auto"
     # trainer defaults for this recipe
     max_steps: int = 1800
     lr: float = 1e-3
@@ -98,7 +99,7 @@ class Multi30kSettings(TrainConfig):
     betas: tuple[float, float] = (0.9, 0.98)
     weight_decay: float = 0.01
     clip: float = 1.0
-    dtype: str = "bf16"
+    dtype: str = "auto"  # bf16 where the CPU computes it natively (and faster), else fp32
     eval_every: int = 250
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
@@ -118,8 +119,9 @@ class Multi30kSettings(TrainConfig):
         for name in ("dropout", "attn_dropout", "label_smoothing"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
-        if self.eval_dtype not in ("fp32", "bf16"):
-            raise ValueError(f"eval_dtype must be 'fp32' or 'bf16', got {self.eval_dtype!r}")
+        self.eval_dtype = check_dtype_name(self.eval_dtype, name="eval_dtype")
+        if self.eval_dtype == "fp16":
+            raise ValueError("eval_dtype must be one of auto, fp32, bf16, got 'fp16'")
         if self.average_checkpoints > 1 and (self.checkpoint_every < 1
                                              or self.keep_checkpoints < self.average_checkpoints - 1):
             raise ValueError(f"average_checkpoints={self.average_checkpoints} needs checkpoint_every >= 1 and "
@@ -196,7 +198,7 @@ def translate(model: Seq2SeqTransformer, tokenizer: TextTokenizer, sentences: Se
         num_beams, length_penalty: beam search with ``Σ log p / len^α`` (``α = length_penalty``).
         batch_size: sentences decoded together, sorted by length; a batch may add up to ``1.5 · S + 10``
             tokens (``S``: its longest source), within the model's position table.
-        dtype: ``"fp32"`` or ``"bf16"`` (autocast).
+        dtype: ``"fp32"``, ``"bf16"`` (autocast) or ``"auto"`` (:func:`attnlab._runtime.resolve_dtype`).
 
     Returns:
         one string per sentence, special tokens removed.
@@ -204,12 +206,13 @@ def translate(model: Seq2SeqTransformer, tokenizer: TextTokenizer, sentences: Se
     Raises:
         ValueError: an unknown ``dtype`` or ``batch_size < 1``.
     """
-    if dtype not in ("fp32", "bf16"):
-        raise ValueError(f"dtype must be 'fp32' or 'bf16', got {dtype!r}")
+    if dtype not in ("fp32", "bf16", "auto"):
+        raise ValueError(f"dtype must be 'fp32', 'bf16' or 'auto', got {dtype!r}")
     check_int("batch_size", batch_size, 1)
     ids = tokenizer.encode_batch(list(sentences), add_special_tokens=True)
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     device = next(model.parameters()).device
+    dtype = resolve_dtype(dtype, device)[0]
     limit = model.config.max_positions - 1
     out: list[str] = [""] * len(ids)
     for start in range(0, len(order), batch_size):

@@ -107,7 +107,7 @@ class ShakespeareSettings(TrainConfig):
     weight_decay: float = 0.1
     warmup_steps: int = 100
     clip: float = 1.0
-    dtype: str = "bf16"
+    dtype: str = "auto"  # bf16 where the CPU computes it natively (and faster), else fp32
     eval_every: int = 500  # each evaluation costs ~3.5 s of the 10 minutes
     checkpoint_every: int = 500
     log_every: int = 50
@@ -156,7 +156,7 @@ PRESETS = {
     # (lr 1e-3 -> 1e-4 cosine, warmup 100, beta2 0.99, weight decay 0.1, clip 1.0)
     "nanogpt-cpu": dict(arch="gpt2", n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12, dropout=0.0,
                         max_steps=2000, lr=1e-3, min_lr=1e-4, warmup_steps=100, betas=(0.9, 0.99), weight_decay=0.1,
-                        clip=1.0, attn_dropout=0.0, dtype="bf16", eval_every=0, checkpoint_every=0, log_every=100,
+                        clip=1.0, attn_dropout=0.0, dtype="auto", eval_every=0, checkpoint_every=0, log_every=100,
                         eval_batches=16, eval_batch_size=64, time_budget=None, max_seconds=None),
     "tiny": dict(arch="gpt2", n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=8, dropout=0.0, max_steps=40,
                  lr=1e-2, min_lr=1e-3, warmup_steps=5, dtype="fp32", eval_every=20, checkpoint_every=10, log_every=10,
