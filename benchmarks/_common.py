@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -31,10 +32,29 @@ def parser(description: str, out: str) -> argparse.ArgumentParser:
 
 
 def setup(args: argparse.Namespace) -> None:
+    """Threads and seed; then one header line saying where this runs (see :func:`machine`)."""
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    print(f"machine: {machine_line()}", flush=True)
+
+
+def machine() -> dict:
+    """attnlab's capability probe, measured (ISA, native bf16, AMX, threads, matmul GFLOP/s, copy GB/s)
+    and the dtype ``auto`` picks here: two numbers from different machines are never compared by mistake."""
+    from attnlab._runtime import probe, resolve_dtype
+
+    dtype, reason = resolve_dtype("auto")
+    return {**probe(measure=True).as_dict(), "auto_dtype": dtype, "auto_dtype_reason": reason,
+            "env": {k: v for k, v in os.environ.items() if k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+                                                                 "OMP_NUM_THREADS", "MALLOC_MMAP_THRESHOLD_")}}
+
+
+def machine_line() -> str:
+    from attnlab._runtime import probe, resolve_dtype
+
+    return f"{probe(measure=True).line()} | auto dtype: {'%s (%s)' % resolve_dtype('auto')}"
 
 
 def _sync() -> None:
@@ -122,7 +142,7 @@ def environment() -> dict:
     return {
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
         "processor": platform.processor(), "threads": torch.get_num_threads(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "capability": machine(),
     }
 
 

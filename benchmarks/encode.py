@@ -48,7 +48,7 @@ def bert_base(quick: bool) -> dict:
     default = BertModel(cfg).eval()
     peer = transformers.BertModel(transformers.BertConfig(**cfg.to_hf())).eval()
     peer.load_state_dict(default.to_hf_state_dict(), strict=False)  # strict=False: HF's position_ids buffer
-    ours = copy.deepcopy(default).optimize_for_inference()
+    ours = copy.deepcopy(default).optimize_for_inference(dtype=torch.float32)
     B, L = 8, 32 if quick else 128
     ids = torch.randint(1, cfg.vocab_size, (B, L))
     mask = torch.ones(B, L, dtype=torch.long)
@@ -78,7 +78,7 @@ def minilm(quick: bool) -> list[dict]:
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     tok.enable_padding(pad_id=0, pad_token="[PAD]")  # pad to the longest in the batch
     default = from_pretrained(path)
-    ours = from_pretrained(path).optimize_for_inference()
+    ours = from_pretrained(path).optimize_for_inference(dtype=torch.float32)
     hf = transformers.AutoModel.from_pretrained(path).eval()
     sentences = _sentences(16 if quick else 64)
 

@@ -120,7 +120,7 @@ def main() -> None:
     ids = torch.randint(0, config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(0))
     copy_run, copy_bytes = copy_fn(64 if args.quick else 256)
 
-    ours = {"float32": copy.deepcopy(base).optimize_for_inference()}
+    ours = {"float32": copy.deepcopy(base).optimize_for_inference(dtype=torch.float32)}
     if not args.no_bf16:
         ours["bfloat16"] = copy.deepcopy(base).optimize_for_inference(dtype=torch.bfloat16)
     del base

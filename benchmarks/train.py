@@ -64,7 +64,8 @@ def run_preset(preset: str, *, threads: int, overrides: list[str], out: Path) ->
     return {"run": "", "preset": preset, "run_s": m["total_wall_s"], "process_s": process_s, "steps": m["steps"],
             "tokens_per_s": m["train_tokens_per_s"], "val_loss": m["val_loss"], "best_val_loss": m["best_val_loss"],
             "target": f"{key} <= {limit} in <= {budget:.0f} s", "met": "yes" if met else "no",
-            "parameters": m.get("parameters"), "overrides": overrides}
+            "parameters": m.get("parameters"), "overrides": overrides, "dtype": m.get("dtype"),
+            "dtype_reason": m.get("dtype_reason")}
 
 
 def run_peer(*, threads: int) -> dict:
@@ -80,7 +81,7 @@ def run_peer(*, threads: int) -> dict:
     return {"run": "nanoGPT-equivalent (this machine)", "preset": "nanogpt-cpu", "run_s": m["wall_s"],
             "process_s": process_s, "steps": m["steps"], "tokens_per_s": m["tokens_per_s"],
             "val_loss": m["val_loss_fixed"], "best_val_loss": m["val_loss_fixed"],
-            "target": f"nanoGPT's own estimate {m['val_loss']:.3f}", "met": ""}
+            "target": f"nanoGPT's own estimate {m['val_loss']:.3f}", "met": "", "dtype": "fp32"}
 
 
 def main() -> None:
@@ -120,8 +121,8 @@ def main() -> None:
                              "steps": ref["steps"], "tokens_per_s": ref["tokens_per_s"], "val_loss": ref["val_loss"],
                              "best_val_loss": ref["val_loss"], "target": ref["config"], "met": ""})
     print()
-    print_table(rows, ["run", "preset", "run_s", "process_s", "steps", "tokens_per_s", "val_loss", "best_val_loss",
-                       "speedup", "target", "met"])
+    print_table(rows, ["run", "preset", "dtype", "run_s", "process_s", "steps", "tokens_per_s", "val_loss",
+                       "best_val_loss", "speedup", "target", "met"])
     ours = [r for r in rows if r["run"] == "attnlab"]
     print(f"\ntargets met: {sum(r['met'] == 'yes' for r in ours)}/{len(ours)}  "
           "(recorded rows: BASELINES.md, another CPU, not re-run; speedup against the same-machine peer where run)")

@@ -138,6 +138,17 @@ def _rag_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--generator", default=None, help="decoder-only model folder: also generate an answer")
     p.add_argument("--max-new-tokens", type=int, default=32, help="answer length with --generator (default 32)")
 
+ENV_HELP = """examples:
+  attnlab env                       # ISA, native bf16, AMX, threads, measured GFLOP/s, what dtype=auto picks
+  attnlab env --json
+  ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 attnlab env    # behave as an AVX2-only CPU"""
+
+
+def _env_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--no-measure", action="store_true", help="skip the ~1 s measurement (GFLOP/s, GB/s)")
+
+
 BENCH_HELP = """examples:
   attnlab bench --list                               # the benchmark scripts, one line each
   attnlab bench                                      # attention: ours vs SDPA / torch MHA, as ratios
@@ -183,6 +194,10 @@ COMMANDS = {
         "run the benchmarks (ours vs PyTorch / transformers, side by side) and print their tables",
         BENCH_HELP, _bench_args, "attnlab.bench:main",
     ),
+    "env": (
+        "what this machine computes natively (ISA, bf16, AMX, measured speed) and the defaults that follow",
+        ENV_HELP, _env_args, "attnlab.env_cli:main",
+    ),
     "rag": (
         "retrieve the passages of a corpus closest to a query (all-MiniLM-L6-v2), optionally generate an answer",
         RAG_HELP, _rag_args, "attnlab.adapt.rag_cli:main",
@@ -190,7 +205,7 @@ COMMANDS = {
 }
 
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def common_flags() -> argparse.ArgumentParser:
@@ -201,7 +216,8 @@ def common_flags() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     g.add_argument("--device", default=None, help="cpu (default), cuda, cuda:1, ...")
     g.add_argument("--dtype", choices=DTYPES, default=None,
-                   help="model dtype (default float32; for train: the autocast dtype, default the recipe's)")
+                   help="model dtype (default float32; auto = bfloat16 where this CPU computes it natively and "
+                   "faster, see `attnlab env`; for train: the autocast dtype, default the recipe's: auto)")
     return common
 
 
@@ -239,9 +255,13 @@ def cpu_float32_only(args: argparse.Namespace) -> None:
 
 
 def model_dtype(args: argparse.Namespace):
-    """``--dtype`` as a torch dtype (float32 when not given)."""
+    """``--dtype`` as a torch dtype (float32 when not given; ``auto`` resolved for ``--device``)."""
     import torch
 
+    if args.dtype == "auto":
+        from attnlab._runtime import resolve_dtype, torch_dtype
+
+        return torch_dtype(resolve_dtype("auto", args.device or "cpu", name="--dtype")[0])
     return getattr(torch, args.dtype or "float32")
 
 

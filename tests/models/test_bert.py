@@ -203,7 +203,7 @@ def test_optimize_for_inference_keeps_transformers_outputs(tmp_path):
     theirs.save_pretrained(tmp_path / "hf")
     ours = from_pretrained(tmp_path / "hf")
     before = {k: v.clone() for k, v in ours.state_dict().items()}
-    assert ours.optimize_for_inference() is ours
+    assert ours.optimize_for_inference(dtype=torch.float32) is ours
     assert type(ours.bert.layers[0].ffn.w1).__name__ == "PackedLinear"
     _assert_same(*_run_both(ours, theirs), "BertForPreTraining")
     after = ours.state_dict()
@@ -214,7 +214,7 @@ def test_optimize_for_inference_keeps_transformers_outputs(tmp_path):
 
 def test_minilm_sentence_embedding_after_optimize_for_inference(minilm):
     path, tok, _ = minilm
-    model = from_pretrained(path).optimize_for_inference()
+    model = from_pretrained(path).optimize_for_inference(dtype=torch.float32)
     enc = tok.encode_batch([SENTENCE, "A short one."])
     ids, mask = torch.tensor([e.ids for e in enc]), torch.tensor([e.attention_mask for e in enc])
     ref = transformers.AutoModel.from_pretrained(path).eval()

@@ -169,7 +169,7 @@ def test_optimize_for_inference_float32_keeps_logits_and_greedy_tokens_of_transf
     """Packed fp32 weights: the same products up to summation order, the same state dict."""
     theirs, ours = _pair()
     before = {k: v.clone() for k, v in ours.state_dict().items()}
-    assert ours.optimize_for_inference() is ours and not ours.training
+    assert ours.optimize_for_inference(dtype=torch.float32) is ours and not ours.training
     assert isinstance(ours.lm_head, PackedLinear) and isinstance(ours.layers[0].ffn.w1, PackedLinear)
     ids, mask = _left_padded(torch.randint(0, V, (3, 12)))
     pos = (mask.cumsum(-1) - 1).clamp(min=0)

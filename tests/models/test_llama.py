@@ -158,7 +158,7 @@ def test_optimize_for_inference_keeps_greedy_tokens_and_bf16_is_close(tmp_path):
     theirs, ours = _pair(tmp_path)
     ids, mask = _left_padded(torch.randint(1, V, (3, 7)))
     ref_logits = ours(ids, attention_mask=mask).logits
-    ours.optimize_for_inference()
+    ours.optimize_for_inference(dtype=torch.float32)
     assert ours.layers[0].self_attn.in_proj.dtype == torch.float32  # a PackedLinear
     ref = theirs.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(ours.generate(ids, attention_mask=mask, max_new_tokens=8), ref)

@@ -20,7 +20,7 @@ every linear layer at once.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -162,13 +162,15 @@ class InferenceLayoutMixin:
 
     packed_rows: Optional[int] = None
 
-    def optimize_for_inference(self, *, dtype: torch.dtype = torch.float32):
+    def optimize_for_inference(self, *, dtype: Union[torch.dtype, str] = "auto"):
         """Give every linear layer its fast inference layout, in place, and switch to eval; returns ``self``.
 
         Each ``nn.Linear`` becomes a :class:`PackedLinear`: its weight pre-packed for oneDNN, whose
         inner product uses every thread at batch 1 (MKL's GEMV, behind ``F.linear``, uses one) and
         whose fp32 GEMM is faster than MKL's on AVX-512 CPUs.
 
+        - ``"auto"`` (default): bfloat16 where this machine computes it natively and faster, else
+          float32 (:func:`attnlab._runtime.resolve_dtype`; ``attnlab env`` shows the choice).
         - ``float32``: the same products up to float32 summation order (≈1e-6 relative), the same
           state dict.
         - ``bfloat16``: bf16 weights (half the bytes to read); embeddings, norms, attention, the
@@ -178,7 +180,17 @@ class InferenceLayoutMixin:
         own packed copy (the embedding keeps the table for its lookups). Call it after loading weights.
 
         Raises:
-            ValueError: ``dtype`` is not float32 or bfloat16.
+            ValueError: ``dtype`` is not "auto", float32 or bfloat16.
         """
+        if not isinstance(dtype, torch.dtype):
+            from attnlab._runtime import check_dtype_name, resolve_dtype, torch_dtype
+
+            if check_dtype_name(dtype) in ("auto", "fp32", "bf16"):
+                device = next((p.device for p in self.parameters()), torch.device("cpu"))
+                dtype = torch_dtype(resolve_dtype(dtype, device)[0])
+        elif dtype == torch.bfloat16:
+            from attnlab._runtime import resolve_dtype
+
+            resolve_dtype("bf16", next((p.device for p in self.parameters()), torch.device("cpu")))  # warns if emulated
         optimize_linears_(self, dtype=dtype, rows=self.packed_rows)
         return self.eval()

@@ -1,0 +1,63 @@
+"""``attnlab env``: what this machine computes natively and the defaults that follow.
+
+In the spirit of ``python -m torch.utils.collect_env``, for the questions attnlab's defaults depend on:
+the instruction set torch's CPU kernels use, whether bf16 / fp16 run in hardware, AMX, threads, a short
+measured figure (matmul GFLOP/s in fp32 and bf16, copy GB/s), and the precision ``dtype="auto"``
+resolves to here. ``ATEN_CPU_CAPABILITY`` and ``ONEDNN_MAX_CPU_ISA`` change what it reports (and what
+attnlab does), so an AVX-512 machine can be tried as an AVX2 one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+
+from attnlab._runtime import probe, resolve_dtype
+
+
+def report(*, measure: bool = True) -> dict:
+    """The facts :func:`main` prints, as a dict."""
+    import torch
+
+    cap = probe(measure=measure)
+    device = "cuda" if cap.cuda else "cpu"
+    dtype, reason = resolve_dtype("auto", device)
+    import attnlab
+
+    return {
+        "attnlab": attnlab.__version__, "python": platform.python_version(), "platform": platform.platform(),
+        **cap.as_dict(), "mkldnn": torch.backends.mkldnn.is_available(),
+        "overrides": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")
+                      if k in os.environ},
+        "auto_dtype": dtype, "auto_dtype_reason": reason, "auto_device": device,
+    }
+
+
+def _yes(v: bool) -> str:
+    return "yes" if v else "no"
+
+
+def main(args: argparse.Namespace) -> int:
+    r = report(measure=not args.no_measure)
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    rows = [
+        ("attnlab", r["attnlab"]), ("torch", r["torch_version"]), ("python", r["python"]),
+        ("platform", r["platform"]), ("CPU", f"{r['cpu']} ({r['cores']} cores)"),
+        ("instruction set (torch)", r["isa"]), ("native bf16", _yes(r["bf16_native"])),
+        ("native fp16", _yes(r["fp16_native"])), ("AMX", _yes(r["amx"])), ("oneDNN", _yes(r["mkldnn"])),
+        ("threads", str(r["threads"])), ("CUDA", r["cuda"] or "no"),
+    ]
+    if r["fp32_gflops"] is not None:
+        rows += [("matmul 512² fp32", f"{r['fp32_gflops']:.0f} GFLOP/s"),
+                 ("matmul 512² bf16", f"{r['bf16_gflops']:.0f} GFLOP/s"),
+                 ("copy (read + write)", f"{r['copy_gbps']:.1f} GB/s")]
+    for k, v in r["overrides"].items():
+        rows.append((f"override {k}", v))
+    rows.append(("dtype=auto", f"{r['auto_dtype']} ({r['auto_dtype_reason']})"))
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
