@@ -15,13 +15,15 @@ import sys
 DEMO_HELP = """examples:
   attnlab demo                       # train the reversal model, write ./attnlab-demo-<time>/
   attnlab demo --out runs/demo --seed 1
-  attnlab demo --max-seconds 60      # a shorter budget"""
+  attnlab demo --max-steps 400       # a shorter step budget (the schedule decays over it)"""
 
 
 def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="output folder (default: a fresh ./attnlab-demo-<time>)")
-    p.add_argument("--max-steps", type=int, default=3000, help="training steps at most (default 3000)")
-    p.add_argument("--max-seconds", type=float, default=110.0, help="wall-clock budget for training (default 110)")
+    p.add_argument("--max-steps", type=int, default=800,
+                   help="training steps at most; the schedule decays over them (default 800; stops earlier at 99.5%%)")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="optional wall-clock limit (default none: a slower machine takes longer, never gets a worse model)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -248,8 +250,10 @@ def apply_common(args: argparse.Namespace) -> None:
 
 
 def cpu_float32_only(args: argparse.Namespace) -> None:
-    """For commands that measure on the CPU in float32: refuse ``--device``/``--dtype`` in one line."""
-    for flag, value, ok in (("--device", args.device, ("cpu", None)), ("--dtype", args.dtype, ("float32", None))):
+    """For commands that measure on the CPU in float32: refuse ``--device``/``--dtype`` in one line
+    (``--dtype auto`` is accepted: it resolves to float32 for them)."""
+    for flag, value, ok in (("--device", args.device, ("cpu", None)),
+                            ("--dtype", args.dtype, ("float32", "auto", None))):
         if value not in ok:
             raise ValueError(f"attnlab {args.command} runs on the CPU in float32; {flag} {value} is not supported")
 

@@ -111,3 +111,31 @@ def test_learned_bias_gets_the_reference_gradient():
     ref = attention(q, k, v, mask=bias, causal=True, backend="reference")
     for a, b in zip(got, _grads(ref, (q, k, v, bias))):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_short_attention_backward_under_bf16_autocast_with_padding():
+    """A training step of an encoder-decoder under CPU bf16 autocast (the demo's and multi30k's shape:
+    ShortAttention with key padding). The incoming gradient can be float32 while q, k, v are bf16."""
+    import torch.nn.functional as F
+
+    from attnlab.data.synthetic import PAD, ReverseTask
+    from attnlab.experiments.demo import demo_config
+    from attnlab.models.transformer import Seq2SeqTransformer
+
+    torch.manual_seed(0)
+    task = ReverseTask(seed=0)
+    model = Seq2SeqTransformer(demo_config(task.vocab_size))
+    src, tgt = task.train_batch(16, torch.Generator().manual_seed(0))
+    grads = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            logits = model(src, tgt[:, :-1], src_key_padding_mask=src == PAD, tgt_key_padding_mask=tgt[:, :-1] == PAD)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tgt[:, 1:].reshape(-1),
+                                   ignore_index=PAD)
+        loss.backward()
+        grads[dtype] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    g32, g16 = grads[torch.float32], grads[torch.bfloat16]
+    assert torch.isfinite(g16).all()
+    # bf16 rounds each product's inputs to 8 significant bits: the gradient direction survives
+    assert F.cosine_similarity(g32, g16, dim=0) > 0.98

@@ -119,7 +119,9 @@ class ShortAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q3, k3, v3, p = ctx.saved_tensors
         B, H = grad_out.shape[:2]
-        go = grad_out.reshape(q3.shape[0], q3.shape[1], v3.shape[2])  # (B·H, Lq, Dv)
+        # (B·H, Lq, Dv), in the products' dtype: under autocast the incoming gradient can be float32
+        # while q, k, v are bfloat16
+        go = grad_out.reshape(q3.shape[0], q3.shape[1], v3.shape[2]).to(v3.dtype)
         dv = torch.bmm(p.to(go.dtype).transpose(1, 2), go)
         dp = torch.bmm(go, v3.transpose(1, 2)).to(p.dtype)
         ds = torch._softmax_backward_data(dp, p, -1, p.dtype)  # dS, which is also dM
