@@ -1,7 +1,10 @@
 import os
+import sys
 
 import pytest
 import torch
+
+sys.path.insert(0, os.path.dirname(__file__))  # tests/_tolerance.py: tolerances from dtype and magnitude
 
 # one thread: the test tensors are small, and one thread is faster and steadier on a busy machine
 torch.set_num_threads(1)

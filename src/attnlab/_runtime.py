@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["reuse_freed_memory", "Capability", "probe", "resolve_dtype", "check_dtype_name", "torch_dtype",
+__all__ = ["reuse_freed_memory", "reuse_large_blocks", "Capability", "probe", "resolve_dtype", "check_dtype_name", "torch_dtype",
            "DTYPE_CHOICES"]
 
 # mallopt(3) parameter numbers (glibc's malloc.h)
@@ -236,3 +236,30 @@ def torch_dtype(name: str):
     import torch
 
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+_LARGE_BLOCKS = {"applied": False}
+LARGE_TENSOR_BYTES = 8 << 20
+
+
+def reuse_large_blocks(*tensors) -> bool:
+    """Keep freed blocks of long-sequence kernels for reuse, applied by the library itself, once per process.
+
+    A block of 32 MiB or more (e.g. ``(1, 8, 16384, 64)`` in fp32) is above glibc's largest dynamic
+    mmap threshold: each call maps it afresh and the kernel zero-fills every page on first touch, so
+    long sequences cost more than their size (causal linear attention fwd+bwd at N=16384: ~270,000
+    minor faults per call with glibc's defaults, ~10,000 after this; N=16384/N=2048 time 12× → ≤ 10×).
+    The first call whose tensors hold at least ``LARGE_TENSOR_BYTES`` each sets ``M_MMAP_THRESHOLD`` and
+    ``M_TRIM_THRESHOLD`` to 1 GiB (:func:`reuse_freed_memory`); the price is that up to 1 GiB of freed
+    memory stays mapped for reuse. ``ATTNLAB_KEEP_MALLOC=1`` in the environment leaves glibc's settings
+    alone. Called by the ``tiled`` backend and :func:`attnlab.linear_attention`.
+
+    Returns:
+        True when the setting is in force (now or from an earlier call).
+    """
+    if _LARGE_BLOCKS["applied"] or os.environ.get("ATTNLAB_KEEP_MALLOC") == "1":
+        return _LARGE_BLOCKS["applied"]
+    if not any(t.device.type == "cpu" and t.numel() * t.element_size() >= LARGE_TENSOR_BYTES for t in tensors):
+        return False
+    _LARGE_BLOCKS["applied"] = reuse_freed_memory(mmap_threshold=1 << 30, trim_threshold=1 << 30)
+    return _LARGE_BLOCKS["applied"]

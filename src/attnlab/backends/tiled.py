@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from attnlab._runtime import reuse_large_blocks
 from attnlab.functional.masks import call_mask_mod
 
 BLOCK_Q = 128     # query rows per block
@@ -60,6 +61,7 @@ def tiled_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Optional[Tensor] =
 
     Arguments are those of :func:`attnlab.attention`, already validated (4-D masks).
     """
+    reuse_large_blocks(q, k, v)  # long sequences: keep freed blocks instead of re-faulting them (see _runtime)
     cfg = _Config(causal=causal, window=window, scale=scale, score_mod=score_mod, mask_mod=mask_mod,
                   bool_mask=mask if mask is not None and mask.dtype == torch.bool else None,
                   block_q=block_q, block_k=block_k, max_chunk=max_chunk)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnlab._runtime import reuse_large_blocks
 from attnlab.functional.attention import _check_qkv
 from attnlab.functional.scores import check_positive_int
 
@@ -73,7 +74,7 @@ def linear_attention(
     projection: Optional[Tensor] = None,
     key_mask: Optional[Tensor] = None,
     chunk_size: int = 64,
-    eps: float = 1e-6,
+    eps: float = 0.0,
 ) -> Tensor:
     """Linear attention ``out_i = φ(q_i)ᵀ Σ_j φ(k_j) v_jᵀ / (φ(q_i)ᵀ Σ_j φ(k_j) + eps)``.
 
@@ -93,7 +94,9 @@ def linear_attention(
         key_mask: bool ``(B, Lk)``, True = a real key, False = padding; padded keys contribute
             nothing (their ``φ(k)`` and ``v`` are zeroed).
         chunk_size: chunk length of the causal prefix sums.
-        eps: added to the denominator (``>= 0``). FAVOR+ features are stabilised by factors that
+        eps: added to the denominator (``>= 0``; default 0, so the result is the formula itself, to the
+            dtype's round-off: every feature map here is non-negative, and a row whose denominator is
+            exactly 0 — possible with ``relu`` — returns zeros). A stabiliser is the user's choice. FAVOR+ features are stabilised by factors that
             cancel in the ratio (per query row: the max over features of its exponent; keys: the
             max over a head's non-padded keys and features, or under ``causal`` the running max
             over keys ``≤ j``, so no later key touches an earlier output); ``eps`` is added to the
@@ -121,6 +124,7 @@ def linear_attention(
         raise ValueError(f"causal linear attention needs Lq <= Lk (queries are the last Lq of the Lk "
                          f"positions), got Lq={Lq}, Lk={Lk}")
     keep = _check_key_mask(key_mask, B, Lk, q.device)
+    reuse_large_blocks(q, k, v)  # long sequences: keep freed blocks instead of re-faulting them (see _runtime)
 
     q = q.unflatten(1, (Hkv, H // Hkv))  # (B, Hkv, G, Lq, D): the G query heads sharing a kv head
     k, v = k.unsqueeze(2), v.unsqueeze(2)  # (B, Hkv, 1, Lk, ·)
