@@ -48,7 +48,7 @@ def machine() -> dict:
     dtype, reason = resolve_dtype("auto")
     return {**probe(measure=True).as_dict(), "auto_dtype": dtype, "auto_dtype_reason": reason,
             "env": {k: v for k, v in os.environ.items() if k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
-                                                                 "OMP_NUM_THREADS", "MALLOC_MMAP_THRESHOLD_")}}
+                                                                 "OMP_NUM_THREADS", "MALLOC_MMAP_THRESHOLD_", "ATTNLAB_KEEP_MALLOC")}}
 
 
 def machine_line() -> str:

@@ -5,9 +5,9 @@
     ``t(16384) / t(2048)`` should be about 8 (linear in N), at most 10; these times are taken
     round-robin across the N, so load from other processes hits every length alike. Also the
     peak memory rise of one forward + backward (fresh process) of (a) and (b). With glibc's
-    malloc, a block of 32 MiB or more is mmap'd afresh, and page-faulted, on every call; at
-    N=16384 each (1, 8, N, 64) float32 intermediate is 32 MiB, which shows as a step in time from
-    8192 to 16384 (``MALLOC_MMAP_THRESHOLD_=1073741824`` in the environment removes it).
+    defaults a block of 32 MiB or more is mmap'd afresh, and page-faulted, on every call (at
+    N=16384 each (1, 8, N, 64) float32 intermediate is 32 MiB); attnlab keeps such blocks for reuse
+    itself (``attnlab._runtime.reuse_large_blocks``), so no environment variable is needed.
 (b) Exact causal attention, ``F.scaled_dot_product_attention(is_causal=True)`` (the flash kernel on
     CPU), at the same N, timed round-robin with (a); the crossover length where linear attention
     becomes cheaper, for forward + backward and for forward only (``no_grad``).
