@@ -109,7 +109,11 @@ TRAIN_HELP = """examples:
   attnlab train shakespeare-char --preset nanogpt-cpu --init runs/nanogpt --lora r=8 --out runs/lora  # ~2 % trainable
   attnlab train shakespeare-char --preset nanogpt-cpu --set n_layer=2 --set teacher=runs/nanogpt --out runs/kd  # distil
 Settings (--set): every field of the recipe's settings (max_steps, lr, eval_every, checkpoint_every, seed,
-dtype, compile, n_layer, ...); an unknown key lists the valid ones. Data comes from $ATTNLAB_DATA_DIR."""
+dtype, compile, n_layer, ...); an unknown key lists the valid ones. Data comes from $ATTNLAB_DATA_DIR.
+--resume takes the settings saved in the newest intact checkpoint; it may change only max_steps, time_budget,
+max_seconds, eval_every, checkpoint_every, keep_checkpoints, log_every, progress, device, dtype, compile,
+eval_batches, eval_batch_size (one line each says so); any other --set is refused.
+--out must be new, empty or an earlier run (marked by attnlab-run.json); one process writes into it at a time."""
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:

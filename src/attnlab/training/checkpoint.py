@@ -20,8 +20,8 @@ import torch
 
 from attnlab.data.datasets import atomic_write
 
-__all__ = ["checkpoint_path", "list_checkpoints", "latest_checkpoint", "save_checkpoint", "load_checkpoint",
-           "rng_state", "set_rng_state", "atomic_write_bytes"]
+__all__ = ["checkpoint_path", "list_checkpoints", "latest_checkpoint", "latest_intact_checkpoint", "save_checkpoint",
+           "load_checkpoint", "remove_stale_temporaries", "rng_state", "set_rng_state", "atomic_write_bytes"]
 
 PathLike = Union[str, os.PathLike]
 _NAME = re.compile(r"ckpt-(\d{8,})\.pt")
@@ -99,20 +99,79 @@ def _fsync_dir(directory: Path) -> None:
 def load_checkpoint(path: PathLike, *, map_location: Union[str, torch.device] = "cpu") -> dict:
     """Read a checkpoint with ``torch.load(weights_only=True)`` (no arbitrary code runs).
 
+    A file that cannot be read that way is reported as unreadable: torch's advice to retry with
+    ``weights_only=False`` is never relayed, since running the pickle of an unreadable file is the
+    unsafe thing to do.
+
     Raises:
         FileNotFoundError: no file at ``path``.
-        ValueError: the file is not a readable checkpoint dict.
+        ValueError: the file is empty, torn or not a checkpoint dict.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path} is not a readable checkpoint: the file is empty")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
-    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as e:
-        raise ValueError(f"{path} is not a readable checkpoint: {str(e).splitlines()[0]}") from None
+    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError, OSError, AttributeError, TypeError) as e:
+        raise ValueError(f"{path} is not a readable checkpoint: {_first_safe_line(e)}") from None
     if not isinstance(state, dict):
         raise ValueError(f"{path} is not a checkpoint (expected a dict, got {type(state).__name__})")
     return state
+
+
+def _first_safe_line(e: BaseException) -> str:
+    """The first line of ``e``'s message, unless it is torch's advice to unpickle without ``weights_only``."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    first = lines[0] if lines else type(e).__name__
+    if "weights_only" in first or "unsafe" in first.lower():
+        return "it holds objects that a safe load (weights_only=True) refuses, or it is torn"
+    return first
+
+
+def latest_intact_checkpoint(directory: PathLike, *, map_location: Union[str, torch.device] = "cpu",
+                             warn=None) -> tuple[Optional[Path], Optional[dict]]:
+    """The newest checkpoint of ``directory`` that reads, and its state; ``(None, None)`` when there is none.
+
+    Newer files that do not read (empty, torn, not a checkpoint) are skipped with one ``warn(line)``
+    each (default: print to stderr), naming the file and the checkpoint used instead.
+
+    Raises:
+        ValueError: there are checkpoints but none reads (the message names them).
+    """
+    import sys
+
+    found = list_checkpoints(directory)
+    skipped: list[tuple[Path, str]] = []
+    for path in reversed(found):
+        try:
+            state = load_checkpoint(path, map_location=map_location)
+        except ValueError as e:
+            skipped.append((path, str(e)))
+            continue
+        for bad, why in skipped:
+            line = f"warning: skipped {bad.name} ({why.split(': ', 1)[-1]}); using {path.name}"
+            (warn or (lambda m: print(m, file=sys.stderr)))(line)
+        return path, state
+    if skipped:
+        names = ", ".join(p.name for p, _ in skipped)
+        raise ValueError(f"no intact checkpoint in {directory}: {names} cannot be read ({skipped[0][1]})")
+    return None, None
+
+
+def remove_stale_temporaries(directory: PathLike) -> list[Path]:
+    """Delete the ``.*.tmp`` files an interrupted atomic write left in ``directory``; return them.
+
+    Only safe while the caller holds the folder's lock (no other writer can be mid-write).
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    stale = [p for p in d.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp") and p.is_file()]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
 
 
 def rng_state() -> dict:

@@ -96,6 +96,11 @@ class TrainConfig:
         for name in ("grad_checkpointing", "compile", "progress"):
             need(isinstance(getattr(self, name), bool), name, "a bool")
         need(isinstance(self.device, str) and bool(self.device), "device", "a device string ('cpu', 'cuda', 'auto')")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except RuntimeError:
+                need(False, "device", "a device such as 'cpu', 'cuda', 'cuda:1' or 'auto'")
         self.schedule_fn()  # schedule-specific checks (noam needs warmup_steps >= 1)
 
     def schedule_fn(self, total_steps: Optional[int] = None) -> Schedule:

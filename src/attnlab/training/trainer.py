@@ -30,7 +30,8 @@ from tqdm.auto import tqdm
 from attnlab._runtime import resolve_dtype
 from attnlab.training import distributed as D
 from attnlab.training.activation_checkpointing import enable_gradient_checkpointing
-from attnlab.training.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from attnlab.training.checkpoint import (latest_checkpoint, latest_intact_checkpoint, rng_state, save_checkpoint,
+                                        set_rng_state)
 from attnlab.training.config import DTYPES, TrainConfig
 from attnlab.training.optim import build_optimizer
 from attnlab.training.reporting import MetricsLog, plot_loss_curve, write_json
@@ -68,13 +69,16 @@ class Trainer:
         evaluate: ``evaluate(model) -> dict`` with at least ``"val_loss"``; run on rank 0, in eval
             mode, without grad, in fp32, under a forked RNG.
         out_dir: receives checkpoints, ``metrics.jsonl``, ``metrics.json``, ``loss.png``.
+        run_info: saved in every checkpoint as ``"run"`` (plain values): e.g. the recipe, preset and full
+            settings the run was made with, so a resume never depends on a file beside the checkpoint.
 
     Raises:
         TypeError / ValueError: bad arguments (the message names them).
     """
 
     def __init__(self, model: nn.Module, config: TrainConfig, *, train_batches, loss_fn: Callable,
-                 evaluate: Optional[Callable[[nn.Module], dict]] = None, out_dir: Union[str, Path]) -> None:
+                 evaluate: Optional[Callable[[nn.Module], dict]] = None, out_dir: Union[str, Path],
+                 run_info: Optional[dict] = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if not isinstance(config, TrainConfig):
@@ -106,6 +110,9 @@ class Trainer:
         self.step, self.best_val, self.best_step = 0, None, None
         self.tokens, self.train_time, self.prior_wall = 0, 0.0, 0.0
         self.history: list[dict] = []
+        self.run_info = run_info
+        self._window = [0.0, 0, 0]  # the open log window: loss sum, steps, tokens (checkpointed: the log
+        # after a resume equals the uninterrupted one)
 
     # ---- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -120,7 +127,7 @@ class Trainer:
             "rng": D.gather_objects(rng_state()), "data": data,
             "best_val_loss": self.best_val, "best_step": self.best_step,
             "counters": {"tokens": self.tokens, "train_time_s": self.train_time, "wall_s": self._wall()},
-            "config": asdict(self.config),
+            "config": asdict(self.config), "run": self.run_info, "log_window": list(self._window),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -145,6 +152,9 @@ class Trainer:
             self.schedule = self.config.schedule_fn(self.max_steps)
         c = state.get("counters", {})
         self.tokens, self.train_time = c.get("tokens", 0), c.get("train_time_s", 0.0)
+        if state.get("log_window") is not None:
+            loss_sum, steps, tokens = state["log_window"]
+            self._window = [float(loss_sum), int(steps), int(tokens)]
         self.prior_wall = c.get("wall_s", 0.0)
 
     def _save(self) -> None:
@@ -176,8 +186,10 @@ class Trainer:
         if latest is not None and not resume:
             raise ValueError(f"{self.out_dir} already holds checkpoints (latest {latest.name}): "
                              "resume to continue, or choose a new output folder")
-        if latest is not None:
-            self.load_state_dict(load_checkpoint(latest, map_location=self.device))
+        if latest is not None:  # the newest checkpoint that reads (a torn or empty newer one is skipped, warned)
+            latest, state = latest_intact_checkpoint(self.out_dir, map_location=self.device,
+                                                     warn=None if main else (lambda line: None))
+            self.load_state_dict(state)
             self.history = self.log.truncate_after(self.step)
         else:
             torch.manual_seed(cfg.seed + self.dist.rank)
@@ -187,7 +199,7 @@ class Trainer:
         bar = tqdm(total=self.max_steps, initial=self.step, disable=not (cfg.progress and main), unit="step",
                    dynamic_ncols=True, mininterval=0.5, desc="train")
         last_eval = None
-        window = [0.0, 0, 0, time.perf_counter()]  # loss sum, steps, tokens, start of the window
+        window_t0 = time.perf_counter()  # start of the open log window (self._window: loss sum, steps, tokens)
         plan_mark = None  # (step, time) where the timing for a time_budget plan starts
         try:
             while self.step < self.max_steps:
@@ -202,18 +214,19 @@ class Trainer:
                     bar.total = self.max_steps
                     bar.refresh()
                 self.tokens += tokens
+                window = self._window
                 window[0] += loss
                 window[1] += 1
                 window[2] += tokens
                 bar.update(1)
                 last = self.step >= self.max_steps or stop
                 if self.step % cfg.log_every == 0 or last:
-                    rate = window[2] / max(time.perf_counter() - window[3], 1e-9)
+                    rate = window[2] / max(time.perf_counter() - window_t0, 1e-9)
                     rec = {"kind": "train", "step": self.step, "loss": window[0] / window[1],
                            "lr": self.schedule.lr_at(self.step - 1), "tokens_per_s": rate, "elapsed_s": self._wall()}
                     self._record(rec)
                     bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rate:,.0f}", refresh=False)
-                    window = [0.0, 0, 0, time.perf_counter()]
+                    self._window, window_t0 = [0.0, 0, 0], time.perf_counter()
                 if self.evaluate is not None and ((cfg.eval_every and self.step % cfg.eval_every == 0) or last):
                     last_eval = self._run_eval()
                     bar.set_postfix(loss=f"{loss:.4f}", val=f"{last_eval.get('val_loss', float('nan')):.4f}",

@@ -27,13 +27,14 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from attnlab.training.checkpoint import latest_checkpoint, load_checkpoint
-from attnlab.training.distributed import DistInfo, distributed
+from attnlab.training.checkpoint import latest_checkpoint, latest_intact_checkpoint, load_checkpoint
+from attnlab.training.distributed import DistInfo, dist_info_from_env, distributed
 from attnlab.training.reporting import write_json
+from attnlab.training.run_dir import check_not_file, check_out, open_run
 from attnlab.training.trainer import TrainConfig, Trainer
 
-__all__ = ["Recipe", "Built", "RECIPE_MODULES", "register", "get_recipe", "recipe_names", "resolve_settings",
-           "parse_set", "run_recipe", "evaluate_checkpoint"]
+__all__ = ["Recipe", "Built", "RECIPE_MODULES", "RESUME_SETTINGS", "register", "get_recipe", "recipe_names",
+           "resolve_settings", "parse_set", "run_recipe", "evaluate_checkpoint", "load_weights_checked"]
 
 # recipe name -> the module that registers it (imported on first lookup of that name)
 RECIPE_MODULES = {
@@ -201,23 +202,67 @@ def _read_config(out: Path) -> Optional[dict]:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
+# Settings a --resume may change (each applied with one line); any other change is refused: it would make
+# the resumed run a different run than the checkpoint's (another model shape, data, seed or optimiser).
+RESUME_SETTINGS = ("max_steps", "time_budget", "max_seconds", "eval_every", "checkpoint_every", "keep_checkpoints",
+                   "log_every", "progress", "device", "dtype", "compile", "eval_batches", "eval_batch_size")
+
+
+def _saved_run(out: Path) -> Optional[dict]:
+    """``{"recipe", "preset", "settings"}`` of a run folder: from its newest intact checkpoint (the settings
+    it was made with), else from ``config.json`` (a run from before checkpoints carried them, or none yet)."""
+    if not out.is_dir():
+        return None
+    _, state = latest_intact_checkpoint(out, warn=lambda line: None)  # the trainer warns when it loads
+    if state is not None and isinstance(state.get("run"), dict) and "settings" in state["run"]:
+        return state["run"]
+    return _read_config(out)
+
+
+def _resume_settings(recipe: Recipe, saved: dict, overrides: Mapping[str, Any], out: Path, say: Callable[[str], None]):
+    """The saved settings with the allowed ``overrides`` applied (one line each); any other change refused."""
+    old = resolve_settings(recipe, base=saved.get("settings", {}))
+    new = resolve_settings(recipe, base=saved.get("settings", {}), overrides=overrides)
+    a, b = asdict(old), asdict(new)
+    changed = [k for k in a if a[k] != b[k]]
+    refused = [k for k in changed if k not in RESUME_SETTINGS]
+    if refused:
+        k = refused[0]
+        raise ValueError(f"--resume {out}: --set {k}={b[k]!r} would change the run (its checkpoint has {k}={a[k]!r}); "
+                         f"settings a resume may change: {', '.join(RESUME_SETTINGS)}. Start a new run with "
+                         f"--init {out} to fine-tune from it")
+    for k in changed:
+        say(f"resume: {k} {a[k]!r} -> {b[k]!r}")
+    return new
+
+
 def run_recipe(name: str, *, out: PathLike, preset: Optional[str] = None,
                overrides: Optional[Mapping[str, Any]] = None, resume: bool = False) -> dict:
-    """Resolve settings, write ``out/config.json``, build, train, write ``out/metrics.json``; return the metrics.
+    """Check everything, then lock ``out``, build, write ``out/config.json``, train, write ``out/metrics.json``.
 
-    With ``resume`` the settings saved in ``out/config.json`` are the base (``preset``, if given,
-    must be the saved one; ``overrides`` apply on top) and training continues from the latest
-    checkpoint. Under ``torchrun`` every rank runs this; rank 0 writes the files.
+    Nothing is written until the settings, the output folder and (with ``resume``) the compatibility
+    with the checkpoint are checked (:mod:`attnlab.training.run_dir`: ``out`` must be new, empty or one
+    of our runs, not an input of this command, and not locked by another process). With ``resume`` the
+    settings saved in the newest intact checkpoint are the base (``preset``, if given, must be the
+    saved one); ``overrides`` may change only :data:`RESUME_SETTINGS`, each with one line. Under
+    ``torchrun`` every rank runs this; rank 0 locks and writes.
 
     Raises:
-        ValueError: unknown recipe/preset/setting, or ``out`` holds checkpoints and ``resume`` is False.
+        ValueError: unknown recipe/preset/setting; ``out`` is not a folder we may write; ``out`` holds
+            checkpoints and ``resume`` is False; a resume that would change the run; another process
+            holds ``out``.
         FileNotFoundError: the recipe's data is missing (offline: names ``ATTNLAB_DATA_DIR``).
         TrainingDivergedError: the loss became NaN/inf.
     """
+    import sys
+
     t0 = time.perf_counter()
     recipe = get_recipe(name)
     out = Path(out)
-    saved = _read_config(out) if resume else None
+    check_not_file(out)  # a file, or under a file: refused before anything is read from it
+    main_rank = dist_info_from_env().is_main
+    say = (lambda line: print(line, file=sys.stderr)) if main_rank else (lambda line: None)
+    saved = _saved_run(out) if resume else None
     if saved is not None and saved.get("recipe") != name:
         raise ValueError(f"{out} holds a {saved.get('recipe')!r} run, not {name!r}")
     if saved is not None:
@@ -225,18 +270,23 @@ def run_recipe(name: str, *, out: PathLike, preset: Optional[str] = None,
             raise ValueError(f"{out} was trained with preset {saved.get('preset') or 'default'!r}, not {preset!r}: "
                              "resume it without --preset (use --set to change a setting)")
         preset = saved.get("preset")
-        settings = resolve_settings(recipe, overrides=overrides, base=saved.get("settings", {}))
+        settings = _resume_settings(recipe, saved, overrides or {}, out, say)
     else:
         settings = resolve_settings(recipe, preset=preset, overrides=overrides)
-    with distributed(settings.device) as dist:
+    check_out(out, inputs=[(k, getattr(settings, k, None)) for k in ("init", "teacher")])
+    latest = latest_checkpoint(out) if out.is_dir() else None
+    if latest is not None and not resume:
+        raise ValueError(f"{out} already holds checkpoints (latest {latest.name}): resume to continue, or choose "
+                         "a new output folder")
+    run_info = {"recipe": name, "preset": preset, "settings": asdict(settings)}
+    with distributed(settings.device) as dist, open_run(out, recipe=name, write=dist.is_main):
         torch.manual_seed(settings.seed)  # the same initial weights on every rank and every run
-        built = recipe.build(settings, out=out, dist=dist, training=True)  # missing data fails here, before any file
+        built = recipe.build(settings, out=out, dist=dist, training=True)  # missing data fails here
         if dist.is_main:
-            write_json(out / "config.json", {"recipe": name, "preset": preset, "settings": asdict(settings),
-                                             "world_size": dist.world_size, "torch": torch.__version__})
+            write_json(out / "config.json", {**run_info, "world_size": dist.world_size, "torch": torch.__version__})
         train_cfg = TrainConfig(**{f.name: getattr(settings, f.name) for f in fields(TrainConfig)})
         trainer = Trainer(built.model, train_cfg, train_batches=built.train_batches, loss_fn=built.loss_fn,
-                          evaluate=built.evaluate, out_dir=out)
+                          evaluate=built.evaluate, out_dir=out, run_info=run_info)
         metrics = trainer.fit(resume=resume)
         if built.finish is not None and dist.is_main:
             built.model.eval()
@@ -247,6 +297,30 @@ def run_recipe(name: str, *, out: PathLike, preset: Optional[str] = None,
         if dist.is_main:
             write_json(out / "metrics.json", metrics)
     return metrics
+
+
+def load_weights_checked(model: nn.Module, weights: Mapping[str, torch.Tensor], *, source: PathLike) -> None:
+    """``model.load_state_dict(weights)``, with a mismatch reported as one ValueError naming the tensors
+    (at most 5 listed) and, for a size mismatch, both shapes."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in weights]
+    unexpected = [k for k in weights if k not in own]
+    shapes = [f"{k} {tuple(weights[k].shape)} vs {tuple(own[k].shape)}" for k in own
+              if k in weights and tuple(weights[k].shape) != tuple(own[k].shape)]
+
+    def listed(items: list[str]) -> str:
+        return ", ".join(items[:5]) + (f", ... ({len(items) - 5} more)" if len(items) > 5 else "")
+
+    problems = []
+    if shapes:
+        problems.append(f"{len(shapes)} tensor(s) of another size (checkpoint vs model): {listed(shapes)}")
+    if missing:
+        problems.append(f"{len(missing)} missing: {listed(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected: {listed(unexpected)}")
+    if problems:
+        raise ValueError(f"{source} does not fit the model its settings build: " + "; ".join(problems))
+    model.load_state_dict(weights)
 
 
 def evaluate_checkpoint(directory: PathLike, *, checkpoint: Optional[PathLike] = None, device: str = "cpu",
@@ -268,20 +342,24 @@ def evaluate_checkpoint(directory: PathLike, *, checkpoint: Optional[PathLike] =
         ValueError: an option the recipe's evaluation does not take, or a bad value.
     """
     directory = Path(directory)
-    saved = _read_config(directory)
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"--checkpoint {directory} is a file: give the run's output folder")
+    if checkpoint is not None:
+        path, state = Path(checkpoint), load_checkpoint(checkpoint, map_location=device)
+    else:  # the newest checkpoint that reads; a torn or empty newer one is skipped with a warning
+        path, state = latest_intact_checkpoint(directory, map_location=device)
+    saved = state.get("run") if state is not None and isinstance(state.get("run"), dict) else _read_config(directory)
     if saved is None:
         raise FileNotFoundError(f"no config.json in {directory}: not an `attnlab train` output folder")
     recipe = get_recipe(saved.get("recipe", "?"))
     settings = resolve_settings(recipe, base=saved.get("settings", {}))
-    path = Path(checkpoint) if checkpoint is not None else latest_checkpoint(directory)
     if path is None:
         raise FileNotFoundError(f"no checkpoint (ckpt-*.pt) in {directory}")
-    state = load_checkpoint(path, map_location=device)
     if "model" not in state:
         raise ValueError(f"{path} holds no model weights")
     built = recipe.build(settings, out=directory, dist=DistInfo(), training=False)
     model = built.model.to(device)
-    model.load_state_dict(state["model"])
+    load_weights_checked(model, state["model"], source=path)
     model.eval()
     score = built.score or built.evaluate
     accepted = inspect.signature(score).parameters

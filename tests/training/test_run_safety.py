@@ -1,0 +1,237 @@
+"""Never lose a run: validate first and write last, run folders marked as ours and locked, corrupt checkpoints
+skipped with a warning, resume refusing what would change the run, and a log that a resume leaves unchanged."""
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnlab import cli
+from attnlab.training.checkpoint import latest_checkpoint, latest_intact_checkpoint, list_checkpoints, load_checkpoint
+from attnlab.training.run_dir import LOCK, MANIFEST
+
+TINY = ["train", "shakespeare-char", "--preset", "tiny", "--quiet", "--threads", "1"]
+TRAIN = [sys.executable, "-m", "attnlab", *TINY]
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _tree(root: Path) -> dict:
+    """Every file under ``root`` -> sha256 of its bytes (what a mistaken command must not change)."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _one_line(capsys, *words):
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    for w in words:
+        assert w in err, (w, err)
+    return err
+
+
+def _train_log(out: Path) -> list[dict]:
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: r[k] for k in ("step", "loss", "lr")} for r in recs if r["kind"] == "train"]
+
+
+@pytest.fixture
+def run(tmp_path, shakespeare):
+    out = tmp_path / "run"
+    assert cli.main([*TINY, "--out", str(out), "--set", "max_steps=12", "--set", "checkpoint_every=6",
+                     "--set", "eval_every=0"]) == 0
+    return out
+
+
+def test_a_refused_run_writes_nothing_and_resume_still_works(run, capsys):
+    capsys.readouterr()
+    before = _tree(run)
+    assert cli.main([*TINY, "--out", str(run), "--set", "n_embd=64"]) == 2  # a new run over an old one
+    _one_line(capsys, "already holds checkpoints")
+    assert cli.main([*TINY[:2], "--out", str(run), "--resume", "--set", "n_layer=3"]) == 2
+    _one_line(capsys, "n_layer=3", "its checkpoint has n_layer=2", "settings a resume may change")
+    assert cli.main([*TINY[:2], "--out", str(run), "--resume", "--set", "lr=0.5"]) == 2
+    _one_line(capsys, "lr=0.5", "lr=0.01")
+    assert _tree(run) == before  # config.json included
+    assert cli.main([*TINY[:2], "--out", str(run), "--resume", "--set", "max_steps=18", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "resume: max_steps 12 -> 18" in err
+    assert json.loads((run / "metrics.json").read_text())["steps"] == 18
+
+
+def test_resume_reads_the_settings_from_the_checkpoint_not_config_json(run, capsys):
+    (run / "config.json").write_text(json.dumps({"recipe": "shakespeare-char", "preset": "tiny",
+                                                 "settings": {"n_embd": 64}}))  # a clobbered file
+    assert cli.main([*TINY[:2], "--out", str(run), "--resume", "--set", "max_steps=14", "--quiet"]) == 0
+    assert json.loads((run / "config.json").read_text())["settings"]["n_embd"] == 32  # rewritten from the checkpoint
+
+
+def test_out_that_is_not_ours_is_refused(tmp_path, shakespeare, capsys):
+    hf = tmp_path / "hf-model"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "bert"}')
+    (hf / "tokenizer.json").write_text("{}")
+    f = tmp_path / "notes.txt"
+    f.write_text("mine")
+    before = _tree(tmp_path)
+    for out, words in ((hf, ("not an attnlab run", "config.json, tokenizer.json")), (f, ("is a file",)),
+                       (f / "sub", ("lies under",))):
+        assert cli.main([*TINY, "--out", str(out)]) == 2
+        _one_line(capsys, "--out", *words)
+    assert _tree(tmp_path) == before
+
+
+def test_out_may_not_be_an_input(run, capsys):
+    assert cli.main([*TINY, "--out", str(run), "--init", str(run)]) == 2
+    _one_line(capsys, "would write over the run this command reads (init=")
+    assert cli.main([*TINY, "--out", str(run.parent), "--set", f"teacher={run}"]) == 2
+    _one_line(capsys, "teacher=")
+
+
+def test_refused_fresh_run_leaves_no_folder(tmp_path, capsys):
+    out = tmp_path / "new"
+    assert cli.main([*TINY, "--out", str(out), "--set", "dtype=fp8"]) == 2
+    _one_line(capsys, "dtype", "fp8")
+    assert cli.main([*TINY, "--out", str(out), "--set", "device=banana"]) == 2
+    _one_line(capsys, "device", "banana")
+    assert not out.exists()
+
+
+def test_a_run_from_before_the_manifest_still_resumes(run, capsys):
+    (run / MANIFEST).unlink()
+    assert cli.main([*TINY[:2], "--out", str(run), "--resume", "--set", "max_steps=14", "--quiet"]) == 0
+    assert (run / MANIFEST).is_file()
+
+
+def test_corrupt_latest_checkpoint_falls_back_with_a_warning(run, capsys):
+    ckpts = list_checkpoints(run)
+    assert [p.name for p in ckpts] == ["ckpt-00000006.pt", "ckpt-00000012.pt"]
+    ckpts[-1].write_bytes(b"")  # empty: used to crash with IndexError inside the error path
+    capsys.readouterr()
+    assert cli.main(["eval", "--checkpoint", str(run)]) == 0
+    err = capsys.readouterr().err
+    assert "skipped ckpt-00000012.pt (the file is empty); using ckpt-00000006.pt" in err
+    ckpts[-1].write_bytes(b"PK\x03\x04 torn zip")  # torn
+    assert cli.main([*TINY[:2], "--out", str(run), "--resume", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "using ckpt-00000006.pt" in err and "weights_only=False" not in err
+    assert load_checkpoint(latest_checkpoint(run))["step"] == 12  # trained again from 6
+
+
+def test_no_intact_checkpoint_is_refused_naming_the_files(run, capsys):
+    for p in list_checkpoints(run):
+        p.write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="no intact checkpoint.*ckpt-00000012.pt, ckpt-00000006.pt"):
+        latest_intact_checkpoint(run)
+    assert cli.main(["eval", "--checkpoint", str(run)]) == 2
+    err = _one_line(capsys, "no intact checkpoint")
+    assert "weights_only=False" not in err
+
+
+def test_eval_of_weights_that_do_not_fit_the_config_is_one_line(run, capsys):
+    path = latest_checkpoint(run)
+    state = load_checkpoint(path)
+    state["model"] = {k: torch.zeros(3) if k.endswith("wte.weight") else v for k, v in state["model"].items()}
+    torch.save(state, path)
+    assert cli.main(["eval", "--checkpoint", str(run)]) == 2
+    _one_line(capsys, "does not fit the model", "wte.weight (3,) vs (")
+
+
+def test_stale_temporary_files_are_removed_on_the_next_open(run):
+    stale = run / ".ckpt-00000018.pt.abc123.tmp"
+    stale.write_bytes(b"\0" * 4096)  # what a kill during a checkpoint write leaves
+    assert cli.main([*TINY[:2], "--out", str(run), "--resume", "--set", "max_steps=13", "--quiet"]) == 0
+    assert not stale.exists()
+
+
+def test_the_log_after_a_resume_equals_the_uninterrupted_log(tmp_path, shakespeare):
+    """checkpoint_every=7 is not a multiple of log_every=5: a resume from step 7 must still log the mean
+    over steps 6-10 at step 10, as the uninterrupted run does."""
+    import shutil
+
+    common = ["--set", "log_every=5", "--set", "eval_every=0", "--set", "checkpoint_every=7",
+              "--set", "keep_checkpoints=5", "--set", "max_steps=20"]
+    ref, res = tmp_path / "ref", tmp_path / "res"
+    assert cli.main([*TINY, "--out", str(ref), *common]) == 0
+    shutil.copytree(ref, res)
+    for p in list_checkpoints(res)[1:]:
+        p.unlink()  # as if killed after step 7's checkpoint: the log still runs to step 20
+    assert [p.name for p in list_checkpoints(res)] == ["ckpt-00000007.pt"]
+    assert cli.main([*TINY[:2], "--out", str(res), "--resume", "--quiet"]) == 0
+    assert _train_log(res) == _train_log(ref)
+    assert [r["step"] for r in _train_log(res)] == [5, 10, 15, 20]
+
+
+def _spawn(out: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([*TRAIN, "--out", str(out), *extra], env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_two_processes_on_one_out(tmp_path, shakespeare):
+    out = tmp_path / "shared"
+    first = _spawn(out, "--set", "max_steps=400", "--set", "eval_every=0", "--set", "checkpoint_every=100")
+    deadline = time.monotonic() + 60
+    while not (out / LOCK).is_file() or not (out / LOCK).read_text().strip():
+        assert time.monotonic() < deadline and first.poll() is None
+        time.sleep(0.05)
+    second = subprocess.run([*TRAIN, "--out", str(out), "--resume"], env=_env(), capture_output=True, text=True,
+                            timeout=120)
+    assert second.returncode == 2
+    assert second.stderr.count("\n") == 1 and f"pid {first.pid}" in second.stderr and str(out) in second.stderr
+    first.send_signal(signal.SIGKILL)  # a dead holder: the kernel drops its lock
+    first.wait(timeout=30)
+    third = subprocess.run([*TRAIN, "--out", str(out), "--resume", "--set", "max_steps=5"], env=_env(),
+                           capture_output=True, text=True, timeout=120)
+    assert third.returncode == 0, third.stderr
+
+
+def _kill_and_resume(tmp_path, *, kills: int, max_steps: int):
+    """An uninterrupted run, and the same run killed ``kills`` times at random moments (checkpoints every 3
+    steps, so many kills land in a checkpoint write) and resumed: the same weights, bit for bit, and the same log."""
+    settings = ["--set", f"max_steps={max_steps}", "--set", "checkpoint_every=3", "--set", "eval_every=20",
+                "--set", "log_every=5", "--set", "keep_checkpoints=2"]
+    ref, out = tmp_path / "ref", tmp_path / "killed"
+    subprocess.run([*TRAIN, "--out", str(ref), *settings], check=True, env=_env(), timeout=300, capture_output=True)
+    rng = random.Random(0)
+    killed = 0
+    for attempt in range(kills):
+        proc = _spawn(out, *settings, *(["--resume"] if attempt or out.exists() else []))
+        time.sleep(rng.uniform(1.5, 4.0))  # start-up takes ~1.5 s; then training and checkpoint writes
+        if proc.poll() is None:
+            proc.kill()
+            killed += 1
+        proc.wait(timeout=60)
+        for path in list_checkpoints(out):  # never a torn ckpt-*.pt, whatever the moment
+            assert load_checkpoint(path)["step"] == int(path.stem.split("-")[1])
+    subprocess.run([*TRAIN, "--out", str(out), "--resume", *settings], check=True, env=_env(), timeout=300,
+                   capture_output=True)
+    assert killed >= 1
+    w_ref, w_res = (load_checkpoint(latest_checkpoint(d))["model"] for d in (ref, out))
+    assert all(torch.equal(w_ref[k], w_res[k]) for k in w_ref)
+    assert _train_log(out) == _train_log(ref)
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_killed_and_resumed_equals_uninterrupted_quick(tmp_path, shakespeare):
+    _kill_and_resume(tmp_path, kills=2, max_steps=300)
+
+
+@pytest.mark.slow
+def test_killed_many_times_and_resumed_equals_uninterrupted(tmp_path, shakespeare):
+    _kill_and_resume(tmp_path, kills=10, max_steps=1500)
+
+
+def test_help_lists_every_setting_a_resume_may_change():
+    from attnlab.cli import TRAIN_HELP
+    from attnlab.training.recipes import RESUME_SETTINGS
+
+    assert all(k in TRAIN_HELP for k in RESUME_SETTINGS)
