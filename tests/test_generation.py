@@ -167,7 +167,7 @@ def test_bad_ids_and_too_long_raise(pair, prompts):
         generate(ours, prompts.float(), max_new_tokens=2)
     with pytest.raises(ValueError, match="input_ids"):
         generate(ours, prompts + V, max_new_tokens=2)
-    with pytest.raises(ValueError, match="input_ids"):  # 7 + 60 > n_positions = 64
+    with pytest.raises(ValueError, match="max_new_tokens=60 with a 7-token prompt exceeds the model's n_positions=64"):
         generate(ours, prompts, max_new_tokens=60)
     with pytest.raises(TypeError, match="cache"):
         reorder_cache({"k": 1}, torch.tensor([0]))
@@ -199,3 +199,20 @@ def test_encoder_decoder_encodes_once_and_beams_carry_the_memory(monkeypatch):
     state = EncoderDecoderCache(model.new_cache(), memory, mask)
     reorder_cache(state, torch.tensor([1, 1, 0]))
     assert state.memory[:, 0, 0].tolist() == [1.0, 1.0, 0.0] and torch.equal(state.memory_mask, mask[[1, 1, 0]])
+
+
+def test_right_padding_and_models_that_cannot_generate_are_refused(pair, prompts):
+    _, ours = pair
+    mask = torch.ones_like(prompts)
+    mask[0, -2:] = 0  # right padding: row 0 would continue from a pad token
+    with pytest.raises(ValueError, match="attention_mask row 0 ends with padding"):
+        generate(ours, prompts, attention_mask=mask, max_new_tokens=2)
+    mask[0] = 0
+    with pytest.raises(ValueError, match="a row with no token"):
+        generate(ours, prompts, attention_mask=mask, max_new_tokens=2)
+    from attnlab.models.bert import BertConfig, BertModel
+
+    bert = BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                intermediate_size=32))
+    with pytest.raises(ValueError, match="BertModel cannot generate"):
+        generate(bert, torch.tensor([[1, 2]]), max_new_tokens=2)

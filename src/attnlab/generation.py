@@ -87,6 +87,12 @@ def generate(model, input_ids: Tensor, *, attention_mask: Optional[Tensor] = Non
     _check(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, num_beams,
            eos_token_id, pad_token_id, decoder_start_token_id, cache)
     encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
+    if not (hasattr(model, "generation_defaults") if encoder_decoder else hasattr(model, "new_cache")):
+        raise ValueError(f"{type(model).__name__} cannot generate: it has no language-model head with a KV cache "
+                         "(use e.g. GPT2LMHeadModel, LlamaForCausalLM, T5ForConditionalGeneration, "
+                         "BartForConditionalGeneration or Seq2SeqTransformer)")
+    if not encoder_decoder:
+        _check_decoder_prompt(model, input_ids, attention_mask, max_new_tokens)
     if encoder_decoder:
         defaults = model.generation_defaults
         eos_token_id = defaults["eos_token_id"] if eos_token_id is None else eos_token_id
@@ -286,6 +292,25 @@ def reorder_cache(cache, index: Tensor) -> None:
 
 def _is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _check_decoder_prompt(model, input_ids: Tensor, attention_mask: Optional[Tensor], max_new_tokens: int) -> None:
+    """A decoder continues each row from its last position, so prompts must be left-padded; and the prompt plus
+    ``max_new_tokens`` must fit the model's position table (refused before any token is generated)."""
+    if attention_mask is not None:
+        m = attention_mask.bool()
+        if bool((~m.any(1)).any()):
+            raise ValueError("attention_mask has a row with no token: every prompt needs at least one")
+        if not bool(m[:, -1].all()):  # padding at the end: the row would continue from a pad token
+            row = int((~m[:, -1]).nonzero()[0])
+            raise ValueError(f"attention_mask row {row} ends with padding (right padding): generation "
+                             "continues each row from its last position, so left-pad the prompts (padding first, "
+                             "as tokenizers do with padding_side='left')")
+    limit = getattr(model, "max_positions", None)
+    if isinstance(limit, int) and input_ids.shape[1] + max_new_tokens > limit:
+        field = getattr(model, "positions_field", "max_positions")
+        raise ValueError(f"max_new_tokens={max_new_tokens} with a {input_ids.shape[1]}-token prompt exceeds the "
+                         f"model's {field}={limit}: at most {limit - input_ids.shape[1]} new tokens")
 
 
 def _check(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, num_beams,

@@ -103,14 +103,77 @@ def attention(
     else:
         raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
 
-    if return_lse:
-        from attnlab.backends.tiled import tiled_attention
+    _check_scale_overflow(q, k, request["scale"])
 
-        r = request
-        return tiled_attention(q, k, v, mask=r["mask"], causal=r["causal"], window=r["window"],
-                               scale=r["scale"], score_mod=r["score_mod"], mask_mod=r["mask_mod"])
-    out, weights = impl.fn(q, k, v, **request)
-    return (out, weights) if return_weights else out
+    def run(q, k, v):
+        if return_lse:
+            from attnlab.backends.tiled import tiled_attention
+
+            r = request
+            return tiled_attention(q, k, v, mask=r["mask"], causal=r["causal"], window=r["window"],
+                                   scale=r["scale"], score_mod=r["score_mod"], mask_mod=r["mask_mod"])
+        return impl.fn(q, k, v, **request)
+
+    if _all_finite(q, k, v):  # the common case: one reduction per tensor, then the backend as it is
+        out, extra = run(q, k, v)
+    else:
+        out, extra = _guarded(run, q, k, v, request, impl)
+    return (out, extra) if return_weights or return_lse else out
+
+
+def _all_finite(*tensors: Tensor) -> bool:
+    """True when no entry is NaN or ±inf: ``sum`` is finite iff every term is (or, rarely, finite terms
+    overflow it, which only sends the request down the guarded path, still exact)."""
+    with torch.no_grad():
+        return all(bool(torch.isfinite(t.sum())) for t in tensors)
+
+
+def _guarded(run, q: Tensor, k: Tensor, v: Tensor, request: dict, impl):
+    """Attention over inputs holding NaN or ±inf, with the semantics of the formula on every backend alike:
+
+    - a key or value that a query may not see has no influence on it (a masked ``0 · NaN`` is 0), in values
+      and in gradients;
+    - a non-finite entry in a row's query, or in a key or value the row may see, makes that whole row NaN
+      (in the output, the weights and the log-sum-exp), so a corrupted input never hides behind zeros.
+
+    Non-finite entries are replaced by 0 for the computation; which rows may see a bad key comes from the
+    same request run once more, without gradients, on zero queries and a value that marks the bad keys.
+    """
+    from attnlab.backends import select_backend
+
+    def clean(t: Tensor) -> Tensor:
+        return torch.where(torch.isfinite(t), t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+    bad_q = ~torch.isfinite(q).all(-1)  # (B, H, Lq)
+    bad_kv = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # (B, Hkv, Lk)
+    out, extra = run(clean(q), clean(k), clean(v))
+    bad_rows = bad_q
+    if bool(bad_kv.any()):
+        with torch.no_grad():
+            marker = bad_kv.to(q.dtype).unsqueeze(-1)  # (B, Hkv, Lk, 1): 1 at a bad key
+            probe = {**request, "dropout_p": 0.0, "normalize": "softmax", "top_k": None, "return_weights": False}
+            zq, kk = torch.zeros_like(q), clean(k).detach()
+            seen, _ = select_backend(zq, kk, marker, **probe).fn(zq, kk, marker, **probe)  # (B, H, Lq, 1)
+        bad_rows = bad_rows | (seen.squeeze(-1) > 0)
+    nan = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
+    out = torch.where(bad_rows.unsqueeze(-1), nan, out)
+    if extra is not None:
+        rows = bad_rows.unsqueeze(-1) if extra.dim() == 4 else bad_rows
+        extra = torch.where(rows, torch.full((), float("nan"), dtype=extra.dtype, device=extra.device), extra)
+    return out, extra
+
+
+def _check_scale_overflow(q: Tensor, k: Tensor, scale: float) -> None:
+    """Refuse a ``scale`` whose scores overflow the dtype (every backend would answer NaN): a score is at most
+    ``|κ| · D · max|q| · max|k|``. Checked only for unusual scales (|κ| > 1e3), so the common path pays nothing."""
+    if abs(scale) <= 1e3:
+        return
+    with torch.no_grad():
+        bound = abs(scale) * q.shape[-1] * float(q.abs().amax()) * float(k.abs().amax())
+    limit = torch.finfo(q.dtype).max if q.is_floating_point() else float("inf")
+    if math.isfinite(bound) and bound > limit / 16 or math.isinf(bound):
+        raise ValueError(f"scale={scale!r} makes the scores overflow {q.dtype} (|scale| · D · max|q| · max|k| = "
+                         f"{bound:.3g} > {limit / 16:.3g}): use a smaller scale or a wider dtype")
 
 
 def attention_weights(
@@ -154,10 +217,23 @@ def attention_weights(
                          f"{tuple(lse.shape) if isinstance(lse, Tensor) else type(lse).__name__}")
     from attnlab.backends.tiled import recover_weights
 
-    return recover_weights(q, k, lse.detach(), heads=_indices("heads", heads, H, q.device),
-                           rows=_indices("rows", rows, Lq, q.device), mask=request["mask"],
-                           causal=request["causal"], window=window, scale=request["scale"],
-                           score_mod=score_mod, mask_mod=mask_mod)
+    w = recover_weights(q, k, lse.detach(), heads=_indices("heads", heads, H, q.device),
+                        rows=_indices("rows", rows, Lq, q.device), mask=request["mask"],
+                        causal=request["causal"], window=window, scale=request["scale"],
+                        score_mod=score_mod, mask_mod=mask_mod)
+    # a row's weights sum to 1 (0 for a row that sees nothing) only with the lse of this very request:
+    # cheap to check, and an lse from another request (causal vs not, another mask) is refused
+    sums = w.detach().sum(-1)
+    finite = lse.detach()[torch.isfinite(lse.detach())]
+    # exp(s - lse) carries ~|s|·ε relative error per weight, a sum of Lk of them ~sqrt(Lk)·ε more
+    tol = 16 * torch.finfo(w.dtype).eps * (math.sqrt(k.shape[2]) + (float(finite.abs().max()) if finite.numel() else 0))
+    ok = ((sums - 1).abs() <= tol) | (sums == 0) | sums.isnan()
+    if not bool(ok.all()):
+        worst = float((sums - 1).abs().masked_fill(ok, 0).max())
+        raise ValueError(f"lse does not belong to this request: recovered rows sum to 1 ± {worst:.3g} (tolerance "
+                         f"{tol:.1e}); pass the lse returned by attention(..., return_lse=True) with the same "
+                         "mask, causal, window, scale and mods")
+    return w
 
 
 def _indices(name: str, idx, n: int, device) -> Tensor:
