@@ -6,7 +6,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Union
 
-__all__ = ["atomic_write", "atomic_write_text"]
+__all__ = ["atomic_write", "atomic_write_text", "read_text_arg", "check_output_file", "check_output_dir"]
 
 
 def atomic_write(target: Union[str, os.PathLike], write: Callable[[str], None]) -> None:
@@ -35,3 +35,55 @@ def atomic_write(target: Union[str, os.PathLike], write: Callable[[str], None]) 
 def atomic_write_text(target: Union[str, os.PathLike], text: str) -> None:
     """:func:`atomic_write` of a UTF-8 string."""
     atomic_write(target, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def read_text_arg(flag: str, path: Union[str, os.PathLike]) -> str:
+    """The UTF-8 text of the file a command-line ``flag`` names, with one clear error for each mistake.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a folder, not readable, or not UTF-8 text (the message names ``flag``, the file, and
+            where decoding failed).
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag} {p} is a folder: give a text file")
+    if not p.is_file():
+        raise FileNotFoundError(f"{flag}: no such file {str(p)!r}")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag} {p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ValueError(f"{flag} {p} cannot be read: {e.strerror}") from None
+
+
+def check_output_file(flag: str, path: Union[str, os.PathLike]) -> Path:
+    """``path`` as a file a command may write: not a folder, inside an existing folder. Raises ValueError."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag} {p} is a folder: give a file name")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{flag} {p} lies under {parent}, which is a file")
+            break
+    if not p.parent.is_dir():
+        raise ValueError(f"{flag} {p}: no such folder {str(p.parent)!r}")
+    if not os.access(p.parent, os.W_OK):
+        raise ValueError(f"{flag} {p}: the folder {str(p.parent)!r} is not writable")
+    return p
+
+
+def check_output_dir(flag: str, path: Union[str, os.PathLike]) -> Path:
+    """``path`` as a folder a command may create or write into: not a file, not under a file. Raises ValueError."""
+    p = Path(path)
+    for q in [p, *p.parents]:
+        if q.exists():
+            if not q.is_dir():
+                raise ValueError(f"{flag} {p} " + ("is a file" if q == p else f"lies under {q}, which is a file")
+                                 + ": give a folder")
+            if not os.access(q, os.W_OK):
+                raise ValueError(f"{flag} {p}: {str(q)!r} is not writable")
+            break
+    return p

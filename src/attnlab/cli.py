@@ -295,10 +295,19 @@ def main(argv=None) -> int:
         apply_common(args)
         fn = getattr(importlib.import_module(module), func)
         return int(fn(args) or 0)
-    except (ValueError, FileNotFoundError, KeyboardInterrupt) as e:
+    except BrokenPipeError:  # `attnlab ... | head`: the reader left; not an error of ours
+        sys.stderr.close()
+        return 0
+    except (ValueError, OSError, KeyboardInterrupt) as e:  # a user's mistake: one line, exit 2
         if args.debug:
             raise
-        msg = "interrupted" if isinstance(e, KeyboardInterrupt) else str(e)
+        if isinstance(e, KeyboardInterrupt):
+            msg = "interrupted"
+        elif isinstance(e, OSError) and e.filename is not None and not isinstance(e, FileNotFoundError):
+            msg = f"{e.strerror or type(e).__name__}: {e.filename}"  # a folder given for a file, no permission, ...
+        else:
+            msg = str(e)
+        msg = " ".join(msg.split("\n")).strip() or type(e).__name__
         print(f"attnlab {args.command}: error: {msg}", file=sys.stderr)
         return 2
 

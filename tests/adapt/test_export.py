@@ -71,3 +71,18 @@ def test_errors(tmp_path):
     with pytest.raises(ValueError, match="opset"):
         export_onnx(model, tmp_path / "x.onnx", opset=11)
     assert not (tmp_path / "x.onnx").exists()
+
+
+@pytest.mark.parametrize("how", ["int8", "packed"])
+def test_a_quantised_or_packed_model_is_refused_with_what_to_do(tmp_path, how):
+    from attnlab.adapt.quantize import quantize
+
+    model = BertForMaskedLM(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                       intermediate_size=32, max_position_embeddings=32))
+    if how == "int8":
+        quantize(model, "int8")
+    else:
+        model.optimize_for_inference(dtype=torch.float32)
+    with pytest.raises(ValueError, match="export the float model first, then quantise the ONNX file"):
+        export_onnx(model, tmp_path / "q.onnx")
+    assert not (tmp_path / "q.onnx").exists()

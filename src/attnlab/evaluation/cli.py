@@ -12,7 +12,7 @@ import json
 import math
 from pathlib import Path
 
-from attnlab._io import atomic_write
+from attnlab._io import atomic_write, check_output_file, read_text_arg
 
 TEXT_METRICS = ("bleu", "chrf", "rouge")
 DEFAULT_METRICS = "bleu,chrf"
@@ -32,14 +32,8 @@ def _parse_metrics(spec: str | None, *, allowed: tuple[str, ...] | None) -> list
 
 
 def read_lines(path: str, what: str) -> list[str]:
-    """Lines of a UTF-8 text file, stripped. Raises FileNotFoundError naming the argument."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"{what}: no such file {p}")
-    try:
-        return [line.strip() for line in p.read_text(encoding="utf-8").splitlines()]
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{what}: {p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    """Lines of a UTF-8 text file, stripped. Raises FileNotFoundError / ValueError naming the argument."""
+    return [line.strip() for line in read_text_arg(what, path).splitlines()]
 
 
 def score_files(hyp: str, refs: list[str], metrics: list[str], *, tokenize: str = "13a") -> dict:
@@ -105,8 +99,11 @@ def format_table(scores: dict) -> str:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``attnlab eval``; returns 0. User errors raise ValueError/FileNotFoundError."""
-    if args.dtype not in (None, "float32"):
+    if args.dtype not in (None, "float32", "auto"):
         raise ValueError(f"attnlab eval scores in float32; --dtype {args.dtype} is not supported")
+    for flag, value in (("--out", args.out), ("--reliability-png", args.reliability_png)):
+        if value is not None:
+            check_output_file(flag, value)  # before any scoring: a folder or a missing folder is one line
     if args.checkpoint is not None:
         if args.hyp is not None or args.ref:
             raise ValueError("give either --checkpoint or --hyp/--ref, not both")

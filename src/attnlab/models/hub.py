@@ -121,6 +121,74 @@ def read_config(path: PathLike) -> tuple[dict, ModelFamily]:
     return raw, MODEL_TYPES[model_type]
 
 
+# Bounds on the sizes a config.json may ask for, checked before anything is allocated: a 1 KB file must not
+# make us allocate gigabytes or build thousands of layers. Generous for every released model of these families.
+_LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers", "decoder_layers")
+_HEADS = ("num_attention_heads", "n_head", "num_heads", "num_key_value_heads", "encoder_attention_heads",
+          "decoder_attention_heads")
+_HIDDEN = ("hidden_size", "n_embd", "d_model", "d_kv", "projection_dim")
+_FFN = ("intermediate_size", "n_inner", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim")
+_POSITIONS = ("max_position_embeddings", "n_positions", "relative_attention_num_buckets", "image_size")
+SIZE_LIMITS = {_LAYERS: 1024, _HEADS: 1024, _HIDDEN: 65536, _FFN: 1 << 20, ("vocab_size",): 1 << 22,
+               _POSITIONS: 1 << 20}
+
+
+def _listed(names: list[str], limit: int = 10) -> str:
+    """``names`` as a list, cut after ``limit`` with how many more: a broken checkpoint must not print thousands."""
+    if len(names) <= limit:
+        return str(names)
+    return f"{str(names[:limit])[:-1]}, ... ({len(names) - limit} more)]"
+
+
+def _size_fields(raw: dict):
+    """``(sub-config, its dict)`` pairs: the config and nested ones (CLIP's text_config / vision_config)."""
+    yield "", raw
+    for key, value in raw.items():
+        if isinstance(value, dict) and key.endswith("_config"):
+            yield f"{key}.", value
+
+
+def check_config_sizes(raw: dict, *, where: str) -> None:
+    """Every size field of ``config.json`` (and its nested configs) is an int within :data:`SIZE_LIMITS`.
+
+    Raises:
+        ValueError: naming the file, the field, its value and the bound.
+    """
+    for prefix, cfg in _size_fields(raw):
+        for names, limit in SIZE_LIMITS.items():
+            for name in names:
+                if name not in cfg or cfg[name] is None:
+                    continue
+                v = cfg[name]
+                if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= limit:
+                    raise ValueError(f"{where!r}: {prefix}{name}={v!r} is out of range (an int in [0, {limit:,}])")
+
+
+def _estimated_parameters(raw: dict) -> int:
+    """A rough count from the config alone: per layer ``4h² + 2hf`` (attention and feed-forward), plus the
+    token and position tables. Within a small factor of the real count for the families here."""
+    total = 0
+    for _, cfg in _size_fields(raw):
+        def size(names):
+            return max((cfg[n] for n in names if isinstance(cfg.get(n), int)), default=0)
+
+        # encoder + decoder stacks (T5: num_layers + num_decoder_layers; BART: encoder_ + decoder_layers)
+        layers = sum(cfg[n] for n in _LAYERS if isinstance(cfg.get(n), int))
+        h = size(_HIDDEN)
+        f = size(_FFN) or 4 * h
+        total += layers * (4 * h * h + 2 * h * f) + (size(("vocab_size",)) + size(_POSITIONS[:2])) * h
+    return total
+
+
+def _check_config_matches_weights(raw: dict, weights: dict, *, where: str) -> None:
+    """Refuse a config that describes a model far larger than its weights (checked before building it)."""
+    stored = sum(t.numel() for t in weights.values())
+    estimated = _estimated_parameters(raw)
+    if estimated > 64 * stored + 10_000_000:  # the estimate is rough; this only stops configs far from their weights
+        raise ValueError(f"{where!r} describes a model of ~{estimated:,} parameters, but the weights beside it hold "
+                         f"{stored:,}: the config does not belong to these weights")
+
+
 def load_weights(path: PathLike) -> dict[str, Tensor]:
     """The tensors of ``model.safetensors`` (preferred) or ``pytorch_model.bin`` (``weights_only`` unpickling).
 
@@ -176,7 +244,15 @@ def from_pretrained(path: PathLike, *, dtype: Optional[torch.dtype] = None, mode
     elif model_cls not in family.architectures.values():
         raise ValueError(f"model_cls {model_cls.__name__} is not registered for model_type "
                          f"{family.model_type!r}; registered: {sorted(c.__name__ for c in family.architectures.values())}")
-    config, hf = model_cls.adapt_hf_checkpoint(family.config_from_hf(raw), load_weights(path))
+    cfg_file = Path(path) / CONFIG_NAME
+    check_config_sizes(raw, where=str(cfg_file))
+    try:
+        config = family.config_from_hf(raw)
+    except (TypeError, ValueError, KeyError) as e:  # a field of the wrong type or range: name the file
+        raise ValueError(f"{str(cfg_file)!r}: {e}") from None
+    weights = load_weights(path)
+    _check_config_matches_weights(raw, weights, where=str(cfg_file))
+    config, hf = model_cls.adapt_hf_checkpoint(config, weights)
     model = model_cls(config)
     expected = model.to_hf_state_dict()
     ignored = [re.compile(p) for p in getattr(model_cls, "hf_ignored", ())]
@@ -184,7 +260,7 @@ def from_pretrained(path: PathLike, *, dtype: Optional[torch.dtype] = None, mode
     missing, unexpected = sorted(expected.keys() - hf.keys()), sorted(hf.keys() - expected.keys())
     if missing or unexpected:
         raise ValueError(f"checkpoint {str(path)!r} does not match {model_cls.__name__}: "
-                         f"missing tensors {missing}, unexpected tensors {unexpected}")
+                         f"missing tensors {_listed(missing)}, unexpected tensors {_listed(unexpected)}")
     for name, t in expected.items():
         if hf[name].shape != t.shape:
             raise ValueError(f"tensor {name!r} has shape {tuple(hf[name].shape)} in the checkpoint but "

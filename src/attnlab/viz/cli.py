@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from attnlab._io import check_output_dir, check_output_file
 from attnlab.viz.extract import AttentionRecord, extract_from_path, group_labels, pool_attention
 
 PNG_MAX_TOKENS = 64  # longer inputs are pooled to this many rows/columns in the PNGs
@@ -60,8 +61,10 @@ def main(args) -> int:
 
     if args.out is None and args.png is None:
         raise ValueError("give --out FILE.html and/or --png DIR")
-    if args.out is not None and not Path(args.out).parent.is_dir():
-        raise FileNotFoundError(f"--out: no such directory {str(Path(args.out).parent)!r}")
+    if args.out is not None:
+        check_output_file("--out", args.out)
+    if args.png is not None:
+        check_output_dir("--png", args.png)
     texts = {k: getattr(args, k) for k in ("text", "text_b", "src", "tgt") if getattr(args, k) is not None}
     from attnlab.cli import model_dtype
 
