@@ -80,7 +80,7 @@ def test_a_quantised_or_packed_model_is_refused_with_what_to_do(tmp_path, how):
     model = BertForMaskedLM(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                        intermediate_size=32, max_position_embeddings=32))
     if how == "int8":
-        quantize(model, "int8")
+        model = quantize(model, "int8")  # a copy unless inplace=True
     else:
         model.optimize_for_inference(dtype=torch.float32)
     with pytest.raises(ValueError, match="export the float model first, then quantise the ONNX file"):
