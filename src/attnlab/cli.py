@@ -273,13 +273,21 @@ def model_dtype(args: argparse.Namespace):
     return getattr(torch, args.dtype or "float32")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line (``attnlab CMD: error: ...``) and exit 2, like every other
+    user error; ``--help`` still prints the full usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="attnlab", description="Attention mechanisms and Transformers: exact, fast, end to end.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
     common = common_flags()
     for name, (help_, epilog, add_args, _) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_, epilog=epilog, parents=[common],
