@@ -167,3 +167,17 @@ def test_known_mistakes_are_one_line(argv, assets, capsys):
         rc = cli.main([a.format(**world) for a in argv])
         err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["eval", "--hyp", "{file}", "--ref", "{file}", "--out", "{file}"], "is also --hyp"),
+    (["viz", "--model", "{gpt2}", "--text", "hi", "--out", "{gpt2}/config.json"], "is also a file of --model"),
+])
+def test_an_output_never_overwrites_an_input(argv, words, assets, capsys):
+    with tempfile.TemporaryDirectory() as tmp:
+        world = _world(Path(tmp), *assets)
+        before = _snapshot(Path(tmp), [])
+        capsys.readouterr()
+        assert cli.main([a.format(**world) for a in argv]) == 2
+        assert words in capsys.readouterr().err
+        assert _snapshot(Path(tmp), []) == before

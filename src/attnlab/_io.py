@@ -58,9 +58,13 @@ def read_text_arg(flag: str, path: Union[str, os.PathLike]) -> str:
         raise ValueError(f"{flag} {p} cannot be read: {e.strerror}") from None
 
 
-def check_output_file(flag: str, path: Union[str, os.PathLike]) -> Path:
-    """``path`` as a file a command may write: not a folder, inside an existing folder. Raises ValueError."""
+def check_output_file(flag: str, path: Union[str, os.PathLike], *, inputs=()) -> Path:
+    """``path`` as a file a command may write: not a folder, inside an existing folder, and not one of the
+    command's ``inputs`` (``(flag, path)`` pairs; None paths skipped). Raises ValueError naming both flags."""
     p = Path(path)
+    for in_flag, in_path in inputs:
+        if in_path is not None and Path(in_path).exists() and Path(in_path).resolve() == p.resolve():
+            raise ValueError(f"{flag} {p} is also {in_flag}: the command would write over its own input")
     if p.is_dir():
         raise ValueError(f"{flag} {p} is a folder: give a file name")
     for parent in p.parents:

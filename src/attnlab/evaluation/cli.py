@@ -103,7 +103,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"attnlab eval scores in float32; --dtype {args.dtype} is not supported")
     for flag, value in (("--out", args.out), ("--reliability-png", args.reliability_png)):
         if value is not None:
-            check_output_file(flag, value)  # before any scoring: a folder or a missing folder is one line
+            check_output_file(flag, value, inputs=[("--hyp", args.hyp), *(("--ref", r) for r in args.ref)])
     if args.checkpoint is not None:
         if args.hyp is not None or args.ref:
             raise ValueError("give either --checkpoint or --hyp/--ref, not both")

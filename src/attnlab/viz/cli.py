@@ -62,7 +62,8 @@ def main(args) -> int:
     if args.out is None and args.png is None:
         raise ValueError("give --out FILE.html and/or --png DIR")
     if args.out is not None:
-        check_output_file("--out", args.out)
+        check_output_file("--out", args.out, inputs=[("--tokenizer", args.tokenizer)] + [
+            ("a file of --model", p) for p in (Path(args.model).iterdir() if Path(args.model).is_dir() else ())])
     if args.png is not None:
         check_output_dir("--png", args.png)
     texts = {k: getattr(args, k) for k in ("text", "text_b", "src", "tgt") if getattr(args, k) is not None}
