@@ -6,7 +6,7 @@ a binary file, a path that does not exist, a path under a file, a real model fol
 small GPT-2 folder, an earlier run. Runs in-process (``attnlab.cli.main``) with budgets that keep each
 example to a second or two: ``demo`` and ``train`` always get a tiny step budget first (a drawn value may
 override it), ``explain`` and ``bench`` are drawn among their fast paths (``--list``, unknown names).
-The default suite draws 10 examples (~1 minute: each runs a real command); ``-m slow`` draws 300.
+The default suite draws 10 examples (~1 minute: each runs a real command); ``-m slow`` draws 100.
 """
 import hashlib
 import os
@@ -139,7 +139,7 @@ def test_random_command_lines_exit_cleanly_and_touch_only_their_outputs(argv, as
 
 
 @pytest.mark.slow
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(argv=command())
 def test_many_random_command_lines(argv, assets, capsys):
     _check(argv, assets, capsys)
