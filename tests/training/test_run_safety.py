@@ -91,6 +91,8 @@ def test_out_that_is_not_ours_is_refused(tmp_path, shakespeare, capsys):
 
 
 def test_out_may_not_be_an_input(run, capsys):
+    assert cli.main([*TINY, "--out", os.environ["ATTNLAB_DATA_DIR"]]) == 2  # the data folder: not a run of ours
+    _one_line(capsys, "not an attnlab run")
     assert cli.main([*TINY, "--out", str(run), "--init", str(run)]) == 2
     _one_line(capsys, "would write over the run this command reads (init=")
     assert cli.main([*TINY, "--out", str(run.parent), "--set", f"teacher={run}"]) == 2
@@ -104,6 +106,14 @@ def test_refused_fresh_run_leaves_no_folder(tmp_path, capsys):
     assert cli.main([*TINY, "--out", str(out), "--set", "device=banana"]) == 2
     _one_line(capsys, "device", "banana")
     assert not out.exists()
+
+
+def test_a_folder_left_with_only_our_lock_is_ours(tmp_path, shakespeare, capsys):
+    out = tmp_path / "killed-at-start"  # killed after taking the lock, before writing the manifest
+    out.mkdir()
+    (out / LOCK).write_text("999999\n")
+    assert cli.main([*TINY, "--out", str(out), "--set", "max_steps=2", "--set", "eval_every=0"]) == 0
+    assert (out / MANIFEST).is_file() and latest_checkpoint(out).name == "ckpt-00000002.pt"
 
 
 def test_a_run_from_before_the_manifest_still_resumes(run, capsys):
@@ -235,3 +245,34 @@ def test_help_lists_every_setting_a_resume_may_change():
     from attnlab.training.recipes import RESUME_SETTINGS
 
     assert all(k in TRAIN_HELP for k in RESUME_SETTINGS)
+
+
+def test_a_locked_out_refuses_every_torchrun_rank_at_once(tmp_path, shakespeare):
+    """Under torchrun only rank 0 takes the lock; when it is refused, the other rank is told so (a broadcast)
+    instead of waiting for rank 0 in the first collective: the launch ends with the holder's pid, no hang."""
+    import fcntl
+
+    out = tmp_path / "held"
+    out.mkdir()
+    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                              *TRAIN[1:], "--out", str(out), "--set", "max_steps=5"], env=_env(), capture_output=True,
+                             text=True, timeout=240)  # a deadlock would end here with TimeoutExpired
+    finally:
+        os.close(fd)
+    assert run.returncode != 0
+    refusals = [ln for ln in run.stderr.splitlines() if f"is in use by another attnlab process (pid {os.getpid()})" in ln]
+    # rank 0's line, and rank 1's unless torchrun stopped rank 1 first (it stops the others when one fails)
+    assert 1 <= len(refusals) <= 2, run.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == [LOCK]  # nothing written
+
+
+def test_eval_of_one_checkpoint_file_uses_its_run(run, capsys):
+    capsys.readouterr()
+    assert cli.main(["eval", "--checkpoint", str(run / "ckpt-00000006.pt")]) == 0
+    assert "ckpt-00000006.pt" in capsys.readouterr().out
+    assert cli.main(["eval", "--checkpoint", str(run / "config.json")]) == 2
+    _one_line(capsys, "is a file: give a run's output folder or one of its ckpt-*.pt")

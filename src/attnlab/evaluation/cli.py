@@ -10,6 +10,7 @@ import argparse
 import inspect
 import json
 import math
+import re
 from pathlib import Path
 
 from attnlab._io import atomic_write, check_output_file, read_text_arg
@@ -67,8 +68,12 @@ def _checkpoint_scores(args: argparse.Namespace) -> dict:
     except ImportError as e:
         raise ValueError(f"scoring a --checkpoint needs attnlab.training.recipes.evaluate_checkpoint from the "
                          f"training package, which is not available ({e})") from None
-    ckpt = Path(args.checkpoint)
-    if not ckpt.is_dir():
+    ckpt, single = Path(args.checkpoint), None
+    if ckpt.is_file() and re.fullmatch(r"ckpt-\d{8,}\.pt", ckpt.name):
+        ckpt, single = ckpt.parent, ckpt  # one checkpoint of a run: scored with its run's settings
+    elif ckpt.is_file():
+        raise ValueError(f"--checkpoint {ckpt} is a file: give a run's output folder or one of its ckpt-*.pt")
+    elif not ckpt.is_dir():
         raise FileNotFoundError(f"--checkpoint: no such folder {ckpt}")
     wanted = {"device": args.device, "metrics": _parse_metrics(args.metrics, allowed=None), "split": args.split,
               "max_batches": args.max_batches, "reliability_png": args.reliability_png}
@@ -81,7 +86,8 @@ def _checkpoint_scores(args: argparse.Namespace) -> dict:
         if name not in params and not takes_any:
             raise ValueError(f"--{name.replace('_', '-')} is not supported by this checkpoint's evaluation")
         kwargs[name] = value
-    result = evaluate_checkpoint(ckpt, **kwargs)
+    result = evaluate_checkpoint(ckpt, **kwargs) if single is None else evaluate_checkpoint(ckpt, checkpoint=single,
+                                                                                             **kwargs)
     if not isinstance(result, dict):
         raise ValueError(f"evaluate_checkpoint returned {type(result).__name__}, expected a dict of metrics")
     return result

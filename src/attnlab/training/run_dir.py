@@ -17,7 +17,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Union
+from typing import Callable, Iterable, Iterator, Optional, Union
 
 from attnlab._io import atomic_write_text
 
@@ -33,8 +33,9 @@ class RunLockedError(ValueError):
 
 
 def is_run(path: Path) -> bool:
-    """True when ``path`` holds our manifest, or is a run from before the manifest existed."""
-    if (path / MANIFEST).is_file():
+    """True when ``path`` holds our manifest or our lock file (a run whose first process was killed, or is still
+    starting, before it wrote the manifest), or is a run from before the manifest existed."""
+    if (path / MANIFEST).is_file() or (path / LOCK).is_file():
         return True
     try:
         saved = json.loads((path / "config.json").read_text(encoding="utf-8"))
@@ -83,10 +84,14 @@ def check_out(out: PathLike, *, inputs: Iterable[tuple[str, Optional[PathLike]]]
 
 
 @contextlib.contextmanager
-def open_run(out: Path, *, recipe: str, write: bool = True) -> Iterator[Path]:
+def open_run(out: Path, *, recipe: str, write: bool = True,
+             share: Callable[[Optional[str]], Optional[str]] = lambda refusal: refusal) -> Iterator[Path]:
     """Lock ``out`` for this process (creating it), mark it as ours, clean stale temporaries; yields ``out``.
 
-    With ``write=False`` (ranks other than 0 under torchrun) nothing is created or locked. If this call
+    With ``write=False`` (ranks other than 0 under torchrun) nothing is created or locked. Under torchrun
+    pass ``share=broadcast_object``: every rank calls it once, rank 0 with its refusal (None when it holds
+    the lock), so that when rank 0 is refused every rank is refused at once instead of waiting for rank 0
+    in the first collective. If this call
     created the folder and the body is refused (ValueError, FileNotFoundError: bad settings, missing data)
     before any checkpoint exists, the files it made are removed again, so a refused run leaves nothing behind.
 
@@ -94,6 +99,9 @@ def open_run(out: Path, *, recipe: str, write: bool = True) -> Iterator[Path]:
         RunLockedError: another live process holds the lock (the message names it and its pid).
     """
     if not write:
+        refusal = share(None)
+        if refusal is not None:
+            raise RunLockedError(refusal)
         yield out
         return
     import fcntl
@@ -101,15 +109,22 @@ def open_run(out: Path, *, recipe: str, write: bool = True) -> Iterator[Path]:
     from attnlab.training.checkpoint import list_checkpoints, remove_stale_temporaries
 
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        share(f"--out {out}: cannot create the run folder or its lock ({e.strerror or e})")
+        raise
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            raise RunLockedError(f"--out {out} is in use by another attnlab process (pid {holder}); wait for it "
-                                 "to finish or choose another folder") from None
+            refusal = (f"--out {out} is in use by another attnlab process (pid {holder}); wait for it to finish or "
+                       "choose another folder")
+            share(refusal)
+            raise RunLockedError(refusal) from None
+        share(None)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         remove_stale_temporaries(out)

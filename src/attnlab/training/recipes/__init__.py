@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from attnlab.training.checkpoint import latest_checkpoint, latest_intact_checkpoint, load_checkpoint
-from attnlab.training.distributed import DistInfo, dist_info_from_env, distributed
+from attnlab.training.distributed import DistInfo, broadcast_object, dist_info_from_env, distributed
 from attnlab.training.reporting import write_json
 from attnlab.training.run_dir import check_not_file, check_out, open_run
 from attnlab.training.trainer import TrainConfig, Trainer
@@ -279,7 +279,8 @@ def run_recipe(name: str, *, out: PathLike, preset: Optional[str] = None,
         raise ValueError(f"{out} already holds checkpoints (latest {latest.name}): resume to continue, or choose "
                          "a new output folder")
     run_info = {"recipe": name, "preset": preset, "settings": asdict(settings)}
-    with distributed(settings.device) as dist, open_run(out, recipe=name, write=dist.is_main):
+    with distributed(settings.device) as dist, \
+            open_run(out, recipe=name, write=dist.is_main, share=broadcast_object):  # a refusal reaches every rank
         torch.manual_seed(settings.seed)  # the same initial weights on every rank and every run
         built = recipe.build(settings, out=out, dist=dist, training=True)  # missing data fails here
         if dist.is_main:
