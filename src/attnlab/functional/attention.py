@@ -116,6 +116,8 @@ def attention(
 
     if _all_finite(q, k, v):  # the common case: one reduction per tensor, then the backend as it is
         out, extra = run(q, k, v)
+        if not _all_finite(out):  # finite inputs, non-finite output: the scores overflowed the dtype
+            _check_scale_overflow(q, k, request["scale"], always=True)
     else:
         out, extra = _guarded(run, q, k, v, request, impl)
     return (out, extra) if return_weights or return_lse else out
@@ -163,17 +165,22 @@ def _guarded(run, q: Tensor, k: Tensor, v: Tensor, request: dict, impl):
     return out, extra
 
 
-def _check_scale_overflow(q: Tensor, k: Tensor, scale: float) -> None:
-    """Refuse a ``scale`` whose scores overflow the dtype (every backend would answer NaN): a score is at most
-    ``|κ| · D · max|q| · max|k|``. Checked only for unusual scales (|κ| > 1e3), so the common path pays nothing."""
-    if abs(scale) <= 1e3:
+def _check_scale_overflow(q: Tensor, k: Tensor, scale: float, *, always: bool = False) -> None:
+    """Refuse scores that overflow the dtype (the backends would answer NaN, each in its own rows): a score is
+    at most ``|κ| · D · max|q| · max|k|``. Checked up front for unusual scales (|κ| > 1e3), and ``always``
+    when finite inputs gave a non-finite output (huge q or k with a normal scale), so the common path pays
+    nothing."""
+    if abs(scale) <= 1e3 and not always:
         return
     with torch.no_grad():
         bound = abs(scale) * q.shape[-1] * float(q.abs().amax()) * float(k.abs().amax())
     limit = torch.finfo(q.dtype).max if q.is_floating_point() else float("inf")
     if math.isfinite(bound) and bound > limit / 16 or math.isinf(bound):
         raise ValueError(f"scale={scale!r} makes the scores overflow {q.dtype} (|scale| · D · max|q| · max|k| = "
-                         f"{bound:.3g} > {limit / 16:.3g}): use a smaller scale or a wider dtype")
+                         f"{bound:.3g} > {limit / 16:.3g}): use a smaller scale, smaller q and k, or a wider dtype")
+    if always:
+        raise ValueError(f"attention over finite q, k, v overflowed {q.dtype} (|scale| · D · max|q| · max|k| = "
+                         f"{bound:.3g}, or the values are too large): use smaller inputs or a wider dtype")
 
 
 def attention_weights(
