@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from attnlab._io import atomic_write_text
+from attnlab._io import atomic_write_text, check_output_dir
 from attnlab.data.synthetic import BOS, EOS, PAD, ReverseTask
 from attnlab.models.config import TransformerConfig
 from attnlab.models.transformer import Seq2SeqTransformer
@@ -89,9 +89,7 @@ def check_out(out: Optional[str]) -> Path:
         ValueError: naming ``--out`` and what is there.
     """
     out_dir = Path(out) if out else Path(f"attnlab-demo-{datetime.now():%Y%m%d-%H%M%S}")
-    for parent in [out_dir, *out_dir.parents]:
-        if parent.exists() and not parent.is_dir():
-            raise ValueError(f"--out {out_dir}: {parent} is a file, not a folder")
+    check_output_dir("--out", out_dir)  # not a file, not under one
     if out_dir.is_dir() and any(out_dir.iterdir()):
         try:
             ours = json.loads((out_dir / "metrics.json").read_text(encoding="utf-8")).get("task") == TASK

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Union
 
-from attnlab._io import atomic_write_text
+from attnlab._io import atomic_write_text, check_output_dir
 
 __all__ = ["MANIFEST", "LOCK", "check_not_file", "check_out", "is_run", "open_run", "RunLockedError"]
 
@@ -46,13 +46,8 @@ def is_run(path: Path) -> bool:
 
 
 def check_not_file(out: PathLike) -> Path:
-    """``out`` as a Path. Raises ValueError when it is a file or lies under one."""
-    out = Path(out)
-    for parent in [out, *out.parents]:
-        if parent.exists() and not parent.is_dir():
-            what = "is a file" if parent == out else f"lies under {parent}, which is a file"
-            raise ValueError(f"--out {out} {what}: give a folder")
-    return out
+    """``out`` as a Path. Raises ValueError when it is a file or lies under one (:func:`attnlab._io.check_output_dir`)."""
+    return check_output_dir("--out", out)
 
 
 def check_out(out: PathLike, *, inputs: Iterable[tuple[str, Optional[PathLike]]] = ()) -> Path:
