@@ -6,7 +6,7 @@ blocks in :mod:`attnlab.nn`, models in :mod:`attnlab.models`.
 from attnlab.attention import (AdditiveAttention, LinformerAttention, LocationAwareAttention, LuongAttention,
                                MonotonicAttention, MultiheadAttention, PerformerAttention, get_attention)
 from attnlab.backends import BACKENDS
-from attnlab.functional.attention import attention, attention_weights
+from attnlab.backends.dispatch import attention, attention_weights
 from attnlab.functional.linear import favor_projection, linear_attention
 from attnlab.functional.masks import (and_masks, bigbird_layout, bigbird_mod, causal_mod, document_mod, fixed_mod,
                                       or_masks, prefix_lm_mod, sliding_window_mod, strided_mod)

@@ -175,18 +175,17 @@ def test_bad_inputs_name_the_argument():
 @pytest.mark.parametrize("kind", ["alibi", "t5"])
 def test_position_bias_dense_and_score_mod_paths_agree(kind, monkeypatch):
     """Small inputs add the bias as a dense mask (SDPA); large ones pass its score_mod (tiled)."""
-    import importlib
 
     from attnlab import ALiBi, T5RelativeBias
 
-    mh = importlib.import_module("attnlab.attention.multihead")  # attnlab.attention is also the function
+    from attnlab.backends import dispatch  # where a position bias becomes a dense mask or a score_mod
 
     bias = ALiBi(4) if kind == "alibi" else T5RelativeBias(4, num_buckets=8, max_distance=32)
     m = MultiheadAttention(32, 4, position_bias=bias).eval()
     x = torch.randn(2, 40, 32, requires_grad=True)
     dense, _ = m(x, is_causal=True, need_weights=False)
     g_dense = torch.autograd.grad(dense.sum(), [x, *bias.parameters()])
-    monkeypatch.setattr(mh, "DENSE_BIAS_LIMIT", 0)
+    monkeypatch.setattr(dispatch, "DENSE_BIAS_LIMIT", 0)
     modded, _ = m(x, is_causal=True, need_weights=False)
     g_mod = torch.autograd.grad(modded.sum(), [x, *bias.parameters()])
     assert torch.allclose(dense, modded, atol=1e-5)

@@ -53,7 +53,7 @@ def _request(kind: str, L: int):
 def _supported(backend, q, k, v, kw):
     if backend == "auto":
         return True
-    from attnlab.functional.attention import _prepare
+    from attnlab.functional.request import prepare as _prepare
 
     request = _prepare(q, k, v, mask=kw.get("mask"), causal=kw.get("causal", False), window=kw.get("window"),
                        scale=None, score_mod=None, mask_mod=kw.get("mask_mod"), dropout_p=0.0, normalize="softmax",

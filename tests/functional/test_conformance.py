@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attnlab.backends import BACKENDS, select_backend
-from attnlab.functional.attention import attention
+from attnlab import attention
 from attnlab.functional.masks import causal_mod, prefix_lm_mod, sliding_window_mod
 
 F64, F32 = torch.float64, torch.float32

@@ -3,7 +3,7 @@ message that names the offending argument."""
 import pytest
 import torch
 
-from attnlab.functional.attention import attention
+from attnlab import attention
 
 B, H, HKV, LQ, LK, D, DV = 2, 4, 2, 3, 5, 8, 6
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnlab.functional.attention import attention
+from attnlab import attention
 from attnlab.functional.linear import default_num_features, favor_projection, linear_attention
 
 B, H, HKV, L, D, DV = 2, 4, 2, 13, 6, 5

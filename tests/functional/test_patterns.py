@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from attnlab.backends import BACKENDS
-from attnlab.functional.attention import attention
+from attnlab import attention
 from attnlab.functional.masks import bigbird_layout, bigbird_mod, evaluate_mask_mod, fixed_mod, strided_mod
 
 SHAPES = [(12, 12), (5, 13), (13, 5), (1, 9)]  # (Lq, Lk): equal, Lq < Lk, Lq > Lk, decoding

@@ -197,10 +197,16 @@ def test_output_attentions_equal_transformers_eager(tmp_path):
             assert (w - w_ref).permute(0, 2, 1, 3)[rows.bool()].abs().max() <= tolerance(w_ref, n=32, depth=4), name
     plain = ours(**{**kw, "output_attentions": False})
     assert plain.encoder_attentions is None and torch.equal(plain.logits, got.logits)
+    # a cached step's weights cover the past and the new positions: the full forward's last row (the cache
+    # keeps the past keys, which the layers' forward attends over)
+    ones = torch.ones_like(tgt)
+    full = ours(src, src_mask, tgt, ones, output_attentions=True)
     cache = ours.new_cache()
-    ours(**{**kw, "output_attentions": False}, past_key_values=cache, use_cache=True)
-    with pytest.raises(ValueError, match="output_attentions"):  # past inputs are gone: refused, not wrong
-        ours(src, src_mask, tgt[:, :1], past_key_values=cache, output_attentions=True)
+    ours(src, src_mask, tgt[:, :-1], ones[:, :-1], past_key_values=cache, use_cache=True)
+    last = ours(src, src_mask, tgt[:, -1:], ones, past_key_values=cache, use_cache=True, output_attentions=True)
+    for name in ("decoder_attentions", "cross_attentions"):
+        for a, b in zip(getattr(last, name), getattr(full, name)):
+            assert a.shape == b[:, :, -1:].shape and (a - b[:, :, -1:]).abs().max() <= tolerance(b, n=32, depth=4), name
 
 
 def test_checkpoint_without_final_logits_bias_loads_zeros(tmp_path):

@@ -13,6 +13,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from attnlab.backends import dispatch
 from attnlab.models import hub, t5_layers
 from attnlab.models.t5 import (  # importing registers "t5"
     T5Config,
@@ -199,7 +200,7 @@ def test_score_mod_bias_path_equals_dense_bias(tmp_path, monkeypatch):
     dense_ids = [ours.generate(src, attention_mask=src_mask, max_new_tokens=8, num_beams=b) for b in (1, 3)]
     mask, mod = ours.encoder.self_attention_bias(18, 0, src_mask, torch.float32)
     assert mod is None and mask.shape == (3, 4, 18, 18)
-    monkeypatch.setattr(t5_layers, "DENSE_BIAS_LIMIT", 0)
+    monkeypatch.setattr(dispatch, "DENSE_BIAS_LIMIT", 0)
     mask, mod = ours.encoder.self_attention_bias(18, 0, src_mask, torch.float32)
     assert callable(mod) and mask.shape == (3, 1, 1, 18) and mask.dtype == torch.bool  # O(L): padding only
     modded = ours(**kw)

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, T5Config
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 from transformers.models.t5.modeling_t5 import T5Attention
 
-from attnlab.functional.attention import attention
+from attnlab import attention
 from attnlab.functional.positional import alibi_slopes, apply_rope, rope_frequencies, sinusoidal_table
 from attnlab.nn.positional import (ALiBi, LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEmbedding,
                                    T5RelativeBias)

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from attnlab.functional.attention import attention
+from attnlab.backends.dispatch import attention
 from attnlab.functional.linear import FEATURE_MAPS, default_num_features, favor_projection, linear_attention
 from attnlab.functional.scores import check_positive_int
 

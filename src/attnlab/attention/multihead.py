@@ -15,12 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.functional.attention import attention, attention_weights
+from attnlab.backends.dispatch import attention, attention_weights, position_bias_terms
 from attnlab.nn.cache import KVCache
-
-# A position bias larger than this many elements (H·L·S) is passed as a score_mod (computed block
-# by block by the tiled backend, O(N) memory) instead of a dense additive mask for SDPA.
-DENSE_BIAS_LIMIT = 1 << 22
 
 
 class MultiheadAttention(nn.Module):
@@ -45,6 +41,12 @@ class MultiheadAttention(nn.Module):
     ``key_padding_mask (B, S)`` and ``attn_mask (L, S) | (B·H, L, S)`` are True where attention
     is *not* allowed; float masks are added. ``is_causal=True`` applies a causal mask (ANDed
     with ``attn_mask`` when both are given). Returned weights are taken before dropout.
+
+    Weights (``need_weights=True``) never switch the forward to a slower path when nothing needs their
+    gradient (inference, ``torch.no_grad``): the output comes from a backend that keeps each row's
+    log-sum-exp and the weights follow from it, ``w_ij = e^(s_ij - LSE_i)`` (:func:`attnlab.attention_weights`).
+    Where their gradient is needed, or the normaliser is not softmax, they are materialised by the
+    ``reference`` path, with exact gradients.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: Optional[int] = None,
@@ -144,55 +146,36 @@ class MultiheadAttention(nn.Module):
         S = k.shape[2]
 
         mask, score_mod = self._mask_and_mod(key_padding_mask, attn_mask, B, L, S, q)
-        if L == 1 and mask is None and score_mod is None and not need_weights and self._plain_softmax():
-            # a decode step: one query sees every cached key, so no mask — straight to SDPA (the backend
-            # "auto" picks), without the pipeline's per-call checks of tensors built just above
-            out, weights = F.scaled_dot_product_attention(q, k, v, enable_gqa=H != Hkv), None  # (B, H, 1, Dh)
+        request = dict(mask=mask, causal=is_causal, window=self.window, score_mod=score_mod)
+        dropout_p = self.dropout if self.training else 0.0
+        if need_weights and self._weights_from_lse(q, k, v, dropout_p):
+            out, lse = attention(q, k, v, **request, return_lse=True, backend=self.backend)
+            weights = attention_weights(q, k, lse=lse, **request)
         else:
-            res = attention(q, k, v, mask=mask, causal=is_causal, window=self.window, score_mod=score_mod,
-                            dropout_p=self.dropout if self.training else 0.0, normalize=self.normalize,
-                            top_k=self.top_k, return_weights=need_weights, backend=self.backend)
+            res = attention(q, k, v, **request, dropout_p=dropout_p, normalize=self.normalize, top_k=self.top_k,
+                            return_weights=need_weights, backend=self.backend)
             out, weights = res if need_weights else (res, None)
         out = self.out_proj(out.transpose(1, 2).reshape(B, L, H * Dh))  # (B, L, E)
         if weights is not None and average_attn_weights:
             weights = weights.mean(dim=1)
         return out, weights
 
-    @torch.no_grad()
-    def attention_weights(self, query: Tensor, key: Optional[Tensor] = None, *,
-                          key_padding_mask: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
-                          is_causal: bool = False) -> Tensor:
-        """Exact per-head weights ``(B, H, L, S)`` of attending from ``query`` to ``key``, recovered from
-        q, k and each row's log-sum-exp (:func:`attnlab.attention_weights`) in O(L + S) extra memory
-        per row block: the forward pass keeps its fast backend. Same masks as :meth:`forward`.
-        """
-        key = query if key is None else key
-        self._check_inputs(query, key, key)
-        B, L, _ = query.shape
-        q, k, _ = self._project(query, key, key, False)
-        q = q.reshape(B, L, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, Dh)
-        k = k.reshape(B, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, S, Dh)
-        S = k.shape[2]
-        if self.rotary is not None:
-            q = self.rotary(q, torch.arange(S - L, S, device=q.device))
-            k = self.rotary(k, torch.arange(S, device=k.device))
-        mask, score_mod = self._mask_and_mod(key_padding_mask, attn_mask, B, L, S, q)
-        return attention_weights(q, k, mask=mask, causal=is_causal, window=self.window, score_mod=score_mod)
-
-    def _plain_softmax(self) -> bool:
-        """Plain softmax, no window, no dropout in effect, on SDPA (or "auto", which picks it)."""
-        return (self.normalize == "softmax" and self.window is None and self.backend in ("auto", "sdpa")
-                and not (self.training and self.dropout > 0))
+    def _weights_from_lse(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
+        """Weights can come from the log-sum-exp: softmax, no dropout, nothing needs their gradient."""
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        return (self.normalize == "softmax" and dropout_p == 0.0 and not grad
+                and self.backend in ("auto", "sdpa", "tiled"))
 
     def _mask_and_mod(self, key_padding_mask, attn_mask, B, L, S, q: Tensor):
         """The pipeline mask (masks + a dense position bias) and score_mod (a large position bias)."""
         mask = self._mask(key_padding_mask, attn_mask, B, L, S, q.dtype)
         if self.position_bias is None:
             return mask, None
-        if self.backend in ("tiled", "flex") or self.num_heads * L * S > DENSE_BIAS_LIMIT:
-            return mask, self.position_bias.score_mod()
-        bias = self.position_bias(torch.arange(S - L, S, device=q.device), torch.arange(S, device=q.device))
-        return (bias.to(q.dtype) if mask is None else _add_masks(mask, bias.to(q.dtype))), None
+        bias, score_mod = position_bias_terms(self.position_bias, backend=self.backend, heads=self.num_heads,
+                                              q_len=L, k_len=S, device=q.device, dtype=q.dtype)
+        if bias is None:
+            return mask, score_mod
+        return (bias if mask is None else _add_masks(mask, bias)), None
 
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
         for name, t, width in (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim)):

@@ -8,7 +8,7 @@ Attention-based Neural Machine Translation", global attention with its three sco
     a_t(s) = softmax_s(score(h_t, h_s)),   c_t = Σ_s a_t(s) v_s
 
 ``dot`` and ``general`` are dot products and run through the shared pipeline
-(:func:`attnlab.functional.attention.attention` with ``scale=1.0`` and one head); ``concat`` is
+(:func:`attnlab.attention` with ``scale=1.0`` and one head); ``concat`` is
 not, and goes through the same mask -> normalise -> weighted-sum tail on its own scores.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.functional.scores import check_normalize, check_positive_int, prepare_inputs, score_attention
-from attnlab.functional.attention import attention
+from attnlab.backends.dispatch import attention
 
 MODES = ("dot", "general", "concat")
 

@@ -2,53 +2,45 @@
 
 ``fn(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, dropout_p, normalize,
 top_k, return_weights) -> (out, weights or None)``, with arguments already validated by
-:func:`attnlab.attention`. ``unsupported(...)`` returns why a backend cannot serve a request
-(an empty string when it can). ``auto`` tries the backends in :data:`AUTO_ORDER`.
+:func:`attnlab.attention`; what else the registry knows of a backend is in
+:class:`~attnlab.backends.base.Backend`. Every choice between backends is made in
+:mod:`attnlab.backends.dispatch`: ``auto`` tries the backends in :data:`AUTO_ORDER` (dense requests) or
+:data:`SPARSE_ORDER` (a window, a mask_mod or a score_mod), skipping those whose ``auto_when`` is false.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
-from attnlab.backends import flex, reference, sdpa, tiled
-
-
-@dataclass(frozen=True)
-class Backend:
-    name: str
-    fn: Callable
-    unsupported: Callable[..., str]
-
+from attnlab.backends import flex, reference, sdpa, short, tiled
+from attnlab.backends.base import Backend, BackendUnavailable
 
 BACKENDS: dict[str, Backend] = {
     "reference": Backend("reference", reference.attention, reference.unsupported),
-    "sdpa": Backend("sdpa", sdpa.attention, sdpa.unsupported),
-    "tiled": Backend("tiled", tiled.attention, tiled.unsupported),
+    "sdpa": Backend("sdpa", sdpa.attention, sdpa.unsupported, lse=sdpa.attention_lse),
+    # CPU training on short sequences: explicit products beat the fused kernel's backward there
+    "short": Backend("short", short.attention, short.unsupported, auto_when=short.auto_when),
+    "tiled": Backend("tiled", tiled.attention, tiled.unsupported, lse=tiled.attention_lse),
     # explicit only: compiling costs seconds per shape on first use, and CPU has no flex backward
-    "flex": Backend("flex", flex.attention, flex.unsupported),
+    "flex": Backend("flex", flex.attention, flex.unsupported, unavailable=flex.unavailable, fallback="tiled"),
 }
 
 # Fastest first for dense requests; `reference` computes everything and ends the list.
-AUTO_ORDER: list[str] = ["sdpa", "tiled", "reference"]
+AUTO_ORDER: list[str] = ["short", "sdpa", "tiled", "reference"]
 # For block-sparse masks (window, mask_mod) and score_mods: `tiled` skips the empty blocks
 # (SDPA would compute them under a dense mask) and keeps memory O(N).
-SPARSE_ORDER: list[str] = ["tiled", "sdpa", "reference"]
+SPARSE_ORDER: list[str] = ["tiled", "short", "sdpa", "reference"]
 
 
-def select_backend(q, k, v, **request) -> Backend:
-    """The first backend that can compute ``request``, from :data:`SPARSE_ORDER` when the request
-    has a window, a mask_mod or a score_mod, else from :data:`AUTO_ORDER`."""
-    sparse = request.get("window") is not None or request.get("mask_mod") is not None \
-        or request.get("score_mod") is not None
-    for name in (SPARSE_ORDER if sparse else AUTO_ORDER):
-        b = BACKENDS[name]
-        if not b.unsupported(q, k, v, **request):
-            return b
-    raise RuntimeError("no backend can compute this request")  # unreachable: reference takes all
-
-
-def register_backend(name: str, fn: Callable, unsupported: Callable[..., str], *, auto_rank: int | None = None) -> None:
-    """Add a backend; with ``auto_rank`` it also joins ``auto`` at that position."""
-    BACKENDS[name] = Backend(name, fn, unsupported)
+def register_backend(name: str, fn: Callable, unsupported: Callable[..., str], *, auto_rank: Optional[int] = None,
+                     lse: Optional[Callable] = None) -> None:
+    """Add a backend; with ``auto_rank`` it also joins ``auto`` at that position of :data:`AUTO_ORDER`;
+    with ``lse`` it can serve ``return_lse=True`` (see :class:`~attnlab.backends.base.Backend`)."""
+    BACKENDS[name] = Backend(name, fn, unsupported, lse=lse)
     if auto_rank is not None and name not in AUTO_ORDER:
         AUTO_ORDER.insert(auto_rank, name)
+
+
+from attnlab.backends.dispatch import select_backend  # noqa: E402  (dispatch reads the registry above)
+
+__all__ = ["BACKENDS", "AUTO_ORDER", "SPARSE_ORDER", "Backend", "BackendUnavailable", "register_backend",
+           "select_backend"]

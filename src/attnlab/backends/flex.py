@@ -20,7 +20,8 @@ shapes (training, prefill), not decoding over a growing cache. Set ``ATTNLAB_FLE
 the environment, or call :func:`set_compile` ``(False)``, to run it eagerly instead — unfused, it
 materialises the scores: for tests and debugging.
 
-Falls back to the ``tiled`` backend, logging why at DEBUG on ``attnlab.backends.flex``, when
+Cannot run, and the dispatcher runs its registered fallback ``tiled`` instead (saying why at DEBUG on
+``attnlab.backends.flex``; :func:`unavailable` and :class:`~attnlab.backends.base.BackendUnavailable`), when
 
 - grad mode is on, the device is CPU (or MPS) and q, k, v, a float mask or a tensor a mod reads
   requires grad: FlexAttention has no backward there in torch 2.13 (it rejects q/k/v that require
@@ -44,6 +45,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from attnlab.backends.base import BackendUnavailable
 from attnlab.backends.tiled import captured_tensors
 from attnlab.functional.masks import causal_mod, sliding_window_mod, split_mask
 
@@ -84,34 +86,38 @@ def unsupported(q, k, v, *, normalize, dropout_p, return_weights, **_) -> str:
 
 def attention(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, dropout_p, normalize,
               top_k, return_weights):
-    """``softmax(score_mod(κ Q Kᵀ) + M) V`` by FlexAttention, or by ``tiled`` where it cannot run."""
-    request = dict(mask=mask, causal=causal, window=window, scale=scale, score_mod=score_mod,
-                   mask_mod=mask_mod, dropout_p=dropout_p, normalize=normalize, top_k=top_k,
-                   return_weights=return_weights)
-    signature = _signature(q, k, v, **request)
-    why = _fallback_reason(q, k, v, mask, score_mod, mask_mod, signature)
-    if not why:
-        from torch._dynamo.exc import BackendCompilerFailed  # here: importing torch._dynamo costs ~1 s
+    """``softmax(score_mod(κ Q Kᵀ) + M) V`` by FlexAttention.
 
-        try:
-            out = _flex(q, k, v, mask=mask, causal=causal, window=window, scale=scale,
-                        score_mod=score_mod, mask_mod=mask_mod)
-        except BackendCompilerFailed as e:
-            # Inductor could not build the kernel (errors in the user's mods are raised earlier,
-            # while tracing, as other exceptions, and reach the caller)
-            if not _compile:
-                raise
-            inner = getattr(e, "inner_exception", None) or e
-            first_line = (str(inner).strip().splitlines() or [""])[0]
-            why = f"torch.compile(flex_attention) failed on {q.device.type}: {type(inner).__name__}: {first_line}"
-            _compile_errors[q.device.type] = why
-        else:
-            if _compile:
-                _compiled_signatures.add(signature)
-            return out, None
-    log.debug("flex falls back to tiled: %s", why)
-    from attnlab.backends import BACKENDS
-    return BACKENDS["tiled"].fn(q, k, v, **request)
+    Raises:
+        BackendUnavailable: ``torch.compile`` could not build the kernel on this device type (remembered,
+            so :func:`unavailable` answers at once next time).
+    """
+    from torch._dynamo.exc import BackendCompilerFailed  # here: importing torch._dynamo costs ~1 s
+
+    try:
+        out = _flex(q, k, v, mask=mask, causal=causal, window=window, scale=scale,
+                    score_mod=score_mod, mask_mod=mask_mod)
+    except BackendCompilerFailed as e:
+        # Inductor could not build the kernel (errors in the user's mods are raised earlier,
+        # while tracing, as other exceptions, and reach the caller)
+        if not _compile:
+            raise
+        inner = getattr(e, "inner_exception", None) or e
+        first_line = (str(inner).strip().splitlines() or [""])[0]
+        why = f"torch.compile(flex_attention) failed on {q.device.type}: {type(inner).__name__}: {first_line}"
+        _compile_errors[q.device.type] = why
+        raise BackendUnavailable(why) from e
+    if _compile:
+        _compiled_signatures.add(_signature(q, k, v, mask=mask, causal=causal, window=window, scale=scale,
+                                            score_mod=score_mod, mask_mod=mask_mod))
+    return out, None
+
+
+def unavailable(q: Tensor, k: Tensor, v: Tensor, *, mask, score_mod, mask_mod, **request) -> str:
+    """Why FlexAttention cannot run this request here and now ("" when it can): the cases in the module
+    docstring except a compile failure not seen before."""
+    signature = _signature(q, k, v, mask=mask, score_mod=score_mod, mask_mod=mask_mod, **request)
+    return _fallback_reason(q, k, v, mask, score_mod, mask_mod, signature)
 
 
 def _fallback_reason(q: Tensor, k: Tensor, v: Tensor, mask, score_mod, mask_mod, signature) -> str:

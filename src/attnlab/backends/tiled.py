@@ -53,6 +53,12 @@ def attention(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, drop
     return out, None
 
 
+def attention_lse(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, **_) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of a softmax request (the registry's ``lse`` entry): :func:`tiled_attention`."""
+    return tiled_attention(q, k, v, mask=mask, causal=causal, window=window, scale=scale, score_mod=score_mod,
+                           mask_mod=mask_mod)
+
+
 def tiled_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Optional[Tensor] = None, causal: bool = False,
                     window: Optional[int] = None, scale: float, score_mod=None, mask_mod=None,
                     block_q: int = BLOCK_Q, block_k: int = BLOCK_K, max_chunk: int = MAX_CHUNK

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab._runtime import reuse_large_blocks
-from attnlab.functional.attention import _check_qkv
+from attnlab.functional.request import check_qkv
 from attnlab.functional.scores import check_positive_int
 
 FEATURE_MAPS = ("elu", "relu", "favor+")
@@ -110,7 +110,7 @@ def linear_attention(
         ValueError: shapes, ``feature_map``, ``num_features``, ``projection``, ``key_mask``,
             ``chunk_size`` or ``eps`` are invalid, or ``causal`` with ``Lq > Lk``.
     """
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     B, H, Lq, _ = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     if not isinstance(feature_map, str) or feature_map not in FEATURE_MAPS:

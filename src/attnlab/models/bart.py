@@ -14,7 +14,7 @@ Module names are ours (``self_attn.in_proj`` packs HF's q_proj/k_proj/v_proj, ``
 HF's ``encoder_attn``, ``norm1..3`` and ``ffn.w1/w2`` its layer norms and fc1/fc2); the HF names
 appear only in :meth:`~BartForConditionalGeneration.to_hf_state_dict` / ``from_hf_state_dict``.
 With ``output_attentions`` the per-head weights are recovered from each attention's q, k and
-log-sum-exp (:func:`attnlab.models.outputs.record_attention_weights`); the forward keeps its fast backend.
+log-sum-exp by each attention's forward (:class:`~attnlab.attention.multihead.MultiheadAttention`), which keeps its fast backend.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from attnlab._checks import check_int
 from attnlab.models.hub import (PreTrainedMixin, check_attention_mask, check_encoder_outputs, check_token_inputs,
                                 register)
-from attnlab.models.outputs import Seq2SeqLMOutput, record_attention_weights
+from attnlab.models.outputs import Seq2SeqLMOutput
 from attnlab.nn.block import DecoderLayer, EncoderLayer, LayerCache
 from attnlab.nn.dropout import Dropout
 
@@ -208,11 +208,13 @@ class BartForConditionalGeneration(PreTrainedMixin, nn.Module):
                            max_positions=self.config.max_position_embeddings)
         pad = _padding(attention_mask)
         x = self.encoder.embed(self.shared(input_ids) * self.embed_scale)  # (B, S, E)
-        attns = [layer.self_attn for layer in self.encoder.layers] if need_weights else []
-        with record_attention_weights(attns) as w:
-            for layer in self.encoder.layers:
-                x = layer(x, key_padding_mask=pad)
-        return x, tuple(w) if need_weights else None
+        attns = []
+        for layer in self.encoder.layers:
+            x = layer(x, key_padding_mask=pad, need_weights=need_weights)
+            if need_weights:
+                x, w = x
+                attns.append(w.self_attn)
+        return x, tuple(attns) if need_weights else None
 
     def new_cache(self, *, max_length: Optional[int] = None) -> list[LayerCache]:
         """Empty per-decoder-layer caches; ``max_length`` preallocates the self-attention ones."""
@@ -240,14 +242,17 @@ class BartForConditionalGeneration(PreTrainedMixin, nn.Module):
         tgt_pad, mem_pad = _padding(decoder_attention_mask), _padding(attention_mask)
         x = self.decoder.embed(self.shared(ids) * self.embed_scale, past)  # (B, T, E)
         layers = self.decoder.layers
-        attns = [ly.self_attn for ly in layers] + [ly.cross_attn for ly in layers] if need_weights else []
-        with record_attention_weights(attns) as w:
-            for i, layer in enumerate(layers):
-                x = layer(x, memory, tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=mem_pad,
-                          is_causal=True, cache=None if cache is None else cache[i])
+        weights = []
+        for i, layer in enumerate(layers):
+            x = layer(x, memory, tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=mem_pad,
+                      is_causal=True, cache=None if cache is None else cache[i], need_weights=need_weights)
+            if need_weights:
+                x, w = x
+                weights.append(w)
         logits = self.lm_head(x) + self.final_logits_bias  # (B, T, V)
-        n = len(layers)
-        return (logits, tuple(w[:n]), tuple(w[n:])) if need_weights else (logits, None, None)
+        if not need_weights:
+            return logits, None, None
+        return logits, tuple(w.self_attn for w in weights), tuple(w.cross_attn for w in weights)
 
     def forward(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
                 decoder_input_ids: Optional[Tensor] = None, decoder_attention_mask: Optional[Tensor] = None,

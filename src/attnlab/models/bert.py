@@ -263,9 +263,10 @@ class BertModel(_BertBase):
         x = self.embeddings(input_ids, token_type_ids)  # (B, L, E)
         hidden, attns = [x], []
         for layer in self.layers:
+            x = layer(x, key_padding_mask=pad, need_weights=output_attentions)
             if output_attentions:
-                attns.append(layer.attention_weights(x, key_padding_mask=pad))
-            x = layer(x, key_padding_mask=pad)
+                x, w = x
+                attns.append(w.self_attn)
             hidden.append(x)
         pooled = None if self.pooler is None else torch.tanh(self.pooler(x[:, 0]))  # (B, E)
         return BertOutput(last_hidden_state=x, pooler_output=pooled,

@@ -254,9 +254,10 @@ class CLIPTextTransformer(nn.Module):
         x = self.token_embedding(input_ids) + self.position_embedding(pos)  # (B, L, E)
         attns = []
         for layer in self.layers:
+            x = layer(x, key_padding_mask=pad, is_causal=True, need_weights=output_attentions)
             if output_attentions:
-                attns.append(layer.attention_weights(x, key_padding_mask=pad, is_causal=True))
-            x = layer(x, key_padding_mask=pad, is_causal=True)
+                x, w = x
+                attns.append(w.self_attn)
         x = self.final_norm(x)
         pooled = x[torch.arange(B, device=x.device), self.eos_positions(input_ids)]  # (B, E)
         return CLIPTowerOutput(x, pooled, tuple(attns) if output_attentions else None)
@@ -291,9 +292,10 @@ class CLIPVisionTransformer(nn.Module):
         x = self.pre_norm(x + self.position_embedding.weight)
         attns = []
         for layer in self.layers:
+            x = layer(x, need_weights=output_attentions)
             if output_attentions:
-                attns.append(layer.attention_weights(x))
-            x = layer(x)
+                x, w = x
+                attns.append(w.self_attn)
         return CLIPTowerOutput(x, self.post_norm(x[:, 0]), tuple(attns) if output_attentions else None)
 
 

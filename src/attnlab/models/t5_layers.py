@@ -6,7 +6,7 @@
     B[h, i, j] = W_rel[bucket(j - i), h]       (one table per stack, shared by its layers)
 
 Attention runs through :func:`attnlab.attention` with ``scale=1.0``. The bias is an additive float mask
-``(1, H, L, S)`` for SDPA while ``H·L·S <= DENSE_BIAS_LIMIT``; beyond that it is a ``score_mod`` that the
+``(1, H, L, S)`` for SDPA while it is small (:func:`attnlab.backends.dispatch.position_bias_terms`); beyond that it is a ``score_mod`` that the
 tiled backend evaluates block by block (memory O(L) instead of O(L²)). Attention weights
 (``output_attentions``) are recovered from q, k and the log-sum-exp (:func:`attnlab.attention_weights`);
 the forward pass keeps its fast backend. The model and its config are in :mod:`attnlab.models.t5`.
@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.attention.multihead import DENSE_BIAS_LIMIT
-from attnlab.functional.attention import ScoreMod, attention, attention_weights
+from attnlab.backends.dispatch import attention, attention_weights, position_bias_terms
+from attnlab.functional.request import ScoreMod
 from attnlab.nn.block import LayerCache
 from attnlab.nn.cache import KVCache
 from attnlab.nn.dropout import Dropout
@@ -142,16 +142,16 @@ class T5Stack(nn.Module):
         """``(mask, score_mod)`` of the self-attention of ``L`` queries after ``past`` cached positions.
 
         Short inputs: the bias ``B[h, i, j]`` with padded keys at -inf as one dense float mask
-        ``(B | 1, H, L, past + L)`` (SDPA). When ``H·L·(past + L) > DENSE_BIAS_LIMIT``: the bias as a
+        ``(B | 1, H, L, past + L)`` (SDPA). When ``H·L·(past + L)`` is large (:func:`~attnlab.backends.dispatch.position_bias_terms`): the bias as a
         ``score_mod`` (tiled backend, block by block) and only the padding as a ``(B, 1, 1, S)`` bool mask.
         """
         S = past + L
         device = self.relative_bias.relative_attention_bias.weight.device
         keep = None if key_mask is None else key_mask[:, None, None, :].bool()  # (B, 1, 1, S), True = token
-        if self.relative_bias.num_heads * L * S > DENSE_BIAS_LIMIT:
-            return keep, self.relative_bias.score_mod()
-        pos = torch.arange(S, device=device)
-        bias = self.relative_bias(pos[past:], pos).to(dtype)  # (1, H, L, S)
+        bias, score_mod = position_bias_terms(self.relative_bias, backend="auto", heads=self.relative_bias.num_heads,
+                                              q_len=L, k_len=S, device=device, dtype=dtype)  # (1, H, L, S)
+        if bias is None:
+            return keep, score_mod
         return (bias if keep is None else bias.masked_fill(~keep, float("-inf"))), None
 
     def forward(self, x: Tensor, key_mask: Optional[Tensor], *, memory: Optional[Tensor] = None,

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from attnlab.models.config import TransformerConfig
 from attnlab.models.hub import check_attention_mask
-from attnlab.models.outputs import Seq2SeqLMOutput, record_attention_weights
+from attnlab.models.outputs import Seq2SeqLMOutput
 from attnlab.nn.block import AttentionWeights, DecoderLayer, EncoderLayer, LayerCache
 from attnlab.nn.dropout import Dropout
 from attnlab.nn.norms import make_norm
@@ -278,19 +278,16 @@ class Seq2SeqTransformer(nn.Module):
         """
         if src_key_padding_mask is None:
             src_key_padding_mask = self.padding_mask(src_ids)
-        enc, dec = self.encoder.layers, self.decoder.layers
-        attns = ([ly.self_attn for ly in enc] + [ly.self_attn for ly in dec] + [ly.cross_attn for ly in dec]
-                 if output_attentions else [])
-        with record_attention_weights(attns) as w:
-            memory = self.encode(src_ids, src_key_padding_mask=src_key_padding_mask)
-            h = self.decoder(self.embed_target(tgt_ids), memory, tgt_key_padding_mask=tgt_key_padding_mask,
-                             memory_key_padding_mask=src_key_padding_mask)
-        logits = self.out_proj(h)
         if not output_attentions:
-            return logits
-        n, m = len(enc), len(dec)
-        return Seq2SeqLMOutput(logits, memory, encoder_attentions=tuple(w[:n]), decoder_attentions=tuple(w[n:n + m]),
-                               cross_attentions=tuple(w[n + m:]))
+            memory = self.encode(src_ids, src_key_padding_mask=src_key_padding_mask)
+            return self.out_proj(self.decoder(self.embed_target(tgt_ids), memory, tgt_key_padding_mask=tgt_key_padding_mask,
+                                              memory_key_padding_mask=src_key_padding_mask))
+        memory, enc_w = self.encoder(self.embed_source(src_ids), key_padding_mask=src_key_padding_mask, need_weights=True)
+        h, dec_w = self.decoder(self.embed_target(tgt_ids), memory, tgt_key_padding_mask=tgt_key_padding_mask,
+                                memory_key_padding_mask=src_key_padding_mask, need_weights=True)
+        return Seq2SeqLMOutput(self.out_proj(h), memory, encoder_attentions=tuple(w.self_attn for w in enc_w),
+                               decoder_attentions=tuple(w.self_attn for w in dec_w),
+                               cross_attentions=tuple(w.cross_attn for w in dec_w))
 
     # ---- generation (the encoder–decoder protocol of attnlab.generation) -------------------
 

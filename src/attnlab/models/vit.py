@@ -250,7 +250,7 @@ class ViTModel(_ViTBase):
         """Encode ``pixel_values (B, num_channels, image_size, image_size)``.
 
         ``output_attentions`` adds each layer's softmax weights ``(B, H, 1 + N, 1 + N)``
-        (:meth:`attnlab.nn.block.EncoderLayer.attention_weights`).
+        (from each layer's forward, recovered from the rows' log-sum-exp when no gradient is needed).
 
         Raises:
             ValueError: ``pixel_values`` is not a floating ``(B, C, H, W)`` tensor, or its channels or
@@ -262,9 +262,10 @@ class ViTModel(_ViTBase):
         x = self.embeddings(pixel_values)  # (B, 1 + N, E)
         hidden, attns = [x], []
         for layer in self.layers:
+            x = layer(x, need_weights=output_attentions)
             if output_attentions:
-                attns.append(layer.attention_weights(x))
-            x = layer(x)
+                x, w = x
+                attns.append(w.self_attn)
             hidden.append(x)
         y = self.norm(x)
         pooled = None if self.pooler is None else torch.tanh(self.pooler(y[:, 0]))  # (B, E)

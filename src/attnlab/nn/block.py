@@ -180,14 +180,6 @@ class EncoderLayer(_ResidualLayer):
         x = self._residual(x, 2, self.ffn)
         return (x, AttentionWeights(weights[0])) if need_weights else x
 
-    def attention_weights(self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None,
-                          attn_mask: Optional[Tensor] = None, is_causal: bool = False) -> Tensor:
-        """This layer's self-attention weights ``(B, H, L, L)`` on its input ``x``, recovered from the
-        log-sum-exp (:meth:`MultiheadAttention.attention_weights`); the forward pass is unchanged."""
-        h = self.norm1(x) if self.norm_first else x
-        return self.self_attn.attention_weights(h, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
-                                                is_causal=is_causal)
-
     @classmethod
     def from_torch(cls, layer: nn.TransformerEncoderLayer, *, backend: str = "auto") -> "EncoderLayer":
         """Convert a ``torch.nn.TransformerEncoderLayer`` (any ``batch_first``; ours is batch-first)."""

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from attnlab.attention.multihead import MultiheadAttention
 from attnlab.experiments.explain._report import check_run_args, finish, plt, train
-from attnlab.functional.attention import attention
+from attnlab.backends.dispatch import attention
 from attnlab.nn.positional import RotaryEmbedding
 
 VOCAB, LENGTH, OFFSETS = 16, 24, (1, 3, 5, 7)
@@ -85,7 +85,8 @@ class FieldsModel(nn.Module):
         x = self.embed(ids)
         if isinstance(self.attn, SummedHeads):
             return self.attn.weights(x)
-        return self.attn.attention_weights(x, is_causal=True)  # (B, H, L, L)
+        with torch.no_grad():  # recovered from the rows' log-sum-exp, the forward on its fast backend
+            return self.attn(x, is_causal=True, need_weights=True, average_attn_weights=False)[1]  # (B, H, L, L)
 
 
 def make_batch(n: int, g: torch.Generator) -> tuple[Tensor, Tensor]:

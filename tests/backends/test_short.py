@@ -1,5 +1,6 @@
-"""The SDPA backend's two CPU training paths: torch's fused kernel and :class:`ShortAttention`
-(explicit products with a hand-written backward, for at most ``SHORT_KEYS`` keys).
+"""The two CPU training paths ``auto`` chooses between: the ``sdpa`` backend (torch's fused kernel) and the
+``short`` backend (:class:`ShortAttention`: explicit products with a hand-written backward, taken for at most
+``SHORT_KEYS`` keys).
 
 The conformance suite already holds both dtypes of the short path to the float64 reference
 (it trains with gradients on short sequences); here: which path runs when, gradcheck, the two
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from attnlab import attention
-from attnlab.backends import sdpa
+from attnlab.backends import short
 
 F64 = torch.float64
 
@@ -31,29 +32,61 @@ def _path(out) -> str:
 
 def test_short_path_runs_only_when_training_short_sequences_on_cpu(monkeypatch):
     q, k, v = _qkv()
-    assert "ShortAttention" in _path(attention(q, k, v, causal=True, backend="sdpa"))
+    assert "ShortAttention" in _path(attention(q, k, v, causal=True, backend="auto"))
     with torch.no_grad():  # inference: the fused kernel
-        assert attention(q, k, v, causal=True, backend="sdpa").grad_fn is None
-    assert "ShortAttention" not in _path(attention(q, k, v, causal=True, backend="sdpa", dropout_p=0.1))
-    monkeypatch.setattr(sdpa, "SHORT_KEYS", 8)  # 9 keys is now long
-    assert "ShortAttention" not in _path(attention(q, k, v, causal=True, backend="sdpa"))
+        assert attention(q, k, v, causal=True, backend="auto").grad_fn is None
+    assert "ShortAttention" not in _path(attention(q, k, v, causal=True, backend="auto", dropout_p=0.1))
+    monkeypatch.setattr(short, "SHORT_KEYS", 8)  # 9 keys is now long
+    assert "ShortAttention" not in _path(attention(q, k, v, causal=True, backend="auto"))
 
 
 def test_gqa_keeps_the_fused_kernel():
     q, _, _ = _qkv(H=4)
     _, k, v = _qkv(H=2)
-    assert "ShortAttention" not in _path(attention(q, k, v, causal=True, backend="sdpa"))
+    assert "ShortAttention" not in _path(attention(q, k, v, causal=True, backend="auto"))
+
+
+def test_short_is_a_registered_backend_that_auto_takes_only_for_cpu_training():
+    from attnlab.backends import AUTO_ORDER, BACKENDS, select_backend
+
+    assert BACKENDS["short"].auto_when is short.auto_when and AUTO_ORDER.index("short") < AUTO_ORDER.index("sdpa")
+    q, k, v = _qkv()
+    request = dict(mask=None, causal=True, window=None, scale=0.5, score_mod=None, mask_mod=None, dropout_p=0.0,
+                   normalize="softmax", top_k=None, return_weights=False)
+    assert select_backend(q, k, v, **request).name == "short"
+    with torch.no_grad():
+        assert select_backend(q, k, v, **request).name == "sdpa"
+    assert select_backend(q.detach(), k.detach(), v.detach(), **request).name == "sdpa"
+
+
+def test_asked_for_by_name_it_computes_inference_and_grouped_queries_exactly():
+    q, _, _ = _qkv(H=4, dtype=F64)
+    _, k, v = _qkv(H=2, dtype=F64)
+    mask = torch.rand(9, 9, generator=torch.Generator().manual_seed(5)) > 0.3
+    for kw in (dict(causal=True), dict(mask=mask), dict(window=3)):
+        out = attention(q, k, v, backend="short", **kw)
+        ref = attention(q, k, v, backend="reference", **kw)
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+        for a, b in zip(_grads(out, (q, k, v)), _grads(ref, (q, k, v))):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        torch.testing.assert_close(attention(q, k, v, backend="short"), attention(q, k, v, backend="reference"),
+                                   rtol=1e-12, atol=1e-12)
+    for kw, why in ((dict(dropout_p=0.1), "dropout"), (dict(normalize="sparsemax"), "softmax"),
+                    (dict(score_mod=lambda s, b, h, i, j: s), "score_mod"), (dict(return_weights=True), "weights")):
+        with pytest.raises(ValueError, match=f"backend='short' cannot compute this request: .*{why}"):
+            attention(q, k, v, backend="short", **kw)
 
 
 def test_gradcheck_and_empty_rows():
     q, k, v = _qkv(B=1, H=2, Lq=4, Lk=5, D=3, Dv=2, dtype=F64)
-    assert torch.autograd.gradcheck(lambda q, k, v: sdpa.ShortAttention.apply(q, k, v, None, 0.7), (q, k, v))
+    assert torch.autograd.gradcheck(lambda q, k, v: short.ShortAttention.apply(q, k, v, None, 0.7), (q, k, v))
     finite = torch.randn(1, 2, 4, 5, dtype=F64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda *t: sdpa.ShortAttention.apply(*t, 0.7), (q, k, v, finite))
+    assert torch.autograd.gradcheck(lambda *t: short.ShortAttention.apply(*t, 0.7), (q, k, v, finite))
     bias = torch.randn(1, 2, 4, 5, dtype=F64)
     bias[0, :, 1] = -torch.inf  # query 1 sees no key
     bias.requires_grad_(True)
-    out = sdpa.ShortAttention.apply(q, k, v, bias, 0.7)
+    out = short.ShortAttention.apply(q, k, v, bias, 0.7)
     gq, gb = torch.autograd.grad(out.sum(), (q, bias))
     assert torch.equal(out[0, :, 1], torch.zeros_like(out[0, :, 1]))
     assert torch.equal(gq[0, :, 1], torch.zeros_like(gq[0, :, 1])) and torch.equal(gb[0, :, 1], torch.zeros_like(gb[0, :, 1]))
@@ -64,13 +97,13 @@ def test_half_precision_training_outside_the_short_path_runs_the_kernel_in_float
     """Attention dropout and GQA in bf16: the fused kernel in float32, cast back (its bf16 backward is slow)."""
     q, _, _ = _qkv(H=4, dtype=torch.bfloat16)
     _, k, v = _qkv(H=2, Dv=8, dtype=torch.bfloat16)
-    out = attention(q, k, v, causal=True, backend="sdpa")
+    out = attention(q, k, v, causal=True, backend="auto")
     assert out.dtype == torch.bfloat16 and _path(out) == "ToCopyBackward0"
     leaves = [t.detach().to(F64) for t in (q, k, v)]
     ref = attention(*leaves, causal=True, backend="reference")
     torch.testing.assert_close(out.to(F64), ref, rtol=0, atol=2e-2)
     q2, k2, v2 = _qkv(dtype=torch.bfloat16)
-    assert _path(attention(q2, k2, v2, causal=True, backend="sdpa", dropout_p=0.1)) == "ToCopyBackward0"
+    assert _path(attention(q2, k2, v2, causal=True, backend="auto", dropout_p=0.1)) == "ToCopyBackward0"
 
 
 @pytest.mark.parametrize("kw", [dict(causal=True), dict(mask="bool"), dict(mask="float"), dict(window=3, causal=True)],
@@ -81,19 +114,18 @@ def test_short_path_equals_fused_kernel_float32(kw, monkeypatch):
         kw = dict(mask=torch.rand(2, 1, 7, 11, generator=torch.Generator().manual_seed(2)) > 0.3)
     elif kw.get("mask") == "float":
         kw = dict(mask=torch.randn(7, 11, generator=torch.Generator().manual_seed(3)))
-    short = attention(q, k, v, backend="sdpa", **kw)
-    g_short = _grads(short, (q, k, v))
-    monkeypatch.setattr(sdpa, "SHORT_KEYS", 0)
+    ours = attention(q, k, v, backend="short", **kw)
+    g_short = _grads(ours, (q, k, v))
     fused = attention(q, k, v, backend="sdpa", **kw)
-    assert "ShortAttention" in _path(short) and "ShortAttention" not in _path(fused)
-    torch.testing.assert_close(short, fused, rtol=1e-5, atol=1e-5)
+    assert "ShortAttention" in _path(ours) and "ShortAttention" not in _path(fused)
+    torch.testing.assert_close(ours, fused, rtol=1e-5, atol=1e-5)
     for a, b in zip(g_short, _grads(fused, (q, k, v))):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_training_path_against_float64_reference():
     q, k, v = _qkv(B=4, H=4, Lq=64, Lk=64, D=32, Dv=32, dtype=torch.bfloat16)
-    out = attention(q, k, v, causal=True, backend="sdpa")
+    out = attention(q, k, v, causal=True, backend="auto")
     assert out.dtype == torch.bfloat16 and "ShortAttention" in _path(out)
     ref_leaves = [t.detach().to(F64).requires_grad_(True) for t in (q, k, v)]
     ref = attention(*ref_leaves, causal=True, backend="reference")
@@ -105,7 +137,7 @@ def test_bf16_training_path_against_float64_reference():
 def test_learned_bias_gets_the_reference_gradient():
     q, k, v = _qkv(dtype=F64)
     bias = torch.randn(1, 3, 9, 9, dtype=F64, requires_grad=True)
-    out = attention(q, k, v, mask=bias, causal=True, backend="sdpa")
+    out = attention(q, k, v, mask=bias, causal=True, backend="short")
     assert "ShortAttention" in _path(out)
     got = _grads(out, (q, k, v, bias))
     ref = attention(q, k, v, mask=bias, causal=True, backend="reference")

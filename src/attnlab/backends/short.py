@@ -1,0 +1,104 @@
+"""The short backend: explicit batched products with a hand-written backward, for CPU training on short
+sequences.
+
+``P = softmax(κ Q Kᵀ + M)``, ``O = P V`` with ``P`` kept for the backward (``B·H·Lq·Lk`` floats). torch's CPU
+flash kernel tiles for long sequences; at nanoGPT-sized shapes (64–256 keys) its backward costs more than
+this whole computation (measured in ``benchmarks/train.py``), so ``auto`` takes this backend when training
+on a CPU with at most :data:`SHORT_KEYS` keys, as many key as query heads and no dropout
+(:func:`auto_when`). Asked for by name it computes any softmax request without a score_mod, in O(Lq·Lk)
+memory.
+"""
+from __future__ import annotations
+
+import torch
+
+from attnlab.functional.masks import build_mask, split_mask
+
+# Most keys for which auto trains with this backend on a CPU (at 512 keys the fused kernel wins again).
+SHORT_KEYS = 256
+
+
+def unsupported(q, k, v, *, normalize, score_mod, dropout_p, return_weights, **_) -> str:
+    if normalize != "softmax":
+        return f"normalize={normalize!r} (short computes softmax only)"
+    if score_mod is not None:
+        return "score_mod (short folds constraints into one additive mask; use tiled)"
+    if dropout_p > 0:
+        return "dropout_p > 0 (short has no dropout)"
+    if return_weights:
+        return "return_weights=True (short keeps the weights for its backward but does not return them)"
+    return ""
+
+
+def auto_when(q, k, v, **_) -> bool:
+    """Training on a CPU (grad mode on, an input requires grad) with at most :data:`SHORT_KEYS` keys and as
+    many key/value as query heads (grouped-query attention keeps the fused kernel, which shares them)."""
+    return (q.device.type == "cpu" and torch.is_grad_enabled()
+            and (q.requires_grad or k.requires_grad or v.requires_grad) and k.shape[2] <= SHORT_KEYS
+            and k.shape[1] == q.shape[1])
+
+
+def attention(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, dropout_p, normalize, top_k,
+              return_weights):
+    """``softmax(κ Q Kᵀ + M) V`` by :class:`ShortAttention`, every constraint folded into one additive ``M``
+    (grouped-query k and v repeated to the query heads; autograd sums their gradients back)."""
+    B, H, Lq, D = q.shape
+    Lk = k.shape[2]
+    if k.shape[1] != H:
+        k, v = k.repeat_interleave(H // k.shape[1], dim=1), v.repeat_interleave(H // k.shape[1], dim=1)
+    bool_mask, bias = split_mask(mask)
+    allowed = build_mask(B=B, H=H, Lq=Lq, Lk=Lk, device=q.device, mask=bool_mask, causal=causal,
+                         window=window, mask_mod=mask_mod)
+    if bias is None and allowed is None:
+        full = None
+    else:
+        acc = torch.promote_types(q.dtype, torch.float32)
+        full = torch.zeros((), dtype=acc, device=q.device) if bias is None else bias.to(acc)
+        if allowed is not None:
+            full = full.masked_fill(~allowed, float("-inf"))
+        full = full.expand(B, H, Lq, Lk)
+    return ShortAttention.apply(q, k, v, full, D ** -0.5 if scale is None else scale), None
+
+
+class ShortAttention(torch.autograd.Function):
+    """``O = P V`` with ``P = softmax(κ Q Kᵀ + M)``, for a few hundred keys at most.
+
+    The products run in the input dtype, the softmax and its gradient in float32 (float64 for float64); ``P`` is kept
+    for the backward (``B·H·Lq·Lk`` floats: small at these lengths)::
+
+        dV = Pᵀ dO,   dP = dO Vᵀ,   dS = P ⊙ (dP − rowsum(dP ⊙ P)),   dQ = κ dS K,   dK = κ dSᵀ Q,   dM = dS
+
+    Rows where every key is masked give ``P = 0``: zero output and zero gradients, as SDPA.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, scale):
+        B, H, Lq, D = q.shape
+        Lk = k.shape[2]
+        q3, k3, v3 = q.reshape(B * H, Lq, D), k.reshape(B * H, Lk, D), v.reshape(B * H, Lk, v.shape[-1])
+        acc = torch.promote_types(q.dtype, torch.float32)  # softmax precision: float32, or float64 for float64
+        s = torch.bmm(q3, k3.transpose(1, 2)).to(acc)
+        s = s.mul_(scale) if bias is None else torch.add(bias.reshape(B * H, Lq, Lk), s, alpha=scale)
+        p = torch.softmax(s, dim=-1)
+        if bias is not None:
+            p = p.nan_to_num_(0.0)  # rows with every key masked: softmax of all −inf
+        out = torch.bmm(p.to(q.dtype), v3)
+        ctx.save_for_backward(q3, k3, v3, p)
+        ctx.scale = scale
+        return out.view(B, H, Lq, v.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q3, k3, v3, p = ctx.saved_tensors
+        B, H = grad_out.shape[:2]
+        # (B·H, Lq, Dv), in the products' dtype: under autocast the incoming gradient can be float32
+        # while q, k, v are bfloat16
+        go = grad_out.reshape(q3.shape[0], q3.shape[1], v3.shape[2]).to(v3.dtype)
+        dv = torch.bmm(p.to(go.dtype).transpose(1, 2), go)
+        dp = torch.bmm(go, v3.transpose(1, 2)).to(p.dtype)
+        ds = torch._softmax_backward_data(dp, p, -1, p.dtype)  # dS, which is also dM
+        dbias = ds.view(B, H, *ds.shape[1:]) if ctx.needs_input_grad[3] else None
+        ds = ds.to(q3.dtype)
+        dq = torch.bmm(ds, k3).mul_(ctx.scale)
+        dk = torch.bmm(ds.transpose(1, 2), q3).mul_(ctx.scale)
+        return dq.view(B, H, *dq.shape[1:]), dk.view(B, H, *dk.shape[1:]), dv.view(B, H, *dv.shape[1:]), dbias, None

@@ -1,0 +1,123 @@
+"""An attention request, checked once at the API boundary: the arguments of :func:`attnlab.attention`.
+
+Pure argument code (no backend is imported here): :func:`prepare` validates q, k, v, the mask and every
+option and returns the request the backends receive (``scale`` resolved to ``1/sqrt(D)``, masks 4-D).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from attnlab.functional.normalize import NORMALIZERS
+
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def indices(name: str, idx, n: int, device) -> Tensor:
+    """``idx`` (None = all of ``range(n)``, an int, or a 1-D sequence of ints in ``[0, n)``) as a LongTensor."""
+    if idx is None:
+        return torch.arange(n, device=device)
+    t = torch.as_tensor([idx] if isinstance(idx, numbers.Integral) else idx, device=device)
+    if t.dim() != 1 or t.dtype not in (torch.int64, torch.int32) or t.numel() == 0:
+        raise ValueError(f"{name} must be an int or a non-empty 1-D sequence of ints, got {idx!r}")
+    if (t < 0).any() or (t >= n).any():
+        raise ValueError(f"{name} must lie in [0, {n}), got {t.tolist()}")
+    return t.long()
+
+
+def prepare(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, dropout_p, normalize, top_k,
+             return_weights) -> dict:
+    """Validate a request at the API boundary and return it normalised for the backends."""
+    check_qkv(q, k, v)
+    B, H, Lq, D = q.shape
+    Lk = k.shape[2]
+    mask = check_mask(mask, q, (B, H, Lq, Lk))
+    if window is not None and (isinstance(window, bool) or not isinstance(window, numbers.Integral) or window <= 0):
+        raise ValueError(f"window must be a positive int, got {window!r}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
+    elif not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale!r}")
+    for name, flag in (("causal", causal), ("return_weights", return_weights)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+    if not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if not isinstance(normalize, str) or normalize not in NORMALIZERS:
+        raise ValueError(f"normalize must be one of {sorted(NORMALIZERS)}, got {normalize!r}")
+    if normalize == "topk":
+        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 1 <= top_k <= Lk:
+            raise ValueError(f"top_k must be an int in [1, Lk={Lk}] with normalize='topk', got {top_k!r}")
+    elif top_k is not None:
+        raise ValueError(f"top_k is only used with normalize='topk' (normalize={normalize!r})")
+    return dict(mask=mask, causal=causal, window=window, scale=float(scale), score_mod=score_mod,
+                mask_mod=mask_mod, dropout_p=float(dropout_p), normalize=normalize, top_k=top_k,
+                return_weights=return_weights)
+
+
+def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """q ``(B, H, Lq, D)``, k ``(B, Hkv, Lk, D)``, v ``(B, Hkv, Lk, Dv)``: floating, one dtype and device, ``H % Hkv == 0``."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dims (B, H, L, D), got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must have the same number of heads, got {k.shape[1]} and {v.shape[1]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(
+            f"query heads H={q.shape[1]} must be a multiple of key/value heads Hkv={k.shape[1]} (H % Hkv == 0)"
+        )
+    if q.shape[3] == 0 or k.shape[2] == 0:
+        raise ValueError(f"need at least one key and a head dim D >= 1, got Lk={k.shape[2]}, D={q.shape[3]}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must have the same length, got Lk={k.shape[2]} and {v.shape[2]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k must have the same head dim D, got {q.shape[3]} and {k.shape[3]}")
+
+
+def check_mask(mask: Optional[Tensor], q: Tensor, target: tuple[int, int, int, int]) -> Optional[Tensor]:
+    """A bool (True = may attend) or float (added) mask broadcastable to ``target``, returned 4-D, in q's dtype."""
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"mask must be bool (True = may attend) or floating (added), got {mask.dtype}")
+    if mask.dim() > 4 or _broadcast(mask.shape, target) != target:
+        raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to (B, H, Lq, Lk) = {target}")
+    if mask.device != q.device:
+        raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
+    if mask.is_floating_point():
+        top = mask.amax() if mask.numel() else None  # one pass; amax propagates NaN
+        if top is not None and (torch.isnan(top) or torch.isposinf(top)):
+            raise ValueError("a float mask must not contain NaN or +inf (use -inf to block a position)")
+        if mask.dtype != q.dtype:
+            mask = mask.to(q.dtype)
+    if mask.dim() < 4:  # backends may rely on 4-D masks
+        mask = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    return mask
+
+
+def _broadcast(a, b):
+    try:
+        return tuple(torch.broadcast_shapes(tuple(a), tuple(b)))
+    except RuntimeError:
+        return None
