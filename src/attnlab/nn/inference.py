@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab._checks import positive_int
+
 INFERENCE_DTYPES = (torch.float32, torch.bfloat16)
 try:  # oneDNN's inner product on a packed weight (the overload itself: no per-call overload resolution)
     _ONEDNN_LINEAR = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
@@ -68,8 +70,7 @@ class PackedLinear(nn.Module):
             raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
         if dtype not in INFERENCE_DTYPES:
             raise ValueError(f"dtype must be one of {INFERENCE_DTYPES}, got {dtype!r}")
-        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows <= 0):
-            raise ValueError(f"rows must be a positive int or None, got {rows!r}")
+        positive_int("rows", rows, optional=True)
         self.in_features, self.out_features, self.dtype, self.rows = linear.in_features, linear.out_features, dtype, rows
         self._pack(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
 
