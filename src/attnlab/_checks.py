@@ -4,7 +4,7 @@ Every checker takes the argument's ``name`` first and raises an error that names
 what was expected, e.g. ``ValueError: dropout must be a float in [0, 1), got 1.5``. Bools are
 never accepted where a number is expected (``True`` is an ``int`` to Python, not to us).
 
-* ints: :func:`positive_int`, :func:`non_negative_int`, :func:`int_at_least`, :func:`index`
+* ints: :func:`integer`, :func:`positive_int`, :func:`non_negative_int`, :func:`int_at_least`, :func:`index`
 * reals: :func:`real`, :func:`positive_number`, :func:`non_negative_number`, :func:`rate`,
   :func:`fraction`
 * others: :func:`boolean`, :func:`one_of`, :func:`tensor`
@@ -21,7 +21,7 @@ from typing import Iterable, Optional
 
 import torch
 
-__all__ = ["is_int", "is_real", "positive_int", "non_negative_int", "int_at_least", "index", "real",
+__all__ = ["is_int", "is_real", "integer", "positive_int", "non_negative_int", "int_at_least", "index", "real",
            "positive_number", "non_negative_number", "rate", "fraction", "boolean", "one_of", "tensor",
            "check_int", "check_rate", "check_positive_float"]
 
@@ -41,6 +41,13 @@ def _refuse(name: str, expected: str, value, optional: bool = False) -> None:
 
 
 # ---------------------------------------------------------------------------------- ints
+
+def integer(name: str, value) -> None:
+    """``value`` must be an int (bools refused); a ``TypeError`` otherwise, for APIs that separate
+    the wrong type (``TypeError``) from the wrong value (``ValueError``)."""
+    if not is_int(value):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+
 
 def int_at_least(name: str, value, minimum: int, *, optional: bool = False) -> None:
     """``value`` must be an int with ``value >= minimum`` (or None when ``optional``): ``an int >= minimum``."""
