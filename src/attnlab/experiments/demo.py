@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from attnlab._checks import positive_int
 from attnlab._io import atomic_write_text, check_output_dir
 from attnlab.data.synthetic import BOS, EOS, PAD, ReverseTask
 from attnlab.models.config import TransformerConfig
@@ -116,8 +117,7 @@ def run(*, out: Optional[str] = None, seed: int = 0, max_steps: int = 800, max_s
     ``max_seconds`` (default None) is an explicit opt-in time limit.
     """
     for name, value in (("max_steps", max_steps), ("eval_every", eval_every), ("batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        positive_int(name, value)
     if max_seconds is not None and not max_seconds > 0:
         raise ValueError(f"max_seconds must be positive or None, got {max_seconds!r}")
     out_dir = check_out(out)

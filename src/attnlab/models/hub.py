@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor
 
+from attnlab._checks import is_int
 from attnlab._io import atomic_write
 
 PathLike = Union[str, os.PathLike]
@@ -160,7 +161,7 @@ def check_config_sizes(raw: dict, *, where: str) -> None:
                 if name not in cfg or cfg[name] is None:
                     continue
                 v = cfg[name]
-                if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= limit:
+                if not (is_int(v) and 0 <= v <= limit):
                     raise ValueError(f"{where!r}: {prefix}{name}={v!r} is out of range (an int in [0, {limit:,}])")
 
 
