@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.functional.attention import attention, attention_weights
-from attnlab.nn.cache import KVCache
+from attnlab.attention.cache import KVCache
 
 # A position bias larger than this many elements (H·L·S) is passed as a score_mod (computed block
 # by block by the tiled backend, O(N) memory) instead of a dense additive mask for SDPA.

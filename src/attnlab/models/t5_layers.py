@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from attnlab.attention.multihead import DENSE_BIAS_LIMIT
 from attnlab.functional.attention import ScoreMod, attention, attention_weights
 from attnlab.nn.block import LayerCache
-from attnlab.nn.cache import KVCache
+from attnlab.attention.cache import KVCache
 from attnlab.nn.dropout import Dropout
 from attnlab.nn.feedforward import ACTIVATIONS
 from attnlab.nn.norms import RMSNorm

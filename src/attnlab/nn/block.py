@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from attnlab._checks import boolean, rate
 from attnlab.attention.multihead import MultiheadAttention
-from attnlab.nn.cache import KVCache
+from attnlab.attention.cache import KVCache
 from attnlab.nn.dropout import Dropout
 from attnlab.nn.feedforward import FeedForward
 from attnlab.nn.norms import make_norm
