@@ -10,6 +10,7 @@ the anti-diagonal (output ``t`` reads input ``L-1-t``), and that is what the mod
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import time
@@ -191,8 +192,24 @@ def _cross_attention_png(model: Seq2SeqTransformer, task: ReverseTask, s: list[i
                         y_name="output (generated)", title="cross-attention: reversal = anti-diagonal")
 
 
+EPILOG = """examples:
+  attnlab demo                       # train the reversal model, write ./attnlab-demo-<time>/
+  attnlab demo --out runs/demo --seed 1
+  attnlab demo --max-steps 400       # a shorter step budget (the schedule decays over it)"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``attnlab demo`` (the common flags are added by :mod:`attnlab.cli`)."""
+    p.add_argument("--out", default=None, help="output folder (default: a fresh ./attnlab-demo-<time>)")
+    p.add_argument("--max-steps", type=int, default=800,
+                   help="training steps at most; the schedule decays over them (default 800; stops earlier at 99.5%%)")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="optional wall-clock limit (default none: a slower machine takes longer, never gets a worse model)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 def main(args) -> int:
-    from attnlab.cli import cpu_float32_only
+    from attnlab._runtime import cpu_float32_only
 
     cpu_float32_only(args)
     m = run(out=args.out, seed=args.seed or 0, max_steps=args.max_steps, max_seconds=args.max_seconds,
