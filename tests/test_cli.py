@@ -70,8 +70,13 @@ def test_common_seed_and_threads_are_applied(monkeypatch):
         seen.update(seed=args.seed, first=torch.rand(1).item(), threads=torch.get_num_threads())
         return 0
 
-    monkeypatch.setitem(COMMANDS, "bench", COMMANDS["bench"][:3] + ("tests.fake:fn",))
-    monkeypatch.setattr(cli.importlib, "import_module", lambda name: type("M", (), {"fn": staticmethod(fake)}))
+    import types
+
+    real_import = cli.importlib.import_module
+    fake_module = types.SimpleNamespace(EPILOG="examples: none", add_arguments=lambda p: None, main=fake)
+    monkeypatch.setitem(COMMANDS, "bench", (COMMANDS["bench"][0], "tests.fake"))
+    monkeypatch.setattr(cli.importlib, "import_module",
+                        lambda name: fake_module if name == "tests.fake" else real_import(name))
     before = torch.get_num_threads()
     try:
         assert cli.main(["bench", "--seed", "7", "--threads", "1"]) == 0

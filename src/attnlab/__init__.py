@@ -12,7 +12,7 @@ from attnlab.functional.masks import (and_masks, bigbird_layout, bigbird_mod, ca
                                       or_masks, prefix_lm_mod, sliding_window_mod, strided_mod)
 from attnlab.functional.positional import (alibi_score_mod, alibi_slopes, apply_rope, rope_frequencies,
                                            sinusoidal_table, t5_relative_buckets)
-from attnlab.nn.cache import KVCache
+from attnlab.attention.cache import KVCache
 from attnlab.nn.positional import (ALiBi, LearnedPositionalEmbedding, RotaryEmbedding,
                                    SinusoidalPositionalEmbedding, T5RelativeBias)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 __all__ = ["reuse_freed_memory", "reuse_large_blocks", "Capability", "probe", "resolve_dtype", "check_dtype_name", "torch_dtype",
-           "DTYPE_CHOICES"]
+           "DTYPE_CHOICES", "model_dtype", "cpu_float32_only"]
 
 # mallopt(3) parameter numbers (glibc's malloc.h)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
@@ -263,3 +263,23 @@ def reuse_large_blocks(*tensors) -> bool:
         return False
     _LARGE_BLOCKS["applied"] = reuse_freed_memory(mmap_threshold=1 << 30, trim_threshold=1 << 30)
     return _LARGE_BLOCKS["applied"]
+
+
+# ---- the command line's --device / --dtype, shared by the subcommands (cli.py sits above them all)
+
+def model_dtype(args):
+    """A subcommand's ``--dtype`` as a torch dtype (float32 when not given; ``auto`` resolved for ``--device``)."""
+    import torch
+
+    if args.dtype == "auto":
+        return torch_dtype(resolve_dtype("auto", args.device or "cpu", name="--dtype")[0])
+    return getattr(torch, args.dtype or "float32")
+
+
+def cpu_float32_only(args) -> None:
+    """For commands that measure on the CPU in float32: refuse ``--device``/``--dtype`` in one line
+    (``--dtype auto`` is accepted: it resolves to float32 for them)."""
+    for flag, value, ok in (("--device", args.device, ("cpu", None)),
+                            ("--dtype", args.dtype, ("float32", "auto", None))):
+        if value not in ok:
+            raise ValueError(f"attnlab {args.command} runs on the CPU in float32; {flag} {value} is not supported")

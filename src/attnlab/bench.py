@@ -7,6 +7,7 @@ run, print a table of ratios and write JSON under ``benchmarks/results/``). Each
 """
 from __future__ import annotations
 
+import argparse
 import ast
 import os
 import shlex
@@ -38,9 +39,25 @@ def available() -> dict[str, str]:
     return out
 
 
+EPILOG = """examples:
+  attnlab bench --list                               # the benchmark scripts, one line each
+  attnlab bench                                      # attention: ours vs SDPA / torch MHA, as ratios
+  attnlab bench generate encode --threads 2          # GPT-2 decoding, BERT / MiniLM encoding vs transformers
+  attnlab bench attention --quick --script-args "--suite efficient"
+Needs the benchmarks/ folder of a source checkout; tables print, JSON goes to benchmarks/results/."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``attnlab bench`` (the common flags are added by :mod:`attnlab.cli`)."""
+    p.add_argument("names", nargs="*", help="benchmarks to run (default: attention); see --list")
+    p.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    p.add_argument("--quick", action="store_true", help="small sizes: a smoke run of seconds")
+    p.add_argument("--script-args", default="", help="more arguments for the scripts, quoted")
+
+
 def main(args) -> int:
     """Run the chosen benchmarks one after another (default: ``attention``); exit 1 if any failed."""
-    from attnlab.cli import cpu_float32_only
+    from attnlab._runtime import cpu_float32_only
 
     cpu_float32_only(args)
     names = available()

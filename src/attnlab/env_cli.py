@@ -38,6 +38,18 @@ def _yes(v: bool) -> str:
     return "yes" if v else "no"
 
 
+EPILOG = """examples:
+  attnlab env                       # ISA, native bf16, AMX, threads, measured GFLOP/s, what dtype=auto picks
+  attnlab env --json
+  ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 attnlab env    # behave as an AVX2-only CPU"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``attnlab env`` (the common flags are added by :mod:`attnlab.cli`)."""
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--no-measure", action="store_true", help="skip the ~1 s measurement (GFLOP/s, GB/s)")
+
+
 def main(args: argparse.Namespace) -> int:
     r = report(measure=not args.no_measure)
     if args.json:

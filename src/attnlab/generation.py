@@ -16,7 +16,7 @@ The decoder protocol (what the decoding loops need) is small, so any decoder can
 - ``model(input_ids (B, T), attention_mask=None | (B, past + T), past_key_values=cache,
   use_cache=True)`` returns an object with ``.logits (B, T, V)``, updating ``cache`` in place;
 - ``model.new_cache(max_length=None)`` returns the empty cache: a list of
-  :class:`attnlab.nn.block.LayerCache` (or of :class:`attnlab.nn.cache.KVCache`), or an
+  :class:`attnlab.nn.block.LayerCache` (or of :class:`attnlab.attention.cache.KVCache`), or an
   :class:`EncoderDecoderCache`; beams are reordered by :func:`reorder_cache`.
 
 An encoder–decoder (``is_encoder_decoder = True``: T5, BART, ``Seq2SeqTransformer``) provides instead
@@ -33,7 +33,6 @@ The one greedy/sampling loop and the one beam search serve both kinds of model.
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Optional
@@ -42,8 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnlab._checks import int_at_least, is_real, non_negative_int, one_of, positive_int, positive_number
 from attnlab.nn.block import LayerCache
-from attnlab.nn.cache import KVCache
+from attnlab.attention.cache import KVCache
 
 CACHES = ("dynamic", "static")
 
@@ -290,10 +290,6 @@ def reorder_cache(cache, index: Tensor) -> None:
                         f"got {type(cache).__name__}")
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
 def _check_decoder_prompt(model, input_ids: Tensor, attention_mask: Optional[Tensor], max_new_tokens: int) -> None:
     """A decoder continues each row from its last position, so prompts must be left-padded; and the prompt plus
     ``max_new_tokens`` must fit the model's position table (refused before any token is generated)."""
@@ -323,21 +319,15 @@ def _check(input_ids, attention_mask, max_new_tokens, do_sample, temperature, to
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, "
                          f"got {tuple(attention_mask.shape)}")
-    if not _is_int(max_new_tokens) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature!r}")
-    if top_k is not None and (not _is_int(top_k) or top_k <= 0):
-        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):
+    positive_int("max_new_tokens", max_new_tokens)
+    positive_number("temperature", temperature)
+    positive_int("top_k", top_k, optional=True)
+    if top_p is not None and not (is_real(top_p) and 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if not _is_int(num_beams) or num_beams < 1:
-        raise ValueError(f"num_beams must be an int >= 1, got {num_beams!r}")
+    int_at_least("num_beams", num_beams, 1)
     if do_sample and num_beams > 1:
         raise ValueError(f"num_beams must be 1 with do_sample=True (beam sampling is not supported), got {num_beams}")
     for name, v in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id),
                     ("decoder_start_token_id", decoder_start_token_id)):
-        if v is not None and (not _is_int(v) or v < 0):
-            raise ValueError(f"{name} must be a non-negative int or None, got {v!r}")
-    if cache not in CACHES:
-        raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
+        non_negative_int(name, v, optional=True)
+    one_of("cache", cache, CACHES)

@@ -80,7 +80,7 @@ def test_small_integer_dtypes_give_int64():
 @pytest.mark.parametrize("kwargs, err, match", [
     (dict(batch_size=5, world_size=2), ValueError, "divisible by world_size"),
     (dict(rank=2, world_size=2), ValueError, "rank must be < world_size"),
-    (dict(block_size=0), ValueError, "block_size must be >= 1"),
+    (dict(block_size=0), ValueError, "block_size must be an int >= 1, got 0"),
     (dict(block_size=1000), ValueError, "more than block_size"),
     (dict(batch_size=2.0), TypeError, "batch_size must be an int"),
 ])
@@ -93,7 +93,7 @@ def test_bad_arguments(kwargs, err, match):
 def test_bad_data_and_state():
     with pytest.raises(ValueError, match="1-D integer"):
         LMBatches(torch.rand(100), block_size=4, batch_size=2, seed=0)
-    with pytest.raises(TypeError, match="torch.Tensor"):
+    with pytest.raises(TypeError, match=r"data must be a tensor \(N,\) of token ids, got list"):
         LMBatches(list(range(100)), block_size=4, batch_size=2, seed=0)
     it = LMBatches(DATA, block_size=4, batch_size=2, seed=0)
     with pytest.raises(ValueError, match="'generator' and 'step'"):

@@ -64,7 +64,7 @@ def test_make_norm_kinds_and_errors():
     assert isinstance(ln, torch.nn.LayerNorm) and ln.eps == 1e-3
     assert isinstance(make_norm("rmsnorm", 6, eps=1e-6), RMSNorm)
     assert ln.bias is not None and make_norm("layernorm", 6, bias=False).bias is None
-    with pytest.raises(ValueError, match=r"norm must be one of \['layernorm', 'rmsnorm'\]"):
+    with pytest.raises(ValueError, match=r"norm must be one of 'layernorm', 'rmsnorm', got 'batchnorm'"):
         make_norm("batchnorm", 6, eps=1e-5)
     with pytest.raises(ValueError, match="dim"):
         RMSNorm(0)

@@ -241,7 +241,7 @@ def test_killed_many_times_and_resumed_equals_uninterrupted(tmp_path, shakespear
 
 
 def test_help_lists_every_setting_a_resume_may_change():
-    from attnlab.cli import TRAIN_HELP
+    from attnlab.training.cli import EPILOG as TRAIN_HELP
     from attnlab.training.recipes import RESUME_SETTINGS
 
     assert all(k in TRAIN_HELP for k in RESUME_SETTINGS)

@@ -18,11 +18,11 @@ to the sub-layer's output. The base parameters keep their names, so a base check
 """
 from __future__ import annotations
 
-import numbers
 from typing import Iterable
 
 from torch import Tensor, nn
 
+from attnlab._checks import non_negative_number, one_of, positive_int
 from attnlab.nn.block import DecoderLayer, EncoderLayer
 from attnlab.nn.feedforward import ACTIVATIONS
 
@@ -89,12 +89,9 @@ def apply_adapters(model: nn.Module, *, bottleneck: int, activation: str = "gelu
         ValueError: bad ``bottleneck``/``activation``/``sublayers``, a model with no Encoder/DecoderLayer,
             or one that already has adapters.
     """
-    if isinstance(bottleneck, bool) or not isinstance(bottleneck, numbers.Integral) or bottleneck <= 0:
-        raise ValueError(f"bottleneck must be a positive int, got {bottleneck!r}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-    if isinstance(init_std, bool) or not isinstance(init_std, numbers.Real) or init_std < 0:
-        raise ValueError(f"init_std must be a non-negative number, got {init_std!r}")
+    positive_int("bottleneck", bottleneck)
+    one_of("activation", activation, sorted(ACTIVATIONS))
+    non_negative_number("init_std", init_std)
     sublayers = [sublayers] if isinstance(sublayers, str) else list(sublayers)
     bad = [s for s in sublayers if s not in SUBLAYERS]
     if bad or not sublayers or len(set(sublayers)) != len(sublayers):

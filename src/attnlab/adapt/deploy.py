@@ -12,12 +12,12 @@ the task needed. Cross-attention is left alone.
 """
 from __future__ import annotations
 
-import numbers
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
 from torch import nn
 
+from attnlab._checks import positive_int
 from attnlab.attention.multihead import MultiheadAttention
 from attnlab.nn.block import DecoderLayer, EncoderLayer
 
@@ -37,8 +37,7 @@ def set_window(model: nn.Module, window: Optional[int]) -> dict[str, Optional[in
     Raises:
         ValueError: ``window`` is not a positive int or None, or the model has no Encoder/DecoderLayer.
     """
-    if window is not None and (isinstance(window, bool) or not isinstance(window, numbers.Integral) or window <= 0):
-        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    positive_int("window", window, optional=True)
     modules = self_attention_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no EncoderLayer/DecoderLayer self-attention to window")

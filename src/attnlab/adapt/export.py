@@ -22,6 +22,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
+from attnlab._checks import int_at_least
 from attnlab._io import atomic_write
 from attnlab.attention.multihead import MultiheadAttention
 from attnlab.models.bert import BertForMaskedLM, BertModel
@@ -77,8 +78,7 @@ def export_onnx(model: nn.Module, path: PathLike, *, opset: Optional[int] = None
                          "optimize_for_inference()); export the float model first, then quantise the ONNX file "
                          "(onnxruntime.quantization.quantize_dynamic)")
     opset = DEFAULT_OPSET if opset is None else opset
-    if isinstance(opset, bool) or not isinstance(opset, int) or opset < 14:
-        raise ValueError(f"opset must be an int >= 14, got {opset!r}")
+    int_at_least("opset", opset, 14)
     cfg = model.config
     if not 2 <= example_length <= cfg.max_position_embeddings:
         raise ValueError(f"example_length must be in [2, {cfg.max_position_embeddings}], got {example_length}")

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import fnmatch
 import math
-import numbers
 import re
 from typing import Iterable, Optional, Union
 
@@ -33,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab._checks import is_int, positive_number, rate
 from attnlab.attention.multihead import MultiheadAttention
 from attnlab.nn.dropout import Dropout
 
@@ -144,12 +144,10 @@ def _shape(rest: tuple, n: int, dim: int) -> tuple:
 
 
 def _check_rank_alpha_dropout(r, alpha, dropout) -> None:
-    if isinstance(r, bool) or not isinstance(r, numbers.Integral) or r <= 0:
+    if not (is_int(r) and r > 0):
         raise ValueError(f"r (the LoRA rank) must be a positive int, got {r!r}")
-    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not alpha > 0 or not math.isfinite(alpha):
-        raise ValueError(f"alpha must be a positive number, got {alpha!r}")
-    if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
+    positive_number("alpha", alpha, finite=True)
+    rate("dropout", dropout)
 
 
 # ---- which projections a model has, by target name ----------------------------------------------

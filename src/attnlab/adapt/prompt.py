@@ -21,12 +21,12 @@ supported (they would need an ``inputs_embeds`` argument on their forward).
 """
 from __future__ import annotations
 
-import numbers
 from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
+from attnlab._checks import positive_int
 from attnlab.models.causal_lm import CausalLMOutput, DecoderOnlyLM
 from attnlab.nn.block import LayerCache
 
@@ -43,8 +43,7 @@ class _VirtualTokensLM(nn.Module):
         if not isinstance(model, DecoderOnlyLM):
             raise TypeError(f"model must be a decoder-only LM (attnlab.models.causal_lm.DecoderOnlyLM: GPT-2, "
                             f"Llama), got {type(model).__name__}")
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Integral) or num_tokens <= 0:
-            raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
+        positive_int("num_tokens", num_tokens)
         if model.max_positions is not None and num_tokens >= model.max_positions:
             raise ValueError(f"num_tokens={num_tokens} leaves no room in the model's {model.max_positions} positions")
         self.model, self.num_tokens = model, int(num_tokens)

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab._checks import one_of
+
 MODES = ("int8", "int8-weight")
 FLOAT_DTYPES = {"int8": (torch.float32,), "int8-weight": (torch.float32, torch.bfloat16, torch.float16)}
 
@@ -52,8 +54,7 @@ class Int8Linear(nn.Module):
     def __init__(self, weight_int8: Tensor, weight_scale: Tensor, bias: Optional[Tensor], *, mode: str,
                  compute_dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        one_of("mode", mode, MODES)
         self.register_buffer("weight_int8", weight_int8)
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
@@ -162,8 +163,7 @@ def quantize(model: nn.Module, mode: str, *, compute_dtype: Optional[torch.dtype
     """
     from attnlab.adapt.lora import LoRALinear
 
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    one_of("mode", mode, MODES)
     if compute_dtype is None:
         compute_dtype = torch.bfloat16
     if mode == "int8-weight" and compute_dtype not in FLOAT_DTYPES["int8-weight"]:

@@ -8,7 +8,6 @@
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import Sequence, Union
 
@@ -16,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab._checks import is_int, positive_int
 from attnlab.data.batching import pad_batch
 
 
@@ -37,8 +37,7 @@ class SentenceEncoder:
 
     def __init__(self, model: nn.Module, tokenizer, *, max_length: int = 256, batch_size: int = 64) -> None:
         for name, v in (("max_length", max_length), ("batch_size", batch_size)):
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            positive_int(name, v)
         if tokenizer.pad_id is None:
             raise ValueError("tokenizer has no padding token ([PAD] or <pad>)")
         self.model, self.tokenizer = model.eval(), tokenizer
@@ -133,7 +132,7 @@ class Retriever:
             ValueError: ``k`` is not in ``[1, len(passages)]``.
         """
         n = len(self.passages)
-        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= n:
+        if not (is_int(k) and 1 <= k <= n):
             raise ValueError(f"k must be an int in [1, {n}] (the corpus size), got {k!r}")
         top = self.scores(queries).topk(k, dim=-1)
         return [[Hit(int(i), float(s), self.passages[int(i)]) for s, i in zip(vals, idx)]

@@ -39,6 +39,23 @@ def read_corpus(path) -> list[str]:
     return passages
 
 
+EPILOG = """examples:
+  attnlab rag --corpus passages.txt --query "Who is riding the horse?"          # all-MiniLM-L6-v2, top 3
+  attnlab rag --corpus passages.txt --query "a dog in the snow" --k 5 --model path/to/bert-dir
+  attnlab rag --corpus passages.txt --query "..." --generator path/to/gpt2-dir --max-new-tokens 40
+The corpus holds one passage per line; --model and --generator are HF-format folders with tokenizer.json."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``attnlab rag`` (the common flags are added by :mod:`attnlab.cli`)."""
+    p.add_argument("--corpus", required=True, help="text file, one passage per line")
+    p.add_argument("--query", required=True, help="the question or search text")
+    p.add_argument("--k", type=int, default=3, help="passages to retrieve (default 3)")
+    p.add_argument("--model", default=None, help="BERT sentence encoder folder (default: all-MiniLM-L6-v2)")
+    p.add_argument("--generator", default=None, help="decoder-only model folder: also generate an answer")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="answer length with --generator (default 32)")
+
+
 def main(args: argparse.Namespace) -> int:
     from attnlab.adapt.rag import Retriever, SentenceEncoder, rag_generate
 
@@ -47,7 +64,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--query must not be empty")
     if args.k < 1:
         raise ValueError(f"--k must be >= 1, got {args.k}")
-    from attnlab.cli import model_dtype
+    from attnlab._runtime import model_dtype
 
     generator = None
     if args.generator:  # loaded and checked before any passage is encoded

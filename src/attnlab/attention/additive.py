@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from attnlab.functional.scores import check_normalize, check_positive_int, prepare_inputs, score_attention
+from attnlab._checks import positive_int
+from attnlab.functional.scores import check_normalize, prepare_inputs, score_attention
 
 
 class AdditiveAttention(nn.Module):
@@ -46,7 +47,7 @@ class AdditiveAttention(nn.Module):
         value_dim = key_dim if value_dim is None else value_dim
         for name, value in (("query_dim", query_dim), ("key_dim", key_dim), ("hidden_dim", hidden_dim),
                             ("value_dim", value_dim)):
-            check_positive_int(name, value)
+            positive_int(name, value)
         check_normalize(normalize, top_k)
         self.query_dim, self.key_dim, self.value_dim = query_dim, key_dim, value_dim
         self.normalize, self.top_k = normalize, top_k

@@ -5,15 +5,14 @@ out_proj`` like :class:`attnlab.attention.multihead.MultiheadAttention`.
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
+from attnlab._checks import boolean, one_of, positive_int, rate
 from attnlab.backends.dispatch import attention
 from attnlab.functional.linear import FEATURE_MAPS, default_num_features, favor_projection, linear_attention
-from attnlab.functional.scores import check_positive_int
 
 
 class _SelfAttention(nn.Module):
@@ -21,8 +20,8 @@ class _SelfAttention(nn.Module):
 
     def __init__(self, embed_dim: int, num_heads: int, bias: bool, device, dtype):
         super().__init__()
-        check_positive_int("embed_dim", embed_dim)
-        check_positive_int("num_heads", num_heads)
+        positive_int("embed_dim", embed_dim)
+        positive_int("num_heads", num_heads)
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim={embed_dim} must be divisible by num_heads={num_heads}")
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
@@ -81,16 +80,13 @@ class PerformerAttention(_SelfAttention):
                  causal: bool = False, redraw_interval: Optional[int] = 1000, feature_map: str = "favor+",
                  bias: bool = True, device=None, dtype=None):
         super().__init__(embed_dim, num_heads, bias, device, dtype)
-        if not isinstance(feature_map, str) or feature_map not in FEATURE_MAPS:
-            raise ValueError(f"feature_map must be one of {sorted(FEATURE_MAPS)}, got {feature_map!r}")
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-        if redraw_interval is not None:
-            check_positive_int("redraw_interval (or None)", redraw_interval)
+        one_of("feature_map", feature_map, sorted(FEATURE_MAPS))
+        boolean("causal", causal)
+        positive_int("redraw_interval", redraw_interval, optional=True)
         self.feature_map, self.causal, self.redraw_interval = feature_map, causal, redraw_interval
         if feature_map == "favor+":
             num_features = default_num_features(self.head_dim) if num_features is None else num_features
-            check_positive_int("num_features", num_features)
+            positive_int("num_features", num_features)
             self.register_buffer("projection", favor_projection(num_features, self.head_dim, device=device, dtype=dtype))
         else:
             if num_features is not None:
@@ -152,10 +148,9 @@ class LinformerAttention(_SelfAttention):
     def __init__(self, embed_dim: int, num_heads: int, *, seq_len: int, k: int = 256, share_kv: bool = False,
                  bias: bool = True, dropout: float = 0.0, causal: bool = False, device=None, dtype=None):
         super().__init__(embed_dim, num_heads, bias, device, dtype)
-        check_positive_int("seq_len", seq_len)
-        check_positive_int("k", k)
-        if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
+        positive_int("seq_len", seq_len)
+        positive_int("k", k)
+        rate("dropout", dropout)
         _refuse_causal("causal", causal)
         self.seq_len, self.k, self.share_kv, self.dropout = seq_len, k, share_kv, float(dropout)
         bound = 1 / math.sqrt(k)
@@ -185,8 +180,7 @@ class LinformerAttention(_SelfAttention):
 
 
 def _refuse_causal(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    boolean(name, value)
     if value:
         raise ValueError(f"LinformerAttention cannot be causal ({name}=True): its length projection "
                          f"K' = E K mixes every position, future ones included, into each projected row")

@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from attnlab.functional.scores import check_normalize, check_positive_int, prepare_inputs, score_attention
+from attnlab._checks import boolean, positive_int
+from attnlab.functional.scores import check_normalize, prepare_inputs, score_attention
 
 
 class LocationAwareAttention(nn.Module):
@@ -59,11 +60,10 @@ class LocationAwareAttention(nn.Module):
         value_dim = key_dim if value_dim is None else value_dim
         for name, value in (("query_dim", query_dim), ("key_dim", key_dim), ("hidden_dim", hidden_dim),
                             ("value_dim", value_dim), ("conv_channels", conv_channels), ("kernel_size", kernel_size)):
-            check_positive_int(name, value)
+            positive_int(name, value)
         if kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be odd (so f_ij is centred on key j), got {kernel_size}")
-        if not isinstance(cumulative, bool):
-            raise TypeError(f"cumulative must be a bool, got {type(cumulative).__name__}")
+        boolean("cumulative", cumulative)
         check_normalize(normalize, top_k)
         self.query_dim, self.key_dim, self.value_dim = query_dim, key_dim, value_dim
         self.cumulative, self.normalize, self.top_k = cumulative, normalize, top_k

@@ -16,13 +16,13 @@ it lives beside it with the same tensor conventions.
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
-from attnlab.functional.scores import check_positive_int, prepare_inputs
+from attnlab._checks import is_real, positive_int
+from attnlab.functional.scores import prepare_inputs
 
 
 def expected_alignment(p_choose: Tensor, prev_alignment: Tensor) -> Tensor:
@@ -109,10 +109,10 @@ class MonotonicAttention(nn.Module):
         value_dim = key_dim if value_dim is None else value_dim
         for name, value in (("query_dim", query_dim), ("key_dim", key_dim), ("hidden_dim", hidden_dim),
                             ("value_dim", value_dim)):
-            check_positive_int(name, value)
-        if isinstance(init_r, bool) or not isinstance(init_r, numbers.Real) or not math.isfinite(init_r):
+            positive_int(name, value)
+        if not (is_real(init_r) and math.isfinite(init_r)):
             raise ValueError(f"init_r must be a finite real number, got {init_r!r}")
-        if isinstance(noise_std, bool) or not isinstance(noise_std, numbers.Real) or not noise_std >= 0:
+        if not (is_real(noise_std) and noise_std >= 0):
             raise ValueError(f"noise_std must be a real number >= 0, got {noise_std!r}")
         self.query_dim, self.key_dim, self.value_dim = query_dim, key_dim, value_dim
         self.noise_std = float(noise_std)
@@ -126,8 +126,8 @@ class MonotonicAttention(nn.Module):
 
     def initial_alignment(self, batch_size: int, length: int) -> Tensor:
         """``α_0``: one-hot at key 0 (``α_{0,j} = δ_{j,0}``), ``(B, Lk)`` in the module's dtype/device."""
-        check_positive_int("batch_size", batch_size)
-        check_positive_int("length", length)
+        positive_int("batch_size", batch_size)
+        positive_int("length", length)
         alignment = self.v.new_zeros(batch_size, length)
         alignment[:, 0] = 1.0
         return alignment

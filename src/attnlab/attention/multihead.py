@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab.attention.cache import KVCache
 from attnlab.backends.dispatch import attention, attention_weights, position_bias_terms
-from attnlab.nn.cache import KVCache
 
 
 class MultiheadAttention(nn.Module):

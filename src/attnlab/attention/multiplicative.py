@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.functional.scores import check_normalize, check_positive_int, prepare_inputs, score_attention
+from attnlab._checks import one_of, positive_int
 from attnlab.backends.dispatch import attention
+from attnlab.functional.scores import check_normalize, prepare_inputs, score_attention
 
 MODES = ("dot", "general", "concat")
 
@@ -57,9 +58,8 @@ class LuongAttention(nn.Module):
         super().__init__()
         value_dim = key_dim if value_dim is None else value_dim
         for name, value in (("query_dim", query_dim), ("key_dim", key_dim), ("value_dim", value_dim)):
-            check_positive_int(name, value)
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+            positive_int(name, value)
+        one_of("mode", mode, MODES)
         if mode == "dot" and query_dim != key_dim:
             raise ValueError(f"mode='dot' needs query_dim == key_dim, got query_dim={query_dim}, key_dim={key_dim} "
                              "(use mode='general' to compare vectors of different sizes)")
@@ -72,7 +72,7 @@ class LuongAttention(nn.Module):
             self.W_a = nn.Linear(key_dim, query_dim, bias=False)  # weight is W_a: (Dq, Dk)
         elif mode == "concat":
             hidden_dim = query_dim if hidden_dim is None else hidden_dim
-            check_positive_int("hidden_dim", hidden_dim)
+            positive_int("hidden_dim", hidden_dim)
             self.W_a = nn.Linear(query_dim + key_dim, hidden_dim, bias=False)
             self.v_a = nn.Linear(hidden_dim, 1, bias=False)
 

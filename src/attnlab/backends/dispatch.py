@@ -22,7 +22,8 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from attnlab.backends import BACKENDS, AUTO_ORDER, SPARSE_ORDER
+from attnlab._checks import boolean
+from attnlab.backends import AUTO_ORDER, BACKENDS, SPARSE_ORDER
 from attnlab.backends.base import Backend, BackendUnavailable
 from attnlab.backends.tiled import recover_weights
 from attnlab.functional.masks import MaskMod
@@ -92,8 +93,7 @@ def attention(
                       return_weights=return_weights)
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    boolean("return_lse", return_lse)
     impl = choose(backend, q, k, v, request, return_lse=return_lse)
     _check_scale_overflow(q, k, request["scale"])
 

@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from attnlab._checks import boolean
 from attnlab.backends.base import BackendUnavailable
 from attnlab.backends.tiled import captured_tensors
 from attnlab.functional.masks import causal_mod, sliding_window_mod, split_mask
@@ -67,8 +68,7 @@ def set_compile(enabled: bool) -> bool:
     Also forgets remembered ``torch.compile`` failures, so the next call tries again.
     """
     global _compile
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    boolean("enabled", enabled)
     previous, _compile = _compile, enabled
     _compile_errors.clear()
     return previous

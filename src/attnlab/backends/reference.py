@@ -10,7 +10,7 @@ from torch import Tensor
 
 from attnlab.functional.masks import build_mask, index_grids, split_mask
 from attnlab.functional.normalize import NORMALIZERS
-from attnlab.nn.dropout import dropout
+from attnlab.functional.dropout import dropout
 
 
 def unsupported(q, k, v, **request) -> str:

@@ -17,14 +17,15 @@ from typing import Sequence, Union
 import torch
 from torch import Tensor
 
+from attnlab._checks import int_at_least, integer, tensor
+
 __all__ = ["LMBatches", "lm_eval_batches", "TokenBucketBatches", "pad_batch"]
 
 
 def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    """Return ``value`` after checking it is an int (else ``TypeError``) ``>= minimum`` (else ``ValueError``)."""
+    integer(name, value)
+    int_at_least(name, value, minimum)
     return value
 
 
@@ -44,8 +45,7 @@ def _check_shard(batch_size: int, rank: int, world_size: int) -> int:
 
 
 def _check_data(data: Tensor, block_size: int) -> Tensor:
-    if not isinstance(data, Tensor):
-        raise TypeError(f"data must be a torch.Tensor of token ids, got {type(data).__name__}")
+    tensor("data", data, shape="(N,) of token ids")
     if data.dim() != 1 or data.dtype.is_floating_point or data.dtype.is_complex or data.dtype == torch.bool:
         raise ValueError(f"data must be a 1-D integer tensor (N,), got shape {tuple(data.shape)} dtype {data.dtype}")
     if data.numel() <= block_size:
@@ -265,8 +265,7 @@ def pad_batch(seqs: Sequence[Union[Sequence[int], Tensor]], pad_id: int) -> Tens
     Raises:
         ValueError: empty ``seqs``; TypeError: ``pad_id`` not an int.
     """
-    if isinstance(pad_id, bool) or not isinstance(pad_id, int):
-        raise TypeError(f"pad_id must be an int, got {type(pad_id).__name__}")
+    integer("pad_id", pad_id)
     if len(seqs) == 0:
         raise ValueError("seqs must not be empty")
     rows = [torch.as_tensor(s, dtype=torch.long).flatten() for s in seqs]

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
+from attnlab._checks import positive_int
 from attnlab._io import atomic_write
 
 __all__ = ["CharTokenizer", "TextTokenizer", "train_bpe", "train_wordpiece", "load_tokenizer"]
@@ -243,8 +244,7 @@ def _tokenizer_file(path: PathLike) -> Path:
 def _check_training(texts, vocab_size: int, special_tokens) -> tuple[Iterable[str], list[str]]:
     if isinstance(texts, str):
         raise TypeError("texts must be an iterable of strings, not one string")
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-        raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
+    positive_int("vocab_size", vocab_size)
     special_tokens = list(special_tokens)
     if len(set(special_tokens)) != len(special_tokens) or not all(isinstance(t, str) and t for t in special_tokens):
         raise ValueError(f"special_tokens must be distinct non-empty strings, got {special_tokens}")

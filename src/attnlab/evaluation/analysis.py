@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab._checks import one_of
 from attnlab.attention.multihead import MultiheadAttention
 
 SIMILARITIES = ("cosine", "js")
@@ -110,8 +111,7 @@ def head_similarity(attns: Sequence[Tensor], query_mask: Optional[Tensor] = None
     Raises:
         ValueError: ``metric`` unknown, no maps, or maps of different shapes.
     """
-    if metric not in SIMILARITIES:
-        raise ValueError(f"metric must be one of {SIMILARITIES}, got {metric!r}")
+    one_of("metric", metric, SIMILARITIES)
     if not attns:
         raise ValueError("attns must hold at least one (B, H, Lq, Lk) map")
     if any(a.shape[0] != attns[0].shape[0] or a.shape[2:] != attns[0].shape[2:] for a in attns):
@@ -384,8 +384,7 @@ def analyze(model: nn.Module, batch: Batch, *, similarity: str = "cosine", prune
     Raises:
         ValueError: unsupported model, bad ``similarity`` or inputs.
     """
-    if similarity not in SIMILARITIES:
-        raise ValueError(f"similarity must be one of {SIMILARITIES}, got {similarity!r}")
+    one_of("similarity", similarity, SIMILARITIES)
     if not isinstance(batch, Batch):
         raise TypeError(f"batch must be an attnlab.evaluation.analysis.Batch, got {type(batch).__name__}")
     was_training = model.training

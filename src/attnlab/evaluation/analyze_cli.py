@@ -115,6 +115,24 @@ def print_table(result: AttentionAnalysis, title: str) -> None:
     console.print(table)
 
 
+EPILOG = """examples:
+  attnlab analyze --model path/to/all-MiniLM-L6-v2 --text "The quick brown fox jumps over the lazy dog."
+  attnlab analyze --model gpt2-dir --file texts.txt --out runs/analysis   # + analysis.json, analysis.png
+  attnlab analyze --model bert-dir --text "a" --text "b" --similarity js --no-prune"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``attnlab analyze`` (the common flags are added by :mod:`attnlab.cli`)."""
+    p.add_argument("--model", required=True, help="HF-format model directory (config.json, weights, tokenizer.json)")
+    p.add_argument("--text", action="append", help="a text to analyse (repeatable)")
+    p.add_argument("--file", default=None, help="a UTF-8 file with one text per line")
+    p.add_argument("--out", default=None, help="folder for analysis.json and analysis.png (default: print only)")
+    p.add_argument("--similarity", choices=("cosine", "js"), default="cosine",
+                   help="head-pattern similarity: cosine of the maps or 1 - Jensen-Shannon of the rows")
+    p.add_argument("--no-prune", action="store_true", help="skip the per-head pruning loss (layers x heads passes)")
+    p.add_argument("--max-length", type=int, default=None, help="truncate texts to this many tokens")
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the analysis; print the table; with ``--out`` write ``analysis.json`` and ``analysis.png``."""
     from attnlab._io import atomic_write
@@ -124,7 +142,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-length must be >= 2, got {args.max_length}")
     texts = read_texts(args.text, args.file)
     tok = load_tokenizer(args.model)
-    from attnlab.cli import model_dtype
+    from attnlab._runtime import model_dtype
 
     model = from_pretrained(args.model, dtype=model_dtype(args)).to(args.device or "cpu")
     seed = args.seed or 0

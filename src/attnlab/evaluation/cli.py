@@ -1,17 +1,17 @@
 """``attnlab eval``: score a hypothesis file against reference file(s), or a trained checkpoint.
 
 Text mode: one segment per line, detokenised; BLEU/chrF are sacreBLEU's corpus scores (with their
-signatures), ROUGE is rouge-score's mean F1. Checkpoint mode hands the folder to
-``attnlab.training.recipes.evaluate_checkpoint`` (the recipe knows its data and metrics).
+signatures), ROUGE is rouge-score's mean F1. Checkpoint mode needs a training run's recipe, which
+sits above this package: the command is wired through :mod:`attnlab.training.eval_cli`, which
+passes its ``checkpoint_scores`` to :func:`main`.
 """
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
-import re
 from pathlib import Path
+from typing import Callable, Optional
 
 from attnlab._io import atomic_write, check_output_file, read_text_arg
 
@@ -19,7 +19,8 @@ TEXT_METRICS = ("bleu", "chrf", "rouge")
 DEFAULT_METRICS = "bleu,chrf"
 
 
-def _parse_metrics(spec: str | None, *, allowed: tuple[str, ...] | None) -> list[str] | None:
+def parse_metrics(spec: str | None, *, allowed: tuple[str, ...] | None) -> list[str] | None:
+    """``--metrics a,b`` as a list without repeats (None when not given); names outside ``allowed`` are refused."""
     if spec is None:
         return None
     names = [m.strip().lower() for m in spec.split(",") if m.strip()]
@@ -62,37 +63,6 @@ def score_files(hyp: str, refs: list[str], metrics: list[str], *, tokenize: str 
     return out
 
 
-def _checkpoint_scores(args: argparse.Namespace) -> dict:
-    try:
-        from attnlab.training.recipes import evaluate_checkpoint
-    except ImportError as e:
-        raise ValueError(f"scoring a --checkpoint needs attnlab.training.recipes.evaluate_checkpoint from the "
-                         f"training package, which is not available ({e})") from None
-    ckpt, single = Path(args.checkpoint), None
-    if ckpt.is_file() and re.fullmatch(r"ckpt-\d{8,}\.pt", ckpt.name):
-        ckpt, single = ckpt.parent, ckpt  # one checkpoint of a run: scored with its run's settings
-    elif ckpt.is_file():
-        raise ValueError(f"--checkpoint {ckpt} is a file: give a run's output folder or one of its ckpt-*.pt")
-    elif not ckpt.is_dir():
-        raise FileNotFoundError(f"--checkpoint: no such folder {ckpt}")
-    wanted = {"device": args.device, "metrics": _parse_metrics(args.metrics, allowed=None), "split": args.split,
-              "max_batches": args.max_batches, "reliability_png": args.reliability_png}
-    params = inspect.signature(evaluate_checkpoint).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    kwargs = {}
-    for name, value in wanted.items():
-        if value is None:
-            continue
-        if name not in params and not takes_any:
-            raise ValueError(f"--{name.replace('_', '-')} is not supported by this checkpoint's evaluation")
-        kwargs[name] = value
-    result = evaluate_checkpoint(ckpt, **kwargs) if single is None else evaluate_checkpoint(ckpt, checkpoint=single,
-                                                                                             **kwargs)
-    if not isinstance(result, dict):
-        raise ValueError(f"evaluate_checkpoint returned {type(result).__name__}, expected a dict of metrics")
-    return result
-
-
 def format_table(scores: dict) -> str:
     """Two columns, metric and value; signatures listed below the table."""
     rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in scores.items()
@@ -103,8 +73,33 @@ def format_table(scores: dict) -> str:
     return "\n".join(lines)
 
 
-def main(args: argparse.Namespace) -> int:
-    """Run ``attnlab eval``; returns 0. User errors raise ValueError/FileNotFoundError."""
+EPILOG = """examples:
+  attnlab eval --hyp out.en --ref test.en                    # sacreBLEU BLEU + chrF, cased, detokenised
+  attnlab eval --hyp out.en --ref ref1.en --ref ref2.en --metrics bleu,chrf,rouge --out scores.json
+  attnlab eval --checkpoint runs/shakespeare                 # perplexity/accuracy of a trained run
+  attnlab eval --checkpoint runs/m30k --split test_2016_flickr --reliability-png calib.png"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``attnlab eval`` (the common flags are added by :mod:`attnlab.cli`)."""
+    p.add_argument("--hyp", default=None, help="system outputs, one detokenised segment per line (UTF-8)")
+    p.add_argument("--ref", action="append", default=[], help="references, line-aligned with --hyp (repeatable)")
+    p.add_argument("--metrics", default=None, help="comma-separated: bleu, chrf, rouge (default bleu,chrf); with "
+                   "--checkpoint, passed to the recipe's evaluation")
+    p.add_argument("--tokenize", default="13a", help="sacreBLEU tokenizer for BLEU (default 13a)")
+    p.add_argument("--checkpoint", default=None, metavar="DIR", help="score a training run's latest checkpoint")
+    p.add_argument("--split", default=None, help="with --checkpoint: data split to score (recipe default)")
+    p.add_argument("--max-batches", type=int, default=None, help="with --checkpoint: score at most this many batches")
+    p.add_argument("--reliability-png", default=None, help="with --checkpoint: write a reliability diagram here")
+    p.add_argument("--out", default=None, help="also write the scores as JSON to this file")
+
+
+def main(args: argparse.Namespace, *, checkpoint_scores: Optional[Callable[[argparse.Namespace], dict]] = None) -> int:
+    """Run ``attnlab eval``; returns 0. User errors raise ValueError/FileNotFoundError.
+
+    ``checkpoint_scores(args) -> dict`` scores ``--checkpoint`` (given by
+    :mod:`attnlab.training.eval_cli`); without it ``--checkpoint`` is refused.
+    """
     if args.dtype not in (None, "float32", "auto"):
         raise ValueError(f"attnlab eval scores in float32; --dtype {args.dtype} is not supported")
     for flag, value in (("--out", args.out), ("--reliability-png", args.reliability_png)):
@@ -113,14 +108,16 @@ def main(args: argparse.Namespace) -> int:
     if args.checkpoint is not None:
         if args.hyp is not None or args.ref:
             raise ValueError("give either --checkpoint or --hyp/--ref, not both")
-        scores = _checkpoint_scores(args)
+        if checkpoint_scores is None:
+            raise ValueError("scoring a --checkpoint needs attnlab.training (run it as `attnlab eval`)")
+        scores = checkpoint_scores(args)
     else:
         if args.hyp is None or not args.ref:
             raise ValueError("give --hyp FILE and --ref FILE (or --checkpoint DIR)")
         for opt in ("device", "split", "max_batches", "reliability_png"):
             if getattr(args, opt) is not None:
                 raise ValueError(f"--{opt.replace('_', '-')} applies to --checkpoint only")
-        metrics = _parse_metrics(args.metrics or DEFAULT_METRICS, allowed=TEXT_METRICS)
+        metrics = parse_metrics(args.metrics or DEFAULT_METRICS, allowed=TEXT_METRICS)
         scores = score_files(args.hyp, args.ref, metrics, tokenize=args.tokenize)
     print(format_table(scores))
     if args.out:

@@ -16,6 +16,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from attnlab._checks import positive_int
 from attnlab._io import atomic_write
 
 __all__ = ["MetricScore", "perplexity", "accuracy", "bleu", "chrf", "rouge", "calibration_bins",
@@ -174,8 +175,7 @@ def calibration_bins(probs_or_logits, targets, *, n_bins: int = 15, from_logits:
         ``{"edges": [n_bins+1], "count": [n_bins], "accuracy": [n_bins], "confidence": [n_bins], "ece": float}``
         (empty bins have accuracy and confidence 0).
     """
-    if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
-        raise ValueError(f"n_bins must be a positive int, got {n_bins!r}")
+    positive_int("n_bins", n_bins)
     conf, correct = _confidences(probs_or_logits, targets, from_logits=from_logits, ignore_index=ignore_index)
     idx = (torch.ceil(conf * n_bins).long() - 1).clamp(0, n_bins - 1)  # (N,)
     count = torch.bincount(idx, minlength=n_bins).double()

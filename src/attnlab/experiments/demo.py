@@ -10,6 +10,7 @@ the anti-diagonal (output ``t`` reads input ``L-1-t``), and that is what the mod
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import time
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from attnlab._checks import positive_int
 from attnlab._io import atomic_write_text, check_output_dir
 from attnlab.data.synthetic import BOS, EOS, PAD, ReverseTask
 from attnlab.models.config import TransformerConfig
@@ -116,8 +118,7 @@ def run(*, out: Optional[str] = None, seed: int = 0, max_steps: int = 800, max_s
     ``max_seconds`` (default None) is an explicit opt-in time limit.
     """
     for name, value in (("max_steps", max_steps), ("eval_every", eval_every), ("batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        positive_int(name, value)
     if max_seconds is not None and not max_seconds > 0:
         raise ValueError(f"max_seconds must be positive or None, got {max_seconds!r}")
     out_dir = check_out(out)
@@ -191,8 +192,24 @@ def _cross_attention_png(model: Seq2SeqTransformer, task: ReverseTask, s: list[i
                         y_name="output (generated)", title="cross-attention: reversal = anti-diagonal")
 
 
+EPILOG = """examples:
+  attnlab demo                       # train the reversal model, write ./attnlab-demo-<time>/
+  attnlab demo --out runs/demo --seed 1
+  attnlab demo --max-steps 400       # a shorter step budget (the schedule decays over it)"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``attnlab demo`` (the common flags are added by :mod:`attnlab.cli`)."""
+    p.add_argument("--out", default=None, help="output folder (default: a fresh ./attnlab-demo-<time>)")
+    p.add_argument("--max-steps", type=int, default=800,
+                   help="training steps at most; the schedule decays over them (default 800; stops earlier at 99.5%%)")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="optional wall-clock limit (default none: a slower machine takes longer, never gets a worse model)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 def main(args) -> int:
-    from attnlab.cli import cpu_float32_only
+    from attnlab._runtime import cpu_float32_only
 
     cpu_float32_only(args)
     m = run(out=args.out, seed=args.seed or 0, max_steps=args.max_steps, max_seconds=args.max_seconds,

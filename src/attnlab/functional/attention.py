@@ -16,11 +16,12 @@ _MOVED = {"attention": "attnlab.backends.dispatch", "attention_weights": "attnla
 def __getattr__(name: str):
     if name not in _MOVED:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
+    from attnlab.backends import dispatch  # the one upward import, allowed to this alias by tests/test_layering.py
+    from attnlab.functional import request
 
     where = _MOVED[name]
     new = name.lstrip("_")
     warnings.warn(f"attnlab.functional.attention.{name} moved to {where}.{new} (import attention and "
                   "attention_weights from attnlab); this alias goes in the next release",
                   DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(where), new)
+    return getattr(dispatch if where.endswith("dispatch") else request, new)

@@ -16,7 +16,6 @@ whose expectation ``E[φ(q)ᵀφ(k)] = exp(qᵀk / sqrt(D))`` is the softmax ker
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Optional
 
 import torch
@@ -24,15 +23,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab._runtime import reuse_large_blocks
+from attnlab._checks import boolean, non_negative_number, one_of, positive_int
 from attnlab.functional.request import check_qkv
-from attnlab.functional.scores import check_positive_int
 
 FEATURE_MAPS = ("elu", "relu", "favor+")
 
 
 def default_num_features(dim: int) -> int:
     """``m = max(D, ceil(D ln D))``: the ``Θ(D log D)`` random features FAVOR+ asks for (267 at D=64)."""
-    check_positive_int("dim", dim)
+    positive_int("dim", dim)
     return max(dim, math.ceil(dim * math.log(dim)))
 
 
@@ -49,8 +48,8 @@ def favor_projection(num_features: int, dim: int, *, generator: Optional[torch.G
     Raises:
         ValueError: ``num_features`` or ``dim`` is not a positive int.
     """
-    check_positive_int("num_features", num_features)
-    check_positive_int("dim", dim)
+    positive_int("num_features", num_features)
+    positive_int("dim", dim)
     where = generator.device if generator is not None else device
     blocks = []
     for _ in range(-(-num_features // dim)):
@@ -113,13 +112,10 @@ def linear_attention(
     check_qkv(q, k, v)
     B, H, Lq, _ = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
-    if not isinstance(feature_map, str) or feature_map not in FEATURE_MAPS:
-        raise ValueError(f"feature_map must be one of {sorted(FEATURE_MAPS)}, got {feature_map!r}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    check_positive_int("chunk_size", chunk_size)
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= eps < math.inf:
-        raise ValueError(f"eps must be a finite real >= 0, got {eps!r}")
+    one_of("feature_map", feature_map, sorted(FEATURE_MAPS))
+    boolean("causal", causal)
+    positive_int("chunk_size", chunk_size)
+    non_negative_number("eps", eps, finite=True)
     if causal and Lq > Lk:
         raise ValueError(f"causal linear attention needs Lq <= Lk (queries are the last Lq of the Lk "
                          f"positions), got Lq={Lq}, Lk={Lk}")
@@ -169,7 +165,7 @@ def _check_key_mask(key_mask: Optional[Tensor], B: int, Lk: int, device) -> Opti
 def _check_projection(projection: Optional[Tensor], num_features: Optional[int], q: Tensor) -> Tensor:
     D = q.shape[-1]
     if num_features is not None:
-        check_positive_int("num_features", num_features)
+        positive_int("num_features", num_features)
     if projection is None:
         m = default_num_features(D) if num_features is None else num_features
         return favor_projection(m, D, device=q.device, dtype=q.dtype)

@@ -12,11 +12,12 @@ called here with broadcastable index tensors of shapes ``(B,1,1,1)``, ``(1,H,1,1
 """
 from __future__ import annotations
 
-import numbers
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+
+from attnlab._checks import boolean, non_negative_int, positive_int
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -188,17 +189,6 @@ def padding_mask(lengths: Tensor, L: int) -> Tensor:
 
 # ---- sparse patterns: Sparse Transformer (Child et al. 2019), BigBird (Zaheer et al. 2020) ----
 
-def _check_int(name: str, value, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        expected = "a positive int" if minimum == 1 else f"an int >= {minimum}"
-        raise ValueError(f"{name} must be {expected}, got {value!r}")
-
-
-def _check_flag(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-
-
 def _merge(h: Tensor, a1: Tensor, a2: Tensor, split_heads: bool) -> Tensor:
     """``A⁽¹⁾ ∪ A⁽²⁾``, or ``A⁽¹⁾`` on even heads and ``A⁽²⁾`` on odd heads."""
     return torch.where(h % 2 == 0, a1, a2) if split_heads else a1 | a2
@@ -222,9 +212,9 @@ def strided_mod(stride: int, *, causal: bool = True, split_heads: bool = False) 
         ValueError: ``stride`` is not a positive int.
         TypeError: ``causal`` or ``split_heads`` is not a bool.
     """
-    _check_int("stride", stride, minimum=1)
-    _check_flag("causal", causal)
-    _check_flag("split_heads", split_heads)
+    positive_int("stride", stride)
+    boolean("causal", causal)
+    boolean("split_heads", split_heads)
 
     def mod(b, h, q_idx, kv_idx):
         d = q_idx - kv_idx if causal else (q_idx - kv_idx).abs()
@@ -252,12 +242,12 @@ def fixed_mod(block: int, *, num_summary: int = 1, causal: bool = True, split_he
         ValueError: ``block`` is not a positive int, or ``num_summary`` is not in ``[1, block]``.
         TypeError: ``causal`` or ``split_heads`` is not a bool.
     """
-    _check_int("block", block, minimum=1)
-    _check_int("num_summary", num_summary, minimum=1)
+    positive_int("block", block)
+    positive_int("num_summary", num_summary)
     if num_summary > block:
         raise ValueError(f"num_summary must be <= block={block}, got {num_summary}")
-    _check_flag("causal", causal)
-    _check_flag("split_heads", split_heads)
+    boolean("causal", causal)
+    boolean("split_heads", split_heads)
 
     def mod(b, h, q_idx, kv_idx):
         same_block = (q_idx // block) == (kv_idx // block)         # A⁽¹⁾
@@ -284,14 +274,14 @@ def bigbird_layout(block: int, *, seq_len: int, num_global_blocks: int = 1, wind
     Raises:
         ValueError: an argument is out of range (``window_blocks`` must be a positive odd int).
     """
-    _check_int("block", block, minimum=1)
-    _check_int("seq_len", seq_len, minimum=1)
-    _check_int("num_global_blocks", num_global_blocks, minimum=0)
-    _check_int("window_blocks", window_blocks, minimum=1)
+    positive_int("block", block)
+    positive_int("seq_len", seq_len)
+    non_negative_int("num_global_blocks", num_global_blocks)
+    positive_int("window_blocks", window_blocks)
     if window_blocks % 2 == 0:
         raise ValueError(f"window_blocks must be odd (the query's block and as many on each side), got {window_blocks}")
-    _check_int("num_random_blocks", num_random_blocks, minimum=0)
-    _check_int("seed", seed, minimum=0)
+    non_negative_int("num_random_blocks", num_random_blocks)
+    non_negative_int("seed", seed)
     n = -(-seq_len // block)
     idx = torch.arange(n)
     layout = (idx[:, None] - idx[None, :]).abs() <= window_blocks // 2  # (n, n)

@@ -9,22 +9,19 @@ Relative positions are always ``key_pos - query_pos`` (negative for past keys).
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Callable
 
 import torch
 from torch import Tensor
 
+from attnlab._checks import int_at_least, is_int, is_real, tensor
+
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
-def _check_positive_int(name: str, value, *, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-
 def _check_base(base) -> None:
-    if isinstance(base, bool) or not isinstance(base, numbers.Real) or not base > 1.0:
+    """RoPE's and the sinusoids' ``base`` must be a real number ``> 1``."""
+    if not (is_real(base) and base > 1.0):
         raise ValueError(f"base must be a real number > 1, got {base!r}")
 
 
@@ -51,8 +48,8 @@ def sinusoidal_table(num_positions: int, dim: int, *, base: float = 10000.0, dev
     Raises:
         ValueError: ``num_positions < 0``, ``dim < 1`` or ``base <= 1``.
     """
-    _check_positive_int("num_positions", num_positions, minimum=0)
-    _check_positive_int("dim", dim)
+    int_at_least("num_positions", num_positions, 0)
+    int_at_least("dim", dim, 1)
     _check_base(base)
     pos = torch.arange(num_positions, dtype=torch.float64, device=device).unsqueeze(1)  # (P, 1)
     two_i = torch.arange(0, dim, 2, dtype=torch.float64, device=device)                 # (ceil(d/2),)
@@ -89,11 +86,10 @@ def rope_frequencies(head_dim: int, positions: Tensor, *, base: float = 10000.0,
         ValueError: ``head_dim`` is not a positive even int, or ``base <= 1``.
         TypeError: ``positions`` is not an integer tensor.
     """
-    if isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral) or head_dim < 2 or head_dim % 2:
+    if not (is_int(head_dim) and head_dim >= 2 and head_dim % 2 == 0):
         raise ValueError(f"head_dim must be a positive even int for RoPE (dims rotate in pairs), got {head_dim!r}")
     _check_base(base)
-    if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.is_complex():
-        raise TypeError(f"positions must be an integer tensor, got {getattr(positions, 'dtype', type(positions))}")
+    tensor("positions", positions, kind="integer")
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device)
                                .to(dtype) / head_dim))                           # (d/2,)
     angles = positions.to(dtype).unsqueeze(-1) * inv_freq                         # (*S, d/2)
@@ -157,7 +153,7 @@ def alibi_slopes(num_heads: int, *, device=None, dtype: torch.dtype = torch.floa
     Raises:
         ValueError: ``num_heads`` is not a positive int.
     """
-    _check_positive_int("num_heads", num_heads)
+    int_at_least("num_heads", num_heads, 1)
 
     def power_of_two(n: int) -> list[float]:
         return [2.0 ** (-8.0 * h / n) for h in range(1, n + 1)]
@@ -220,14 +216,11 @@ def t5_relative_buckets(relative_position: Tensor, *, bidirectional: bool = True
             the exact range.
         TypeError: ``relative_position`` is not an integer tensor.
     """
-    if (not isinstance(relative_position, Tensor) or relative_position.is_floating_point()
-            or relative_position.is_complex()):
-        raise TypeError("relative_position must be an integer tensor, got "
-                        f"{getattr(relative_position, 'dtype', type(relative_position))}")
-    _check_positive_int("num_buckets", num_buckets, minimum=4 if bidirectional else 2)
+    tensor("relative_position", relative_position, kind="integer")
+    int_at_least("num_buckets", num_buckets, 4 if bidirectional else 2)
     n_dir = num_buckets // 2 if bidirectional else num_buckets
     max_exact = n_dir // 2
-    if isinstance(max_distance, bool) or not isinstance(max_distance, numbers.Integral) or max_distance <= max_exact:
+    if not (is_int(max_distance) and max_distance > max_exact):
         raise ValueError(f"max_distance must be an int > {max_exact} (the exact-bucket range), got {max_distance!r}")
 
     relative_position = relative_position.long()

@@ -6,12 +6,12 @@ option and returns the request the backends receive (``scale`` resolved to ``1/s
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
+from attnlab._checks import boolean, is_int, one_of, positive_int, rate, real, tensor
 from attnlab.functional.normalize import NORMALIZERS
 
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -21,7 +21,7 @@ def indices(name: str, idx, n: int, device) -> Tensor:
     """``idx`` (None = all of ``range(n)``, an int, or a 1-D sequence of ints in ``[0, n)``) as a LongTensor."""
     if idx is None:
         return torch.arange(n, device=device)
-    t = torch.as_tensor([idx] if isinstance(idx, numbers.Integral) else idx, device=device)
+    t = torch.as_tensor([idx] if is_int(idx) else idx, device=device)
     if t.dim() != 1 or t.dtype not in (torch.int64, torch.int32) or t.numel() == 0:
         raise ValueError(f"{name} must be an int or a non-empty 1-D sequence of ints, got {idx!r}")
     if (t < 0).any() or (t >= n).any():
@@ -36,26 +36,22 @@ def prepare(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, dropou
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
     mask = check_mask(mask, q, (B, H, Lq, Lk))
-    if window is not None and (isinstance(window, bool) or not isinstance(window, numbers.Integral) or window <= 0):
-        raise ValueError(f"window must be a positive int, got {window!r}")
+    positive_int("window", window, optional=True)
     if scale is None:
         scale = 1.0 / math.sqrt(D)
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
-    elif not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale!r}")
-    for name, flag in (("causal", causal), ("return_weights", return_weights)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    else:
+        real("scale", scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got {scale!r}")
+    boolean("causal", causal)
+    boolean("return_weights", return_weights)
     for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
-    if not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if not isinstance(normalize, str) or normalize not in NORMALIZERS:
-        raise ValueError(f"normalize must be one of {sorted(NORMALIZERS)}, got {normalize!r}")
+    rate("dropout_p", dropout_p)
+    one_of("normalize", normalize, sorted(NORMALIZERS))
     if normalize == "topk":
-        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 1 <= top_k <= Lk:
+        if not (is_int(top_k) and 1 <= top_k <= Lk):
             raise ValueError(f"top_k must be an int in [1, Lk={Lk}] with normalize='topk', got {top_k!r}")
     elif top_k is not None:
         raise ValueError(f"top_k is only used with normalize='topk' (normalize={normalize!r})")
@@ -67,12 +63,7 @@ def prepare(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, dropou
 def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
     """q ``(B, H, Lq, D)``, k ``(B, Hkv, Lk, D)``, v ``(B, Hkv, Lk, Dv)``: floating, one dtype and device, ``H % Hkv == 0``."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dims (B, H, L, D), got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        tensor(name, t, kind="floating", ndim=4, shape="(B, H, L, D)")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):

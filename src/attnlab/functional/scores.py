@@ -5,27 +5,20 @@ normaliser stages: ``weights = normalize(mask(scores))``, ``context = weights @ 
 """
 from __future__ import annotations
 
-import numbers
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from attnlab._checks import one_of, positive_int
 from attnlab.functional.normalize import NORMALIZERS
-
-
-def check_positive_int(name: str, value) -> None:
-    """Raise ``ValueError`` unless ``value`` is an int ``> 0`` (bools rejected)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def check_normalize(normalize: str, top_k: Optional[int]) -> None:
     """Validate a ``normalize`` name from :data:`NORMALIZERS` and its ``top_k``."""
-    if normalize not in NORMALIZERS:
-        raise ValueError(f"normalize must be one of {sorted(NORMALIZERS)}, got {normalize!r}")
+    one_of("normalize", normalize, sorted(NORMALIZERS))
     if normalize == "topk":
-        check_positive_int("top_k (with normalize='topk')", top_k)
+        positive_int("top_k (with normalize='topk')", top_k)
     elif top_k is not None:
         raise ValueError(f"top_k is only used with normalize='topk' (normalize={normalize!r})")
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -28,7 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from attnlab._checks import check_int
+from attnlab._checks import boolean, check_int, check_rate, one_of
 from attnlab.models.hub import (PreTrainedMixin, check_attention_mask, check_encoder_outputs, check_token_inputs,
                                 register)
 from attnlab.models.outputs import Seq2SeqLMOutput
@@ -75,15 +74,10 @@ class BartConfig:
         for f in ("encoder_attention_heads", "decoder_attention_heads"):
             if self.d_model % getattr(self, f):
                 raise ValueError(f"d_model={self.d_model} must be divisible by {f}={getattr(self, f)}")
-        if self.activation_function not in HF_ACTIVATIONS:
-            raise ValueError(f"activation_function must be one of {sorted(HF_ACTIVATIONS)}, "
-                             f"got {self.activation_function!r}")
+        one_of("activation_function", self.activation_function, sorted(HF_ACTIVATIONS))
         for f in ("dropout", "attention_dropout", "activation_dropout"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0.0 <= v < 1.0:
-                raise ValueError(f"{f} must be a float in [0, 1), got {v!r}")
-        if not isinstance(self.scale_embedding, bool):
-            raise TypeError(f"scale_embedding must be a bool, got {self.scale_embedding!r}")
+            check_rate(f, getattr(self, f))
+        boolean("scale_embedding", self.scale_embedding)
         for f in ("pad_token_id", "decoder_start_token_id", "bos_token_id", "eos_token_id"):
             v = getattr(self, f)
             if v is None and f in ("bos_token_id", "eos_token_id"):

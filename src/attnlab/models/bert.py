@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab._checks import check_int, check_positive_float, check_rate
+from attnlab._checks import check_int, check_positive_float, check_rate, one_of
 from attnlab.models.hub import PreTrainedMixin, check_token_inputs, register
 from attnlab.nn.block import EncoderLayer
 from attnlab.nn.dropout import Dropout
@@ -42,8 +42,7 @@ def check_encoder_config(config, int_fields) -> None:
     if config.hidden_size % config.num_attention_heads:
         raise ValueError(f"hidden_size={config.hidden_size} must be divisible by "
                          f"num_attention_heads={config.num_attention_heads}")
-    if config.hidden_act not in HIDDEN_ACTS:
-        raise ValueError(f"hidden_act must be one of {sorted(HIDDEN_ACTS)}, got {config.hidden_act!r}")
+    one_of("hidden_act", config.hidden_act, sorted(HIDDEN_ACTS))
     for f in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
         check_rate(f, getattr(config, f))
     check_positive_float("layer_norm_eps", config.layer_norm_eps)

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from attnlab.models.hub import PreTrainedMixin
+from attnlab.models.hub import PreTrainedMixin, check_token_inputs
 from attnlab.nn.block import LayerCache
 from attnlab.nn.inference import InferenceLayoutMixin
 
@@ -62,30 +62,19 @@ class DecoderOnlyLM(InferenceLayoutMixin, PreTrainedMixin, nn.Module):
             output_attentions: also return each layer's weights ``(B, H, T, past + T)``.
 
         Raises:
-            ValueError: ``input_ids`` is not ``(B, T)`` or an id is outside ``[0, vocab_size)``,
-                past + T exceeds the model's positions, or ``attention_mask`` has the wrong shape.
+            ValueError: ``input_ids`` is not a non-empty integer ``(B, T)`` tensor or an id is outside
+                ``[0, vocab_size)``, past + T exceeds the model's positions, or ``attention_mask`` is
+                not a 0/1 tensor of shape ``(B, past + T)`` (:func:`~attnlab.models.hub.check_token_inputs`).
         """
-        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be a (B, T) tensor, got {getattr(input_ids, 'shape', input_ids)!r}")
-        B, T = input_ids.shape
-        vocab = self.config.vocab_size
-        if input_ids.numel() and not torch.compiler.is_compiling():  # a data-dependent check breaks the graph
-            lo, hi = (int(v) for v in torch.aminmax(input_ids))
-            if lo < 0 or hi >= vocab:
-                raise ValueError(f"input_ids must lie in [0, vocab_size={vocab}), got [{lo}, {hi}]")
         if past_key_values is None and use_cache:
             past_key_values = self.new_cache()
         past = 0 if past_key_values is None else past_key_values[0].self_attn.length
-        if self.max_positions is not None and past + T > self.max_positions:
-            raise ValueError(f"input_ids: {past} cached + {T} new positions exceed "
-                             f"{self.positions_field}={self.max_positions}")
+        B, T = check_token_inputs(input_ids, attention_mask, vocab_size=self.config.vocab_size,
+                                  max_positions=self.max_positions, past=past, positions_name=self.positions_field)
         padding = None
         if attention_mask is None:
             pos = torch.arange(past, past + T, device=input_ids.device).unsqueeze(0)  # (1, T)
         else:
-            if attention_mask.shape != (B, past + T):
-                raise ValueError(f"attention_mask must be (B, past + T) = {(B, past + T)}, "
-                                 f"got {tuple(attention_mask.shape)}")
             pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]  # (B, T)
             if not bool(attention_mask.all()):
                 padding = attention_mask == 0  # (B, S), True = blocked

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab._checks import check_positive_float, is_int, one_of, positive_int, rate
 from attnlab.models.hub import PreTrainedMixin, check_token_inputs, register
 from attnlab.models.vit import check_pixel_values
 from attnlab.nn.block import EncoderLayer
@@ -44,19 +45,13 @@ def quick_gelu(x: Tensor) -> Tensor:
 def _check_fields(cfg, positive_ints: tuple[str, ...]) -> None:
     """The checks shared by the two tower configs."""
     for f in positive_ints:
-        v = getattr(cfg, f)
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
-            raise ValueError(f"{f} must be a positive int, got {v!r}")
+        positive_int(f, getattr(cfg, f))
     if cfg.hidden_size % cfg.num_attention_heads:
         raise ValueError(f"hidden_size={cfg.hidden_size} must be divisible by "
                          f"num_attention_heads={cfg.num_attention_heads}")
-    if cfg.hidden_act not in HIDDEN_ACTS:
-        raise ValueError(f"hidden_act must be one of {sorted(HIDDEN_ACTS)}, got {cfg.hidden_act!r}")
-    a = cfg.attention_dropout
-    if isinstance(a, bool) or not isinstance(a, numbers.Real) or not 0.0 <= a < 1.0:
-        raise ValueError(f"attention_dropout must be a float in [0, 1), got {a!r}")
-    if not isinstance(cfg.layer_norm_eps, numbers.Real) or cfg.layer_norm_eps <= 0:
-        raise ValueError(f"layer_norm_eps must be a positive float, got {cfg.layer_norm_eps!r}")
+    one_of("hidden_act", cfg.hidden_act, sorted(HIDDEN_ACTS))
+    rate("attention_dropout", cfg.attention_dropout)
+    check_positive_float("layer_norm_eps", cfg.layer_norm_eps)
 
 
 def _known_fields(cls, d: dict) -> dict:
@@ -87,7 +82,7 @@ class CLIPTextConfig:
         _check_fields(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                              "num_attention_heads", "max_position_embeddings"))
         e = self.eos_token_id
-        if isinstance(e, bool) or not isinstance(e, numbers.Integral) or e < 0:
+        if not (is_int(e) and e >= 0):
             raise ValueError(f"eos_token_id must be a non-negative int (the pooled token), got {e!r}")
 
     @classmethod
@@ -156,9 +151,7 @@ class CLIPConfig:
         if not isinstance(self.vision_config, CLIPVisionConfig):
             raise TypeError(f"vision_config must be a CLIPVisionConfig or dict, "
                             f"got {type(self.vision_config).__name__}")
-        p = self.projection_dim
-        if isinstance(p, bool) or not isinstance(p, numbers.Integral) or p <= 0:
-            raise ValueError(f"projection_dim must be a positive int, got {p!r}")
+        positive_int("projection_dim", self.projection_dim)
         if not isinstance(self.logit_scale_init_value, numbers.Real):
             raise TypeError(f"logit_scale_init_value must be a float, got {self.logit_scale_init_value!r}")
 

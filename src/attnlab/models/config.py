@@ -6,10 +6,10 @@ booleans. ``TransformerConfig.from_dict(cfg.to_dict()) == cfg``.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from attnlab._checks import is_int, one_of, positive_int, positive_number, rate
 from attnlab.backends import BACKENDS
 from attnlab.nn.feedforward import FFN_ACTIVATIONS
 from attnlab.nn.norms import NORMS
@@ -73,11 +73,11 @@ class TransformerConfig:
             self.tgt_vocab_size = self.src_vocab_size
         for name in ("src_vocab_size", "tgt_vocab_size", "dim", "num_heads", "ffn_dim",
                      "num_encoder_layers", "num_decoder_layers", "max_positions"):
-            _positive_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         if self.dim % self.num_heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
         if self.num_kv_heads is not None:
-            _positive_int("num_kv_heads", self.num_kv_heads)
+            positive_int("num_kv_heads", self.num_kv_heads)
             if self.num_heads % self.num_kv_heads:
                 raise ValueError(
                     f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})"
@@ -88,19 +88,16 @@ class TransformerConfig:
             value = getattr(self, name)
             if value is None and name == "attn_dropout":
                 continue
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value < 1.0:
-                raise ValueError(f"{name} must be a float in [0, 1), got {value!r}")
+            rate(name, value)
         for name, value, valid in (("activation", self.activation, FFN_ACTIVATIONS),
                                    ("norm", self.norm, NORMS), ("position", self.position, POSITIONS)):
-            if value not in valid:
-                raise ValueError(f"{name} must be one of {list(valid)}, got {value!r}")
-        if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, numbers.Real) or not self.norm_eps > 0:
-            raise ValueError(f"norm_eps must be a positive number, got {self.norm_eps!r}")
+            one_of(name, value, valid)
+        positive_number("norm_eps", self.norm_eps)
         for name in ("norm_first", "tie_embeddings", "bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.pad_id is not None:
-            if isinstance(self.pad_id, bool) or not isinstance(self.pad_id, numbers.Integral):
+            if not is_int(self.pad_id):
                 raise ValueError(f"pad_id must be an int or None, got {self.pad_id!r}")
             limit = min(self.src_vocab_size, self.tgt_vocab_size)
             if not 0 <= self.pad_id < limit:
@@ -129,8 +126,3 @@ class TransformerConfig:
         if unknown:
             raise ValueError(f"unknown TransformerConfig keys {unknown}; valid keys are {valid}")
         return cls(**data)
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -14,13 +14,13 @@ in ``c_attn``, which maps onto our packed ``in_proj``: :func:`state_dict_from_hf
 """
 from __future__ import annotations
 
-import numbers
 import re
 from dataclasses import dataclass, fields
 from typing import Optional
 
 from torch import Tensor, nn
 
+from attnlab._checks import boolean, one_of, positive_int
 from attnlab.models.causal_lm import DecoderOnlyLM
 from attnlab.models.hub import register
 from attnlab.nn.block import DecoderLayer
@@ -63,16 +63,12 @@ class GPT2Config:
     bias: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.bias, bool):
-            raise TypeError(f"bias must be a bool, got {type(self.bias).__name__}")
+        boolean("bias", self.bias)
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            positive_int(name, getattr(self, name))
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
-        if self.activation not in _HF_ACTIVATIONS:
-            raise ValueError(f"activation must be one of {list(_HF_ACTIVATIONS)}, got {self.activation!r}")
+        one_of("activation", self.activation, _HF_ACTIVATIONS)
 
     @classmethod
     def from_hf(cls, d: dict) -> "GPT2Config":

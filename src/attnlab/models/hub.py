@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor
 
+from attnlab._checks import is_int
 from attnlab._io import atomic_write
 
 PathLike = Union[str, os.PathLike]
@@ -160,7 +161,7 @@ def check_config_sizes(raw: dict, *, where: str) -> None:
                 if name not in cfg or cfg[name] is None:
                     continue
                 v = cfg[name]
-                if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= limit:
+                if not (is_int(v) and 0 <= v <= limit):
                     raise ValueError(f"{where!r}: {prefix}{name}={v!r} is out of range (an int in [0, {limit:,}])")
 
 
@@ -318,13 +319,18 @@ class PreTrainedMixin:
 
 
 def check_token_inputs(input_ids, attention_mask=None, *, vocab_size: int, max_positions: Optional[int] = None,
-                       past: int = 0, name: str = "input_ids", mask_name: str = "attention_mask") -> tuple[int, int]:
+                       past: int = 0, name: str = "input_ids", mask_name: str = "attention_mask",
+                       positions_name: str = "max_position_embeddings") -> tuple[int, int]:
     """Validate ``input_ids (B, L)`` continuing ``past`` cached positions, and an optional 0/1
     ``attention_mask (B, past + L)``, at a model's boundary; return ``(B, L)``.
+
+    The checks that read the values (ids in range, a 0/1 mask) are skipped while ``torch.compile``
+    traces (a data-dependent check would break the graph); shapes and dtypes are always checked.
 
     Args:
         max_positions: the most positions ``past + L`` the model has (None: unbounded).
         name, mask_name: the argument names used in the error messages.
+        positions_name: the config field that holds ``max_positions`` (GPT-2: ``n_positions``).
 
     Raises:
         ValueError: not a non-empty integer (B, L) tensor, more than ``max_positions`` positions, ids
@@ -340,16 +346,19 @@ def check_token_inputs(input_ids, attention_mask=None, *, vocab_size: int, max_p
         raise ValueError(f"{name} must be non-empty, got shape {(B, L)}")
     if max_positions is not None and past + L > max_positions:
         cached = f"{past} cached + " if past else ""
-        raise ValueError(f"{name} has {cached}{L} positions; at most max_position_embeddings={max_positions} fit")
-    lo, hi = int(input_ids.min()), int(input_ids.max())
-    if lo < 0 or hi >= vocab_size:
-        raise ValueError(f"{name} must lie in [0, vocab_size={vocab_size}), got values in [{lo}, {hi}]")
-    check_attention_mask(attention_mask, (B, past + L), name=mask_name)
+        raise ValueError(f"{name} has {cached}{L} positions; at most {positions_name}={max_positions} fit")
+    tracing = torch.compiler.is_compiling()
+    if not tracing:
+        lo, hi = (int(v) for v in torch.aminmax(input_ids))
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"{name} must lie in [0, vocab_size={vocab_size}), got values in [{lo}, {hi}]")
+    check_attention_mask(attention_mask, (B, past + L), name=mask_name, values=not tracing)
     return B, L
 
 
-def check_attention_mask(mask, shape: tuple[int, ...], *, name: str = "attention_mask") -> None:
-    """Check that ``mask`` is None or a tensor of ``shape`` holding only 1 (token) and 0 (padding).
+def check_attention_mask(mask, shape: tuple[int, ...], *, name: str = "attention_mask", values: bool = True) -> None:
+    """Check that ``mask`` is None or a tensor of ``shape`` holding only 1 (token) and 0 (padding)
+    (the values are read only when ``values``).
 
     Raises:
         ValueError: another shape, not a tensor, or other values (the message names ``name``).
@@ -359,7 +368,7 @@ def check_attention_mask(mask, shape: tuple[int, ...], *, name: str = "attention
     if not isinstance(mask, Tensor) or tuple(mask.shape) != tuple(shape):
         raise ValueError(f"{name} must be a tensor of shape {tuple(shape)}, got "
                          f"{tuple(getattr(mask, 'shape', ())) or type(mask).__name__}")
-    if not ((mask == 0) | (mask == 1)).all():
+    if values and not ((mask == 0) | (mask == 1)).all():
         raise ValueError(f"{name} must hold only 1 (token) and 0 (padding)")
 
 

@@ -18,7 +18,6 @@ real tokens' outputs are the same either way (padding keys are masked out).
 """
 from __future__ import annotations
 
-import numbers
 import re
 from dataclasses import dataclass, fields
 from typing import Optional
@@ -26,6 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from attnlab._checks import positive_int, positive_number
 from attnlab.models.causal_lm import DecoderOnlyLM
 from attnlab.models.hub import register
 from attnlab.nn.block import DecoderLayer
@@ -73,9 +73,7 @@ class LlamaConfig:
             self.num_key_value_heads = self.num_attention_heads
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "max_position_embeddings"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            positive_int(name, getattr(self, name))
         if self.hidden_size % self.num_attention_heads or (self.hidden_size // self.num_attention_heads) % 2:
             raise ValueError(f"hidden_size={self.hidden_size} must be divisible by num_attention_heads="
                              f"{self.num_attention_heads} into an even head size (RoPE rotates pairs)")
@@ -83,9 +81,7 @@ class LlamaConfig:
             raise ValueError(f"num_key_value_heads={self.num_key_value_heads} must divide "
                              f"num_attention_heads={self.num_attention_heads}")
         for name in ("rms_norm_eps", "rope_theta"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or v <= 0:
-                raise ValueError(f"{name} must be a positive number, got {v!r}")
+            positive_number(name, getattr(self, name))
         if self.rope_theta <= 1:
             raise ValueError(f"rope_theta must be > 1, got {self.rope_theta!r}")
         if self.rope_scaling is not None:

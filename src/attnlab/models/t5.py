@@ -20,7 +20,6 @@ inputs, a score_mod; weights recovered from the log-sum-exp for ``output_attenti
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -29,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab._checks import check_int
+from attnlab._checks import check_int, check_positive_float, check_rate, one_of
 from attnlab.models.hub import (PreTrainedMixin, check_attention_mask, check_encoder_outputs,
                                check_token_inputs, register)
 from attnlab.models.outputs import Seq2SeqLMOutput
@@ -81,14 +80,9 @@ class T5Config:
                    minimum=self.relative_attention_num_buckets // 2 + 1)
         for f in ("pad_token_id", "eos_token_id", "decoder_start_token_id"):
             check_int(f, getattr(self, f), minimum=0)
-        if (isinstance(self.dropout_rate, bool) or not isinstance(self.dropout_rate, numbers.Real)
-                or not 0.0 <= self.dropout_rate < 1.0):
-            raise ValueError(f"dropout_rate must be a float in [0, 1), got {self.dropout_rate!r}")
-        if (isinstance(self.layer_norm_epsilon, bool) or not isinstance(self.layer_norm_epsilon, numbers.Real)
-                or not self.layer_norm_epsilon > 0):
-            raise ValueError(f"layer_norm_epsilon must be a positive float, got {self.layer_norm_epsilon!r}")
-        if self.feed_forward_proj not in FEED_FORWARD_PROJ:
-            raise ValueError(f"feed_forward_proj must be one of {list(FEED_FORWARD_PROJ)}, got {self.feed_forward_proj!r}")
+        check_rate("dropout_rate", self.dropout_rate)
+        check_positive_float("layer_norm_epsilon", self.layer_norm_epsilon)
+        one_of("feed_forward_proj", self.feed_forward_proj, FEED_FORWARD_PROJ)
         for f in ("tie_word_embeddings", "scale_decoder_outputs"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be a bool, got {getattr(self, f)!r}")

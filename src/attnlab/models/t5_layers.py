@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from attnlab.backends.dispatch import attention, attention_weights, position_bias_terms
 from attnlab.functional.request import ScoreMod
 from attnlab.nn.block import LayerCache
-from attnlab.nn.cache import KVCache
+from attnlab.attention.cache import KVCache
 from attnlab.nn.dropout import Dropout
 from attnlab.nn.feedforward import ACTIVATIONS
 from attnlab.nn.norms import RMSNorm

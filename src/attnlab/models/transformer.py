@@ -21,6 +21,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from attnlab._checks import positive_int
 from attnlab.models.config import TransformerConfig
 from attnlab.models.hub import check_attention_mask
 from attnlab.models.outputs import Seq2SeqLMOutput
@@ -345,5 +346,4 @@ def _xavier_(module: nn.Module) -> None:
 
 
 def _check_num_layers(num_layers: int) -> None:
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers <= 0:
-        raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+    positive_int("num_layers", num_layers)

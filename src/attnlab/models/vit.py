@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from attnlab._checks import boolean
 from attnlab.models.bert import check_encoder_config, encoder_layers
 from attnlab.models.hub import PreTrainedMixin, register
 from attnlab.nn.dropout import Dropout
@@ -57,8 +58,7 @@ class ViTConfig:
                                     "num_attention_heads", "intermediate_size", "num_labels"))
         if self.image_size % self.patch_size:
             raise ValueError(f"image_size={self.image_size} must be divisible by patch_size={self.patch_size}")
-        if not isinstance(self.qkv_bias, bool):
-            raise TypeError(f"qkv_bias must be a bool, got {self.qkv_bias!r}")
+        boolean("qkv_bias", self.qkv_bias)
         if self.id2label is not None:
             if not isinstance(self.id2label, dict) or sorted(self.id2label) != list(range(self.num_labels)):
                 raise ValueError(f"id2label must map each class id 0..num_labels-1 ({self.num_labels} classes) "

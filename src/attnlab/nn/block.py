@@ -13,7 +13,6 @@ identity. Module names follow ``torch.nn.TransformerEncoderLayer``/``DecoderLaye
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -21,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab._checks import boolean, rate
 from attnlab.attention.multihead import MultiheadAttention
-from attnlab.nn.cache import KVCache
+from attnlab.attention.cache import KVCache
 from attnlab.nn.dropout import Dropout
 from attnlab.nn.feedforward import FeedForward
 from attnlab.nn.norms import make_norm
@@ -33,7 +33,7 @@ class DropPath(nn.Module):
 
     def __init__(self, p: float = 0.0) -> None:
         super().__init__()
-        _check_prob("drop_path", p)
+        rate("drop_path", p)
         self.p = float(p)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -82,13 +82,12 @@ class _ResidualLayer(nn.Module):
                  position_bias: Optional[nn.Module], backend: str, num_sublayers: int,
                  ffn_dropout: Optional[float]) -> None:
         super().__init__()
-        _check_prob("dropout", dropout)
+        rate("dropout", dropout)
         attn_dropout = dropout if attn_dropout is None else attn_dropout
-        _check_prob("attn_dropout", attn_dropout)
+        rate("attn_dropout", attn_dropout)
         ffn_dropout = dropout if ffn_dropout is None else ffn_dropout
-        _check_prob("ffn_dropout", ffn_dropout)
-        if not isinstance(norm_first, bool):
-            raise TypeError(f"norm_first must be a bool, got {type(norm_first).__name__}")
+        rate("ffn_dropout", ffn_dropout)
+        boolean("norm_first", norm_first)
         self.dim, self.num_heads, self.norm_first = dim, num_heads, norm_first
         self.self_attn = MultiheadAttention(dim, num_heads, num_kv_heads=num_kv_heads, bias=bias,
                                             dropout=attn_dropout, rotary=rotary, position_bias=position_bias,
@@ -204,8 +203,7 @@ class DecoderLayer(_ResidualLayer):
                  num_kv_heads: Optional[int] = None, bias: bool = True, rotary: Optional[nn.Module] = None,
                  position_bias: Optional[nn.Module] = None, backend: str = "auto",
                  cross_attention: bool = True, ffn_dropout: Optional[float] = None) -> None:
-        if not isinstance(cross_attention, bool):
-            raise TypeError(f"cross_attention must be a bool, got {type(cross_attention).__name__}")
+        boolean("cross_attention", cross_attention)
         super().__init__(dim, num_heads, ffn_dim=ffn_dim, activation=activation, dropout=dropout,
                          attn_dropout=attn_dropout, norm_first=norm_first, norm=norm, norm_eps=norm_eps,
                          drop_path=drop_path, num_kv_heads=num_kv_heads, bias=bias, rotary=rotary,
@@ -277,8 +275,3 @@ def _torch_layer_kwargs(layer: nn.Module) -> dict:
     return dict(dim=layer.self_attn.embed_dim, num_heads=layer.self_attn.num_heads,
                 ffn_dim=layer.linear1.out_features, activation=activation, dropout=layer.dropout.p,
                 norm_first=layer.norm_first, norm_eps=layer.norm1.eps, bias=layer.linear1.bias is not None)
-
-
-def _check_prob(name: str, p: float) -> None:
-    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p < 1.0:
-        raise ValueError(f"{name} must be a float in [0, 1), got {p!r}")

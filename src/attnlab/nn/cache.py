@@ -1,80 +1,8 @@
-"""Key/value cache for incremental decoding.
+"""The key/value cache, :class:`attnlab.attention.cache.KVCache`, under the name it first had here.
 
-Decoding token ``t`` needs the keys and values of tokens ``0..t``; recomputing them every step
-costs O(t) projections per token. The cache keeps the projected, heads-first keys and values
-``(B, Hkv, L, D)`` and appends the new ones.
+It lives with the attention modules that fill it, so that ``attention/`` never imports ``nn/``
+(``nn/`` sits above it: its layers are built from ``MultiheadAttention``).
 """
-from __future__ import annotations
+from attnlab.attention.cache import KVCache
 
-from typing import Optional
-
-import torch
-from torch import Tensor
-
-
-class KVCache:
-    """Cached keys and values of one attention layer.
-
-    Args:
-        max_length: preallocate room for this many positions (a *static* cache: no
-            reallocation per step, so memory is known up front); ``None`` grows by concatenation.
-        static: cross-attention mode: the first :meth:`update` stores the projected memory and
-            every later call returns it unchanged (the encoder output does not change while
-            decoding).
-
-    Raises:
-        ValueError: ``max_length`` is not a positive int, or an update would overflow it.
-    """
-
-    def __init__(self, *, max_length: Optional[int] = None, static: bool = False):
-        if max_length is not None and (not isinstance(max_length, int) or max_length <= 0):
-            raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
-        self.max_length = max_length
-        self.static = static
-        self.k: Optional[Tensor] = None
-        self.v: Optional[Tensor] = None
-        self.length = 0
-
-    @property
-    def filled(self) -> bool:
-        return self.length > 0
-
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append ``k, v (B, Hkv, L_new, D)``; return all cached ``(k, v)`` up to now."""
-        if self.static and self.filled:
-            return self.k, self.v
-        n = k.shape[2]
-        if self.max_length is None:
-            if self.k is None:
-                self.k, self.v = k, v
-            else:
-                self.k = torch.cat([self.k, k], dim=2)
-                self.v = torch.cat([self.v, v], dim=2)
-            self.length += n
-            return self.k, self.v
-        if self.length + n > self.max_length:
-            raise ValueError(
-                f"KVCache overflow: {self.length} cached + {n} new > max_length={self.max_length}"
-            )
-        if self.k is None:
-            B, Hkv, _, D = k.shape
-            self.k = k.new_empty(B, Hkv, self.max_length, D)
-            self.v = v.new_empty(B, Hkv, self.max_length, v.shape[-1])
-        self.k[:, :, self.length:self.length + n] = k
-        self.v[:, :, self.length:self.length + n] = v
-        self.length += n
-        return self.k[:, :, :self.length], self.v[:, :, :self.length]
-
-    def reorder(self, index: Tensor) -> None:
-        """Select batch rows (beam search: keep the caches of the surviving beams)."""
-        if self.k is not None:
-            self.k = self.k.index_select(0, index)
-            self.v = self.v.index_select(0, index)
-
-    def reset(self) -> None:
-        self.k = self.v = None
-        self.length = 0
-
-    def __repr__(self) -> str:
-        kind = "static" if self.static else ("preallocated" if self.max_length else "growing")
-        return f"KVCache({kind}, length={self.length})"
+__all__ = ["KVCache"]

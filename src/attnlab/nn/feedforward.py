@@ -16,13 +16,13 @@ variants, ``w3``. Mapping from other checkpoints:
 from __future__ import annotations
 
 import functools
-import numbers
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab._checks import one_of, positive_int, rate
 from attnlab.nn.dropout import Dropout
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
@@ -65,13 +65,10 @@ class FeedForward(nn.Module):
         self, dim: int, hidden_dim: int, *, activation: str = "relu", dropout: float = 0.0, bias: bool = True
     ) -> None:
         super().__init__()
-        for name, value in (("dim", dim), ("hidden_dim", hidden_dim)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if activation not in FFN_ACTIVATIONS:
-            raise ValueError(f"activation must be one of {list(FFN_ACTIVATIONS)}, got {activation!r}")
-        if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
+        positive_int("dim", dim)
+        positive_int("hidden_dim", hidden_dim)
+        one_of("activation", activation, FFN_ACTIVATIONS)
+        rate("dropout", dropout)
         self.activation = activation
         self.gated = activation in GATED_ACTIVATIONS
         self.act = GATED_ACTIVATIONS[activation] if self.gated else ACTIVATIONS[activation]

@@ -7,11 +7,12 @@
 """
 from __future__ import annotations
 
-import numbers
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
+
+from attnlab._checks import one_of, positive_int, positive_number
 
 NORMS = ("layernorm", "rmsnorm")
 
@@ -89,8 +90,7 @@ def make_norm(kind: str, dim: int, *, eps: float = 1e-5, bias: bool = True) -> n
     Raises:
         ValueError: ``kind`` is not one of :data:`NORMS`, or ``dim``/``eps`` are invalid.
     """
-    if kind not in NORMS:
-        raise ValueError(f"norm must be one of {list(NORMS)}, got {kind!r}")
+    one_of("norm", kind, NORMS)
     _check_dim_eps(dim, eps)
     if kind == "layernorm":
         return nn.LayerNorm(dim, eps=eps, bias=bias)
@@ -98,7 +98,6 @@ def make_norm(kind: str, dim: int, *, eps: float = 1e-5, bias: bool = True) -> n
 
 
 def _check_dim_eps(dim: int, eps: float) -> None:
-    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim <= 0:
-        raise ValueError(f"dim must be a positive int, got {dim!r}")
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps > 0:
-        raise ValueError(f"eps must be a positive number, got {eps!r}")
+    """A norm's ``dim`` is a positive int and its ``eps`` a positive number."""
+    positive_int("dim", dim)
+    positive_number("eps", eps)

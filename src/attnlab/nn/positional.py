@@ -13,25 +13,19 @@ All positions are absolute integer positions (with a KV cache, queries sit at
 """
 from __future__ import annotations
 
-import numbers
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
+from attnlab._checks import int_at_least, tensor
 from attnlab.functional.positional import (ScoreMod, alibi_score_mod, alibi_slopes, apply_rope, rope_frequencies,
                                            sinusoidal_table, t5_relative_buckets)
 
 
-def _check_int(name: str, value, *, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-
 def _check_positions(name: str, positions: Tensor, *, limit: Optional[int] = None, limit_name: str = "") -> int:
     """Check an integer tensor with ``0 <= positions`` (and ``< limit`` when given); return its max (-1 if empty)."""
-    if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.is_complex():
-        raise TypeError(f"{name} must be an integer tensor, got {getattr(positions, 'dtype', type(positions))}")
+    tensor(name, positions, kind="integer")
     if positions.numel() == 0:
         return -1
     lo, hi = int(positions.min()), int(positions.max())
@@ -70,8 +64,8 @@ class SinusoidalPositionalEmbedding(nn.Module):
 
     def __init__(self, dim: int, *, max_positions: int = 2048, base: float = 10000.0):
         super().__init__()
-        _check_int("dim", dim)
-        _check_int("max_positions", max_positions)
+        int_at_least("dim", dim, 1)
+        int_at_least("max_positions", max_positions, 1)
         self.dim, self.max_positions, self.base = dim, max_positions, base
         self.register_buffer("table", sinusoidal_table(max_positions, dim, base=base), persistent=False)
 
@@ -93,8 +87,8 @@ class LearnedPositionalEmbedding(nn.Embedding):
     """
 
     def __init__(self, max_positions: int, dim: int, *, device=None, dtype=None):
-        _check_int("max_positions", max_positions)
-        _check_int("dim", dim)
+        int_at_least("max_positions", max_positions, 1)
+        int_at_least("dim", dim, 1)
         super().__init__(max_positions, dim, device=device, dtype=dtype)
 
     @property
@@ -135,16 +129,16 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, *, base: float = 10000.0, rotary_dim: Optional[int] = None,
                  interleaved: bool = False, max_positions: int = 2048):
         super().__init__()
-        _check_int("head_dim", head_dim)
+        int_at_least("head_dim", head_dim, 1)
         if rotary_dim is None:
             if head_dim % 2:
                 raise ValueError(f"head_dim must be even for RoPE (dims rotate in pairs), got {head_dim}")
             rotary_dim = head_dim
         else:
-            _check_int("rotary_dim", rotary_dim, minimum=2)
+            int_at_least("rotary_dim", rotary_dim, 2)
             if rotary_dim % 2 or rotary_dim > head_dim:
                 raise ValueError(f"rotary_dim must be even and <= head_dim={head_dim}, got {rotary_dim}")
-        _check_int("max_positions", max_positions)
+        int_at_least("max_positions", max_positions, 1)
         self.head_dim, self.rotary_dim, self.base = head_dim, rotary_dim, base
         self.interleaved = bool(interleaved)
         cos, sin = rope_frequencies(rotary_dim, torch.arange(max_positions), base=base)  # (P, R/2)
@@ -200,7 +194,7 @@ class ALiBi(nn.Module):
 
     def __init__(self, num_heads: int, *, causal: bool = True):
         super().__init__()
-        _check_int("num_heads", num_heads)
+        int_at_least("num_heads", num_heads, 1)
         self.num_heads, self.causal = num_heads, bool(causal)
         self.register_buffer("slopes", alibi_slopes(num_heads), persistent=False)
 
@@ -239,7 +233,7 @@ class T5RelativeBias(nn.Module):
     def __init__(self, num_heads: int, *, bidirectional: bool = True, num_buckets: int = 32,
                  max_distance: int = 128, device=None, dtype=None):
         super().__init__()
-        _check_int("num_heads", num_heads)
+        int_at_least("num_heads", num_heads, 1)
         t5_relative_buckets(torch.zeros(1, dtype=torch.long), bidirectional=bidirectional,
                             num_buckets=num_buckets, max_distance=max_distance)  # validates the settings
         self.num_heads, self.bidirectional = num_heads, bool(bidirectional)

@@ -18,6 +18,7 @@ from typing import Optional, Union
 
 import torch
 
+from attnlab._checks import int_at_least
 from attnlab.data.datasets import atomic_write
 
 __all__ = ["checkpoint_path", "list_checkpoints", "latest_checkpoint", "latest_intact_checkpoint", "save_checkpoint",
@@ -39,8 +40,7 @@ def atomic_write_bytes(path: PathLike, data: bytes) -> None:
 
 def checkpoint_path(directory: PathLike, step: int) -> Path:
     """``directory / f"ckpt-{step:08d}.pt"``."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    int_at_least("step", step, 0)
     return Path(directory) / f"ckpt-{step:08d}.pt"
 
 
@@ -65,8 +65,7 @@ def save_checkpoint(state: dict, directory: PathLike, step: int, *, keep: Option
     Raises:
         ValueError: ``keep`` < 1.
     """
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        raise ValueError(f"keep must be an int >= 1 or None, got {keep!r}")
+    int_at_least("keep", keep, 1, optional=True)
     path = checkpoint_path(directory, step)
 
     def write(tmp: str) -> None:

@@ -19,6 +19,36 @@ SUMMARY_KEYS = ("steps", "val_loss", "best_val_loss", "best_step", "val_accuracy
                 "wall_s", "total_wall_s")
 
 
+EPILOG = """examples:
+  attnlab train shakespeare-char --preset nanogpt-cpu --out runs/nanogpt   # nanoGPT's CPU recipe, ~30 s
+  attnlab train shakespeare-char --out runs/char                           # the 10-minute recipe
+  attnlab train shakespeare-char --preset tiny --out runs/t --set max_steps=100 --set seed=1
+  attnlab train shakespeare-char --out runs/char --resume                  # continue from the latest checkpoint
+  torchrun --nproc_per_node=2 -m attnlab train shakespeare-char --preset tiny --out runs/ddp
+  attnlab train shakespeare-char --preset nanogpt-cpu --init runs/nanogpt --lora r=8 --out runs/lora  # ~2 % trainable
+  attnlab train shakespeare-char --preset nanogpt-cpu --set n_layer=2 --set teacher=runs/nanogpt --out runs/kd  # distil
+Settings (--set): every field of the recipe's settings (max_steps, lr, eval_every, checkpoint_every, seed,
+dtype, compile, n_layer, ...); an unknown key lists the valid ones. Data comes from $ATTNLAB_DATA_DIR.
+--resume takes the settings saved in the newest intact checkpoint; it may change only max_steps, time_budget,
+max_seconds, eval_every, checkpoint_every, keep_checkpoints, log_every, progress, device, dtype, compile,
+eval_batches, eval_batch_size (one line each says so); any other --set is refused.
+--out must be new, empty or an earlier run (marked by attnlab-run.json); one process writes into it at a time."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``attnlab train`` (the common flags are added by :mod:`attnlab.cli`)."""
+    p.add_argument("recipe", help="recipe name, e.g. shakespeare-char")
+    p.add_argument("--out", required=True, help="output folder: config.json, checkpoints, metrics, loss.png")
+    p.add_argument("--preset", default=None, help="a named preset of the recipe (default: the recipe's defaults)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting (repeatable)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--init", default=None, metavar="RUN_DIR",
+                   help="start from the latest checkpoint of that run (the setting init=RUN_DIR)")
+    p.add_argument("--lora", default=None, metavar="SPEC",
+                   help="fine-tune with LoRA only, e.g. r=8 or r=8,alpha=16,dropout=0.0 (the setting lora=SPEC)")
+
+
 def main(args: argparse.Namespace) -> int:
     """Run a recipe from the parsed command line; returns the exit status."""
     get_recipe(args.recipe)  # unknown recipe: one clear line before anything else

@@ -68,7 +68,7 @@ class TrainConfig:
             if not ok:
                 raise ValueError(f"TrainConfig.{name} must be {what}, got {getattr(self, name)!r}")
 
-        def is_int(v) -> bool:
+        def is_int(v) -> bool:  # a plain int, stricter than attnlab._checks.is_int: settings are written as JSON
             return isinstance(v, int) and not isinstance(v, bool)
 
         def is_num(v) -> bool:

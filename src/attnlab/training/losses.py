@@ -14,10 +14,11 @@ term's gradient scale independent of ``T``.
 """
 from __future__ import annotations
 
-import numbers
 
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from attnlab._checks import fraction, positive_number, rate
 
 __all__ = ["token_cross_entropy", "distillation_loss", "causal_lm_loss"]
 
@@ -40,9 +41,7 @@ def token_cross_entropy(logits: Tensor, targets: Tensor, *, label_smoothing: flo
         ValueError: mismatched shapes or ``label_smoothing`` outside ``[0, 1)``.
     """
     _check_logits("logits", logits, targets)
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real) \
-            or not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
+    rate("label_smoothing", label_smoothing)
     flat = logits.reshape(-1, logits.shape[-1]).float()  # (N, V)
     y = targets.reshape(-1)  # (N,)
     if not bool((y != ignore_index).any()):
@@ -67,10 +66,8 @@ def distillation_loss(student_logits: Tensor, teacher_logits: Tensor, targets: T
     if not isinstance(teacher_logits, Tensor) or teacher_logits.shape != student_logits.shape:
         raise ValueError(f"teacher_logits must have the student's shape {tuple(student_logits.shape)}, "
                          f"got {tuple(getattr(teacher_logits, 'shape', ()))}")
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature!r}")
-    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
+    positive_number("temperature", temperature)
+    fraction("alpha", alpha)
     V = student_logits.shape[-1]
     keep = targets.reshape(-1) != ignore_index  # (N,)
     s = student_logits.reshape(-1, V).float()[keep]  # (n, V)

@@ -12,12 +12,12 @@ AdamW's decoupled update with decay ``λ``::
 """
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Optional
 
 import torch
 from torch import nn
+
+from attnlab._checks import is_real, non_negative_number, one_of
 
 __all__ = ["OPTIMIZERS", "param_groups", "build_optimizer"]
 
@@ -58,13 +58,11 @@ def build_optimizer(model: nn.Module, *, name: str = "adamw", lr: float, betas: 
     Raises:
         ValueError: unknown ``name`` or an out-of-range hyper-parameter (the message names it).
     """
-    if name not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got {name!r}")
+    one_of("optimizer", name, OPTIMIZERS)
     for arg, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or value < 0 or math.isnan(value):
-            raise ValueError(f"{arg} must be a non-negative number, got {value!r}")
+        non_negative_number(arg, value)
     if (not isinstance(betas, (tuple, list)) or len(betas) != 2
-            or not all(isinstance(b, numbers.Real) and 0.0 <= b < 1.0 for b in betas)):
+            or not all(is_real(b) and 0.0 <= b < 1.0 for b in betas)):
         raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
     groups = param_groups(model, weight_decay=weight_decay)
     if name == "adafactor":

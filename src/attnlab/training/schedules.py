@@ -20,10 +20,11 @@ The trainer writes ``lr_at(s)`` into every parameter group before step ``s``; a
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import torch
+
+from attnlab._checks import int_at_least, non_negative_number, one_of
 
 __all__ = ["SCHEDULES", "Schedule"]
 
@@ -52,18 +53,13 @@ class Schedule:
     total_steps: int = 1
 
     def __post_init__(self) -> None:
-        if self.kind not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {self.kind!r}")
+        one_of("schedule", self.kind, SCHEDULES)
         for name in ("lr", "min_lr"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not v >= 0 or math.isinf(v):
-                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+            non_negative_number(name, getattr(self, name), finite=True)
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr ({self.min_lr}) must be <= lr ({self.lr})")
         for name, lo in (("warmup_steps", 0), ("total_steps", 1)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+            int_at_least(name, getattr(self, name), lo)
         if self.kind == "noam" and self.warmup_steps < 1:
             raise ValueError("warmup_steps must be >= 1 for the noam schedule")
 

@@ -34,12 +34,11 @@ from attnlab.training.checkpoint import (latest_checkpoint, latest_intact_checkp
                                         set_rng_state)
 from attnlab.training.config import DTYPES, TrainConfig
 from attnlab.training.optim import build_optimizer
+from attnlab.training.pacing import PLAN_AT, BudgetClock, LogWindow  # noqa: F401  (PLAN_AT: part of this API)
 from attnlab.training.reporting import MetricsLog, plot_loss_curve, write_json
 
 __all__ = ["TrainConfig", "Trainer", "TrainingDivergedError", "enable_gradient_checkpointing"]
 
-# a run with a time_budget is planned after step PLAN_AT, from the time of steps _PLAN_FROM..PLAN_AT
-PLAN_AT, _PLAN_FROM = 22, 2
 
 
 class TrainingDivergedError(RuntimeError):
@@ -111,8 +110,7 @@ class Trainer:
         self.tokens, self.train_time, self.prior_wall = 0, 0.0, 0.0
         self.history: list[dict] = []
         self.run_info = run_info
-        self._window = [0.0, 0, 0]  # the open log window: loss sum, steps, tokens (checkpointed: the log
-        # after a resume equals the uninterrupted one)
+        self._window = LogWindow()  # checkpointed: the log after a resume equals the uninterrupted one
 
     # ---- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -127,7 +125,7 @@ class Trainer:
             "rng": D.gather_objects(rng_state()), "data": data,
             "best_val_loss": self.best_val, "best_step": self.best_step,
             "counters": {"tokens": self.tokens, "train_time_s": self.train_time, "wall_s": self._wall()},
-            "config": asdict(self.config), "run": self.run_info, "log_window": list(self._window),
+            "config": asdict(self.config), "run": self.run_info, "log_window": self._window.state(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -153,8 +151,7 @@ class Trainer:
         c = state.get("counters", {})
         self.tokens, self.train_time = c.get("tokens", 0), c.get("train_time_s", 0.0)
         if state.get("log_window") is not None:
-            loss_sum, steps, tokens = state["log_window"]
-            self._window = [float(loss_sum), int(steps), int(tokens)]
+            self._window = LogWindow.from_state(state["log_window"])
         self.prior_wall = c.get("wall_s", 0.0)
 
     def _save(self) -> None:
@@ -177,6 +174,55 @@ class Trainer:
             TrainingDivergedError: a non-finite loss or gradient norm (no checkpoint is written for it).
         """
         cfg, main = self.config, self.dist.is_main
+        latest = self._start(resume)
+        bar = tqdm(total=self.max_steps, initial=self.step, disable=not (cfg.progress and main), unit="step",
+                   dynamic_ncols=True, mininterval=0.5, desc="train")
+        last_eval = None
+        self._window.t0 = time.perf_counter()  # the open log window's rate counts from here
+        clock = BudgetClock(cfg.time_budget is not None)
+        try:
+            while self.step < self.max_steps:
+                t = time.perf_counter()
+                clock.step_starts(self.step, self.planned, t)  # timing for the plan, or re-plans after a resume
+                loss, tokens, stop = self._train_step()
+                self.train_time += time.perf_counter() - t
+                self.step += 1
+                step_s = clock.plan_due(self.step, self.planned)
+                if step_s is not None:
+                    self._plan(step_s)
+                    bar.total = self.max_steps
+                    bar.refresh()
+                self.tokens += tokens
+                self._window.add(loss, tokens)
+                bar.update(1)
+                last = self.step >= self.max_steps or stop
+                if self.step % cfg.log_every == 0 or last:
+                    rec = self._window.record(step=self.step, lr=self.schedule.lr_at(self.step - 1),
+                                              elapsed_s=self._wall())
+                    self._record(rec)
+                    bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:,.0f}", refresh=False)
+                    self._window.restart()
+                if self.evaluate is not None and ((cfg.eval_every and self.step % cfg.eval_every == 0) or last):
+                    last_eval = self._run_eval()
+                    bar.set_postfix(loss=f"{loss:.4f}", val=f"{last_eval.get('val_loss', float('nan')):.4f}",
+                                    refresh=False)
+                if clock.replan_due(self.step, self.planned, last=last, eval_every=cfg.eval_every):
+                    self._replan(clock.mark)  # every rank, evaluating or not
+                    bar.total = self.max_steps
+                if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or last:
+                    self._save()
+                if stop:
+                    break
+        finally:
+            bar.close()
+        if self.evaluate is not None and last_eval is None and latest is not None and self.step >= self.max_steps:
+            last_eval = self._run_eval()  # resumed after the end: report the final evaluation again
+        return self._finish(last_eval)
+
+    def _start(self, resume: bool) -> Optional[Path]:
+        """Open the run: the output folder, the dtype line, then resume from the newest intact checkpoint
+        (returned) or seed a fresh start (None). Refuses a folder with checkpoints unless ``resume``."""
+        cfg, main = self.config, self.dist.is_main
         self._t0 = time.perf_counter()
         if main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -196,54 +242,7 @@ class Trainer:
             random.seed(cfg.seed + self.dist.rank)
             self.log.reset()
         self.model.train()
-        bar = tqdm(total=self.max_steps, initial=self.step, disable=not (cfg.progress and main), unit="step",
-                   dynamic_ncols=True, mininterval=0.5, desc="train")
-        last_eval = None
-        window_t0 = time.perf_counter()  # start of the open log window (self._window: loss sum, steps, tokens)
-        plan_mark = None  # (step, time) where the timing for a time_budget plan starts
-        try:
-            while self.step < self.max_steps:
-                t = time.perf_counter()
-                if cfg.time_budget is not None and plan_mark is None and (self.planned or self.step >= _PLAN_FROM):
-                    plan_mark = (self.step, t)  # timing for the plan, or for re-plans after a resume
-                loss, tokens, stop = self._train_step()
-                self.train_time += time.perf_counter() - t
-                self.step += 1
-                if plan_mark is not None and not self.planned and self.step - plan_mark[0] >= PLAN_AT - _PLAN_FROM:
-                    self._plan((time.perf_counter() - plan_mark[1]) / (self.step - plan_mark[0]))
-                    bar.total = self.max_steps
-                    bar.refresh()
-                self.tokens += tokens
-                window = self._window
-                window[0] += loss
-                window[1] += 1
-                window[2] += tokens
-                bar.update(1)
-                last = self.step >= self.max_steps or stop
-                if self.step % cfg.log_every == 0 or last:
-                    rate = window[2] / max(time.perf_counter() - window_t0, 1e-9)
-                    rec = {"kind": "train", "step": self.step, "loss": window[0] / window[1],
-                           "lr": self.schedule.lr_at(self.step - 1), "tokens_per_s": rate, "elapsed_s": self._wall()}
-                    self._record(rec)
-                    bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rate:,.0f}", refresh=False)
-                    self._window, window_t0 = [0.0, 0, 0], time.perf_counter()
-                if self.evaluate is not None and ((cfg.eval_every and self.step % cfg.eval_every == 0) or last):
-                    last_eval = self._run_eval()
-                    bar.set_postfix(loss=f"{loss:.4f}", val=f"{last_eval.get('val_loss', float('nan')):.4f}",
-                                    refresh=False)
-                if plan_mark is not None and self.planned and not last and cfg.eval_every \
-                        and self.step % cfg.eval_every == 0:  # every rank, evaluating or not
-                    self._replan(plan_mark)
-                    bar.total = self.max_steps
-                if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or last:
-                    self._save()
-                if stop:
-                    break
-        finally:
-            bar.close()
-        if self.evaluate is not None and last_eval is None and latest is not None and self.step >= self.max_steps:
-            last_eval = self._run_eval()  # resumed after the end: report the final evaluation again
-        return self._finish(last_eval)
+        return latest
 
     def _train_step(self) -> tuple[float, int, bool]:
         """One optimiser step; returns (mean loss over ranks, tokens over ranks, stop requested by any rank)."""

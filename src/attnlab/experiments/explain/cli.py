@@ -7,13 +7,27 @@ import time
 from attnlab.experiments.explain import EXPERIMENTS, run_experiment
 
 
+EPILOG = """examples:
+  attnlab explain --list                         # the experiments, one line each
+  attnlab explain scaling --out runs/scaling     # prints numbers, writes scaling.png/.md/.json
+  attnlab explain position --out runs/pos --quick --seed 1"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``attnlab explain`` (the common flags are added by :mod:`attnlab.cli`)."""
+    p.add_argument("name", nargs="?", help="experiment to run (see --list)")
+    p.add_argument("--list", action="store_true", help="list the experiments and exit")
+    p.add_argument("--out", default=None, help="output folder (default: ./attnlab-explain-NAME)")
+    p.add_argument("--quick", action="store_true", help="a few-second version (smaller sizes, fewer steps)")
+
+
 def main(args: argparse.Namespace) -> int:
     """List the experiments, or run one and say where its files are.
 
     Raises:
         ValueError: neither ``--list`` nor a name, or an unknown name.
     """
-    from attnlab.cli import cpu_float32_only
+    from attnlab._runtime import cpu_float32_only
 
     cpu_float32_only(args)
     if args.list:

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab._checks import check_int, check_rate
+from attnlab._checks import check_int, check_rate, one_of
 from attnlab.adapt.io import trainable_parameters
 from attnlab.adapt.lora import apply_lora, lora_layers, unload_lora
 from attnlab.data.batching import LMBatches, lm_eval_batches
@@ -123,8 +123,7 @@ class ShakespeareSettings(TrainConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.arch not in ARCHS:
-            raise ValueError(f"arch must be one of {list(ARCHS)}, got {self.arch!r}")
+        one_of("arch", self.arch, ARCHS)
         if self.bias is not None and not isinstance(self.bias, bool):
             raise ValueError(f"bias must be true or false, got {self.bias!r}")
         for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "eval_batches", "eval_batch_size"):
