@@ -34,7 +34,8 @@ ANALYZE_HELP = """examples:
 
 
 def _analyze_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="HF-format model directory (config.json, weights, tokenizer.json)")
+    p.add_argument("--model", required=True,
+                   help="HF-format model directory (config.json, weights, tokenizer.json) or Hub id org/name")
     p.add_argument("--text", action="append", help="a text to analyse (repeatable)")
     p.add_argument("--file", default=None, help="a UTF-8 file with one text per line")
     p.add_argument("--out", default=None, help="folder for analysis.json and analysis.png (default: print only)")
@@ -67,7 +68,8 @@ The HTML file is self-contained (open it offline); --png writes DIR/{kind}_layer
 
 
 def _viz_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="HF-format model directory (config.json + safetensors)")
+    p.add_argument("--model", required=True,
+                   help="HF-format model directory (config.json + safetensors) or Hub id org/name")
     p.add_argument("--text", default=None, help="input text (encoder-only and decoder-only models)")
     p.add_argument("--text-b", default=None, help="second sentence of a BERT sentence pair (token types 0/1)")
     p.add_argument("--src", default=None, help="source text of an encoder-decoder model (T5, BART)")
@@ -133,15 +135,16 @@ RAG_HELP = """examples:
   attnlab rag --corpus passages.txt --query "Who is riding the horse?"          # all-MiniLM-L6-v2, top 3
   attnlab rag --corpus passages.txt --query "a dog in the snow" --k 5 --model path/to/bert-dir
   attnlab rag --corpus passages.txt --query "..." --generator path/to/gpt2-dir --max-new-tokens 40
-The corpus holds one passage per line; --model and --generator are HF-format folders with tokenizer.json."""
+The corpus holds one passage per line; --model and --generator are HF-format folders with tokenizer.json,
+or Hub ids (org/name)."""
 
 
 def _rag_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus", required=True, help="text file, one passage per line")
     p.add_argument("--query", required=True, help="the question or search text")
     p.add_argument("--k", type=int, default=3, help="passages to retrieve (default 3)")
-    p.add_argument("--model", default=None, help="BERT sentence encoder folder (default: all-MiniLM-L6-v2)")
-    p.add_argument("--generator", default=None, help="decoder-only model folder: also generate an answer")
+    p.add_argument("--model", default=None, help="BERT sentence encoder folder or Hub id (default: all-MiniLM-L6-v2)")
+    p.add_argument("--generator", default=None, help="decoder-only model folder or Hub id: also generate an answer")
     p.add_argument("--max-new-tokens", type=int, default=32, help="answer length with --generator (default 32)")
 
 ENV_HELP = """examples:

@@ -52,13 +52,14 @@ def main(args: argparse.Namespace) -> int:
     generator = None
     if args.generator:  # loaded and checked before any passage is encoded
         from attnlab.data.tokenizers import load_tokenizer
-        from attnlab.models.hub import from_pretrained
+        from attnlab.models.hub import from_pretrained, resolve_pretrained
 
-        generator = from_pretrained(args.generator, dtype=model_dtype(args)).to(args.device or "cpu")
+        gen_folder = resolve_pretrained(args.generator)  # a folder, or a Hub id's snapshot
+        generator = from_pretrained(gen_folder, dtype=model_dtype(args)).to(args.device or "cpu")
         if getattr(generator, "is_encoder_decoder", False) or not hasattr(generator, "new_cache"):
             raise ValueError(f"--generator {args.generator} holds a {type(generator).__name__}, which cannot "
                              "continue a prompt: give a decoder-only model folder (GPT-2, Llama)")
-        gen_tokenizer = load_tokenizer(args.generator)
+        gen_tokenizer = load_tokenizer(gen_folder)
     encoder = SentenceEncoder.from_pretrained(args.model or default_encoder_path(), dtype=model_dtype(args),
                                               device=args.device or "cpu")
     retriever = Retriever(encoder, passages)

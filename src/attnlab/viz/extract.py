@@ -241,17 +241,18 @@ def _extract_seq2seq(model, tokenizer, src: str, tgt: str) -> AttentionRecord:
 
 def extract_from_path(path: PathLike, *, tokenizer: Optional[PathLike] = None, dtype: torch.dtype = torch.float32,
                       device="cpu", **texts) -> AttentionRecord:
-    """Load an HF-format model directory (``attnlab.from_pretrained`` in ``dtype`` on ``device``; e.g. one written by
-    ``save_pretrained``) and its tokenizer (``tokenizer``, default ``path/tokenizer.json``: a Hugging
+    """Load an HF-format model directory or Hub id (``attnlab.from_pretrained`` in ``dtype`` on ``device``; e.g. one
+    written by ``save_pretrained``) and its tokenizer (``tokenizer``, default ``path/tokenizer.json``: a Hugging
     Face file or a saved ``CharTokenizer``), then call :func:`extract_attention` with ``texts``.
 
     Raises:
-        FileNotFoundError: the directory, its weights or the tokenizer are missing.
+        FileNotFoundError: the directory (or Hub id), its weights or the tokenizer are missing.
         ValueError: as :func:`extract_attention` and :func:`attnlab.from_pretrained`.
     """
     from attnlab.data.tokenizers import load_tokenizer
-    from attnlab.models.hub import from_pretrained
+    from attnlab.models.hub import from_pretrained, resolve_pretrained
 
+    path = resolve_pretrained(path)  # a folder, or a Hub id's snapshot in huggingface_hub's cache
     model = from_pretrained(path, dtype=dtype).to(device)
     tok = load_tokenizer(tokenizer if tokenizer is not None else path)
     return extract_attention(model, tok, **texts)

@@ -219,7 +219,8 @@ def _tokens(name: str, tokens, n: int, of: str, dim: int) -> list[str]:
 
 
 def _split(w: Tensor, tokens: list[str], b) -> list[View]:
-    """bertviz's ``sentence_b_start``: "All" and the blocks A→A, B→B, A→B, B→A of ``w (layers, heads, L, L)``."""
+    """bertviz's ``sentence_b_start``: "All", then the blocks A→A, B→B, A→B, B→A of ``w``
+    ``(layers, heads, L, L)``."""
     L = w.shape[2]
     if isinstance(b, bool) or not isinstance(b, int) or not 0 < b < L:
         raise ValueError(f"sentence_b_start must be an int in [1, {L}) (the index of sentence B's first token "
