@@ -64,7 +64,9 @@ VIZ_HELP = """examples:
   attnlab viz --model $M --text "The cat sat." --text-b "It was tired." --layer 2 --out pair.html
   attnlab viz --model t5-dir --src "translate English to German: Hello" --tgt "Hallo" --out t5.html
   attnlab viz --model gpt2-dir --text "Once upon a time" --png heatmaps/ --layer 0
-The HTML file is self-contained (open it offline); --png writes DIR/{kind}_layerNN_headNN.png."""
+  attnlab viz --model vit-dir --image cat.jpg --out cat.html            # rollout + [CLS]->patch maps per head
+The HTML file is self-contained (open it offline); --png writes DIR/{kind}_layerNN_headNN.png
+(with --image: DIR/image_attention.png)."""
 
 
 def _viz_args(p: argparse.ArgumentParser) -> None:
@@ -74,6 +76,8 @@ def _viz_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-b", default=None, help="second sentence of a BERT sentence pair (token types 0/1)")
     p.add_argument("--src", default=None, help="source text of an encoder-decoder model (T5, BART)")
     p.add_argument("--tgt", default=None, help="target text of an encoder-decoder model (teacher-forced)")
+    p.add_argument("--image", default=None, metavar="FILE",
+                   help="a picture for a ViT or CLIP model: attention rollout and per-head [CLS]->patch maps over it")
     p.add_argument("--layer", type=int, default=None, help="layer of the head view and of --png (default: "
                    "head view opens on 0, --png writes every layer)")
     p.add_argument("--out", default=None, help="write the HTML page here")

@@ -220,7 +220,8 @@ def load_weights(path: PathLike) -> dict[str, Tensor]:
 
 # What a snapshot of a Hub id brings: the config, the safetensors weights and the tokenizer files (never pickles).
 HUB_ALLOW_PATTERNS = ("config.json", "*.safetensors", "tokenizer.json", "tokenizer_config.json",
-                      "special_tokens_map.json", "vocab.txt", "vocab.json", "merges.txt", "generation_config.json")
+                      "special_tokens_map.json", "vocab.txt", "vocab.json", "merges.txt", "generation_config.json",
+                      "preprocessor_config.json")
 
 
 def resolve_pretrained(name_or_path: PathLike, *, revision: Optional[str] = None, local_files_only: bool = False,

@@ -4,7 +4,9 @@ from attnlab.viz.cli import save_pngs
 from attnlab.viz.extract import AttentionRecord, extract_attention, extract_from_path, pool_attention
 from attnlab.viz.heatmap import save_heatmap
 from attnlab.viz.html import render_html, save_html
+from attnlab.viz.image import ImageAttentionView, attention_rollout, image_view
 from attnlab.viz.notebook import AttentionView, head_view, model_view
 
-__all__ = ["AttentionRecord", "AttentionView", "extract_attention", "extract_from_path", "head_view", "model_view",
-           "pool_attention", "render_html", "save_html", "save_heatmap", "save_pngs"]
+__all__ = ["AttentionRecord", "AttentionView", "ImageAttentionView", "attention_rollout", "extract_attention",
+           "extract_from_path", "head_view", "image_view", "model_view", "pool_attention", "render_html", "save_html",
+           "save_heatmap", "save_pngs"]

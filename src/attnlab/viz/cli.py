@@ -50,6 +50,30 @@ def _check_layer(record: AttentionRecord, layer: Optional[int]) -> None:
         raise ValueError(f"--layer must be in [0, {n}), got {layer!r}")
 
 
+def _image_main(args, texts: dict, dtype) -> int:
+    """``attnlab viz --image FILE``: the figure of :func:`attnlab.viz.image.image_view` as ``--out`` (an HTML
+    page holding it) and/or ``--png DIR/image_attention.png``."""
+    from attnlab.viz.image import image_attention_from_path, image_view
+
+    if texts or args.tokenizer is not None:
+        given = ", ".join("--" + k.replace("_", "-") for k in texts) or "--tokenizer"
+        raise ValueError(f"--image reads a picture, not text: drop {given}")
+    attentions, picture, name = image_attention_from_path(args.model, args.image, dtype=dtype,
+                                                          device=args.device or "cpu")
+    L = len(attentions)
+    if args.layer is not None and not 0 <= args.layer < L:
+        raise ValueError(f"--layer must be in [0, {L}), got {args.layer}")
+    title = args.title or f"{name}: {Path(args.image).name}"
+    view = image_view(attentions, picture, layer=args.layer, title=title)
+    print(f"{name}: {L} layers, {tuple(attentions[0].shape[1:])} (heads, tokens, tokens); maps of layer {view.layer}")
+    if args.out is not None:
+        print(f"wrote {view.save(Path(args.out))}")
+    if args.png is not None:
+        Path(args.png).mkdir(parents=True, exist_ok=True)
+        print(f"wrote {view.save(Path(args.png) / 'image_attention.png')}")
+    return 0
+
+
 def main(args) -> int:
     """Run ``attnlab viz`` (see ``attnlab viz --help``); returns the exit code.
 
@@ -62,12 +86,16 @@ def main(args) -> int:
     if args.out is None and args.png is None:
         raise ValueError("give --out FILE.html and/or --png DIR")
     if args.out is not None:
-        check_output_file("--out", args.out, inputs=[("--tokenizer", args.tokenizer)] + [
+        check_output_file("--out", args.out, inputs=[("--tokenizer", args.tokenizer),
+                                                     ("--image", getattr(args, "image", None))] + [
             ("a file of --model", p) for p in (Path(args.model).iterdir() if Path(args.model).is_dir() else ())])
     if args.png is not None:
         check_output_dir("--png", args.png)
     texts = {k: getattr(args, k) for k in ("text", "text_b", "src", "tgt") if getattr(args, k) is not None}
     from attnlab.cli import model_dtype
+
+    if getattr(args, "image", None) is not None:
+        return _image_main(args, texts, model_dtype(args))
 
     record = extract_from_path(args.model, tokenizer=args.tokenizer, dtype=model_dtype(args),
                                device=args.device or "cpu", **texts)
