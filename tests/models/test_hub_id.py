@@ -102,6 +102,8 @@ def test_neither_a_folder_nor_an_id_names_both(tmp_path):
         with pytest.raises(FileNotFoundError, match="no such model directory.*not a Hugging Face Hub id") as e:
             from_pretrained(bad)
         assert "\n" not in str(e.value)
+    with pytest.raises(FileNotFoundError, match="no such model directory"):
+        from_pretrained(Path("org") / "name")  # a Path names a folder, never a Hub id
     with pytest.raises(ValueError, match="revision='main' is for a Hub id"):
         resolve_pretrained(tmp_path, revision="main")
     with pytest.raises(TypeError, match="name_or_path"):

@@ -155,6 +155,8 @@ def test_bad_input_names_the_argument_and_the_shape():
         head_view(att, toks, batch_index=2)
     with pytest.raises(ValueError, match="attentions is required"):
         head_view(tokens=toks)
+    with pytest.raises(TypeError, match=r"unexpected argument\(s\) \['prettify_tokens'\]"):
+        head_view(att, toks, prettify_tokens=False)
 
 
 def test_transformers_bert_attentions():

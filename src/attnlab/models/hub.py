@@ -261,10 +261,10 @@ def resolve_pretrained(name_or_path: PathLike, *, revision: Optional[str] = None
                                         LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError)
     from huggingface_hub.utils import validate_repo_id
 
-    name = os.fspath(name_or_path)
+    if not isinstance(name_or_path, str):  # a Path names a folder, never a Hub id
+        raise FileNotFoundError(f"no such model directory: {str(path)!r}")
+    name = name_or_path
     try:
-        if not isinstance(name, str):
-            raise HFValidationError("not a str")
         validate_repo_id(name)
     except HFValidationError as e:
         raise FileNotFoundError(f"no such model directory: {name!r}, and it is not a Hugging Face Hub id either "

@@ -102,8 +102,8 @@ def _model_kind(model) -> str:
     if isinstance(model, CLIPModel):
         return "clip"
     if isinstance(model, (ViTModel, ViTForImageClassification)):
-        raise ValueError("model is a ViT, which reads images; viz shows text models "
-                         "(bert, gpt2, llama, t5, bart, the clip text tower)")
+        raise ValueError("model is a ViT, which reads images: give a picture (attnlab viz --image FILE, "
+                         "attnlab.viz.image_view); text views are for bert, gpt2, llama, t5, bart, the clip text tower")
     raise TypeError(f"model must be an attnlab BERT, GPT-2, Llama, T5, BART or CLIP model, got {type(model).__name__}")
 
 

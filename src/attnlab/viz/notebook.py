@@ -34,6 +34,8 @@ from attnlab.viz.html import KIND_LABELS, View, render_views, write_page
 # bertviz's argument names -> ours
 BERTVIZ_NAMES = {"attention": "attentions", "encoder_attention": "encoder_attentions",
                  "decoder_attention": "decoder_attentions", "cross_attention": "cross_attentions"}
+# render_views' options a view passes on; bertviz arguments we do not take are named in the error
+PAGE_OPTIONS = ("top_k", "min_weight", "max_tokens", "max_lines", "max_map", "max_layers", "max_heads")
 SPLIT_LABELS = (("all", "All"), ("aa", "Sentence A \u2192 Sentence A"), ("bb", "Sentence B \u2192 Sentence B"),
                 ("ab", "Sentence A \u2192 Sentence B"), ("ba", "Sentence B \u2192 Sentence A"))
 
@@ -136,6 +138,12 @@ def _views(attentions, tokens, sentence_b_start, enc, dec, cross, enc_tokens, de
             if given[new] is not None:
                 raise ValueError(f"give {new} or bertviz's {old}, not both")
             given[new] = options.pop(old)
+    unknown = sorted(set(options) - set(PAGE_OPTIONS))
+    if unknown:
+        raise TypeError(f"unexpected argument(s) {unknown}: besides attentions/tokens and the encoder-decoder "
+                        f"triples, a view takes layer/heads (head_view), include_layers/include_heads (model_view), "
+                        f"sentence_b_start, batch_index, title and the page options {list(PAGE_OPTIONS)} (tokens are "
+                        "shown as given: bertviz's prettify_tokens, display_mode and html_action do not apply)")
     if isinstance(batch_index, bool) or not isinstance(batch_index, int):
         raise ValueError(f"batch_index must be an int, got {batch_index!r}")
     seq2seq = [k for k in ("encoder_attentions", "decoder_attentions", "cross_attentions") if given[k] is not None]
