@@ -67,7 +67,7 @@ def test_layer_and_head_selection():
     for bad in ({"layer": 3}, {"heads": [4]}, {"heads": []}, {"layer": True}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             head_view(att, toks, **bad)
-    with pytest.raises(ValueError, match="grid_layers"):
+    with pytest.raises(ValueError, match=r"include_layers must be a non-empty list of ints in \[0, 3\)"):
         model_view(att, toks, include_layers=[5])
 
 

@@ -1,4 +1,6 @@
-"""One self-contained HTML page: a head view and a model view of an :class:`AttentionRecord`.
+"""One self-contained HTML page: a head view and a model view of an :class:`AttentionRecord`
+(:func:`render_html`, for ``attnlab viz``) or of any list of :class:`View` (:func:`render_views`, for the
+notebook views of :mod:`attnlab.viz.notebook`); the same renderer for both.
 
 The page fetches nothing: CSS and plain JS are inline (allowed by a Content-Security-Policy that
 lists their sha256 and forbids every other source), and the data sits in a

@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from attnlab.viz.html import KIND_LABELS, View, render_views, write_page
+from attnlab.viz.html import KIND_LABELS, View, _indices, render_views, write_page
 
 # bertviz's argument names -> ours
 BERTVIZ_NAMES = {"attention": "attentions", "encoder_attention": "encoder_attentions",
@@ -123,9 +123,12 @@ def model_view(attentions=None, tokens=None, *, include_layers: Optional[Sequenc
     """
     views, name = _views(attentions, tokens, sentence_b_start, encoder_attentions, decoder_attentions,
                          cross_attentions, encoder_tokens, decoder_tokens, batch_index, options)
+    n_layers, n_heads = (min(v.weights.shape[i] for v in views) for i in (0, 1))
+    include_layers = _indices("include_layers", include_layers, n_layers)
+    include_heads = _indices("include_heads", include_heads, n_heads)
     page = render_views(views, model_name=name, grid_layers=include_layers, grid_heads=include_heads,
                         tab="model", title=title, **options)
-    rows = len(include_layers) if include_layers is not None else min(views[0].weights.shape[0], 12)
+    rows = len(include_layers) if include_layers is not None else min(n_layers, options.get("max_layers", 12))
     return AttentionView(page, height=min(1000, 320 + 80 * rows))
 
 
