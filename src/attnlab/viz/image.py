@@ -81,6 +81,7 @@ class ImageAttentionView:
         self.png, self.rollout, self.heads, self.layer, self.title = png, rollout, heads, layer, title
 
     def _repr_png_(self) -> bytes:
+        """The figure, for Jupyter / VS Code / Colab to show inline."""
         return self.png
 
     def html(self) -> str:
