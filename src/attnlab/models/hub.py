@@ -256,13 +256,13 @@ def resolve_pretrained(name_or_path: PathLike, *, revision: Optional[str] = None
     if path.exists():
         raise FileNotFoundError(f"no such model directory: {str(path)!r} is a file (give the folder holding "
                                 f"{CONFIG_NAME} and the weights, or a Hub id 'org/name')")
+    if not isinstance(name_or_path, str):  # a Path names a folder, never a Hub id
+        raise FileNotFoundError(f"no such model directory: {str(path)!r}")
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (EntryNotFoundError, HfHubHTTPError, HFValidationError,
                                         LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError)
     from huggingface_hub.utils import validate_repo_id
 
-    if not isinstance(name_or_path, str):  # a Path names a folder, never a Hub id
-        raise FileNotFoundError(f"no such model directory: {str(path)!r}")
     name = name_or_path
     try:
         validate_repo_id(name)
