@@ -32,19 +32,18 @@ def browser():
 
 
 @pytest.fixture
-def open_page(browser, tmp_path):
-    """``open_page(record, **render_kwargs) -> page``; ``page.problems`` collects console errors,
-    page errors and any request other than the file itself."""
+def open_file(browser):
+    """``open_file(path) -> page``; ``page.problems`` collects console errors, page errors and any
+    request other than the file itself (an ``<iframe srcdoc>`` is no request: ``about:srcdoc``)."""
     pages = []
 
-    def _open(record, name="view.html", **kw):
-        path = save_html(record, tmp_path / name, **kw)
+    def _open(path):
         page = browser.new_page(viewport={"width": 1200, "height": 900})
         page.problems = []
         page.on("console", lambda m: m.type == "error" and page.problems.append(f"console: {m.text}"))
         page.on("pageerror", lambda e: page.problems.append(f"pageerror: {e}"))
         url = path.resolve().as_uri()
-        page.on("request", lambda r: r.url != url and page.problems.append(f"request: {r.url}"))
+        page.on("request", lambda r: r.url not in (url, "about:srcdoc") and page.problems.append(f"request: {r.url}"))
         page.goto(url)
         pages.append(page)
         return page
@@ -52,6 +51,15 @@ def open_page(browser, tmp_path):
     yield _open
     for p in pages:
         p.close()
+
+
+@pytest.fixture
+def open_page(open_file, tmp_path):
+    """``open_page(record, **render_kwargs) -> page`` (see ``open_file``)."""
+    def _open(record, name="view.html", **kw):
+        return open_file(save_html(record, tmp_path / name, **kw))
+
+    return _open
 
 
 def _lines(page, selector="#hv-svg line"):
@@ -202,4 +210,44 @@ def test_long_input_page_stays_usable(open_page, make_record):
     assert "pooled from 400\u00d7400 to 50\u00d750" in page.text_content("#model-notes")
     page.click("canvas.thumb[data-layer='3'][data-head='0']")
     assert page.eval_on_selector_all("#zoom-svg rect", "els => els.length") == 50 * 50
+    assert page.problems == []
+
+
+def test_saved_notebook_views_draw(open_file, tmp_path):
+    from attnlab.viz import head_view, model_view
+
+    g = torch.Generator().manual_seed(0)
+    att = tuple((2 * torch.randn(1, 3, 5, 5, generator=g)).softmax(-1) for _ in range(2))
+    toks = ["a", "b", HOSTILE[0], "d", "e"]
+    page = open_file(head_view(att, toks, layer=1, heads=[0, 2], min_weight=0.0).save(tmp_path / "head.html"))
+    lines = _lines(page)
+    assert {h for _, _, h, _, _ in lines} == {0, 2} and len(lines) == 2 * 25  # layer 1, heads 0 and 2 drawn
+    assert all(abs(w - float(att[1][0, h, q, k])) <= 0.5 / SCALE and op == w for q, k, h, w, op in lines)
+    page.hover("#hv-svg text.tok-q[data-i='1']")
+    assert all((op == w) if q == 1 else (op == 0) for q, k, h, w, op in _lines(page))
+    assert page.eval_on_selector_all("#hv-svg text.tok-q", "els => els.map(e => e.textContent)") == toks
+    assert page.evaluate("typeof window.__pwned") == "undefined" and page.problems == []
+    page = open_file(model_view(att, toks, include_heads=[1]).save(tmp_path / "model.html"))
+    assert page.is_hidden("#head-view") and page.is_visible("#grid")
+    assert page.eval_on_selector_all("canvas.thumb", "els => els.map(e => e.getAttribute('data-head'))") == ["1", "1"]
+    assert page.problems == []
+
+
+def test_notebook_frame_draws_inside_its_sandbox(open_file, tmp_path):
+    """What Jupyter shows: ``_repr_html_`` (an iframe with the page as srcdoc) inside a host page."""
+    from attnlab.viz import head_view
+
+    att = (torch.rand(1, 2, 4, 4).softmax(-1),)
+    view = head_view(att, [HOSTILE[1], "x", "y", "z"], min_weight=0.0)
+    host = tmp_path / "notebook.html"
+    host.write_text(f"<!DOCTYPE html><html><body><p>cell output:</p>{view._repr_html_()}</body></html>",
+                    encoding="utf-8")
+    page = open_file(host)
+    frame = page.frame_locator("iframe")
+    frame.locator("#hv-svg line").first.wait_for(state="attached")
+    assert frame.locator("#hv-svg line").count() == 2 * 16
+    assert frame.locator("#hv-svg text.tok-q").first.text_content() == HOSTILE[1]
+    inner = next(f for f in page.frames if f != page.main_frame)
+    assert inner.evaluate("typeof window.__pwned") == "undefined"
+    assert page.evaluate("typeof window.__pwned") == "undefined"
     assert page.problems == []

@@ -46,11 +46,12 @@ class SentenceEncoder:
 
     @classmethod
     def from_pretrained(cls, path, *, dtype=None, device="cpu", **kwargs) -> "SentenceEncoder":
-        """Load an HF-format BERT directory holding ``tokenizer.json`` (e.g. all-MiniLM-L6-v2's) in ``dtype``
-        (default: the checkpoint's) on ``device``."""
+        """Load an HF-format BERT directory holding ``tokenizer.json`` (e.g. all-MiniLM-L6-v2's), or a Hub id
+        (:func:`attnlab.models.hub.resolve_pretrained`), in ``dtype`` (default: the checkpoint's) on ``device``."""
         from attnlab.data.tokenizers import TextTokenizer, load_tokenizer
-        from attnlab.models.hub import from_pretrained
+        from attnlab.models.hub import from_pretrained, resolve_pretrained
 
+        path = resolve_pretrained(path)
         model = from_pretrained(path, dtype=dtype).to(device)
         if not hasattr(model, "embeddings") or not hasattr(model, "pooler"):
             raise ValueError(f"{str(path)!r} holds a {type(model).__name__}; a BERT encoder (BertModel) is needed")

@@ -43,7 +43,8 @@ EPILOG = """examples:
   attnlab rag --corpus passages.txt --query "Who is riding the horse?"          # all-MiniLM-L6-v2, top 3
   attnlab rag --corpus passages.txt --query "a dog in the snow" --k 5 --model path/to/bert-dir
   attnlab rag --corpus passages.txt --query "..." --generator path/to/gpt2-dir --max-new-tokens 40
-The corpus holds one passage per line; --model and --generator are HF-format folders with tokenizer.json."""
+The corpus holds one passage per line; --model and --generator are HF-format folders with tokenizer.json,
+or Hub ids (org/name)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,8 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus", required=True, help="text file, one passage per line")
     p.add_argument("--query", required=True, help="the question or search text")
     p.add_argument("--k", type=int, default=3, help="passages to retrieve (default 3)")
-    p.add_argument("--model", default=None, help="BERT sentence encoder folder (default: all-MiniLM-L6-v2)")
-    p.add_argument("--generator", default=None, help="decoder-only model folder: also generate an answer")
+    p.add_argument("--model", default=None, help="BERT sentence encoder folder or Hub id (default: all-MiniLM-L6-v2)")
+    p.add_argument("--generator", default=None, help="decoder-only model folder or Hub id: also generate an answer")
     p.add_argument("--max-new-tokens", type=int, default=32, help="answer length with --generator (default 32)")
 
 
@@ -69,13 +70,14 @@ def main(args: argparse.Namespace) -> int:
     generator = None
     if args.generator:  # loaded and checked before any passage is encoded
         from attnlab.data.tokenizers import load_tokenizer
-        from attnlab.models.hub import from_pretrained
+        from attnlab.models.hub import from_pretrained, resolve_pretrained
 
-        generator = from_pretrained(args.generator, dtype=model_dtype(args)).to(args.device or "cpu")
+        gen_folder = resolve_pretrained(args.generator)  # a folder, or a Hub id's snapshot
+        generator = from_pretrained(gen_folder, dtype=model_dtype(args)).to(args.device or "cpu")
         if getattr(generator, "is_encoder_decoder", False) or not hasattr(generator, "new_cache"):
             raise ValueError(f"--generator {args.generator} holds a {type(generator).__name__}, which cannot "
                              "continue a prompt: give a decoder-only model folder (GPT-2, Llama)")
-        gen_tokenizer = load_tokenizer(args.generator)
+        gen_tokenizer = load_tokenizer(gen_folder)
     encoder = SentenceEncoder.from_pretrained(args.model or default_encoder_path(), dtype=model_dtype(args),
                                               device=args.device or "cpu")
     retriever = Retriever(encoder, passages)

@@ -123,7 +123,8 @@ EPILOG = """examples:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``attnlab analyze`` (the common flags are added by :mod:`attnlab.cli`)."""
-    p.add_argument("--model", required=True, help="HF-format model directory (config.json, weights, tokenizer.json)")
+    p.add_argument("--model", required=True,
+                   help="HF-format model directory (config.json, weights, tokenizer.json) or Hub id org/name")
     p.add_argument("--text", action="append", help="a text to analyse (repeatable)")
     p.add_argument("--file", default=None, help="a UTF-8 file with one text per line")
     p.add_argument("--out", default=None, help="folder for analysis.json and analysis.png (default: print only)")
@@ -136,15 +137,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run the analysis; print the table; with ``--out`` write ``analysis.json`` and ``analysis.png``."""
     from attnlab._io import atomic_write
-    from attnlab.models.hub import from_pretrained
+    from attnlab.models.hub import from_pretrained, resolve_pretrained
 
     if args.max_length is not None and args.max_length < 2:
         raise ValueError(f"--max-length must be >= 2, got {args.max_length}")
     texts = read_texts(args.text, args.file)
-    tok = load_tokenizer(args.model)
+    folder = resolve_pretrained(args.model)  # a folder, or a Hub id's snapshot
+    tok = load_tokenizer(folder)
     from attnlab._runtime import model_dtype
 
-    model = from_pretrained(args.model, dtype=model_dtype(args)).to(args.device or "cpu")
+    model = from_pretrained(folder, dtype=model_dtype(args)).to(args.device or "cpu")
     seed = args.seed or 0
     torch.manual_seed(seed)
     batch = encode_texts(tok, texts, max_length=args.max_length)

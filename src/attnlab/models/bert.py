@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -242,6 +243,23 @@ class BertModel(_BertBase):
         self.layers = encoder_layers(config, norm_first=False)
         self.pooler = nn.Linear(config.hidden_size, config.hidden_size) if add_pooling_layer else None
         self._init_weights(config.initializer_range)
+
+    @classmethod
+    def adapt_hf_checkpoint(cls, config: BertConfig, hf: dict[str, Tensor]) -> tuple[BertConfig, dict[str, Tensor]]:
+        """A checkpoint saved without the pooler (as HF's ``BertForMaskedLM`` and
+        ``BertModel(add_pooling_layer=False)`` save it) gets a freshly initialised one, as transformers does:
+        ``W_p ~ N(0, initializer_range)``, ``b_p = 0``, and one warning line naming it
+        (``pooler_output`` is then untrained; ``last_hidden_state`` is unaffected)."""
+        names = ("pooler.dense.weight", "pooler.dense.bias")
+        if any(n in hf for n in names) or "embeddings.word_embeddings.weight" not in hf:
+            return config, hf  # a pooler (whole or partial: the loader checks), or not a BertModel checkpoint
+        dtype = hf["embeddings.word_embeddings.weight"].dtype
+        E = config.hidden_size
+        warnings.warn(f"the checkpoint has no pooler ({', '.join(names)}): BertModel's pooler is freshly "
+                      f"initialised (N(0, {config.initializer_range}), zero bias), so pooler_output is untrained",
+                      stacklevel=3)
+        return config, {**hf, names[0]: torch.randn(E, E).mul_(config.initializer_range).to(dtype),
+                        names[1]: torch.zeros(E, dtype=dtype)}
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
                 token_type_ids: Optional[Tensor] = None, *, output_attentions: bool = False,

@@ -57,22 +57,51 @@ EPILOG = """examples:
   attnlab viz --model $M --text "The cat sat." --text-b "It was tired." --layer 2 --out pair.html
   attnlab viz --model t5-dir --src "translate English to German: Hello" --tgt "Hallo" --out t5.html
   attnlab viz --model gpt2-dir --text "Once upon a time" --png heatmaps/ --layer 0
-The HTML file is self-contained (open it offline); --png writes DIR/{kind}_layerNN_headNN.png."""
+  attnlab viz --model vit-dir --image cat.jpg --out cat.html            # rollout + [CLS]->patch maps per head
+The HTML file is self-contained (open it offline); --png writes DIR/{kind}_layerNN_headNN.png
+(with --image: DIR/image_attention.png)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``attnlab viz`` (the common flags are added by :mod:`attnlab.cli`)."""
-    p.add_argument("--model", required=True, help="HF-format model directory (config.json + safetensors)")
+    p.add_argument("--model", required=True,
+                   help="HF-format model directory (config.json + safetensors) or Hub id org/name")
     p.add_argument("--text", default=None, help="input text (encoder-only and decoder-only models)")
     p.add_argument("--text-b", default=None, help="second sentence of a BERT sentence pair (token types 0/1)")
     p.add_argument("--src", default=None, help="source text of an encoder-decoder model (T5, BART)")
     p.add_argument("--tgt", default=None, help="target text of an encoder-decoder model (teacher-forced)")
+    p.add_argument("--image", default=None, metavar="FILE",
+                   help="a picture for a ViT or CLIP model: attention rollout and per-head [CLS]->patch maps over it")
     p.add_argument("--layer", type=int, default=None, help="layer of the head view and of --png (default: "
                    "head view opens on 0, --png writes every layer)")
     p.add_argument("--out", default=None, help="write the HTML page here")
     p.add_argument("--png", default=None, metavar="DIR", help="write matplotlib heatmaps into this folder")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one in --model)")
     p.add_argument("--title", default=None, help="page title (default: model folder and text)")
+
+
+def _image_main(args, texts: dict, dtype) -> int:
+    """``attnlab viz --image FILE``: the figure of :func:`attnlab.viz.image.image_view` as ``--out`` (an HTML
+    page holding it) and/or ``--png DIR/image_attention.png``."""
+    from attnlab.viz.image import image_attention_from_path, image_view
+
+    if texts or args.tokenizer is not None:
+        given = ", ".join("--" + k.replace("_", "-") for k in texts) or "--tokenizer"
+        raise ValueError(f"--image reads a picture, not text: drop {given}")
+    attentions, picture, name = image_attention_from_path(args.model, args.image, dtype=dtype,
+                                                          device=args.device or "cpu")
+    L = len(attentions)
+    if args.layer is not None and not 0 <= args.layer < L:
+        raise ValueError(f"--layer must be in [0, {L}), got {args.layer}")
+    title = args.title or f"{name}: {Path(args.image).name}"
+    view = image_view(attentions, picture, layer=args.layer, title=title)
+    print(f"{name}: {L} layers, {tuple(attentions[0].shape[1:])} (heads, tokens, tokens); maps of layer {view.layer}")
+    if args.out is not None:
+        print(f"wrote {view.save(Path(args.out))}")
+    if args.png is not None:
+        Path(args.png).mkdir(parents=True, exist_ok=True)
+        print(f"wrote {view.save(Path(args.png) / 'image_attention.png')}")
+    return 0
 
 
 def main(args) -> int:
@@ -87,12 +116,16 @@ def main(args) -> int:
     if args.out is None and args.png is None:
         raise ValueError("give --out FILE.html and/or --png DIR")
     if args.out is not None:
-        check_output_file("--out", args.out, inputs=[("--tokenizer", args.tokenizer)] + [
+        check_output_file("--out", args.out, inputs=[("--tokenizer", args.tokenizer),
+                                                     ("--image", getattr(args, "image", None))] + [
             ("a file of --model", p) for p in (Path(args.model).iterdir() if Path(args.model).is_dir() else ())])
     if args.png is not None:
         check_output_dir("--png", args.png)
     texts = {k: getattr(args, k) for k in ("text", "text_b", "src", "tgt") if getattr(args, k) is not None}
     from attnlab._runtime import model_dtype
+
+    if getattr(args, "image", None) is not None:
+        return _image_main(args, texts, model_dtype(args))
 
     record = extract_from_path(args.model, tokenizer=args.tokenizer, dtype=model_dtype(args),
                                device=args.device or "cpu", **texts)

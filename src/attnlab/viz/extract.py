@@ -102,8 +102,8 @@ def _model_kind(model) -> str:
     if isinstance(model, CLIPModel):
         return "clip"
     if isinstance(model, (ViTModel, ViTForImageClassification)):
-        raise ValueError("model is a ViT, which reads images; viz shows text models "
-                         "(bert, gpt2, llama, t5, bart, the clip text tower)")
+        raise ValueError("model is a ViT, which reads images: give a picture (attnlab viz --image FILE, "
+                         "attnlab.viz.image_view); text views are for bert, gpt2, llama, t5, bart, the clip text tower")
     raise TypeError(f"model must be an attnlab BERT, GPT-2, Llama, T5, BART or CLIP model, got {type(model).__name__}")
 
 
@@ -241,17 +241,18 @@ def _extract_seq2seq(model, tokenizer, src: str, tgt: str) -> AttentionRecord:
 
 def extract_from_path(path: PathLike, *, tokenizer: Optional[PathLike] = None, dtype: torch.dtype = torch.float32,
                       device="cpu", **texts) -> AttentionRecord:
-    """Load an HF-format model directory (``attnlab.from_pretrained`` in ``dtype`` on ``device``; e.g. one written by
-    ``save_pretrained``) and its tokenizer (``tokenizer``, default ``path/tokenizer.json``: a Hugging
+    """Load an HF-format model directory or Hub id (``attnlab.from_pretrained`` in ``dtype`` on ``device``; e.g. one
+    written by ``save_pretrained``) and its tokenizer (``tokenizer``, default ``path/tokenizer.json``: a Hugging
     Face file or a saved ``CharTokenizer``), then call :func:`extract_attention` with ``texts``.
 
     Raises:
-        FileNotFoundError: the directory, its weights or the tokenizer are missing.
+        FileNotFoundError: the directory (or Hub id), its weights or the tokenizer are missing.
         ValueError: as :func:`extract_attention` and :func:`attnlab.from_pretrained`.
     """
     from attnlab.data.tokenizers import load_tokenizer
-    from attnlab.models.hub import from_pretrained
+    from attnlab.models.hub import from_pretrained, resolve_pretrained
 
+    path = resolve_pretrained(path)  # a folder, or a Hub id's snapshot in huggingface_hub's cache
     model = from_pretrained(path, dtype=dtype).to(device)
     tok = load_tokenizer(tokenizer if tokenizer is not None else path)
     return extract_attention(model, tok, **texts)

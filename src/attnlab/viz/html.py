@@ -1,4 +1,6 @@
-"""One self-contained HTML page: a head view and a model view of an :class:`AttentionRecord`.
+"""One self-contained HTML page: a head view and a model view of an :class:`AttentionRecord`
+(:func:`render_html`, for ``attnlab viz``) or of any list of :class:`View` (:func:`render_views`, for the
+notebook views of :mod:`attnlab.viz.notebook`); the same renderer for both.
 
 The page fetches nothing: CSS and plain JS are inline (allowed by a Content-Security-Policy that
 lists their sha256 and forbids every other source), and the data sits in a
@@ -23,7 +25,7 @@ import hashlib
 import html
 import json
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -37,26 +39,70 @@ KIND_LABELS = {"encoder": "encoder self-attention", "decoder": "decoder self-att
 
 
 def render_html(record: AttentionRecord, *, layer: Optional[int] = None, title: str = "attnlab attention view",
-                top_k: int = 20, min_weight: float = 0.005, max_tokens: int = 256, max_lines: int = 300_000,
-                max_map: int = 64, max_layers: int = 12, max_heads: int = 16) -> str:
-    """The page as a string (see the module docstring for the views and the thinning rules).
+                **options) -> str:
+    """The page of an :class:`AttentionRecord`: one entry of the page's "Attention" menu per kind
+    (see the module docstring for the views and the thinning rules).
 
     Args:
         record: the attention maps (:func:`attnlab.viz.extract.extract_attention`).
         layer: the layer the head view opens on (default 0); must exist in every kind.
         title: page title (escaped).
+        **options: ``top_k, min_weight, max_tokens, max_lines`` (head-view line thinning) and
+            ``max_map, max_layers, max_heads`` (model-view caps), as :func:`render_views`.
+
+    Raises:
+        TypeError: ``record`` is not an :class:`AttentionRecord` or ``title`` not a ``str``.
+        ValueError: as :func:`render_views`.
+    """
+    if not isinstance(record, AttentionRecord):
+        raise TypeError(f"record must be an AttentionRecord, got {type(record).__name__}")
+    views = [View(k, KIND_LABELS[k], record.attentions[k], record.tokens_q[k], record.tokens_k[k])
+             for k in record.kinds]
+    return render_views(views, model_name=record.model_name, layer=layer, title=title, **options)
+
+
+class View(NamedTuple):
+    """One entry of the page's "Attention" menu: ``weights (layers, heads, Lq, Lk)`` float32 on the CPU,
+    ``len(tokens_q) == Lq`` and ``len(tokens_k) == Lk`` (checked by the callers that build it)."""
+
+    name: str
+    label: str
+    weights: torch.Tensor
+    tokens_q: list[str]
+    tokens_k: list[str]
+
+
+def render_views(views: Sequence[View], *, model_name: str = "", layer: Optional[int] = None,
+                 heads: Optional[Sequence[int]] = None, grid_layers: Optional[Sequence[int]] = None,
+                 grid_heads: Optional[Sequence[int]] = None, tab: str = "head",
+                 title: str = "attnlab attention view", top_k: int = 20, min_weight: float = 0.005,
+                 max_tokens: int = 256, max_lines: int = 300_000, max_map: int = 64, max_layers: int = 12,
+                 max_heads: int = 16) -> str:
+    """The page as a string: the one renderer behind ``attnlab viz``, :func:`render_html` and the
+    notebook views (:mod:`attnlab.viz.notebook`).
+
+    Args:
+        views: the menu entries, in order (the page opens on the first).
+        model_name: the page's subtitle (escaped; may be empty).
+        layer: the layer the head view opens on (default 0); must exist in every view.
+        heads: the heads drawn when the head view opens (default all; the others can be clicked on).
+        grid_layers, grid_heads: exactly the layers / heads of the model view's grid (default: up to
+            ``max_layers`` evenly spread layers and the first ``max_heads`` heads).
+        tab: ``"head"`` or ``"model"``, the view shown first.
+        title: page title (escaped).
         top_k, min_weight, max_tokens, max_lines: head-view line thinning.
         max_map, max_layers, max_heads: model-view caps (map cells per side, grid rows, grid columns).
 
     Raises:
-        TypeError: ``record`` is not an :class:`AttentionRecord` or ``title`` not a ``str``.
-        ValueError: ``layer`` outside ``[0, layers)`` or a cap that is not a positive int
-            (``min_weight`` must lie in ``[0, 1]``).
+        TypeError: ``title`` or ``model_name`` is not a ``str``.
+        ValueError: no views; ``layer``, a head or a grid index outside the range every view has; a cap that
+            is not a positive int (``min_weight`` must lie in ``[0, 1]``); ``tab`` not "head" or "model".
     """
-    if not isinstance(record, AttentionRecord):
-        raise TypeError(f"record must be an AttentionRecord, got {type(record).__name__}")
-    if not isinstance(title, str):
-        raise TypeError(f"title must be a str, got {type(title).__name__}")
+    for name, v in (("title", title), ("model_name", model_name)):
+        if not isinstance(v, str):
+            raise TypeError(f"{name} must be a str, got {type(v).__name__}")
+    if not views:
+        raise ValueError("views must hold at least one View")
     caps = dict(top_k=top_k, max_tokens=max_tokens, max_lines=max_lines, max_map=max_map,
                 max_layers=max_layers, max_heads=max_heads)
     for name, v in caps.items():
@@ -64,14 +110,33 @@ def render_html(record: AttentionRecord, *, layer: Optional[int] = None, title: 
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     if isinstance(min_weight, bool) or not isinstance(min_weight, (int, float)) or not 0.0 <= min_weight <= 1.0:
         raise ValueError(f"min_weight must be a float in [0, 1], got {min_weight!r}")
-    n_layers = record.num_layers
+    if tab not in ("head", "model"):
+        raise ValueError(f"tab must be 'head' or 'model', got {tab!r}")
+    n_layers = min(v.weights.shape[0] for v in views)
+    n_heads = min(v.weights.shape[1] for v in views)
     if layer is None:
         layer = 0
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
         raise ValueError(f"layer must be an int in [0, {n_layers}), got {layer!r}")
-    data = {"scale": SCALE, "layer": layer, "title": title, "model": record.model_name,
-            "kinds": [_kind_payload(record, k, min_weight=float(min_weight), **caps) for k in record.kinds]}
-    return _page(title, record.model_name, _json_for_script(data))
+    heads, grid_layers, grid_heads = (_indices(name, v, n) for name, v, n in
+                                      (("heads", heads, n_heads), ("grid_layers", grid_layers, n_layers),
+                                       ("grid_heads", grid_heads, n_heads)))
+    data = {"scale": SCALE, "layer": layer, "heads": heads, "tab": tab, "title": title, "model": model_name,
+            "kinds": [_kind_payload(v, min_weight=float(min_weight), grid_layers=grid_layers,
+                                    grid_heads=grid_heads, **caps) for v in views]}
+    return _page(title, model_name, _json_for_script(data))
+
+
+def _indices(name: str, value, n: int) -> Optional[list[int]]:
+    """``value`` as a sorted list of distinct ints in ``[0, n)`` (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{name} must be a list of ints in [0, {n}), got {value!r}")
+    out = list(value)
+    if not out or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in out):
+        raise ValueError(f"{name} must be a non-empty list of ints in [0, {n}), got {out!r}")
+    return sorted(set(out))
 
 
 def save_html(record: AttentionRecord, path, **kwargs) -> Path:
@@ -81,11 +146,29 @@ def save_html(record: AttentionRecord, path, **kwargs) -> Path:
         FileNotFoundError: the parent directory of ``path`` does not exist.
         TypeError, ValueError: as :func:`render_html`.
     """
+    path = _output_path(path)
+    atomic_write_text(path, render_html(record, **kwargs))
+    return path
+
+
+def write_page(page: str, path) -> Path:
+    """Write a rendered page (e.g. :func:`render_views`'s) to ``path`` atomically (temp file + ``os.replace``).
+
+    Raises:
+        FileNotFoundError: the parent directory of ``path`` does not exist.
+        TypeError: ``page`` is not a ``str``.
+    """
+    if not isinstance(page, str):
+        raise TypeError(f"page must be a str, got {type(page).__name__}")
+    path = _output_path(path)
+    atomic_write_text(path, page)
+    return path
+
+
+def _output_path(path) -> Path:
     path = Path(path)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"no such directory for the output file: {str(path.parent)!r}")
-    text = render_html(record, **kwargs)
-    atomic_write_text(path, text)
     return path
 
 
@@ -100,15 +183,19 @@ def head_colors(n: int) -> list[str]:
     return [to_hex(hsv_to_rgb((i / n, 0.85, 0.75))) for i in range(n)]
 
 
-def _kind_payload(record: AttentionRecord, kind: str, *, top_k: int, min_weight: float, max_tokens: int,
-                  max_lines: int, max_map: int, max_layers: int, max_heads: int) -> dict:
-    w = record.attentions[kind]  # (layers, heads, Lq, Lk)
+def _kind_payload(view: View, *, top_k: int, min_weight: float, max_tokens: int, max_lines: int, max_map: int,
+                  max_layers: int, max_heads: int, grid_layers: Optional[list[int]],
+                  grid_heads: Optional[list[int]]) -> dict:
+    w = view.weights  # (layers, heads, Lq, Lk)
     n_layers, n_heads = w.shape[:2]
-    tq, tk = record.tokens_q[kind], record.tokens_k[kind]
-    return {"name": kind, "label": KIND_LABELS[kind], "n_layers": n_layers, "n_heads": n_heads,
+    tq, tk = list(view.tokens_q), list(view.tokens_k)
+    layers = grid_layers if grid_layers is not None else _spread(n_layers, max_layers)
+    heads = grid_heads if grid_heads is not None else list(range(min(n_heads, max_heads)))
+    return {"name": view.name, "label": view.label, "n_layers": n_layers, "n_heads": n_heads,
             "tokens_q": tq, "tokens_k": tk, "colors": head_colors(n_heads),
             "head": _head_view(w, top_k=top_k, min_weight=min_weight, max_tokens=max_tokens, max_lines=max_lines),
-            "model": _model_view(w, tq, tk, max_map=max_map, max_layers=max_layers, max_heads=max_heads)}
+            "model": _model_view(w, tq, tk, layers=layers, heads=heads, max_map=max_map, max_layers=max_layers,
+                                 max_heads=max_heads)}
 
 
 def _head_view(w: torch.Tensor, *, top_k: int, min_weight: float, max_tokens: int, max_lines: int) -> dict:
@@ -148,19 +235,20 @@ def _head_view(w: torch.Tensor, *, top_k: int, min_weight: float, max_tokens: in
     return {"n_q": nq, "n_k": nk, "lines": lines, "notes": notes}
 
 
-def _model_view(w: torch.Tensor, tq: list[str], tk: list[str], *, max_map: int, max_layers: int,
-                max_heads: int) -> dict:
-    """Pooled maps for the shown layers × heads, flattened row-major as ints ``round(P·SCALE)``."""
+def _model_view(w: torch.Tensor, tq: list[str], tk: list[str], *, layers: list[int], heads: list[int],
+                max_map: int, max_layers: int, max_heads: int) -> dict:
+    """Pooled maps for the shown ``layers`` × ``heads``, flattened row-major as ints ``round(P·SCALE)``."""
     n_layers, n_heads, Lq, Lk = w.shape
-    layers, heads = _spread(n_layers, max_layers), list(range(min(n_heads, max_heads)))
     pooled, rows, cols = pool_attention(w[layers][:, heads], max_map)  # (len(layers), len(heads), nr, nc)
     ints = (pooled * SCALE).round().long()
     maps = [[ints[i, j].flatten().tolist() for j in range(len(heads))] for i in range(len(layers))]
     notes = []
     if len(layers) < n_layers:
         notes.append(f"The grid shows {len(layers)} of {n_layers} layers ({', '.join(map(str, layers))}; "
-                     f"max_layers={max_layers}).")
-    if len(heads) < n_heads:
+                     f"max_layers={max_layers} or the layers asked for).")
+    if heads != list(range(len(heads))):
+        notes.append(f"The grid shows heads {', '.join(map(str, heads))} of {n_heads} (the heads asked for).")
+    elif len(heads) < n_heads:
         notes.append(f"The grid shows heads 0\u2013{heads[-1]} of {n_heads} (max_heads={max_heads}).")
     if len(rows) < Lq or len(cols) < Lk:
         notes.append(f"Maps are pooled from {Lq}\u00d7{Lk} to {len(rows)}\u00d7{len(cols)} cells (max_map={max_map}): "

@@ -211,7 +211,7 @@ SCRIPT = r"""
     var k = K();
     state.layer = Math.min(state.layer, k.n_layers - 1);
     state.heads = [];
-    for (var h = 0; h < k.n_heads; h++) state.heads.push(true);
+    for (var h = 0; h < k.n_heads; h++) state.heads.push(!D.heads || D.heads.indexOf(h) >= 0);
     var sel = $("layer"); clear(sel);
     for (var l = 0; l < k.n_layers; l++) make("option", { value: l }, sel, String(l));
     sel.value = String(state.layer);
@@ -238,5 +238,6 @@ SCRIPT = r"""
   $("tab-model").addEventListener("click", showTab.bind(null, "model"));
   $("zoom-close").addEventListener("click", function () { $("zoom").hidden = true; });
   selectKind(0);
+  showTab(D.tab || "head");
 })();
 """
