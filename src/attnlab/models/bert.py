@@ -9,8 +9,8 @@
     NSP logits = W_s pooler + b_s
 
 Module names are ours (``layers.i.self_attn.in_proj`` packs HF's query/key/value); the HF names
-appear only in :func:`weight_map`, which :meth:`to_hf_state_dict` / :meth:`from_hf_state_dict` read. Training-mode difference
-from HF: our feed-forward also applies dropout to its hidden activation.
+appear only in :func:`weight_map`, which :meth:`to_hf_state_dict` / :meth:`from_hf_state_dict` read.
+Training-mode difference from HF: our feed-forward also applies dropout to its hidden activation.
 """
 from __future__ import annotations
 

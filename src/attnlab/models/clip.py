@@ -27,17 +27,13 @@ from torch import Tensor, nn
 from attnlab.models.hub import PreTrainedMixin, WeightMap, check_token_inputs, pack, register, rename
 from attnlab.models.vit import check_pixel_values
 from attnlab.nn.block import EncoderLayer
+from attnlab.nn.feedforward import quick_gelu  # noqa: F401  (public here since CLIP introduced it)
 
-# HF hidden_act -> our FeedForward activation ("quick_gelu" is patched in, see _encoder_layers).
+# HF hidden_act -> our FeedForward activation.
 HIDDEN_ACTS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_new": "gelu_tanh",
                "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 # eos_token_id of CLIP configs written before transformers PR #24773: pool at argmax(input_ids) instead.
 LEGACY_EOS_TOKEN_ID = 2
-
-
-def quick_gelu(x: Tensor) -> Tensor:
-    """``x · σ(1.702 x)``, the GELU approximation OpenAI's CLIP was trained with."""
-    return x * torch.sigmoid(1.702 * x)
 
 
 def _check_fields(cfg, positive_ints: tuple[str, ...]) -> None:
@@ -205,16 +201,11 @@ class CLIPOutput:
 
 def _encoder_layers(cfg: Union[CLIPTextConfig, CLIPVisionConfig]) -> nn.ModuleList:
     """``num_hidden_layers`` pre-norm :class:`EncoderLayer` (no residual dropout, as HF's CLIP)."""
-    act = HIDDEN_ACTS[cfg.hidden_act]
-    layers = nn.ModuleList(
+    return nn.ModuleList(
         EncoderLayer(cfg.hidden_size, cfg.num_attention_heads, ffn_dim=cfg.intermediate_size,
-                     activation="gelu" if act == "quick_gelu" else act, dropout=0.0,
-                     attn_dropout=cfg.attention_dropout, norm_first=True, norm_eps=cfg.layer_norm_eps)
+                     activation=HIDDEN_ACTS[cfg.hidden_act], dropout=0.0, attn_dropout=cfg.attention_dropout,
+                     norm_first=True, norm_eps=cfg.layer_norm_eps)
         for _ in range(cfg.num_hidden_layers))
-    if act == "quick_gelu":  # FeedForward has no quick_gelu: swap its (weightless) activation function
-        for layer in layers:
-            layer.ffn.act, layer.ffn.activation = quick_gelu, "quick_gelu"
-    return layers
 
 
 class CLIPTextTransformer(nn.Module):

@@ -9,8 +9,8 @@
 ``FFN(x) = W₂ gelu_tanh(W₁ x)`` ("gelu_new" in GPT-2's config). Hugging Face's GPT-2 stores its
 projections as ``Conv1D`` (weights ``(in, out)``, the transpose of ``nn.Linear``) and packs q, k, v
 in ``c_attn``, which maps onto our packed ``in_proj``: :data:`WEIGHT_MAP` declares the names (read
-both ways by :func:`state_dict_from_hf` / :func:`state_dict_to_hf`); :meth:`GPT2Config.from_hf` / :meth:`GPT2Config.to_hf` convert the
-``config.json`` dict.
+both ways by :func:`state_dict_from_hf` / :func:`state_dict_to_hf`); :meth:`GPT2Config.from_hf` /
+:meth:`GPT2Config.to_hf` convert the ``config.json`` dict.
 """
 from __future__ import annotations
 

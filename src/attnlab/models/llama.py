@@ -10,7 +10,8 @@
 embeddings on q and k (HF's half-split layout, ``θ_i = rope_theta^(-2i/D)``), no biases;
 ``FFN(x) = W_down (silu(W_gate x) ⊙ W_up x)`` (SwiGLU). HF's separate ``q_proj/k_proj/v_proj``
 map onto our packed ``in_proj`` (rows q, k, v): :func:`weight_map` declares the names (read both ways
-by :func:`state_dict_from_hf` / :func:`state_dict_to_hf`); :meth:`LlamaConfig.from_hf` / :meth:`LlamaConfig.to_hf` convert the ``config.json`` dict.
+by :func:`state_dict_from_hf` / :func:`state_dict_to_hf`); :meth:`LlamaConfig.from_hf` /
+:meth:`LlamaConfig.to_hf` convert the ``config.json`` dict.
 
 Positions: RoPE makes ``⟨R(m)q, R(n)k⟩`` depend on ``m - n`` only, so the constant per-row shift
 that left padding puts between ``arange`` positions and HF's ``cumsum(mask) - 1`` cancels: the

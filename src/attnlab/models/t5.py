@@ -13,8 +13,10 @@
     logits = s · RMSNorm(h_dec) Wᵀ        W = E (tied) or W_lm (untied, T5 v1.1 / Flan-T5);
                                           s = d^-0.5 (scale_decoder_outputs: original T5) or 1
 
-The layers are in :mod:`attnlab.models.t5_layers` (attention with the bias as a dense mask or, for long
-inputs, a score_mod; weights recovered from the log-sum-exp for ``output_attentions``). HF names (``encoder.block.{i}.layer.0.SelfAttention.q`` …) appear only in
+The stacks (:mod:`attnlab.models.t5_layers`) are the shared pre-norm :class:`~attnlab.nn.block.EncoderLayer`
+/ :class:`~attnlab.nn.block.DecoderLayer` with ``scale=1``, ``head_dim=d_kv`` and the stack's relative bias
+as the self-attentions' ``position_bias`` (a dense bias, or for long inputs a score_mod); q, k and v are
+packed in ``in_proj``. HF names (``encoder.block.{i}.layer.0.SelfAttention.q`` …) appear only in
 :func:`weight_map`, which :meth:`T5ForConditionalGeneration.to_hf_state_dict` /
 :meth:`~T5ForConditionalGeneration.from_hf_state_dict` read.
 """
@@ -31,9 +33,10 @@ from torch import Tensor, nn
 
 from attnlab._checks import check_int
 from attnlab.models.hub import (PreTrainedMixin, WeightMap, check_attention_mask, check_encoder_outputs,
-                               check_token_inputs, register, rename)
+                               check_token_inputs, pack, register, rename)
 from attnlab.models.outputs import Seq2SeqLMOutput
-from attnlab.models.t5_layers import T5Attention, T5Stack
+from attnlab.models.t5_layers import T5Stack
+from attnlab.attention.multihead import MultiheadAttention
 from attnlab.nn.block import LayerCache
 from attnlab.nn.positional import T5RelativeBias
 
@@ -119,27 +122,37 @@ _STACK = "{stack:encoder|decoder}"
 
 def weight_map(config: "T5Config") -> WeightMap:
     """Our names <-> HF ``T5ForConditionalGeneration``'s (no biases anywhere). HF's block ``i`` holds
-    ``layer.0`` self-attention, in the decoder ``layer.1`` cross-attention, then the feed-forward;
-    the relative bias table lives in block 0's self-attention. With tied embeddings HF's stacks and
-    head hold copies of ``shared`` (ignored); an untied head is ``lm_head``."""
-    ffn = "{w:wi|wi_0|wi_1|wo}"
-    return WeightMap("T5", [
+    ``layer.0`` self-attention, in the decoder ``layer.1`` cross-attention, then the feed-forward
+    (``DenseReluDense``: ``wi``, or gated ``wi_0`` (activated) and ``wi_1``; ``wo``); our layers pack
+    q/k/v into ``in_proj`` and number their norms ``norm1..3`` in the same order. The relative bias table
+    lives in HF's block 0. With tied embeddings HF's stacks and head hold copies of ``shared`` (ignored);
+    an untied head is ``lm_head``."""
+    gated = config.feed_forward_proj == "gated-gelu"
+    ffn = {"w1": "wi_0", "w3": "wi_1", "w2": "wo"} if gated else {"w1": "wi", "w2": "wo"}
+    rules = [
         rename("shared.weight", "shared.weight"),
         *([] if config.tie_word_embeddings else [rename("lm_head.weight", "lm_head.weight")]),
         rename(f"{_STACK}.relative_bias.relative_attention_bias.weight",
                "{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
         rename(f"{_STACK}.final_norm.weight", "{stack}.final_layer_norm.weight"),
-        rename(f"{_STACK}.layers.{{i}}.self_norm.weight", f"{_BLOCK}.0.layer_norm.weight"),
-        rename(f"{_STACK}.layers.{{i}}.self_attn.{{x:q|k|v|o}}.weight", f"{_BLOCK}.0.SelfAttention.{{x}}.weight"),
-        rename("decoder.layers.{i}.cross_norm.weight", "decoder.block.{i}.layer.1.layer_norm.weight"),
-        rename("decoder.layers.{i}.cross_attn.{x:q|k|v|o}.weight", "decoder.block.{i}.layer.1.EncDecAttention.{x}.weight"),
-        rename("encoder.layers.{i}.ffn_norm.weight", "encoder.block.{i}.layer.1.layer_norm.weight"),
-        rename(f"encoder.layers.{{i}}.ffn.{ffn}.weight", "encoder.block.{i}.layer.1.DenseReluDense.{w}.weight"),
-        rename("decoder.layers.{i}.ffn_norm.weight", "decoder.block.{i}.layer.2.layer_norm.weight"),
-        rename(f"decoder.layers.{{i}}.ffn.{ffn}.weight", "decoder.block.{i}.layer.2.DenseReluDense.{w}.weight"),
-        # tied copies of `shared` (and of lm_head when tied), an unused bias old checkpoints carry
-    ], ignore=(r"^(encoder|decoder)\.embed_tokens\.weight$", r"^lm_head\.weight$",
-               r"^decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight$"))
+        rename(f"{_STACK}.layers.{{i}}.norm1.weight", f"{_BLOCK}.0.layer_norm.weight"),
+        pack(f"{_STACK}.layers.{{i}}.self_attn.in_proj.weight",
+             *(f"{_BLOCK}.0.SelfAttention.{x}.weight" for x in "qkv")),
+        rename(f"{_STACK}.layers.{{i}}.self_attn.out_proj.weight", f"{_BLOCK}.0.SelfAttention.o.weight"),
+        rename("decoder.layers.{i}.norm2.weight", "decoder.block.{i}.layer.1.layer_norm.weight"),
+        pack("decoder.layers.{i}.cross_attn.in_proj.weight",
+             *(f"decoder.block.{{i}}.layer.1.EncDecAttention.{x}.weight" for x in "qkv")),
+        rename("decoder.layers.{i}.cross_attn.out_proj.weight", "decoder.block.{i}.layer.1.EncDecAttention.o.weight"),
+        rename("encoder.layers.{i}.norm2.weight", "encoder.block.{i}.layer.1.layer_norm.weight"),
+        rename("decoder.layers.{i}.norm3.weight", "decoder.block.{i}.layer.2.layer_norm.weight"),
+    ]
+    for stack, sub in (("encoder", 1), ("decoder", 2)):
+        rules += [rename(f"{stack}.layers.{{i}}.ffn.{ours}.weight",
+                         f"{stack}.block.{{i}}.layer.{sub}.DenseReluDense.{hf}.weight") for ours, hf in ffn.items()]
+    # tied copies of `shared` (and of lm_head when tied), an unused bias old checkpoints carry
+    return WeightMap("T5", rules, ignore=(
+        r"^(encoder|decoder)\.embed_tokens\.weight$", r"^lm_head\.weight$",
+        r"^decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight$"))
 
 
 class T5ForConditionalGeneration(PreTrainedMixin, nn.Module):
@@ -171,8 +184,8 @@ class T5ForConditionalGeneration(PreTrainedMixin, nn.Module):
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=m.in_features ** -0.5)
         for m in self.modules():
-            if isinstance(m, T5Attention):
-                nn.init.normal_(m.q.weight, std=(c.d_model * c.d_kv) ** -0.5)
+            if isinstance(m, MultiheadAttention):  # q: the first H·d_kv rows of the packed projection
+                nn.init.normal_(m.in_proj.weight[:c.num_heads * c.d_kv], std=(c.d_model * c.d_kv) ** -0.5)
             elif isinstance(m, T5RelativeBias):
                 nn.init.normal_(m.relative_attention_bias.weight, std=c.d_model ** -0.5)
         nn.init.normal_(self.shared.weight, std=1.0)
