@@ -47,11 +47,13 @@ class SharedPositionBias:
         self._memo: Optional[dict] = None
 
     def __call__(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
+        """``bias(q_positions, k_positions)``, contiguous (the table lookup leaves the heads innermost, a
+        layout that the masks combined with it inherit and that SDPA reads at half speed)."""
         if self._memo is None:
-            return self.bias(q_positions, k_positions)
+            return self.bias(q_positions, k_positions).contiguous()
         key = (len(q_positions), int(q_positions[0]), len(k_positions), int(k_positions[0]), q_positions.device)
         if key not in self._memo:
-            self._memo[key] = self.bias(q_positions, k_positions)
+            self._memo[key] = self.bias(q_positions, k_positions).contiguous()
         return self._memo[key]
 
     def score_mod(self) -> ScoreMod:
