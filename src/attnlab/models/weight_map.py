@@ -3,11 +3,18 @@
 A :class:`WeightMap` is an ordered list of rules, each pairing a template of our names with the
 template(s) of HF's::
 
-    WeightMap("gpt2", [
+    WeightMap("GPT-2", [                              # HF's Conv1D: fused q/k/v, weights (in, out)
         rename("wte.weight", "transformer.wte.weight"),
         rename("layers.{i}.self_attn.in_proj.{p}", "transformer.h.{i}.attn.c_attn.{p}", transpose=True),
-        pack("layers.{i}.self_attn.in_proj.{p}", "h.{i}.q.{p}", "h.{i}.k.{p}", "h.{i}.v.{p}"),
+        ...
     ], tied={"lm_head.weight": "wte.weight"}, ignore=(r"\\.attn\\.bias$",))
+
+    WeightMap("BERT", [                               # HF's separate query/key/value
+        pack("layers.{i}.self_attn.in_proj.{p}", *(f"encoder.layer.{{i}}.attention.self.{x}.{{p}}"
+                                                  for x in ("query", "key", "value"))),
+        rename("layers.{i}.norm{n:1|2}.{p}", ...),
+        ...
+    ])
 
 Templates are names with placeholders: ``{i}`` is a layer index (digits), ``{p}`` is ``weight`` or
 ``bias``, and ``{name:a|b|c}`` is one of the listed words; a placeholder has the same value on both sides.
@@ -106,8 +113,8 @@ class WeightMap:
 
     Raises:
         ValueError: a template with a placeholder the other side lacks (or with two different lists
-            of alternatives, or an unknown placeholder without one), a pack of fewer than two parts or
-            with ``sizes`` of another count, a transposed pack, a tied alias without its source.
+            of alternatives, or an unknown placeholder without one), a rule naming no HF tensor, a pack
+            with ``sizes`` of another count, a transposed pack, a tied alias whose source is itself tied.
     """
 
     def __init__(self, family: str, rules: Iterable[Rule], *, tied: Optional[Mapping[str, str]] = None,
@@ -128,12 +135,12 @@ class WeightMap:
         """Validate one rule; return its compiled templates (ours, [hf parts])."""
         if not isinstance(rule, Rule):
             raise ValueError(f"{self.family} weight map: rules must be built with rename() or pack(), got {rule!r}")
+        if len(rule.hf) == 0:
+            raise ValueError(f"{self.family} weight map: rule for {rule.ours!r} names no HF tensor")
         if len(rule.hf) > 1 and rule.transpose:
             raise ValueError(f"{self.family} weight map: rule {rule} packs and transposes; split it in two")
         if rule.sizes is not None and len(rule.sizes) != len(rule.hf):
             raise ValueError(f"{self.family} weight map: rule {rule} has {len(rule.hf)} parts but sizes={rule.sizes}")
-        if len(rule.hf) == 0:
-            raise ValueError(f"{self.family} weight map: rule for {rule.ours!r} names no HF tensor")
         ours = _placeholders(rule.ours)
         alternatives = dict(ours)
         for hf in rule.hf:
@@ -156,16 +163,8 @@ class WeightMap:
 
     # ---- ours -> HF ----------------------------------------------------------------------
 
-    def hf_names(self, name: str) -> tuple[Rule, list[str]]:
-        """The first rule that takes our tensor ``name``, and the HF name(s) it stores it under.
-
-        Raises:
-            ValueError: no rule takes ``name``.
-        """
-        index, names = self._match_ours(name)
-        return self.rules[index], names
-
     def _match_ours(self, name: str) -> tuple[int, list[str]]:
+        """``(index, HF names)`` of the first rule that takes our tensor ``name``."""
         for index, (rule, (ours, _)) in enumerate(zip(self.rules, self._patterns)):
             m = ours.fullmatch(name)
             if m:
