@@ -211,3 +211,32 @@ def test_decode_step_fast_path_equals_reference_backend(num_kv_heads):
     assert wa is None and (a - b).abs().max() <= 1e-6
     _, w = fast(x[:, :1], need_weights=True)  # weights requested: the pipeline serves them
     assert w.shape == (2, 1, 1)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.05])
+def test_scale_sets_kappa_on_every_path(scale):
+    """``softmax(κ (Q W_Q)(K W_K)ᵀ) V W_V`` with the given κ (T5: 1), with weights materialised (gradients),
+    recovered from the log-sum-exp (no gradients) and on a cached decode step; the formula written out in
+    float64."""
+    torch.manual_seed(0)
+    m = MultiheadAttention(16, 2, head_dim=5, scale=scale, bias=False).double().eval()
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    q, k, v = (t.view(2, 6, 2, 5).transpose(1, 2) for t in m.in_proj(x).split(10, dim=-1))  # (B, H, L, 5)
+    w = torch.softmax(scale * q @ k.transpose(-1, -2), dim=-1)  # (B, H, L, L)
+    expected = m.out_proj((w @ v).transpose(1, 2).reshape(2, 6, 10))
+    out, weights = m(x, average_attn_weights=False)
+    tol = 64 * torch.finfo(torch.float64).eps
+    assert (out - expected).abs().max() <= tol and (weights - w).abs().max() <= tol
+    with torch.no_grad():
+        out2, recovered = m(x, average_attn_weights=False)
+    assert (out2 - expected).abs().max() <= tol and (recovered - w).abs().max() <= tol
+    cache = KVCache()
+    m(x[:, :5], is_causal=True, need_weights=False, cache=cache)
+    step, none = m(x[:, 5:], is_causal=True, need_weights=False, cache=cache)  # one query over the cache
+    assert none is None and (step - expected[:, 5:]).abs().max() <= tol
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), True, "1"])
+def test_bad_scale_names_the_argument(scale):
+    with pytest.raises(ValueError, match="scale must be a positive finite float"):
+        MultiheadAttention(16, 2, scale=scale)

@@ -180,7 +180,7 @@ def test_adapt_hf_checkpoint_completes_the_checkpoint_before_the_name_check(save
     with pytest.raises(ValueError, match=r"missing tensors \['pooler.dense.bias'\]"):
         from_pretrained(path)
 
-    def fill(cls, config, hf):  # what BART does for final_logits_bias
+    def fill(cls, config, hf):  # a checkpoint completed from what it holds
         return config, {**hf, "pooler.dense.bias": torch.zeros(32)}
 
     monkeypatch.setattr(BertModel, "adapt_hf_checkpoint", classmethod(fill))

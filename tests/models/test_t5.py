@@ -13,8 +13,10 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from attnlab.attention import multihead
 from attnlab.backends import dispatch
-from attnlab.models import hub, t5_layers
+from attnlab.evaluation.analysis import head_mask, self_attention_modules
+from attnlab.models import hub
 from attnlab.models.t5 import (  # importing registers "t5"
     T5Config,
     T5ForConditionalGeneration,
@@ -188,37 +190,62 @@ def test_output_attentions_equal_transformers_eager(tmp_path):
     assert ours(**{**kw, "output_attentions": False}).encoder_attentions is None
 
 
+def _self_attention_requests(monkeypatch, run):
+    """``(mask, score_mod)`` of every request the attention modules hand to :func:`attnlab.attention`
+    while ``run()`` runs."""
+    calls, original = [], multihead.attention
+
+    def spy(q, k, v, **kw):
+        calls.append((kw.get("mask"), kw.get("score_mod")))
+        return original(q, k, v, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(multihead, "attention", spy)
+        run()
+    return calls
+
+
 @torch.no_grad()
 def test_score_mod_bias_path_equals_dense_bias(tmp_path, monkeypatch):
     """Above DENSE_BIAS_LIMIT the relative bias becomes a score_mod (tiled backend, O(L) memory):
     same logits and attentions, in full and cached decoding."""
     _, ours = _pair(tmp_path, "relu", True)
     src, src_mask, tgt, tgt_mask = _batch()
-    kw = dict(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask,
-              output_attentions=True)
-    dense = ours(**kw)
+    kw = dict(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask)
+    dense, dense_w = ours(**kw), ours(**kw, output_attentions=True)
     dense_ids = [ours.generate(src, attention_mask=src_mask, max_new_tokens=8, num_beams=b) for b in (1, 3)]
-    mask, mod = ours.encoder.self_attention_bias(18, 0, src_mask, torch.float32)
-    assert mod is None and mask.shape == (3, 4, 18, 18)
+    (mask, mod), = _self_attention_requests(monkeypatch, lambda: ours.encoder.layers[0](
+        torch.zeros(3, 18, 32), key_padding_mask=src_mask == 0))
+    assert mod is None and mask.shape == (3, 4, 18, 18) and mask.is_floating_point()  # bias + padding, dense
     monkeypatch.setattr(dispatch, "DENSE_BIAS_LIMIT", 0)
-    mask, mod = ours.encoder.self_attention_bias(18, 0, src_mask, torch.float32)
+    (mask, mod), = _self_attention_requests(monkeypatch, lambda: ours.encoder.layers[0](
+        torch.zeros(3, 18, 32), key_padding_mask=src_mask == 0))
     assert callable(mod) and mask.shape == (3, 1, 1, 18) and mask.dtype == torch.bool  # O(L): padding only
-    modded = ours(**kw)
-    assert (modded.logits - dense.logits)[tgt_mask.bool()].abs().max() <= tolerance(dense.logits, n=32, depth=4)
+    for modded, reference in ((ours(**kw), dense), (ours(**kw, output_attentions=True), dense_w)):
+        diff = (modded.logits - reference.logits)[tgt_mask.bool()].abs().max()
+        assert diff <= tolerance(reference.logits, n=32, depth=4)
+    modded = ours(**kw, output_attentions=True)
     for name in ("encoder_attentions", "decoder_attentions", "cross_attentions"):
-        for a, b in zip(getattr(modded, name), getattr(dense, name)):  # round-off grows through the layers
+        for a, b in zip(getattr(modded, name), getattr(dense_w, name)):  # round-off grows through the layers
             torch.testing.assert_close(a, b, atol=tolerance(b, n=32, depth=4), rtol=1e-4)
     for b, ids in zip((1, 3), dense_ids):  # every cached step on the score_mod path too
         assert torch.equal(ours.generate(src, attention_mask=src_mask, max_new_tokens=8, num_beams=b), ids)
 
 
-def test_long_inputs_take_the_score_mod_path():
-    model = T5ForConditionalGeneration(T5Config(vocab_size=V, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4))
+@torch.no_grad()
+def test_long_inputs_take_the_score_mod_path(monkeypatch):
+    model = T5ForConditionalGeneration(T5Config(vocab_size=V, d_model=16, d_kv=4, d_ff=32, num_layers=1,
+                                                num_decoder_layers=1, num_heads=4)).eval()
     L = 1100  # 4 heads · 1100² > DENSE_BIAS_LIMIT = 2²²
-    mask, mod = model.encoder.self_attention_bias(L, 0, None, torch.float32)
-    assert mask is None and callable(mod)
-    mask, mod = model.decoder.self_attention_bias(1, L, torch.ones(2, L + 1), torch.float32)  # one cached step
-    assert mod is None and mask.shape == (2, 4, 1, L + 1)
+    ids = torch.randint(0, V, (2, L))
+    requests = _self_attention_requests(monkeypatch, lambda: model.encode(ids))
+    assert len(requests) == 1 and requests[0][0] is None and callable(requests[0][1])
+    memory, cache = torch.zeros(2, 3, 16), model.new_cache()
+    model.decode(ids, memory, cache=cache)
+    requests = _self_attention_requests(monkeypatch, lambda: model.decode(
+        ids[:, :1], memory, decoder_attention_mask=torch.ones(2, L + 1), cache=cache))  # one cached step
+    (mask, mod), cross = requests  # self-attention, then cross-attention (no bias, no mask)
+    assert mod is None and mask.shape == (2, 4, 1, L + 1) and cross == (None, None)
 
 
 @torch.no_grad()
@@ -253,6 +280,24 @@ def test_hf_names_and_inner_dim_different_from_d_model():
     assert "lm_head.weight" not in hf and "encoder.block.1.layer.0.SelfAttention.q.weight" not in hf
     back = model.from_hf_state_dict(hf)
     assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
+
+
+@torch.no_grad()
+def test_attention_analysis_sees_t5s_self_attentions():
+    """T5 is built from the shared MultiheadAttention, so the analysis tools find and mask its heads."""
+    model = T5ForConditionalGeneration(T5Config(vocab_size=V, d_model=32, d_kv=12, d_ff=64, num_layers=2,
+                                                num_decoder_layers=3, num_heads=4)).eval()
+    mods = self_attention_modules(model)
+    assert mods == [layer.self_attn for layer in (*model.encoder.layers, *model.decoder.layers)]
+    assert all(m.scale == 1.0 and m.head_dim == 12 for m in mods)
+    src, tgt = torch.randint(0, V, (2, 7)), torch.randint(0, V, (2, 5))
+    logits = model(src, decoder_input_ids=tgt).logits
+    with head_mask(model, torch.ones(5, 4)):
+        assert torch.equal(model(src, decoder_input_ids=tgt).logits, logits)
+    pruned = torch.ones(5, 4)
+    pruned[0, 1] = 0  # head 1 of the first encoder layer
+    with head_mask(model, pruned):
+        assert (model(src, decoder_input_ids=tgt).logits - logits).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("kw, field", [

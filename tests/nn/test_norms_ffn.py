@@ -77,8 +77,10 @@ def _act64(name, x):
         return max(x, 0.0)
     if name in ("gelu", "geglu"):
         return 0.5 * x * (1 + math.erf(x / math.sqrt(2)))
-    if name == "gelu_tanh":
+    if name in ("gelu_tanh", "geglu_tanh"):
         return 0.5 * x * (1 + math.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    if name == "quick_gelu":
+        return x / (1 + math.exp(-1.702 * x))
     if name == "glu":
         return 1 / (1 + math.exp(-x))
     if name == "swiglu":
@@ -90,7 +92,7 @@ def _act64(name, x):
 def test_feedforward_matches_loop_formula(activation):
     dim, hidden = 3, 4
     ffn = FeedForward(dim, hidden, activation=activation).double()
-    assert (ffn.w3 is not None) == (activation in ("glu", "geglu", "swiglu"))
+    assert (ffn.w3 is not None) == (activation in ("glu", "geglu", "geglu_tanh", "swiglu"))
     x = torch.randn(2, dim, dtype=torch.float64)
     out = ffn(x)
 

@@ -9,6 +9,7 @@ Grouped-query attention (Ainslie et al. 2023) shares each key/value head among
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -31,6 +32,8 @@ class MultiheadAttention(nn.Module):
         bias: biases on the projections.
         dropout: dropout on the attention weights, in training.
         head_dim: per-head width (default E // H).
+        scale: the score scale κ in ``softmax(κ Q Kᵀ) V`` (default ``1 / sqrt(head_dim)``; T5: 1, its
+            scaling folded into ``W_Q``).
         rotary: module applied to q and k as ``rotary(x, positions)`` (e.g. ``RotaryEmbedding``).
         position_bias: module giving an additive bias ``(1, H, Lq, Lk)`` as
             ``position_bias(q_positions, k_positions)`` (e.g. ``ALiBi``, ``T5RelativeBias``); a
@@ -51,7 +54,7 @@ class MultiheadAttention(nn.Module):
 
     def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: Optional[int] = None,
                  kdim: Optional[int] = None, vdim: Optional[int] = None, bias: bool = True,
-                 dropout: float = 0.0, head_dim: Optional[int] = None,
+                 dropout: float = 0.0, head_dim: Optional[int] = None, scale: Optional[float] = None,
                  rotary: Optional[nn.Module] = None, position_bias: Optional[nn.Module] = None,
                  backend: str = "auto", normalize: str = "softmax", top_k: Optional[int] = None,
                  window: Optional[int] = None, device=None, dtype=None):
@@ -68,6 +71,10 @@ class MultiheadAttention(nn.Module):
             head_dim = embed_dim // num_heads
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not math.isfinite(scale) or scale <= 0):
+            raise ValueError(f"scale must be a positive finite float or None (1/sqrt(head_dim)), got {scale!r}")
+        self.scale = None if scale is None else float(scale)
         self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim = embed_dim, num_heads, num_kv_heads, head_dim
         self.kdim = embed_dim if kdim is None else kdim
         self.vdim = embed_dim if vdim is None else vdim
@@ -146,7 +153,7 @@ class MultiheadAttention(nn.Module):
         S = k.shape[2]
 
         mask, score_mod = self._mask_and_mod(key_padding_mask, attn_mask, B, L, S, q)
-        request = dict(mask=mask, causal=is_causal, window=self.window, score_mod=score_mod)
+        request = dict(mask=mask, causal=is_causal, window=self.window, scale=self.scale, score_mod=score_mod)
         dropout_p = self.dropout if self.training else 0.0
         if need_weights and self._weights_from_lse(q, k, v, dropout_p):
             out, lse = attention(q, k, v, **request, return_lse=True, backend=self.backend)

@@ -12,7 +12,8 @@ The position tables have ``max_position_embeddings + 2`` rows and position ``i``
 (fairseq's offset, HF's ``BartLearnedPositionalEmbedding``); positions do not follow the padding.
 Module names are ours (``self_attn.in_proj`` packs HF's q_proj/k_proj/v_proj, ``cross_attn`` is
 HF's ``encoder_attn``, ``norm1..3`` and ``ffn.w1/w2`` its layer norms and fc1/fc2); the HF names
-appear only in :meth:`~BartForConditionalGeneration.to_hf_state_dict` / ``from_hf_state_dict``.
+appear only in :data:`WEIGHT_MAP`, which :meth:`~BartForConditionalGeneration.to_hf_state_dict` /
+``from_hf_state_dict`` read.
 With ``output_attentions`` the per-head weights are recovered from each attention's q, k and
 log-sum-exp by each attention's forward (:class:`~attnlab.attention.multihead.MultiheadAttention`), which keeps its fast backend.
 """
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,8 +28,8 @@ import torch
 from torch import Tensor, nn
 
 from attnlab._checks import boolean, check_int, check_rate, one_of
-from attnlab.models.hub import (PreTrainedMixin, check_attention_mask, check_encoder_outputs, check_token_inputs,
-                                register)
+from attnlab.models.hub import (PreTrainedMixin, WeightMap, check_attention_mask, check_encoder_outputs,
+                                check_token_inputs, pack, register, rename)
 from attnlab.models.outputs import Seq2SeqLMOutput
 from attnlab.nn.block import DecoderLayer, EncoderLayer, LayerCache
 from attnlab.nn.dropout import Dropout
@@ -150,8 +150,6 @@ class BartForConditionalGeneration(PreTrainedMixin, nn.Module):
     """
 
     hf_architecture = "BartForConditionalGeneration"
-    hf_ignored = (r"^model\.(encoder|decoder)\.embed_tokens\.weight$", r"^lm_head\.weight$",  # tied copies
-                  r"^model\.(encoder|decoder)\.version$")
     is_encoder_decoder = True  # attnlab.generation encodes the source once
 
     def __init__(self, config: BartConfig) -> None:
@@ -179,13 +177,6 @@ class BartForConditionalGeneration(PreTrainedMixin, nn.Module):
                 nn.init.zeros_(mod.bias)
             if isinstance(mod, nn.Embedding) and mod.padding_idx is not None:
                 nn.init.zeros_(mod.weight[mod.padding_idx])
-
-    @classmethod
-    def adapt_hf_checkpoint(cls, config: BartConfig, hf: dict[str, Tensor]) -> tuple[BartConfig, dict[str, Tensor]]:
-        """A checkpoint without ``final_logits_bias`` (an all-zero buffer some exports drop) gets zeros."""
-        if "final_logits_bias" not in hf:
-            hf = {**hf, "final_logits_bias": torch.zeros(1, config.vocab_size)}
-        return config, hf
 
     # ---- forward -------------------------------------------------------------------------
 
@@ -307,57 +298,32 @@ class BartForConditionalGeneration(PreTrainedMixin, nn.Module):
         from attnlab.generation import generate
         return generate(self, input_ids, **kwargs)
 
-    # ---- HF names ------------------------------------------------------------------------
-
-    def to_hf_state_dict(self) -> dict[str, Tensor]:
-        """Our tensors under HF's names; packed q/k/v split; the tied ``lm_head`` stored once, as ``shared``."""
-        out = {}
-        for name, t in self.state_dict().items():
-            if name == "lm_head.weight":
-                continue
-            m = _IN_PROJ.fullmatch(name)
-            if m:
-                for part, chunk in zip(("q_proj", "k_proj", "v_proj"), t.chunk(3, dim=0)):
-                    out[f"model.{m[1]}.layers.{m[2]}.{_ATTN[m[3]]}.{part}.{m[4]}"] = chunk
-            else:
-                out[_hf_name(name)] = t
-        return out
-
-    def from_hf_state_dict(self, hf: dict[str, Tensor]) -> dict[str, Tensor]:
-        """The inverse of :meth:`to_hf_state_dict`: HF tensors under our names."""
-        out = {}
-        for name in self.state_dict():
-            m = _IN_PROJ.fullmatch(name)
-            if m:
-                out[name] = torch.cat([hf[f"model.{m[1]}.layers.{m[2]}.{_ATTN[m[3]]}.{p}.{m[4]}"]
-                                       for p in ("q_proj", "k_proj", "v_proj")])
-            else:
-                out[name] = hf[_hf_name(name)]
-        return out
+    def hf_weight_map(self) -> WeightMap:
+        """:data:`WEIGHT_MAP`: packed q/k/v split, the tied ``lm_head`` stored once (as ``shared``)."""
+        return WEIGHT_MAP
 
 
-_ATTN = {"self_attn": "self_attn", "cross_attn": "encoder_attn"}
-_IN_PROJ = re.compile(r"(encoder|decoder)\.layers\.(\d+)\.(self_attn|cross_attn)\.in_proj\.(weight|bias)")
-_LAYER_NAMES = {  # ours -> HF inside a layer (norm2 is the FFN's norm in encoder layers)
-    "encoder": {"self_attn.out_proj": "self_attn.out_proj", "norm1": "self_attn_layer_norm",
-                "ffn.w1": "fc1", "ffn.w2": "fc2", "norm2": "final_layer_norm"},
-    "decoder": {"self_attn.out_proj": "self_attn.out_proj", "norm1": "self_attn_layer_norm",
-                "cross_attn.out_proj": "encoder_attn.out_proj", "norm2": "encoder_attn_layer_norm",
-                "ffn.w1": "fc1", "ffn.w2": "fc2", "norm3": "final_layer_norm"},
-}
-
-
-def _hf_name(name: str) -> str:
-    if name == "final_logits_bias":
-        return name
-    if name in ("shared.weight", "lm_head.weight"):  # tied
-        return "model.shared.weight"
-    m = re.fullmatch(r"(encoder|decoder)\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
-    if m and m[3] in _LAYER_NAMES[m[1]]:
-        return f"model.{m[1]}.layers.{m[2]}.{_LAYER_NAMES[m[1]][m[3]]}.{m[4]}"
-    if re.fullmatch(r"(encoder|decoder)\.(embed_positions|layernorm_embedding)\.(weight|bias)", name):
-        return f"model.{name}"
-    raise KeyError(f"no HF name for parameter {name!r}")
+_STACK, _LAYER = "{stack:encoder|decoder}", "model.{stack}.layers.{i}"
+# Our names <-> HF BartForConditionalGeneration's. In encoder layers norm2 is the FFN's norm; in decoder
+# layers norm2 follows cross-attention (HF's encoder_attn) and norm3 the FFN.
+WEIGHT_MAP = WeightMap("BART", [
+    rename("shared.weight", "model.shared.weight"),
+    rename("final_logits_bias", "final_logits_bias"),
+    rename(f"{_STACK}.{{m:embed_positions|layernorm_embedding}}.{{p}}", "model.{stack}.{m}.{p}"),
+    pack(f"{_STACK}.layers.{{i}}.self_attn.in_proj.{{p}}", *(f"{_LAYER}.self_attn.{x}_proj.{{p}}" for x in "qkv")),
+    rename(f"{_STACK}.layers.{{i}}.self_attn.out_proj.{{p}}", f"{_LAYER}.self_attn.out_proj.{{p}}"),
+    rename(f"{_STACK}.layers.{{i}}.norm1.{{p}}", f"{_LAYER}.self_attn_layer_norm.{{p}}"),
+    rename(f"{_STACK}.layers.{{i}}.ffn.w{{n:1|2}}.{{p}}", f"{_LAYER}.fc{{n}}.{{p}}"),
+    rename("encoder.layers.{i}.norm2.{p}", "model.encoder.layers.{i}.final_layer_norm.{p}"),
+    pack("decoder.layers.{i}.cross_attn.in_proj.{p}",
+         *(f"model.decoder.layers.{{i}}.encoder_attn.{x}_proj.{{p}}" for x in "qkv")),
+    rename("decoder.layers.{i}.cross_attn.out_proj.{p}", "model.decoder.layers.{i}.encoder_attn.out_proj.{p}"),
+    rename("decoder.layers.{i}.norm2.{p}", "model.decoder.layers.{i}.encoder_attn_layer_norm.{p}"),
+    rename("decoder.layers.{i}.norm3.{p}", "model.decoder.layers.{i}.final_layer_norm.{p}"),
+], tied={"lm_head.weight": "shared.weight"},
+    ignore=(r"^model\.(encoder|decoder)\.embed_tokens\.weight$", r"^lm_head\.weight$",  # tied copies
+            r"^model\.(encoder|decoder)\.version$"),
+    optional=("final_logits_bias",))  # an all-zero buffer some exports drop
 
 
 def shift_tokens_right(input_ids: Tensor, decoder_start_token_id: int) -> Tensor:

@@ -9,13 +9,12 @@
     NSP logits = W_s pooler + b_s
 
 Module names are ours (``layers.i.self_attn.in_proj`` packs HF's query/key/value); the HF names
-appear only in :meth:`to_hf_state_dict` / :meth:`from_hf_state_dict`. Training-mode difference
-from HF: our feed-forward also applies dropout to its hidden activation.
+appear only in :func:`weight_map`, which :meth:`to_hf_state_dict` / :meth:`from_hf_state_dict` read.
+Training-mode difference from HF: our feed-forward also applies dropout to its hidden activation.
 """
 from __future__ import annotations
 
 import dataclasses
-import re
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab._checks import check_int, check_positive_float, check_rate, one_of
-from attnlab.models.hub import PreTrainedMixin, check_token_inputs, register
+from attnlab.models.hub import PreTrainedMixin, WeightMap, check_token_inputs, pack, register, rename
 from attnlab.nn.block import EncoderLayer
 from attnlab.nn.dropout import Dropout
 from attnlab.nn.feedforward import ACTIVATIONS
@@ -126,77 +125,48 @@ class BertEmbeddings(nn.Module):
         return self.dropout(self.norm(x))
 
 
-# our parameter name -> HF's, for the encoder (regex on the name without "weight"/"bias").
-_BASE_RULES = [
-    (r"embeddings\.word", "embeddings.word_embeddings"),
-    (r"embeddings\.position", "embeddings.position_embeddings"),
-    (r"embeddings\.token_type", "embeddings.token_type_embeddings"),
-    (r"embeddings\.norm", "embeddings.LayerNorm"),
-    (r"layers\.(\d+)\.self_attn\.out_proj", r"encoder.layer.\1.attention.output.dense"),
-    (r"layers\.(\d+)\.norm1", r"encoder.layer.\1.attention.output.LayerNorm"),
-    (r"layers\.(\d+)\.ffn\.w1", r"encoder.layer.\1.intermediate.dense"),
-    (r"layers\.(\d+)\.ffn\.w2", r"encoder.layer.\1.output.dense"),
-    (r"layers\.(\d+)\.norm2", r"encoder.layer.\1.output.LayerNorm"),
-    (r"pooler", "pooler.dense"),
-]
-_HEAD_RULES = [
-    (r"transform\.dense", "cls.predictions.transform.dense"),
-    (r"transform\.norm", "cls.predictions.transform.LayerNorm"),
-    (r"nsp", "cls.seq_relationship"),
-]
-_IN_PROJ = re.compile(r"(.*)layers\.(\d+)\.self_attn\.in_proj\.(weight|bias)")
-
-
-def _rename(name: str, rules) -> str:
-    stem, _, suffix = name.rpartition(".")
-    for pattern, repl in rules:
-        if re.fullmatch(pattern, stem):
-            return f"{re.sub(pattern, repl, stem)}.{suffix}"
-    raise KeyError(f"no HF name for parameter {name!r}")
+def weight_map(*, pooler: bool, heads: tuple[str, ...] = ()) -> WeightMap:
+    """Our names <-> HF BERT's: the encoder (+ ``pooler``) at the top for ``BertModel``, under ``bert.``
+    when ``heads`` are there (``"mlm"``: the masked-LM transform and decoder bias; ``"nsp"``: the
+    next-sentence classifier). q/k/v are packed into ``in_proj``."""
+    pre = "bert." if heads else ""
+    layer = pre + "encoder.layer.{i}"
+    rules = [
+        rename(f"{pre}embeddings.{{e:word|position|token_type}}.weight", f"{pre}embeddings.{{e}}_embeddings.weight"),
+        rename(f"{pre}embeddings.norm.{{p}}", f"{pre}embeddings.LayerNorm.{{p}}"),
+        pack(f"{pre}layers.{{i}}.self_attn.in_proj.{{p}}", *(f"{layer}.attention.self.{x}.{{p}}"
+                                                            for x in ("query", "key", "value"))),
+        rename(f"{pre}layers.{{i}}.self_attn.out_proj.{{p}}", f"{layer}.attention.output.dense.{{p}}"),
+        rename(f"{pre}layers.{{i}}.norm1.{{p}}", f"{layer}.attention.output.LayerNorm.{{p}}"),
+        rename(f"{pre}layers.{{i}}.ffn.w1.{{p}}", f"{layer}.intermediate.dense.{{p}}"),
+        rename(f"{pre}layers.{{i}}.ffn.w2.{{p}}", f"{layer}.output.dense.{{p}}"),
+        rename(f"{pre}layers.{{i}}.norm2.{{p}}", f"{layer}.output.LayerNorm.{{p}}"),
+    ]
+    if pooler:
+        rules.append(rename(f"{pre}pooler.{{p}}", f"{pre}pooler.dense.{{p}}"))
+    if "mlm" in heads:
+        rules += [rename("transform.dense.{p}", "cls.predictions.transform.dense.{p}"),
+                  rename("transform.norm.{p}", "cls.predictions.transform.LayerNorm.{p}"),
+                  rename("bias", "cls.predictions.bias")]
+    if "nsp" in heads:
+        rules.append(rename("nsp.{p}", "cls.seq_relationship.{p}"))
+    # position_ids: a non-persistent buffer old checkpoints carry; the MLM decoder: tied copies
+    return WeightMap("BERT", rules, ignore=(r"position_ids$", r"^cls\.predictions\.decoder\.(weight|bias)$"))
 
 
 class _BertBase(InferenceLayoutMixin, PreTrainedMixin, nn.Module):
-    """HF name conversion shared by the BERT models (``prefix``: where the encoder sits in HF's names).
+    """What the BERT models share: HF's names from :func:`weight_map`, HF's initialisation.
 
     ``optimize_for_inference(dtype=...)`` packs every linear layer for oneDNN
     (:class:`~attnlab.nn.inference.InferenceLayoutMixin`).
     """
 
-    hf_ignored = (r"position_ids$", r"^cls\.predictions\.decoder\.(weight|bias)$")
-    prefix = ""
+    heads: tuple[str, ...] = ()
 
-    def _hf_name(self, name: str) -> str:
-        if name == "bias":  # the MLM decoder bias
-            return "cls.predictions.bias"
-        if self.prefix and name.startswith("bert."):
-            return "bert." + _rename(name[len("bert."):], _BASE_RULES)
-        return _rename(name, _BASE_RULES if not self.prefix else _HEAD_RULES)
-
-    def to_hf_state_dict(self) -> dict[str, Tensor]:
-        """Our parameters under HF's names; the packed q/k/v projection split into query/key/value."""
-        out = {}
-        for name, t in self.state_dict().items():
-            m = _IN_PROJ.fullmatch(name)
-            if m:
-                pre = "bert." if m[1] else ""
-                for part, chunk in zip(("query", "key", "value"), t.chunk(3, dim=0)):
-                    out[f"{pre}encoder.layer.{m[2]}.attention.self.{part}.{m[3]}"] = chunk
-            else:
-                out[self._hf_name(name)] = t
-        return out
-
-    def from_hf_state_dict(self, hf: dict[str, Tensor]) -> dict[str, Tensor]:
-        """The inverse of :meth:`to_hf_state_dict`: HF tensors under our names."""
-        out = {}
-        for name in self.state_dict():
-            m = _IN_PROJ.fullmatch(name)
-            if m:
-                pre = "bert." if m[1] else ""
-                out[name] = torch.cat([hf[f"{pre}encoder.layer.{m[2]}.attention.self.{p}.{m[3]}"]
-                                       for p in ("query", "key", "value")])
-            else:
-                out[name] = hf[self._hf_name(name)]
-        return out
+    def hf_weight_map(self) -> WeightMap:
+        """:func:`weight_map` for this model's heads and pooler."""
+        encoder = self.bert if self.heads else self
+        return weight_map(pooler=encoder.pooler is not None, heads=self.heads)
 
     def _init_weights(self, std: float) -> None:
         """HF's BERT init: N(0, std) for linear and embedding weights, zero biases, unit LayerNorms."""
@@ -320,7 +290,7 @@ class BertForMaskedLM(_BertBase):
     """BERT with the masked-LM head (no pooler): HF ``BertForMaskedLM``. ``.logits`` is ``(B, L, V)``."""
 
     hf_architecture = "BertForMaskedLM"
-    prefix = "bert."
+    heads = ("mlm",)
     with_pooler = False
 
     def __init__(self, config: BertConfig) -> None:
@@ -351,6 +321,7 @@ class BertForPreTraining(BertForMaskedLM):
     """
 
     hf_architecture = "BertForPreTraining"
+    heads = ("mlm", "nsp")
     with_pooler = True
 
     def __init__(self, config: BertConfig) -> None:

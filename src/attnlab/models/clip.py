@@ -10,14 +10,13 @@
 
 The feed-forward is ``W₂ quick_gelu(W₁ x)`` with ``quick_gelu(x) = x · σ(1.702 x)`` (OpenAI's
 checkpoints; ``hidden_act="gelu"`` is also read). Module names are ours (``layers.i.self_attn.in_proj``
-packs HF's q/k/v projections); HF's names appear only in :meth:`CLIPModel.to_hf_state_dict` /
-:meth:`CLIPModel.from_hf_state_dict`.
+packs HF's q/k/v projections); HF's names appear only in :data:`WEIGHT_MAP`, which
+:meth:`CLIPModel.to_hf_state_dict` / :meth:`CLIPModel.from_hf_state_dict` read.
 """
 from __future__ import annotations
 
 import dataclasses
 import numbers
-import re
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -26,20 +25,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab._checks import check_positive_float, is_int, one_of, positive_int, rate
-from attnlab.models.hub import PreTrainedMixin, check_token_inputs, register
+from attnlab.models.hub import PreTrainedMixin, WeightMap, check_token_inputs, pack, register, rename
 from attnlab.models.vit import check_pixel_values
 from attnlab.nn.block import EncoderLayer
+from attnlab.nn.feedforward import quick_gelu  # noqa: F401  (public here since CLIP introduced it)
 
-# HF hidden_act -> our FeedForward activation ("quick_gelu" is patched in, see _encoder_layers).
+# HF hidden_act -> our FeedForward activation.
 HIDDEN_ACTS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_new": "gelu_tanh",
                "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 # eos_token_id of CLIP configs written before transformers PR #24773: pool at argmax(input_ids) instead.
 LEGACY_EOS_TOKEN_ID = 2
-
-
-def quick_gelu(x: Tensor) -> Tensor:
-    """``x · σ(1.702 x)``, the GELU approximation OpenAI's CLIP was trained with."""
-    return x * torch.sigmoid(1.702 * x)
 
 
 def _check_fields(cfg, positive_ints: tuple[str, ...]) -> None:
@@ -199,16 +194,11 @@ class CLIPOutput:
 
 def _encoder_layers(cfg: Union[CLIPTextConfig, CLIPVisionConfig]) -> nn.ModuleList:
     """``num_hidden_layers`` pre-norm :class:`EncoderLayer` (no residual dropout, as HF's CLIP)."""
-    act = HIDDEN_ACTS[cfg.hidden_act]
-    layers = nn.ModuleList(
+    return nn.ModuleList(
         EncoderLayer(cfg.hidden_size, cfg.num_attention_heads, ffn_dim=cfg.intermediate_size,
-                     activation="gelu" if act == "quick_gelu" else act, dropout=0.0,
-                     attn_dropout=cfg.attention_dropout, norm_first=True, norm_eps=cfg.layer_norm_eps)
+                     activation=HIDDEN_ACTS[cfg.hidden_act], dropout=0.0, attn_dropout=cfg.attention_dropout,
+                     norm_first=True, norm_eps=cfg.layer_norm_eps)
         for _ in range(cfg.num_hidden_layers))
-    if act == "quick_gelu":  # FeedForward has no quick_gelu: swap its (weightless) activation function
-        for layer in layers:
-            layer.ffn.act, layer.ffn.activation = quick_gelu, "quick_gelu"
-    return layers
 
 
 class CLIPTextTransformer(nn.Module):
@@ -292,36 +282,29 @@ class CLIPVisionTransformer(nn.Module):
         return CLIPTowerOutput(x, self.post_norm(x[:, 0]), tuple(attns) if output_attentions else None)
 
 
-# our parameter name -> HF's (full names; the packed in_proj is split separately).
-_RULES = [
-    (r"text_model\.(token|position)_embedding\.", r"text_model.embeddings.\1_embedding."),
-    (r"text_model\.final_norm\.", "text_model.final_layer_norm."),
-    (r"vision_model\.(class_embedding|patch_embedding\.|position_embedding\.)", r"vision_model.embeddings.\1"),
-    (r"vision_model\.pre_norm\.", "vision_model.pre_layrnorm."),
-    (r"vision_model\.post_norm\.", "vision_model.post_layernorm."),
-    (r"(\w+)\.layers\.(\d+)\.self_attn\.out_proj\.", r"\1.encoder.layers.\2.self_attn.out_proj."),
-    (r"(\w+)\.layers\.(\d+)\.norm(\d)\.", r"\1.encoder.layers.\2.layer_norm\3."),
-    (r"(\w+)\.layers\.(\d+)\.ffn\.w(\d)\.", r"\1.encoder.layers.\2.mlp.fc\3."),
-]
-_IN_PROJ = re.compile(r"(\w+)\.layers\.(\d+)\.self_attn\.in_proj\.(weight|bias)")
-
-
-def _hf_names(name: str) -> list[str]:
-    """HF names of one of our tensors (three, q/k/v, for the packed projection)."""
-    m = _IN_PROJ.fullmatch(name)
-    if m:
-        return [f"{m[1]}.encoder.layers.{m[2]}.self_attn.{p}_proj.{m[3]}" for p in "qkv"]
-    for pattern, repl in _RULES:
-        if re.match(pattern, name):
-            return [re.sub(pattern, repl, name, count=1)]
-    return [name]  # text_projection, visual_projection, logit_scale: the same in both
+_LAYER = "{tower}.encoder.layers.{i}"
+# Our names <-> HF CLIPModel's; {tower} is text_model or vision_model, q/k/v are packed into in_proj.
+WEIGHT_MAP = WeightMap("CLIP", [
+    rename("text_model.{e:token|position}_embedding.weight", "text_model.embeddings.{e}_embedding.weight"),
+    rename("text_model.final_norm.{p}", "text_model.final_layer_norm.{p}"),
+    rename("vision_model.class_embedding", "vision_model.embeddings.class_embedding"),
+    rename("vision_model.{e:patch|position}_embedding.{p}", "vision_model.embeddings.{e}_embedding.{p}"),
+    rename("vision_model.pre_norm.{p}", "vision_model.pre_layrnorm.{p}"),  # sic: HF's spelling
+    rename("vision_model.post_norm.{p}", "vision_model.post_layernorm.{p}"),
+    pack("{tower:text_model|vision_model}.layers.{i}.self_attn.in_proj.{p}",
+         *(f"{_LAYER}.self_attn.{x}_proj.{{p}}" for x in "qkv")),
+    rename("{tower:text_model|vision_model}.layers.{i}.self_attn.out_proj.{p}", f"{_LAYER}.self_attn.out_proj.{{p}}"),
+    rename("{tower:text_model|vision_model}.layers.{i}.norm{n:1|2}.{p}", f"{_LAYER}.layer_norm{{n}}.{{p}}"),
+    rename("{tower:text_model|vision_model}.layers.{i}.ffn.w{n:1|2}.{p}", f"{_LAYER}.mlp.fc{{n}}.{{p}}"),
+    rename("{x:text_projection|visual_projection}.weight", "{x}.weight"),
+    rename("logit_scale", "logit_scale"),
+], ignore=(r"position_ids$",))
 
 
 class CLIPModel(PreTrainedMixin, nn.Module):
     """CLIP: both towers, bias-free projections to ``projection_dim`` and the learned ``logit_scale``."""
 
     hf_architecture = "CLIPModel"
-    hf_ignored = (r"position_ids$",)
 
     def __init__(self, config: CLIPConfig) -> None:
         super().__init__()
@@ -362,21 +345,9 @@ class CLIPModel(PreTrainedMixin, nn.Module):
         logits_per_text = self.logit_scale.exp() * t @ v.T  # (B_txt, B_img)
         return CLIPOutput(logits_per_text.T, logits_per_text, t, v, text, vision)
 
-    def to_hf_state_dict(self) -> dict[str, Tensor]:
-        """Our parameters under HF's names; the packed q/k/v projection split into q_proj/k_proj/v_proj."""
-        out = {}
-        for name, t in self.state_dict().items():
-            names = _hf_names(name)
-            out.update(zip(names, t.chunk(3, dim=0)) if len(names) == 3 else {names[0]: t})
-        return out
-
-    def from_hf_state_dict(self, hf: dict[str, Tensor]) -> dict[str, Tensor]:
-        """The inverse of :meth:`to_hf_state_dict`: HF tensors under our names."""
-        out = {}
-        for name in self.state_dict():
-            names = _hf_names(name)
-            out[name] = hf[names[0]] if len(names) == 1 else torch.cat([hf[n] for n in names])
-        return out
+    def hf_weight_map(self) -> WeightMap:
+        """:data:`WEIGHT_MAP`."""
+        return WEIGHT_MAP
 
     @torch.no_grad()
     def _init_weights(self) -> None:

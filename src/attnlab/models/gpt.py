@@ -8,13 +8,12 @@
 
 ``FFN(x) = W₂ gelu_tanh(W₁ x)`` ("gelu_new" in GPT-2's config). Hugging Face's GPT-2 stores its
 projections as ``Conv1D`` (weights ``(in, out)``, the transpose of ``nn.Linear``) and packs q, k, v
-in ``c_attn``, which maps onto our packed ``in_proj``: :func:`state_dict_from_hf` /
-:func:`state_dict_to_hf` convert; :meth:`GPT2Config.from_hf` / :meth:`GPT2Config.to_hf` convert the
-``config.json`` dict.
+in ``c_attn``, which maps onto our packed ``in_proj``: :data:`WEIGHT_MAP` declares the names (read
+both ways by :func:`state_dict_from_hf` / :func:`state_dict_to_hf`); :meth:`GPT2Config.from_hf` /
+:meth:`GPT2Config.to_hf` convert the ``config.json`` dict.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -22,19 +21,23 @@ from torch import Tensor, nn
 
 from attnlab._checks import boolean, one_of, positive_int
 from attnlab.models.causal_lm import DecoderOnlyLM
-from attnlab.models.hub import register
+from attnlab.models.hub import WeightMap, register, rename
 from attnlab.nn.block import DecoderLayer
 from attnlab.nn.dropout import Dropout
 
 # HF activation_function -> our FeedForward activation
 _HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 # HF GPT-2 keys (after "transformer.") -> ours; Conv1D weights are transposed
-_LAYER_KEYS = {
-    "ln_1": "norm1", "ln_2": "norm2", "attn.c_attn": "self_attn.in_proj", "attn.c_proj": "self_attn.out_proj",
-    "mlp.c_fc": "ffn.w1", "mlp.c_proj": "ffn.w2",
-}
-_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-_TOP_KEYS = {"wte": "wte", "wpe": "wpe", "ln_f": "ln_f"}
+# Our names <-> HF GPT2LMHeadModel's. Conv1D keeps (in, out): its weights are stored transposed.
+WEIGHT_MAP = WeightMap("GPT-2", [
+    rename("{t:wte|wpe}.weight", "transformer.{t}.weight"),
+    rename("ln_f.{p}", "transformer.ln_f.{p}"),
+    rename("layers.{i}.norm{n:1|2}.{p}", "transformer.h.{i}.ln_{n}.{p}"),
+    rename("layers.{i}.self_attn.in_proj.{p}", "transformer.h.{i}.attn.c_attn.{p}", transpose=True),
+    rename("layers.{i}.self_attn.out_proj.{p}", "transformer.h.{i}.attn.c_proj.{p}", transpose=True),
+    rename("layers.{i}.ffn.w1.{p}", "transformer.h.{i}.mlp.c_fc.{p}", transpose=True),
+    rename("layers.{i}.ffn.w2.{p}", "transformer.h.{i}.mlp.c_proj.{p}", transpose=True),
+], tied={"lm_head.weight": "wte.weight"}, ignore=(r"^lm_head\.weight$", r"\.attn\.(masked_)?bias$"))
 
 
 @dataclass
@@ -102,7 +105,6 @@ class GPT2LMHeadModel(DecoderOnlyLM):
     """
 
     hf_architecture = "GPT2LMHeadModel"
-    hf_ignored = (r"^lm_head\.weight$", r"\.attn\.(masked_)?bias$")  # tied copy; causal-mask buffers
 
     def __init__(self, config: GPT2Config) -> None:
         super().__init__()
@@ -139,15 +141,9 @@ class GPT2LMHeadModel(DecoderOnlyLM):
     def head(self, x: Tensor) -> Tensor:
         return self.lm_head(self.ln_f(x))  # (B, T, V)
 
-    def to_hf_state_dict(self) -> dict[str, Tensor]:
-        """HF names and layout; the tied ``lm_head.weight`` is left out (stored once, as ``wte``)."""
-        sd = state_dict_to_hf(self.state_dict())
-        del sd["lm_head.weight"]
-        return sd
-
-    def from_hf_state_dict(self, hf: dict[str, Tensor]) -> dict[str, Tensor]:
-        """An HF GPT-2 state dict in our names, for ``load_state_dict``."""
-        return state_dict_from_hf(hf)
+    def hf_weight_map(self) -> WeightMap:
+        """:data:`WEIGHT_MAP`: HF names and Conv1D layout; the tied ``lm_head.weight`` stored once, as ``wte``."""
+        return WEIGHT_MAP
 
 
 def _init_weights(m: nn.Module) -> None:
@@ -159,57 +155,22 @@ def _init_weights(m: nn.Module) -> None:
 
 
 def state_dict_from_hf(sd: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Hugging Face GPT-2 (``GPT2LMHeadModel`` or ``GPT2Model``) state dict -> ours.
-
-    Conv1D weights ``(in, out)`` are transposed to ``nn.Linear``'s ``(out, in)``; the causal-mask
-    buffers (``attn.bias``, ``attn.masked_bias``) are dropped; the tied ``lm_head.weight`` is
-    taken from ``wte`` when absent (safetensors checkpoints store it once).
+    """Hugging Face GPT-2 (``GPT2LMHeadModel``, or ``GPT2Model`` without the ``transformer.`` prefix)
+    state dict -> ours, by :data:`WEIGHT_MAP`: Conv1D weights ``(in, out)`` transposed to ``nn.Linear``'s
+    ``(out, in)``, the causal-mask buffers (``attn.bias``, ``attn.masked_bias``) dropped, the tied
+    ``lm_head.weight`` taken from ``wte``.
 
     Raises:
-        ValueError: a key is not a GPT-2 weight.
+        ValueError: a key is not a GPT-2 weight, or a weight is missing.
     """
-    out: dict[str, Tensor] = {}
-    for key, t in sd.items():
-        k = key.removeprefix("transformer.")
-        if k == "lm_head.weight":
-            out[k] = t
-            continue
-        m = re.fullmatch(r"h\.(\d+)\.(.+)\.(weight|bias)", k)
-        if m and m.group(2) in _LAYER_KEYS:
-            i, name, kind = m.groups()
-            transpose = name in _CONV1D and kind == "weight"
-            out[f"layers.{i}.{_LAYER_KEYS[name]}.{kind}"] = t.t().contiguous() if transpose else t
-        elif re.fullmatch(r"h\.\d+\.attn\.(bias|masked_bias)", k):
-            continue
-        elif k.rsplit(".", 1)[0] in _TOP_KEYS and k.rsplit(".", 1)[1] in ("weight", "bias"):
-            out[k] = t
-        else:
-            raise ValueError(f"state dict key {key!r} is not a Hugging Face GPT-2 weight")
-    if "wte.weight" not in out:
-        raise ValueError("state dict has no token embedding (transformer.wte.weight)")
-    out.setdefault("lm_head.weight", out["wte.weight"])
-    return out
+    return WEIGHT_MAP.from_hf({k if k.startswith("transformer.") or k == "lm_head.weight" else f"transformer.{k}": t
+                               for k, t in sd.items()})
 
 
 def state_dict_to_hf(sd: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Our state dict -> Hugging Face ``GPT2LMHeadModel``'s (``transformer.`` prefix, Conv1D layout)."""
-    inverse = {v: k for k, v in _LAYER_KEYS.items()}
-    out: dict[str, Tensor] = {}
-    for key, t in sd.items():
-        if key == "lm_head.weight":
-            out[key] = t
-            continue
-        m = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", key)
-        if m and m.group(2) in inverse:
-            i, name, kind = m.groups()
-            hf = inverse[name]
-            transpose = hf in _CONV1D and kind == "weight"
-            out[f"transformer.h.{i}.{hf}.{kind}"] = t.t().contiguous() if transpose else t
-        elif key.rsplit(".", 1)[0] in _TOP_KEYS:
-            out[f"transformer.{key}"] = t
-        else:
-            raise ValueError(f"state dict key {key!r} is not an attnlab GPT-2 weight")
-    return out
+    """Our state dict -> Hugging Face ``GPT2LMHeadModel``'s (``transformer.`` prefix, Conv1D layout), with
+    the tied ``lm_head.weight`` too (as ``GPT2LMHeadModel.state_dict()`` has it)."""
+    return {**WEIGHT_MAP.to_hf(sd), "lm_head.weight": sd["lm_head.weight"]}
 
 
 register("gpt2", config_from_hf=GPT2Config.from_hf, architectures={"GPT2LMHeadModel": GPT2LMHeadModel},

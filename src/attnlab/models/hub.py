@@ -18,13 +18,15 @@ Registration contract (one call per model family, at the bottom of its model fil
   ``default`` is used when ``config.json`` names none (or one not registered for the family).
 - Each class derives from :class:`PreTrainedMixin` and provides:
   ``__init__(config)``; ``self.config``; ``hf_architecture: str``;
-  ``hf_ignored: tuple[str, ...]`` — regexes of checkpoint keys dropped silently (non-persistent
-  buffers such as ``position_ids``, tied copies);
+  ``hf_weight_map() -> WeightMap`` (:mod:`attnlab.models.weight_map`): the one declaration of its HF
+  tensor names — renames, packed q/k/v, transposes, tied parameters, ignored keys (non-persistent
+  buffers such as ``position_ids``, tied copies) and optional ones (filled with zeros of the expected
+  shape when a checkpoint omits them: BART's ``final_logits_bias``) — from which the mixin derives
   ``to_hf_state_dict() -> {hf_name: tensor}`` (every tensor HF expects, tied ones once) and
   ``from_hf_state_dict(hf: dict) -> {our_name: tensor}`` (the inverse, for ``load_state_dict``);
   optionally the classmethod ``adapt_hf_checkpoint(config, hf) -> (config, hf)``, which settles what
   ``config.json`` alone cannot say from the tensors present (T5: an ``lm_head.weight`` of its own
-  unties the head) and fills tensors a checkpoint may omit (BART: ``final_logits_bias`` = zeros).
+  unties the head) or completes a checkpoint in ways a weight map cannot declare.
 
 The loader checks names and shapes against ``to_hf_state_dict()`` of the freshly built model
 *before* anything is copied, so a bad checkpoint never leaves a half-loaded model.
@@ -44,6 +46,7 @@ from torch import Tensor
 
 from attnlab._checks import is_int
 from attnlab._io import atomic_write
+from attnlab.models.weight_map import WeightMap, pack, rename  # noqa: F401  (re-exported for the model files)
 
 PathLike = Union[str, os.PathLike]
 CONFIG_NAME, SAFETENSORS_NAME, TORCH_NAME = "config.json", "model.safetensors", "pytorch_model.bin"
@@ -346,8 +349,10 @@ def from_pretrained(path: PathLike, *, dtype: Optional[torch.dtype] = None, mode
     config, hf = model_cls.adapt_hf_checkpoint(config, weights)
     model = model_cls(config)
     expected = model.to_hf_state_dict()
-    ignored = [re.compile(p) for p in getattr(model_cls, "hf_ignored", ())]
+    weight_map = model.hf_weight_map()
+    ignored = [re.compile(p) for p in weight_map.ignore]
     hf = {k: v for k, v in hf.items() if k in expected or not any(p.search(k) for p in ignored)}
+    hf.update({k: torch.zeros_like(expected[k]) for k in weight_map.optional if k in expected and k not in hf})
     missing, unexpected = sorted(expected.keys() - hf.keys()), sorted(hf.keys() - expected.keys())
     if missing or unexpected:
         raise ValueError(f"checkpoint {str(path)!r} does not match {model_cls.__name__}: "
@@ -387,10 +392,22 @@ def save_pretrained(model, path: PathLike) -> None:
 
 
 class PreTrainedMixin:
-    """``Model.from_pretrained(path)`` and ``model.save_pretrained(path)`` for registered models."""
+    """``Model.from_pretrained(path)`` and ``model.save_pretrained(path)`` for registered models, and the
+    two directions of HF's tensor names, both read from the model's :meth:`hf_weight_map`."""
 
     hf_architecture: str = ""
-    hf_ignored: tuple[str, ...] = ()
+
+    def hf_weight_map(self) -> WeightMap:
+        """The declaration of this model's HF tensor names (each family defines it; see the module docstring)."""
+        raise NotImplementedError(f"{type(self).__name__} must define hf_weight_map()")
+
+    def to_hf_state_dict(self) -> dict[str, Tensor]:
+        """Our tensors under HF's names and layout, tied ones once (:meth:`WeightMap.to_hf`)."""
+        return self.hf_weight_map().to_hf(self.state_dict())
+
+    def from_hf_state_dict(self, hf: dict[str, Tensor]) -> dict[str, Tensor]:
+        """HF's tensors under our names, for ``load_state_dict`` (:meth:`WeightMap.from_hf`)."""
+        return self.hf_weight_map().from_hf(hf)
 
     @classmethod
     def adapt_hf_checkpoint(cls, config, hf: dict[str, Tensor]) -> tuple[Any, dict[str, Tensor]]:

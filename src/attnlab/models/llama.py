@@ -9,8 +9,9 @@
 ``Attn`` is grouped-query attention (``num_key_value_heads`` key/value heads) with rotary position
 embeddings on q and k (HF's half-split layout, ``θ_i = rope_theta^(-2i/D)``), no biases;
 ``FFN(x) = W_down (silu(W_gate x) ⊙ W_up x)`` (SwiGLU). HF's separate ``q_proj/k_proj/v_proj``
-map onto our packed ``in_proj`` (rows q, k, v): :func:`state_dict_from_hf` / :func:`state_dict_to_hf`
-convert; :meth:`LlamaConfig.from_hf` / :meth:`LlamaConfig.to_hf` convert the ``config.json`` dict.
+map onto our packed ``in_proj`` (rows q, k, v): :func:`weight_map` declares the names (read both ways
+by :func:`state_dict_from_hf` / :func:`state_dict_to_hf`); :meth:`LlamaConfig.from_hf` /
+:meth:`LlamaConfig.to_hf` convert the ``config.json`` dict.
 
 Positions: RoPE makes ``⟨R(m)q, R(n)k⟩`` depend on ``m - n`` only, so the constant per-row shift
 that left padding puts between ``arange`` positions and HF's ``cumsum(mask) - 1`` cancels: the
@@ -18,28 +19,40 @@ real tokens' outputs are the same either way (padding keys are masked out).
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, fields
 from typing import Optional
 
-import torch
 from torch import Tensor, nn
 
 from attnlab._checks import positive_int, positive_number
 from attnlab.models.causal_lm import DecoderOnlyLM
-from attnlab.models.hub import register
+from attnlab.models.hub import WeightMap, pack, register, rename
 from attnlab.nn.block import DecoderLayer
 from attnlab.nn.norms import RMSNorm
 from attnlab.nn.positional import RotaryEmbedding
 
-# HF per-layer names (after "model.layers.{i}.") -> ours; q/k/v are packed into in_proj
-_LAYER_KEYS = {
-    "input_layernorm": "norm1", "post_attention_layernorm": "norm2", "self_attn.o_proj": "self_attn.out_proj",
-    "mlp.gate_proj": "ffn.w1", "mlp.up_proj": "ffn.w3", "mlp.down_proj": "ffn.w2",
-}
-_QKV = ("q_proj", "k_proj", "v_proj")
-_TOP_KEYS = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight",
-             "lm_head.weight": "lm_head.weight"}
+_ROPE_TABLE = r"\.rotary_emb\.inv_freq$"  # non-persistent in HF, present in old checkpoints
+
+
+def weight_map(config: "LlamaConfig") -> WeightMap:
+    """Our names <-> HF ``LlamaForCausalLM``'s: q/k/v (``H·D``, ``Hkv·D``, ``Hkv·D`` rows) packed into
+    ``in_proj``; with tied embeddings ``lm_head.weight`` is stored once, as ``model.embed_tokens.weight``."""
+    nq, nkv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    layer = "model.layers.{i}"
+    return WeightMap("Llama", [
+        rename("embed_tokens.weight", "model.embed_tokens.weight"),
+        rename("norm.weight", "model.norm.weight"),
+        *([] if config.tie_word_embeddings else [rename("lm_head.weight", "lm_head.weight")]),
+        rename("layers.{i}.norm1.weight", f"{layer}.input_layernorm.weight"),
+        rename("layers.{i}.norm2.weight", f"{layer}.post_attention_layernorm.weight"),
+        pack("layers.{i}.self_attn.in_proj.weight", *(f"{layer}.self_attn.{x}_proj.weight" for x in "qkv"),
+             sizes=(nq, nkv, nkv)),
+        rename("layers.{i}.self_attn.out_proj.weight", f"{layer}.self_attn.o_proj.weight"),
+        rename("layers.{i}.ffn.w1.weight", f"{layer}.mlp.gate_proj.weight"),
+        rename("layers.{i}.ffn.w3.weight", f"{layer}.mlp.up_proj.weight"),
+        rename("layers.{i}.ffn.w2.weight", f"{layer}.mlp.down_proj.weight"),
+    ], tied={"lm_head.weight": "embed_tokens.weight"} if config.tie_word_embeddings else None,
+        ignore=(_ROPE_TABLE, r"^lm_head\.weight$"))
 
 
 @dataclass
@@ -137,8 +150,6 @@ class LlamaForCausalLM(DecoderOnlyLM):
     """
 
     hf_architecture = "LlamaForCausalLM"
-    # RoPE table (non-persistent in HF, present in old checkpoints); with tied embeddings, a stored head copy
-    hf_ignored = (r"\.rotary_emb\.inv_freq$", r"^lm_head\.weight$")
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -168,69 +179,25 @@ class LlamaForCausalLM(DecoderOnlyLM):
     def head(self, x: Tensor) -> Tensor:
         return self.lm_head(self.norm(x))  # (B, T, V)
 
-    def to_hf_state_dict(self) -> dict[str, Tensor]:
-        """HF names; with tied embeddings ``lm_head.weight`` is left out (stored once, as ``embed_tokens``)."""
-        sd = state_dict_to_hf(self.state_dict(), self.config)
-        if self.config.tie_word_embeddings:
-            del sd["lm_head.weight"]
-        return sd
-
-    def from_hf_state_dict(self, hf: dict[str, Tensor]) -> dict[str, Tensor]:
-        """An HF Llama state dict in our names, for ``load_state_dict``."""
-        return state_dict_from_hf(hf, self.config)
+    def hf_weight_map(self) -> WeightMap:
+        """:func:`weight_map` of this model's config."""
+        return weight_map(self.config)
 
 
 def state_dict_from_hf(sd: dict[str, Tensor], config: LlamaConfig) -> dict[str, Tensor]:
-    """Hugging Face ``LlamaForCausalLM`` state dict -> ours (q/k/v packed into ``in_proj``).
-
-    A missing ``lm_head.weight`` is taken from ``model.embed_tokens.weight`` when
-    ``config.tie_word_embeddings`` (checkpoints store tied weights once).
+    """Hugging Face ``LlamaForCausalLM`` state dict -> ours, by :func:`weight_map` (q/k/v packed into
+    ``in_proj``; with ``config.tie_word_embeddings`` the head is ``model.embed_tokens.weight``).
 
     Raises:
         ValueError: a key is not a Llama weight, or a layer lacks one of q/k/v.
     """
-    out: dict[str, Tensor] = {}
-    qkv: dict[str, dict[str, Tensor]] = {}
-    for key, t in sd.items():
-        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", key)
-        if key in _TOP_KEYS:
-            out[_TOP_KEYS[key]] = t
-        elif m and m.group(2) in _LAYER_KEYS:
-            out[f"layers.{m.group(1)}.{_LAYER_KEYS[m.group(2)]}.weight"] = t
-        elif m and m.group(2).removeprefix("self_attn.") in _QKV:
-            qkv.setdefault(m.group(1), {})[m.group(2).removeprefix("self_attn.")] = t
-        elif re.search(r"\.rotary_emb\.inv_freq$", key):
-            continue
-        else:
-            raise ValueError(f"state dict key {key!r} is not a Hugging Face Llama weight")
-    for i, parts in qkv.items():
-        if len(parts) != 3:
-            raise ValueError(f"layer {i} lacks {sorted(set(_QKV) - parts.keys())} (model.layers.{i}.self_attn.*)")
-        out[f"layers.{i}.self_attn.in_proj.weight"] = torch.cat([parts[n] for n in _QKV], dim=0)
-    if "lm_head.weight" not in out and config.tie_word_embeddings and "embed_tokens.weight" in out:
-        out["lm_head.weight"] = out["embed_tokens.weight"]
-    return out
+    return weight_map(config).from_hf(sd)
 
 
 def state_dict_to_hf(sd: dict[str, Tensor], config: LlamaConfig) -> dict[str, Tensor]:
-    """Our state dict -> Hugging Face ``LlamaForCausalLM``'s (``in_proj`` split into q/k/v)."""
-    inverse_top = {v: k for k, v in _TOP_KEYS.items()}
-    inverse = {v: k for k, v in _LAYER_KEYS.items()}
-    nq = config.num_attention_heads * config.head_dim
-    nkv = config.num_key_value_heads * config.head_dim
-    out: dict[str, Tensor] = {}
-    for key, t in sd.items():
-        m = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", key)
-        if key in inverse_top:
-            out[inverse_top[key]] = t
-        elif m and m.group(2) == "self_attn.in_proj":
-            for name, part in zip(_QKV, t.split([nq, nkv, nkv], dim=0)):
-                out[f"model.layers.{m.group(1)}.self_attn.{name}.weight"] = part.contiguous()
-        elif m and m.group(2) in inverse:
-            out[f"model.layers.{m.group(1)}.{inverse[m.group(2)]}.weight"] = t
-        else:
-            raise ValueError(f"state dict key {key!r} is not an attnlab Llama weight")
-    return out
+    """Our state dict -> Hugging Face ``LlamaForCausalLM``'s (``in_proj`` split into q/k/v), with
+    ``lm_head.weight`` even when tied (as ``LlamaForCausalLM.state_dict()`` has it)."""
+    return {**weight_map(config).to_hf(sd), "lm_head.weight": sd["lm_head.weight"]}
 
 
 register("llama", config_from_hf=LlamaConfig.from_hf, architectures={"LlamaForCausalLM": LlamaForCausalLM},

@@ -13,14 +13,16 @@
     logits = s · RMSNorm(h_dec) Wᵀ        W = E (tied) or W_lm (untied, T5 v1.1 / Flan-T5);
                                           s = d^-0.5 (scale_decoder_outputs: original T5) or 1
 
-The layers are in :mod:`attnlab.models.t5_layers` (attention with the bias as a dense mask or, for long
-inputs, a score_mod; weights recovered from the log-sum-exp for ``output_attentions``). HF names (``encoder.block.{i}.layer.0.SelfAttention.q`` …) appear only in
-:meth:`T5ForConditionalGeneration.to_hf_state_dict` / :meth:`~T5ForConditionalGeneration.from_hf_state_dict`.
+The stacks (:mod:`attnlab.models.t5_layers`) are the shared pre-norm :class:`~attnlab.nn.block.EncoderLayer`
+/ :class:`~attnlab.nn.block.DecoderLayer` with ``scale=1``, ``head_dim=d_kv`` and the stack's relative bias
+as the self-attentions' ``position_bias`` (a dense bias, or for long inputs a score_mod); q, k and v are
+packed in ``in_proj``. HF names (``encoder.block.{i}.layer.0.SelfAttention.q`` …) appear only in
+:func:`weight_map`, which :meth:`T5ForConditionalGeneration.to_hf_state_dict` /
+:meth:`~T5ForConditionalGeneration.from_hf_state_dict` read.
 """
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,10 +31,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab._checks import check_int, check_positive_float, check_rate, one_of
-from attnlab.models.hub import (PreTrainedMixin, check_attention_mask, check_encoder_outputs,
-                               check_token_inputs, register)
+from attnlab.models.hub import (PreTrainedMixin, WeightMap, check_attention_mask, check_encoder_outputs,
+                               check_token_inputs, pack, register, rename)
 from attnlab.models.outputs import Seq2SeqLMOutput
-from attnlab.models.t5_layers import T5Attention, T5Stack
+from attnlab.models.t5_layers import T5Stack
+from attnlab.attention.multihead import MultiheadAttention
 from attnlab.nn.block import LayerCache
 from attnlab.nn.positional import T5RelativeBias
 
@@ -107,30 +110,43 @@ class T5Config:
         return {**dataclasses.asdict(self), "model_type": "t5", "is_encoder_decoder": True}
 
 
-# our parameter name (without ".weight") -> HF's
-_RULES = [
-    (r"shared", "shared"),
-    (r"lm_head", "lm_head"),
-    (r"(encoder|decoder)\.relative_bias\.relative_attention_bias",
-     r"\1.block.0.layer.0.SelfAttention.relative_attention_bias"),
-    (r"(encoder|decoder)\.final_norm", r"\1.final_layer_norm"),
-    (r"(encoder|decoder)\.layers\.(\d+)\.self_norm", r"\1.block.\2.layer.0.layer_norm"),
-    (r"(encoder|decoder)\.layers\.(\d+)\.self_attn\.([qkvo])", r"\1.block.\2.layer.0.SelfAttention.\3"),
-    (r"decoder\.layers\.(\d+)\.cross_norm", r"decoder.block.\1.layer.1.layer_norm"),
-    (r"decoder\.layers\.(\d+)\.cross_attn\.([qkvo])", r"decoder.block.\1.layer.1.EncDecAttention.\2"),
-    (r"encoder\.layers\.(\d+)\.ffn_norm", r"encoder.block.\1.layer.1.layer_norm"),
-    (r"encoder\.layers\.(\d+)\.ffn\.(wi|wi_0|wi_1|wo)", r"encoder.block.\1.layer.1.DenseReluDense.\2"),
-    (r"decoder\.layers\.(\d+)\.ffn_norm", r"decoder.block.\1.layer.2.layer_norm"),
-    (r"decoder\.layers\.(\d+)\.ffn\.(wi|wi_0|wi_1|wo)", r"decoder.block.\1.layer.2.DenseReluDense.\2"),
-]
+_BLOCK = "{stack}.block.{i}.layer"
+_STACK = "{stack:encoder|decoder}"
 
 
-def _hf_name(name: str) -> str:
-    stem, _, suffix = name.rpartition(".")
-    for pattern, repl in _RULES:
-        if re.fullmatch(pattern, stem):
-            return f"{re.sub(pattern, repl, stem)}.{suffix}"
-    raise KeyError(f"no HF name for parameter {name!r}")
+def weight_map(config: "T5Config") -> WeightMap:
+    """Our names <-> HF ``T5ForConditionalGeneration``'s (no biases anywhere). HF's block ``i`` holds
+    ``layer.0`` self-attention, in the decoder ``layer.1`` cross-attention, then the feed-forward
+    (``DenseReluDense``: ``wi``, or gated ``wi_0`` (activated) and ``wi_1``; ``wo``); our layers pack
+    q/k/v into ``in_proj`` and number their norms ``norm1..3`` in the same order. The relative bias table
+    lives in HF's block 0. With tied embeddings HF's stacks and head hold copies of ``shared`` (ignored);
+    an untied head is ``lm_head``."""
+    gated = config.feed_forward_proj == "gated-gelu"
+    ffn = {"w1": "wi_0", "w3": "wi_1", "w2": "wo"} if gated else {"w1": "wi", "w2": "wo"}
+    rules = [
+        rename("shared.weight", "shared.weight"),
+        *([] if config.tie_word_embeddings else [rename("lm_head.weight", "lm_head.weight")]),
+        rename(f"{_STACK}.relative_bias.relative_attention_bias.weight",
+               "{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
+        rename(f"{_STACK}.final_norm.weight", "{stack}.final_layer_norm.weight"),
+        rename(f"{_STACK}.layers.{{i}}.norm1.weight", f"{_BLOCK}.0.layer_norm.weight"),
+        pack(f"{_STACK}.layers.{{i}}.self_attn.in_proj.weight",
+             *(f"{_BLOCK}.0.SelfAttention.{x}.weight" for x in "qkv")),
+        rename(f"{_STACK}.layers.{{i}}.self_attn.out_proj.weight", f"{_BLOCK}.0.SelfAttention.o.weight"),
+        rename("decoder.layers.{i}.norm2.weight", "decoder.block.{i}.layer.1.layer_norm.weight"),
+        pack("decoder.layers.{i}.cross_attn.in_proj.weight",
+             *(f"decoder.block.{{i}}.layer.1.EncDecAttention.{x}.weight" for x in "qkv")),
+        rename("decoder.layers.{i}.cross_attn.out_proj.weight", "decoder.block.{i}.layer.1.EncDecAttention.o.weight"),
+        rename("encoder.layers.{i}.norm2.weight", "encoder.block.{i}.layer.1.layer_norm.weight"),
+        rename("decoder.layers.{i}.norm3.weight", "decoder.block.{i}.layer.2.layer_norm.weight"),
+    ]
+    for stack, sub in (("encoder", 1), ("decoder", 2)):
+        rules += [rename(f"{stack}.layers.{{i}}.ffn.{ours}.weight",
+                         f"{stack}.block.{{i}}.layer.{sub}.DenseReluDense.{hf}.weight") for ours, hf in ffn.items()]
+    # tied copies of `shared` (and of lm_head when tied), an unused bias old checkpoints carry
+    return WeightMap("T5", rules, ignore=(
+        r"^(encoder|decoder)\.embed_tokens\.weight$", r"^lm_head\.weight$",
+        r"^decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight$"))
 
 
 class T5ForConditionalGeneration(PreTrainedMixin, nn.Module):
@@ -141,9 +157,6 @@ class T5ForConditionalGeneration(PreTrainedMixin, nn.Module):
     """
 
     hf_architecture = "T5ForConditionalGeneration"
-    # tied copies of `shared` (and of lm_head when tied), an unused bias old checkpoints carry
-    hf_ignored = (r"^(encoder|decoder)\.embed_tokens\.weight$", r"^lm_head\.weight$",
-                  r"^decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight$")
     is_encoder_decoder = True  # attnlab.generation encodes the source once
 
     def __init__(self, config: T5Config) -> None:
@@ -165,8 +178,8 @@ class T5ForConditionalGeneration(PreTrainedMixin, nn.Module):
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=m.in_features ** -0.5)
         for m in self.modules():
-            if isinstance(m, T5Attention):
-                nn.init.normal_(m.q.weight, std=(c.d_model * c.d_kv) ** -0.5)
+            if isinstance(m, MultiheadAttention):  # q: the first H·d_kv rows of the packed projection
+                nn.init.normal_(m.in_proj.weight[:c.num_heads * c.d_kv], std=(c.d_model * c.d_kv) ** -0.5)
             elif isinstance(m, T5RelativeBias):
                 nn.init.normal_(m.relative_attention_bias.weight, std=c.d_model ** -0.5)
         nn.init.normal_(self.shared.weight, std=1.0)
@@ -290,15 +303,9 @@ class T5ForConditionalGeneration(PreTrainedMixin, nn.Module):
         from attnlab.generation import generate
         return generate(self, input_ids, **kwargs)
 
-    # ---- HF names ------------------------------------------------------------------------
-
-    def to_hf_state_dict(self) -> dict[str, Tensor]:
-        """Our parameters under HF's names (the tied embedding stored once, as ``shared``)."""
-        return {_hf_name(name): t for name, t in self.state_dict().items()}
-
-    def from_hf_state_dict(self, hf: dict[str, Tensor]) -> dict[str, Tensor]:
-        """The inverse of :meth:`to_hf_state_dict`: HF tensors under our names."""
-        return {name: hf[_hf_name(name)] for name in self.state_dict()}
+    def hf_weight_map(self) -> WeightMap:
+        """:func:`weight_map` of this model's config (the tied embedding stored once, as ``shared``)."""
+        return weight_map(self.config)
 
 
 register("t5", config_from_hf=T5Config.from_hf, architectures={"T5ForConditionalGeneration": T5ForConditionalGeneration},

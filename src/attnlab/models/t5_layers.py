@@ -1,30 +1,30 @@
-"""T5's layers: unscaled attention with the relative position bias, the (gated) feed-forward, the stacks.
+"""T5's stacks, built from the shared layers (:class:`~attnlab.nn.block.EncoderLayer` /
+:class:`~attnlab.nn.block.DecoderLayer` with :class:`~attnlab.attention.multihead.MultiheadAttention`).
 
 ::
 
-    Attn(Q, K, V) = softmax(Q Kᵀ + B) V        (no 1/sqrt(d) scaling: folded into W_Q)
+    Attn(Q, K, V) = softmax(Q Kᵀ + B) V        (scale=1: T5 folds 1/sqrt(d) into W_Q)
     B[h, i, j] = W_rel[bucket(j - i), h]       (one table per stack, shared by its layers)
+    x = x + Dropout(F(RMSNorm(x)))             (pre-norm residual; no biases anywhere)
+    FFN: relu, or gated gelu_tanh ("gated-gelu", T5 v1.1: activation "geglu_tanh")
 
-Attention runs through :func:`attnlab.attention` with ``scale=1.0``. The bias is an additive float mask
-``(1, H, L, S)`` for SDPA while it is small (:func:`attnlab.backends.dispatch.position_bias_terms`); beyond that it is a ``score_mod`` that the
-tiled backend evaluates block by block (memory O(L) instead of O(L²)). Attention weights
-(``output_attentions``) are recovered from q, k and the log-sum-exp (:func:`attnlab.attention_weights`);
-the forward pass keeps its fast backend. The model and its config are in :mod:`attnlab.models.t5`.
+The stack's :class:`~attnlab.nn.positional.T5RelativeBias` is every self-attention's ``position_bias``
+(through :class:`SharedPositionBias`, so the table is stored once, under the stack, where HF keeps it
+in block 0). ``MultiheadAttention`` adds it as a dense bias ``(1, H, L, S)`` for SDPA while
+it is small and passes its ``score_mod`` to the tiled backend beyond (:func:`attnlab.backends.dispatch.position_bias_terms`; memory O(L)
+instead of O(L²)); within one stack forward the dense bias is computed once and shared by the layers.
+The model and its config are in :mod:`attnlab.models.t5`.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator, Optional
 
-import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.backends.dispatch import attention, attention_weights, position_bias_terms
 from attnlab.functional.request import ScoreMod
-from attnlab.nn.block import LayerCache
-from attnlab.attention.cache import KVCache
+from attnlab.nn.block import DecoderLayer, EncoderLayer, LayerCache
 from attnlab.nn.dropout import Dropout
-from attnlab.nn.feedforward import ACTIVATIONS
 from attnlab.nn.norms import RMSNorm
 from attnlab.nn.positional import T5RelativeBias
 
@@ -32,148 +32,100 @@ if TYPE_CHECKING:
     from attnlab.models.t5 import T5Config
 
 
-class T5Attention(nn.Module):
-    """``softmax(Q Kᵀ + mask + bias) V`` over ``H`` heads of width ``d_kv`` (inner dim ``H·d_kv``, may
-    differ from ``d_model``); projections ``q, k, v, o`` without bias; unscaled scores."""
+class SharedPositionBias:
+    """A position-bias module lent to several attentions as their ``position_bias`` without becoming their
+    submodule (its parameters stay with its owner, stored once), computing ``bias(q_positions,
+    k_positions)`` once per position ranges within :meth:`reuse`.
 
-    def __init__(self, d_model: int, num_heads: int, d_kv: int, *, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.num_heads, self.d_kv, self.dropout = num_heads, d_kv, dropout
-        inner = num_heads * d_kv
-        self.q = nn.Linear(d_model, inner, bias=False)
-        self.k = nn.Linear(d_model, inner, bias=False)
-        self.v = nn.Linear(d_model, inner, bias=False)
-        self.o = nn.Linear(inner, d_model, bias=False)
+    Args:
+        bias: the module, e.g. :class:`T5RelativeBias`: ``bias(q_positions, k_positions) -> (1, H, Lq, Lk)``
+            and ``bias.score_mod()``.
+    """
 
-    def forward(self, x: Tensor, memory: Optional[Tensor] = None, *, mask: Optional[Tensor] = None,
-                score_mod: Optional[ScoreMod] = None, causal: bool = False, cache: Optional[KVCache] = None,
-                need_weights: bool = False) -> tuple[Tensor, Optional[Tensor]]:
-        """``x (B, L, E)`` attends to itself or to ``memory (B, S, E)``; ``cache`` holds past keys/values.
+    def __init__(self, bias: nn.Module) -> None:
+        self.bias = bias
+        self._memo: Optional[dict] = None
 
-        Returns ``(out (B, L, E), weights)``: the per-head weights ``(B, H, L, S)`` with ``need_weights``
-        (recovered from the log-sum-exp, :func:`attnlab.attention_weights`), else None.
-        """
-        B, L, _ = x.shape
-        H, D = self.num_heads, self.d_kv
-        q = self.q(x).view(B, L, H, D).transpose(1, 2)  # (B, H, L, D)
-        if cache is not None and cache.static and cache.filled:
-            k, v = cache.k, cache.v  # cross-attention: the memory was projected at the first step
-        else:
-            src = x if memory is None else memory
-            k = self.k(src).view(B, -1, H, D).transpose(1, 2)  # (B, H, S, D)
-            v = self.v(src).view(B, -1, H, D).transpose(1, 2)
-            if cache is not None:
-                k, v = cache.update(k, v)
-        out = attention(q, k, v, mask=mask, score_mod=score_mod, causal=causal, scale=1.0,
-                        dropout_p=self.dropout if self.training else 0.0)  # (B, H, L, D)
-        weights = None
-        if need_weights:
-            with torch.no_grad():
-                weights = attention_weights(q, k, mask=mask, score_mod=score_mod, causal=causal, scale=1.0)
-        return self.o(out.transpose(1, 2).reshape(B, L, H * D)), weights  # (B, L, E)
+    def __call__(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
+        """``bias(q_positions, k_positions)``, contiguous (the table lookup leaves the heads innermost, a
+        layout that the masks combined with it inherit and that SDPA reads at half speed)."""
+        if self._memo is None:
+            return self.bias(q_positions, k_positions).contiguous()
+        key = (len(q_positions), int(q_positions[0]), len(k_positions), int(k_positions[0]), q_positions.device)
+        if key not in self._memo:
+            self._memo[key] = self.bias(q_positions, k_positions).contiguous()
+        return self._memo[key]
+
+    def score_mod(self) -> ScoreMod:
+        """The bias as a ``score_mod`` (see :meth:`T5RelativeBias.score_mod`)."""
+        return self.bias.score_mod()
+
+    @contextmanager
+    def reuse(self) -> Iterator[None]:
+        """Within the block, each ``(q_positions, k_positions)`` range is computed once (one stack forward:
+        every layer asks for the same bias)."""
+        self._memo = {}
+        try:
+            yield
+        finally:
+            self._memo = None
 
 
-class T5FeedForward(nn.Module):
-    """``W_o relu(W_i x)`` or, gated, ``W_o (gelu_tanh(W_i0 x) ⊙ W_i1 x)``; no biases, HF's names."""
+class T5Stack(nn.Module):
+    """Pre-RMSNorm layers sharing one relative bias, then the final RMSNorm and dropout.
 
-    def __init__(self, d_model: int, d_ff: int, *, gated: bool, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.gated = gated
-        if gated:
-            self.wi_0 = nn.Linear(d_model, d_ff, bias=False)
-            self.wi_1 = nn.Linear(d_model, d_ff, bias=False)
-        else:
-            self.wi = nn.Linear(d_model, d_ff, bias=False)
-        self.wo = nn.Linear(d_ff, d_model, bias=False)
-        self.dropout = Dropout(dropout)
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = ACTIVATIONS["gelu_tanh"](self.wi_0(x)) * self.wi_1(x) if self.gated else F.relu(self.wi(x))
-        return self.wo(self.dropout(h))  # (B, L, E)
-
-
-class T5Layer(nn.Module):
-    """Pre-norm residual sub-layers: self-attention, (decoder) cross-attention, feed-forward."""
+    The encoder's layers are :class:`EncoderLayer` (bidirectional bias), the decoder's
+    :class:`DecoderLayer` (causal bias, cross-attention without a bias): unscaled attention
+    (``scale=1``) over ``num_heads`` heads of width ``d_kv`` (inner width ``H·d_kv`` may differ from
+    ``d_model``), no biases, feed-forward ``relu`` or gated ``gelu_tanh``.
+    """
 
     def __init__(self, config: T5Config, *, decoder: bool) -> None:
         super().__init__()
         c = config
-        self.self_norm = RMSNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.self_attn = T5Attention(c.d_model, c.num_heads, c.d_kv, dropout=c.dropout_rate)
-        if decoder:
-            self.cross_norm = RMSNorm(c.d_model, eps=c.layer_norm_epsilon)
-            self.cross_attn = T5Attention(c.d_model, c.num_heads, c.d_kv, dropout=c.dropout_rate)
-        self.ffn_norm = RMSNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.ffn = T5FeedForward(c.d_model, c.d_ff, gated=c.feed_forward_proj == "gated-gelu", dropout=c.dropout_rate)
-        self.dropout = Dropout(c.dropout_rate)
-
-    def forward(self, x: Tensor, self_mask: Optional[Tensor], *, score_mod: Optional[ScoreMod] = None,
-                causal: bool = False, memory: Optional[Tensor] = None, memory_mask: Optional[Tensor] = None,
-                cache: Optional[LayerCache] = None, need_weights: bool = False
-                ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
-        """``(x, self-attention weights, cross-attention weights)``; the weights with ``need_weights``."""
-        h, self_w = self.self_attn(self.self_norm(x), mask=self_mask, score_mod=score_mod, causal=causal,
-                                   cache=None if cache is None else cache.self_attn, need_weights=need_weights)
-        x = x + self.dropout(h)
-        cross_w = None
-        if memory is not None:
-            h, cross_w = self.cross_attn(self.cross_norm(x), memory, mask=memory_mask, need_weights=need_weights,
-                                         cache=None if cache is None else cache.cross_attn)
-            x = x + self.dropout(h)
-        return x + self.dropout(self.ffn(self.ffn_norm(x))), self_w, cross_w
-
-
-class T5Stack(nn.Module):
-    """Layers sharing one relative bias (HF keeps it in block 0), then the final RMSNorm and dropout."""
-
-    def __init__(self, config: T5Config, *, decoder: bool) -> None:
-        super().__init__()
         self.decoder = decoder
-        self.relative_bias = T5RelativeBias(config.num_heads, bidirectional=not decoder,
-                                            num_buckets=config.relative_attention_num_buckets,
-                                            max_distance=config.relative_attention_max_distance)
-        n = config.num_decoder_layers if decoder else config.num_layers
-        self.layers = nn.ModuleList(T5Layer(config, decoder=decoder) for _ in range(n))
-        self.final_norm = RMSNorm(config.d_model, eps=config.layer_norm_epsilon)
-        self.dropout = Dropout(config.dropout_rate)
-
-    def self_attention_bias(self, L: int, past: int, key_mask: Optional[Tensor], dtype: torch.dtype
-                            ) -> tuple[Optional[Tensor], Optional[ScoreMod]]:
-        """``(mask, score_mod)`` of the self-attention of ``L`` queries after ``past`` cached positions.
-
-        Short inputs: the bias ``B[h, i, j]`` with padded keys at -inf as one dense float mask
-        ``(B | 1, H, L, past + L)`` (SDPA). When ``H·L·(past + L)`` is large (:func:`~attnlab.backends.dispatch.position_bias_terms`): the bias as a
-        ``score_mod`` (tiled backend, block by block) and only the padding as a ``(B, 1, 1, S)`` bool mask.
-        """
-        S = past + L
-        device = self.relative_bias.relative_attention_bias.weight.device
-        keep = None if key_mask is None else key_mask[:, None, None, :].bool()  # (B, 1, 1, S), True = token
-        bias, score_mod = position_bias_terms(self.relative_bias, backend="auto", heads=self.relative_bias.num_heads,
-                                              q_len=L, k_len=S, device=device, dtype=dtype)  # (1, H, L, S)
-        if bias is None:
-            return keep, score_mod
-        return (bias if keep is None else bias.masked_fill(~keep, float("-inf"))), None
+        self.relative_bias = T5RelativeBias(c.num_heads, bidirectional=not decoder,
+                                            num_buckets=c.relative_attention_num_buckets,
+                                            max_distance=c.relative_attention_max_distance)
+        self.position_bias = SharedPositionBias(self.relative_bias)
+        kw = dict(ffn_dim=c.d_ff, activation="geglu_tanh" if c.feed_forward_proj == "gated-gelu" else "relu",
+                  dropout=c.dropout_rate, norm_first=True, norm="rmsnorm", norm_eps=c.layer_norm_epsilon,
+                  bias=False, head_dim=c.d_kv, scale=1.0, position_bias=self.position_bias)
+        if decoder:
+            layers = [DecoderLayer(c.d_model, c.num_heads, **kw) for _ in range(c.num_decoder_layers)]
+        else:
+            layers = [EncoderLayer(c.d_model, c.num_heads, **kw) for _ in range(c.num_layers)]
+        self.layers = nn.ModuleList(layers)
+        self.final_norm = RMSNorm(c.d_model, eps=c.layer_norm_epsilon)
+        self.dropout = Dropout(c.dropout_rate)
 
     def forward(self, x: Tensor, key_mask: Optional[Tensor], *, memory: Optional[Tensor] = None,
                 memory_mask: Optional[Tensor] = None, caches: Optional[list[LayerCache]] = None,
                 need_weights: bool = False) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-        """``x (B, L, E)`` embeddings; ``key_mask (B, past + L)`` 1 = token, 0 = padding (or None).
+        """``x (B, L, E)`` embeddings; ``key_mask (B, past + L)`` 1 = token, 0 = padding (or None);
+        ``memory (B, S, E)`` and its ``memory_mask (B, S)`` for the decoder.
 
         Returns ``(h (B, L, E), self-attention weights, cross-attention weights)``, one ``(B, H, L, ·)``
         tensor per layer in each list with ``need_weights`` (empty lists otherwise).
         """
         L = x.shape[1]
-        past = 0 if caches is None else caches[0].self_attn.length
-        mask, score_mod = self.self_attention_bias(L, past, key_mask, x.dtype)
-        mem_mask = None if memory_mask is None else memory_mask[:, None, None, :].bool()  # (B, 1, 1, S)
+        pad = None if key_mask is None else ~key_mask.bool()  # (B, past + L), True = padding
+        mem_pad = None if memory_mask is None else ~memory_mask.bool()  # (B, S)
         x = self.dropout(x)
         self_ws, cross_ws = [], []
-        for i, layer in enumerate(self.layers):
-            x, self_w, cross_w = layer(x, mask, score_mod=score_mod, causal=self.decoder and L > 1, memory=memory,
-                                       memory_mask=mem_mask, cache=None if caches is None else caches[i],
-                                       need_weights=need_weights)
-            if need_weights:
-                self_ws.append(self_w)
-                if cross_w is not None:
-                    cross_ws.append(cross_w)
+        with self.position_bias.reuse():
+            for i, layer in enumerate(self.layers):
+                if self.decoder:
+                    out = layer(x, memory, tgt_key_padding_mask=pad, memory_key_padding_mask=mem_pad,
+                                is_causal=L > 1, cache=None if caches is None else caches[i],
+                                need_weights=need_weights)
+                else:
+                    out = layer(x, key_padding_mask=pad, need_weights=need_weights)
+                if need_weights:
+                    x, weights = out
+                    self_ws.append(weights.self_attn)
+                    if weights.cross_attn is not None:
+                        cross_ws.append(weights.cross_attn)
+                else:
+                    x = out
         return self.dropout(self.final_norm(x)), self_ws, cross_ws

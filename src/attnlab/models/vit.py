@@ -9,14 +9,13 @@
     logits = W_c y_[CLS] + b_c;  pooler = tanh(W_p y_[CLS] + b_p)      (ViTModel only)
 
 Module names are ours (``layers.i.self_attn.in_proj`` packs HF's query/key/value); HF's checkpoint
-names (``vit.encoder.layer.i.attention.attention.query``, ...) appear only in
-:meth:`to_hf_state_dict` / :meth:`from_hf_state_dict`. Training-mode difference from HF: our
+names (``vit.encoder.layer.i.attention.attention.query``, ...) appear only in :func:`weight_map`,
+which :meth:`to_hf_state_dict` / :meth:`from_hf_state_dict` read. Training-mode difference from HF: our
 feed-forward also applies dropout to its hidden activation (HF's ViT default dropout is 0).
 """
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,7 +24,7 @@ from torch import Tensor, nn
 
 from attnlab._checks import boolean
 from attnlab.models.bert import check_encoder_config, encoder_layers
-from attnlab.models.hub import PreTrainedMixin, register
+from attnlab.models.hub import PreTrainedMixin, WeightMap, pack, register, rename
 from attnlab.nn.dropout import Dropout
 
 
@@ -153,58 +152,39 @@ class ViTEmbeddings(nn.Module):
         return self.dropout(x + self.position)
 
 
-# our parameter name (without "weight"/"bias") -> HF's, for the encoder.
-_RULES = [
-    (r"embeddings\.patch", "embeddings.patch_embeddings.projection"),
-    (r"layers\.(\d+)\.self_attn\.out_proj", r"encoder.layer.\1.attention.output.dense"),
-    (r"layers\.(\d+)\.norm1", r"encoder.layer.\1.layernorm_before"),
-    (r"layers\.(\d+)\.norm2", r"encoder.layer.\1.layernorm_after"),
-    (r"layers\.(\d+)\.ffn\.w1", r"encoder.layer.\1.intermediate.dense"),
-    (r"layers\.(\d+)\.ffn\.w2", r"encoder.layer.\1.output.dense"),
-    (r"norm", "layernorm"),
-    (r"pooler", "pooler.dense"),
-    (r"classifier", "classifier"),
-]
-_PARAMS = {"embeddings.cls_token": "embeddings.cls_token", "embeddings.position": "embeddings.position_embeddings"}
-_IN_PROJ = re.compile(r"layers\.(\d+)\.self_attn\.in_proj\.(weight|bias)")
-
-
-def _encoder_hf_names(name: str) -> list[str]:
-    """HF names of one of our encoder tensors (three, query/key/value, for the packed projection)."""
-    m = _IN_PROJ.fullmatch(name)
-    if m:
-        return [f"encoder.layer.{m[1]}.attention.attention.{p}.{m[2]}" for p in ("query", "key", "value")]
-    if name in _PARAMS:
-        return [_PARAMS[name]]
-    stem, _, suffix = name.rpartition(".")
-    for pattern, repl in _RULES:
-        if re.fullmatch(pattern, stem):
-            return [f"{re.sub(pattern, repl, stem)}.{suffix}"]
-    raise KeyError(f"no HF name for parameter {name!r}")
+def weight_map(*, pooler: bool, classifier: bool) -> WeightMap:
+    """Our names <-> HF ViT's: the encoder (+ ``pooler``) at the top for ``ViTModel``, under ``vit.``
+    beside the ``classifier`` for ``ViTForImageClassification``. q/k/v are packed into ``in_proj``."""
+    pre = "vit." if classifier else ""
+    layer = pre + "encoder.layer.{i}"
+    rules = [
+        rename(f"{pre}embeddings.cls_token", f"{pre}embeddings.cls_token"),
+        rename(f"{pre}embeddings.position", f"{pre}embeddings.position_embeddings"),
+        rename(f"{pre}embeddings.patch.{{p}}", f"{pre}embeddings.patch_embeddings.projection.{{p}}"),
+        pack(f"{pre}layers.{{i}}.self_attn.in_proj.{{p}}", *(f"{layer}.attention.attention.{x}.{{p}}"
+                                                            for x in ("query", "key", "value"))),
+        rename(f"{pre}layers.{{i}}.self_attn.out_proj.{{p}}", f"{layer}.attention.output.dense.{{p}}"),
+        rename(f"{pre}layers.{{i}}.norm1.{{p}}", f"{layer}.layernorm_before.{{p}}"),
+        rename(f"{pre}layers.{{i}}.norm2.{{p}}", f"{layer}.layernorm_after.{{p}}"),
+        rename(f"{pre}layers.{{i}}.ffn.w1.{{p}}", f"{layer}.intermediate.dense.{{p}}"),
+        rename(f"{pre}layers.{{i}}.ffn.w2.{{p}}", f"{layer}.output.dense.{{p}}"),
+        rename(f"{pre}norm.{{p}}", f"{pre}layernorm.{{p}}"),
+    ]
+    if pooler:
+        rules.append(rename(f"{pre}pooler.{{p}}", f"{pre}pooler.dense.{{p}}"))
+    if classifier:
+        rules.append(rename("classifier.{p}", "classifier.{p}"))
+    return WeightMap("ViT", rules)
 
 
 class _ViTBase(PreTrainedMixin, nn.Module):
-    """HF name conversion shared by the ViT models: encoder names under ``vit.`` in the classifier."""
+    """What the ViT models share: HF's names from :func:`weight_map`, HF's initialisation."""
 
-    hf_ignored = ()
-
-    def _hf_names(self, name: str) -> list[str]:
-        if name.startswith("vit."):
-            return ["vit." + n for n in _encoder_hf_names(name[len("vit."):])]
-        return _encoder_hf_names(name)
-
-    def to_hf_state_dict(self) -> dict[str, Tensor]:
-        """Our parameters under HF's names; the packed q/k/v projection split into query/key/value."""
-        out = {}
-        for name, t in self.state_dict().items():
-            hf_names = self._hf_names(name)
-            for hf_name, chunk in zip(hf_names, t.chunk(len(hf_names), dim=0)):
-                out[hf_name] = chunk
-        return out
-
-    def from_hf_state_dict(self, hf: dict[str, Tensor]) -> dict[str, Tensor]:
-        """The inverse of :meth:`to_hf_state_dict`: HF tensors under our names."""
-        return {name: torch.cat([hf[n] for n in self._hf_names(name)]) for name in self.state_dict()}
+    def hf_weight_map(self) -> WeightMap:
+        """:func:`weight_map` for this model's pooler and classifier."""
+        classifier = hasattr(self, "classifier")
+        encoder = self.vit if classifier else self
+        return weight_map(pooler=encoder.pooler is not None, classifier=classifier)
 
     def _init_weights(self, std: float) -> None:
         """HF's ViT init: truncated N(0, std) for weights and the [CLS]/position tables, zero biases."""

@@ -80,7 +80,7 @@ class _ResidualLayer(nn.Module):
                  attn_dropout: Optional[float], norm_first: bool, norm: str, norm_eps: float,
                  drop_path: float, num_kv_heads: Optional[int], bias: bool, rotary: Optional[nn.Module],
                  position_bias: Optional[nn.Module], backend: str, num_sublayers: int,
-                 ffn_dropout: Optional[float]) -> None:
+                 ffn_dropout: Optional[float], head_dim: Optional[int], scale: Optional[float]) -> None:
         super().__init__()
         rate("dropout", dropout)
         attn_dropout = dropout if attn_dropout is None else attn_dropout
@@ -90,8 +90,8 @@ class _ResidualLayer(nn.Module):
         boolean("norm_first", norm_first)
         self.dim, self.num_heads, self.norm_first = dim, num_heads, norm_first
         self.self_attn = MultiheadAttention(dim, num_heads, num_kv_heads=num_kv_heads, bias=bias,
-                                            dropout=attn_dropout, rotary=rotary, position_bias=position_bias,
-                                            backend=backend)
+                                            dropout=attn_dropout, head_dim=head_dim, scale=scale, rotary=rotary,
+                                            position_bias=position_bias, backend=backend)
         self.ffn = FeedForward(dim, ffn_dim, activation=activation, dropout=ffn_dropout, bias=bias)
         for i in range(1, num_sublayers + 1):
             setattr(self, f"norm{i}", make_norm(norm, dim, eps=norm_eps, bias=bias))
@@ -143,6 +143,8 @@ class EncoderLayer(_ResidualLayer):
         rotary, position_bias: positional modules handed to the self-attention
             (see :class:`attnlab.attention.multihead.MultiheadAttention`).
         backend: attention backend.
+        head_dim: per-head width of every attention (default ``dim // num_heads``; T5: ``d_kv``).
+        scale: score scale κ of every attention (default ``1 / sqrt(head_dim)``; T5: 1).
 
     Raises:
         ValueError / TypeError: an argument is invalid (the message names it).
@@ -153,11 +155,13 @@ class EncoderLayer(_ResidualLayer):
                  norm: str = "layernorm", norm_eps: float = 1e-5, drop_path: float = 0.0,
                  num_kv_heads: Optional[int] = None, bias: bool = True, rotary: Optional[nn.Module] = None,
                  position_bias: Optional[nn.Module] = None, backend: str = "auto",
-                 ffn_dropout: Optional[float] = None) -> None:
+                 ffn_dropout: Optional[float] = None, head_dim: Optional[int] = None,
+                 scale: Optional[float] = None) -> None:
         super().__init__(dim, num_heads, ffn_dim=ffn_dim, activation=activation, dropout=dropout,
                          attn_dropout=attn_dropout, norm_first=norm_first, norm=norm, norm_eps=norm_eps,
                          drop_path=drop_path, num_kv_heads=num_kv_heads, bias=bias, rotary=rotary,
-                         position_bias=position_bias, backend=backend, num_sublayers=2, ffn_dropout=ffn_dropout)
+                         position_bias=position_bias, backend=backend, num_sublayers=2, ffn_dropout=ffn_dropout,
+                         head_dim=head_dim, scale=scale)
 
     def forward(self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
                 is_causal: bool = False, need_weights: bool = False
@@ -202,17 +206,19 @@ class DecoderLayer(_ResidualLayer):
                  norm: str = "layernorm", norm_eps: float = 1e-5, drop_path: float = 0.0,
                  num_kv_heads: Optional[int] = None, bias: bool = True, rotary: Optional[nn.Module] = None,
                  position_bias: Optional[nn.Module] = None, backend: str = "auto",
-                 cross_attention: bool = True, ffn_dropout: Optional[float] = None) -> None:
+                 cross_attention: bool = True, ffn_dropout: Optional[float] = None,
+                 head_dim: Optional[int] = None, scale: Optional[float] = None) -> None:
         boolean("cross_attention", cross_attention)
         super().__init__(dim, num_heads, ffn_dim=ffn_dim, activation=activation, dropout=dropout,
                          attn_dropout=attn_dropout, norm_first=norm_first, norm=norm, norm_eps=norm_eps,
                          drop_path=drop_path, num_kv_heads=num_kv_heads, bias=bias, rotary=rotary,
                          position_bias=position_bias, backend=backend, num_sublayers=3 if cross_attention else 2,
-                         ffn_dropout=ffn_dropout)
+                         ffn_dropout=ffn_dropout, head_dim=head_dim, scale=scale)
         self.cross_attn = None
         if cross_attention:
             self.cross_attn = MultiheadAttention(dim, num_heads, num_kv_heads=num_kv_heads, bias=bias,
-                                                 dropout=self.self_attn.dropout, backend=backend)
+                                                 dropout=self.self_attn.dropout, head_dim=head_dim, scale=scale,
+                                                 backend=backend)
 
     def forward(self, x: Tensor, memory: Optional[Tensor] = None, *, tgt_key_padding_mask: Optional[Tensor] = None,
                 memory_key_padding_mask: Optional[Tensor] = None, tgt_mask: Optional[Tensor] = None,

@@ -2,8 +2,12 @@
 
 ::
 
-    plain:  FFN(x) = W₂ act(W₁ x)                 act ∈ {relu, gelu, gelu_tanh}
-    gated:  FFN(x) = W₂ (act(W₁ x) ⊙ W₃ x)        glu: act = sigmoid, geglu: gelu, swiglu: silu
+    plain:  FFN(x) = W₂ act(W₁ x)                 act ∈ {relu, gelu, gelu_tanh, quick_gelu}
+    gated:  FFN(x) = W₂ (act(W₁ x) ⊙ W₃ x)        glu: act = sigmoid, geglu: gelu, geglu_tanh: gelu_tanh,
+                                                  swiglu: silu
+
+``gelu_tanh(x) = ½x(1 + tanh(√(2/π)(x + 0.044715x³)))`` is HF's ``"gelu_new"`` (GPT-2; gated: T5 v1.1's
+``"gated-gelu"``); ``quick_gelu(x) = x · σ(1.702 x)`` is OpenAI CLIP's.
 
 Parameter names follow the formula (and Meta's LLaMA code): ``w1``, ``w2`` and, for the gated
 variants, ``w3``. Mapping from other checkpoints:
@@ -25,14 +29,23 @@ from torch import Tensor, nn
 from attnlab._checks import one_of, positive_int, rate
 from attnlab.nn.dropout import Dropout
 
+
+
+def quick_gelu(x: Tensor) -> Tensor:
+    """``x · σ(1.702 x)``, the GELU approximation OpenAI's CLIP was trained with."""
+    return x * torch.sigmoid(1.702 * x)
+
+
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "relu": F.relu,
     "gelu": F.gelu,
     "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "quick_gelu": quick_gelu,
 }
 GATED_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "glu": torch.sigmoid,
     "geglu": F.gelu,
+    "geglu_tanh": functools.partial(F.gelu, approximate="tanh"),
     "swiglu": F.silu,
 }
 FFN_ACTIVATIONS = tuple(ACTIVATIONS) + tuple(GATED_ACTIVATIONS)
