@@ -2,11 +2,15 @@
 
 Decoding token ``t`` needs the keys and values of tokens ``0..t``; recomputing them every step
 costs O(t) projections per token. The cache keeps the projected, heads-first keys and values
-``(B, Hkv, L, D)`` and appends the new ones.
+``(B, Hkv, L, D)`` and appends the new ones. It also remembers whether every entry written so far is finite
+(``finite``, from the new entries only), so the pipeline's NaN/inf check need not re-read the whole cache
+at every step.
 """
 from __future__ import annotations
 
 from typing import Optional
+
+import math
 
 import torch
 from torch import Tensor
@@ -34,6 +38,7 @@ class KVCache:
         self.k: Optional[Tensor] = None
         self.v: Optional[Tensor] = None
         self.length = 0
+        self.finite = True  # no NaN / ±inf written so far (each update checks only its new entries)
 
     @property
     def filled(self) -> bool:
@@ -43,6 +48,9 @@ class KVCache:
         """Append ``k, v (B, Hkv, L_new, D)``; return all cached ``(k, v)`` up to now."""
         if self.static and self.filled:
             return self.k, self.v
+        if self.finite:
+            with torch.no_grad():
+                self.finite = math.isfinite(float(k.sum()) + float(v.sum()))
         n = k.shape[2]
         if self.max_length is None:
             if self.k is None:
@@ -74,6 +82,7 @@ class KVCache:
     def reset(self) -> None:
         self.k = self.v = None
         self.length = 0
+        self.finite = True
 
     def __repr__(self) -> str:
         kind = "static" if self.static else ("preallocated" if self.max_length else "growing")

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.attention.cache import KVCache
-from attnlab.backends.dispatch import attention, attention_weights, position_bias_terms
+from attnlab.backends.dispatch import attend, attention_weights, position_bias_terms
+from attnlab.functional.request import prepare
 
 
 class MultiheadAttention(nn.Module):
@@ -153,14 +154,18 @@ class MultiheadAttention(nn.Module):
         S = k.shape[2]
 
         mask, score_mod = self._mask_and_mod(key_padding_mask, attn_mask, B, L, S, q)
-        request = dict(mask=mask, causal=is_causal, window=self.window, scale=self.scale, score_mod=score_mod)
+        request = dict(mask=mask, causal=is_causal, window=self.window, scale=self.scale, score_mod=score_mod,
+                       mask_mod=None)
         dropout_p = self.dropout if self.training else 0.0
+        kv_finite = cache.finite if cache is not None else None  # the cache checked each entry once
         if need_weights and self._weights_from_lse(q, k, v, dropout_p):
-            out, lse = attention(q, k, v, **request, return_lse=True, backend=self.backend)
+            checked = prepare(q, k, v, **request, dropout_p=0.0, normalize="softmax", top_k=None, return_weights=False)
+            out, lse = attend(q, k, v, checked, return_lse=True, backend=self.backend, kv_finite=kv_finite)
             weights = attention_weights(q, k, lse=lse, **request)
         else:
-            res = attention(q, k, v, **request, dropout_p=dropout_p, normalize=self.normalize, top_k=self.top_k,
-                            return_weights=need_weights, backend=self.backend)
+            checked = prepare(q, k, v, **request, dropout_p=dropout_p, normalize=self.normalize, top_k=self.top_k,
+                              return_weights=need_weights)
+            res = attend(q, k, v, checked, backend=self.backend, kv_finite=kv_finite)
             out, weights = res if need_weights else (res, None)
         out = self.out_proj(out.transpose(1, 2).reshape(B, L, H * Dh))  # (B, L, E)
         if weights is not None and average_attn_weights:

@@ -94,19 +94,33 @@ def attention(
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str, got {type(backend).__name__}")
     boolean("return_lse", return_lse)
+    return attend(q, k, v, request, backend=backend, return_lse=return_lse)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, request: dict, *, backend: str = "auto", return_lse: bool = False,
+           kv_finite: Optional[bool] = None):
+    """The pipeline after the checks, for callers inside attnlab that built ``request`` with
+    :func:`~attnlab.functional.request.prepare` (``MultiheadAttention``): choose the backend, run it, and keep
+    the NaN/inf semantics of :func:`attention`.
+
+    ``kv_finite=True`` says the caller knows ``k`` and ``v`` hold no NaN or ±inf (a :class:`KVCache` that
+    checked each entry as it was written), so only ``q`` is read for the check: a decode step then does not
+    re-read the whole cache. ``None`` checks them.
+    """
     impl = choose(backend, q, k, v, request, return_lse=return_lse)
     _check_scale_overflow(q, k, request["scale"])
 
     def run(q, k, v):
         return _call(impl, q, k, v, request, return_lse)
 
-    if _all_finite(q, k, v):  # the common case: one reduction per tensor, then the backend as it is
+    # the common case: one reduction per tensor (or q only, with kv_finite), then the backend as it is
+    if _all_finite(q) and (kv_finite if kv_finite is not None else _all_finite(k, v)):
         out, extra = run(q, k, v)
         if not _all_finite(out):  # finite inputs, non-finite output: the scores overflowed the dtype
             _check_scale_overflow(q, k, request["scale"], always=True)
     else:
         out, extra = _guarded(run, q, k, v, request)
-    return (out, extra) if return_weights or return_lse else out
+    return (out, extra) if request["return_weights"] or return_lse else out
 
 
 def select_backend(q, k, v, **request) -> Backend:
