@@ -15,6 +15,8 @@ import math
 import torch
 from torch import Tensor
 
+from attnlab._checks import positive_int
+
 
 class KVCache:
     """Cached keys and values of one attention layer.
@@ -31,8 +33,7 @@ class KVCache:
     """
 
     def __init__(self, *, max_length: Optional[int] = None, static: bool = False):
-        if max_length is not None and (not isinstance(max_length, int) or max_length <= 0):
-            raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
+        positive_int("max_length", max_length, optional=True)
         self.max_length = max_length
         self.static = static
         self.k: Optional[Tensor] = None

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab._checks import is_int, positive_int
 from attnlab.attention.cache import KVCache
 from attnlab.backends.dispatch import attend, attention_weights, position_bias_terms
 from attnlab.functional.request import prepare
@@ -60,11 +61,10 @@ class MultiheadAttention(nn.Module):
                  backend: str = "auto", normalize: str = "softmax", top_k: Optional[int] = None,
                  window: Optional[int] = None, device=None, dtype=None):
         super().__init__()
-        for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads)):
-            if not isinstance(val, int) or val <= 0:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        positive_int("embed_dim", embed_dim)
+        positive_int("num_heads", num_heads)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if not isinstance(num_kv_heads, int) or num_kv_heads <= 0 or num_heads % num_kv_heads:
+        if not is_int(num_kv_heads) or num_kv_heads <= 0 or num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads must be a positive divisor of num_heads={num_heads}, got {num_kv_heads!r}")
         if head_dim is None:
             if embed_dim % num_heads:

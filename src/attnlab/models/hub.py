@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor
 
-from attnlab._checks import is_int
+from attnlab._checks import is_int, one_of
 from attnlab._io import atomic_write
 from attnlab.models.weight_map import WeightMap, pack, rename  # noqa: F401  (re-exported for the model files)
 
@@ -94,8 +94,7 @@ def register(model_type: str, *, config_from_hf: Callable[[dict], Any], architec
     for name, cls in architectures.items():
         if not isinstance(cls, type):
             raise TypeError(f"architectures[{name!r}] must be a class, got {type(cls).__name__}")
-    if default not in architectures:
-        raise ValueError(f"default must be one of {sorted(architectures)}, got {default!r}")
+    one_of("default", default, sorted(architectures))
     MODEL_TYPES[model_type] = ModelFamily(model_type, config_from_hf, dict(architectures), default)
 
 
