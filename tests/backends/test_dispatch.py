@@ -166,3 +166,28 @@ def test_no_module_outside_backends_calls_a_kernel_or_picks_a_backend():
             if re.search(pattern, text):
                 offenders.append(f"{path.relative_to(src)}: {pattern}")
     assert offenders == []
+
+
+def test_a_kv_cache_remembers_finiteness_and_a_decode_step_reads_only_q_for_the_check(monkeypatch):
+    from attnlab import KVCache
+
+    torch.manual_seed(0)
+    m = MultiheadAttention(16, 2).eval()
+    cache = KVCache(max_length=8)
+    x = torch.randn(1, 4, 16)
+    with torch.no_grad():
+        m(x, is_causal=True, need_weights=False, cache=cache)
+        assert cache.finite
+        seen = []
+        real = dispatch._all_finite
+        monkeypatch.setattr(dispatch, "_all_finite", lambda *t: seen.append([tuple(a.shape) for a in t]) or real(*t))
+        m(torch.randn(1, 1, 16), is_causal=True, need_weights=False, cache=cache)
+        assert seen[0] == [(1, 2, 1, 8)]  # q only: the cache vouched for its 5 keys and values
+        bad = torch.randn(1, 1, 16)
+        bad[0, 0, 3] = float("nan")
+        out, _ = m(bad, is_causal=True, need_weights=False, cache=cache)  # the NaN token's own row is NaN
+        assert not cache.finite and out.isnan().all()
+        later, _ = m(torch.randn(1, 1, 16), is_causal=True, need_weights=False, cache=cache)
+        assert later.isnan().all()  # a later query sees the bad key: NaN, as the formula says, never hidden
+    cache.reset()
+    assert cache.finite

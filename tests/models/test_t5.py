@@ -191,16 +191,16 @@ def test_output_attentions_equal_transformers_eager(tmp_path):
 
 
 def _self_attention_requests(monkeypatch, run):
-    """``(mask, score_mod)`` of every request the attention modules hand to :func:`attnlab.attention`
+    """``(mask, score_mod)`` of every request the attention modules hand to the pipeline (``dispatch.attend``)
     while ``run()`` runs."""
-    calls, original = [], multihead.attention
+    calls, original = [], multihead.attend
 
-    def spy(q, k, v, **kw):
-        calls.append((kw.get("mask"), kw.get("score_mod")))
-        return original(q, k, v, **kw)
+    def spy(q, k, v, request, **kw):
+        calls.append((request["mask"], request["score_mod"]))
+        return original(q, k, v, request, **kw)
 
     with monkeypatch.context() as m:
-        m.setattr(multihead, "attention", spy)
+        m.setattr(multihead, "attend", spy)
         run()
     return calls
 
