@@ -5,7 +5,7 @@ Suite ``basic`` (writes ``results/attention.json``):
 1. The pipeline, ``attnlab.attention(q, k, v)`` with ``backend="auto"``, against
    ``F.scaled_dot_product_attention``: B=1, H=8, D=64, N in 512..4096, forward only, no grad;
    dense and causal (``causal=True`` against ``is_causal=True``).
-2. The module, ``attnlab.attention.multihead.MultiheadAttention`` (weights copied with
+2. The module, ``attnlab.modules.multihead.MultiheadAttention`` (weights copied with
    ``from_torch``) against ``torch.nn.MultiheadAttention(E, H, batch_first=True)``, B=8, L=256,
    E=512, H=8, ``need_weights=False``: (a) eval + no_grad self-attention, where torch may take its
    fused fast path; (b) training forward + backward.
@@ -46,7 +46,7 @@ from _common import (RESULTS, auto_repeat, compare, parser, peak_rss_rise_mib, p
                      setup, write_json)
 
 import attnlab  # noqa: E402
-from attnlab.attention.multihead import MultiheadAttention  # noqa: E402
+from attnlab.modules.multihead import MultiheadAttention  # noqa: E402
 
 COLUMNS = ["case", "N", "ours_ms", "peer_ms", "ratio", "repeat"]
 

@@ -1,10 +1,10 @@
 """attnlab: every attention mechanism and the Transformer family, exact and fast.
 
-The one pipeline is :func:`attnlab.attention`; modules live in :mod:`attnlab.attention`,
+The one pipeline is :func:`attnlab.attention`; modules live in :mod:`attnlab.modules`,
 blocks in :mod:`attnlab.nn`, models in :mod:`attnlab.models`.
 """
-from attnlab.attention import (AdditiveAttention, LinformerAttention, LocationAwareAttention, LuongAttention,
-                               MonotonicAttention, MultiheadAttention, PerformerAttention, get_attention)
+from attnlab.modules import (AdditiveAttention, LinformerAttention, LocationAwareAttention, LuongAttention,
+                             MonotonicAttention, MultiheadAttention, PerformerAttention, get_attention)
 from attnlab.backends import BACKENDS
 from attnlab.backends.dispatch import attention, attention_weights
 from attnlab.functional.linear import favor_projection, linear_attention
@@ -12,7 +12,7 @@ from attnlab.functional.masks import (and_masks, bigbird_layout, bigbird_mod, ca
                                       or_masks, prefix_lm_mod, sliding_window_mod, strided_mod)
 from attnlab.functional.positional import (alibi_score_mod, alibi_slopes, apply_rope, rope_frequencies,
                                            sinusoidal_table, t5_relative_buckets)
-from attnlab.attention.cache import KVCache
+from attnlab.modules.cache import KVCache
 from attnlab.nn.positional import (ALiBi, LearnedPositionalEmbedding, RotaryEmbedding,
                                    SinusoidalPositionalEmbedding, T5RelativeBias)
 

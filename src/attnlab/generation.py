@@ -16,7 +16,7 @@ The decoder protocol (what the decoding loops need) is small, so any decoder can
 - ``model(input_ids (B, T), attention_mask=None | (B, past + T), past_key_values=cache,
   use_cache=True)`` returns an object with ``.logits (B, T, V)``, updating ``cache`` in place;
 - ``model.new_cache(max_length=None)`` returns the empty cache: a list of
-  :class:`attnlab.nn.block.LayerCache` (or of :class:`attnlab.attention.cache.KVCache`), or an
+  :class:`attnlab.nn.block.LayerCache` (or of :class:`attnlab.modules.cache.KVCache`), or an
   :class:`EncoderDecoderCache`; beams are reordered by :func:`reorder_cache`.
 
 An encoder–decoder (``is_encoder_decoder = True``: T5, BART, ``Seq2SeqTransformer``) provides instead
@@ -43,7 +43,7 @@ from torch import Tensor
 
 from attnlab._checks import int_at_least, is_real, non_negative_int, one_of, positive_int, positive_number
 from attnlab.nn.block import LayerCache
-from attnlab.attention.cache import KVCache
+from attnlab.modules.cache import KVCache
 
 CACHES = ("dynamic", "static")
 

@@ -23,7 +23,7 @@ from attnlab.adapt import (
     unmerge_lora,
 )
 from attnlab.adapt.lora import projections
-from attnlab.attention.multihead import MultiheadAttention
+from attnlab.modules.multihead import MultiheadAttention
 from attnlab.models.hub import from_pretrained
 from attnlab.models.transformer import Transformer
 

@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-from attnlab.attention import multiplicative
-from attnlab.attention.additive import AdditiveAttention
-from attnlab.attention.location import LocationAwareAttention
-from attnlab.attention.monotonic import MonotonicAttention
-from attnlab.attention.multiplicative import LuongAttention
-from attnlab.attention.registry import ATTENTION_REGISTRY, get_attention
+from attnlab.modules import multiplicative
+from attnlab.modules.additive import AdditiveAttention
+from attnlab.modules.location import LocationAwareAttention
+from attnlab.modules.monotonic import MonotonicAttention
+from attnlab.modules.multiplicative import LuongAttention
+from attnlab.modules.registry import ATTENTION_REGISTRY, get_attention
 
 TOL = 1e-10
 B, LQ, LK, DQ, DK, DV, HID = 2, 3, 5, 4, 6, 3, 7
@@ -351,7 +351,7 @@ def test_registry_resolves_the_classic_modules():
 
 
 def test_registry_multihead():
-    module = pytest.importorskip("attnlab.attention.multihead")
+    module = pytest.importorskip("attnlab.modules.multihead")
     assert get_attention("multihead") is module.MultiheadAttention
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnlab.attention.linear import LinformerAttention, PerformerAttention
+from attnlab.modules.linear import LinformerAttention, PerformerAttention
 
 B, L, E, H = 2, 10, 12, 3
 DH = E // H

@@ -8,7 +8,7 @@ Each registry name needs an adapter here (the module APIs differ: torch-style
 import pytest
 import torch
 
-from attnlab.attention.registry import ATTENTION_REGISTRY, get_attention
+from attnlab.modules.registry import ATTENTION_REGISTRY, get_attention
 
 B, L, E = 2, 6, 16
 

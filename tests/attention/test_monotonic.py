@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from attnlab.attention.monotonic import MonotonicAttention, expected_alignment, hard_alignment
+from attnlab.modules.monotonic import MonotonicAttention, expected_alignment, hard_alignment
 
 TOL = 1e-10
 B, LK, DQ, DK, DV, HID = 3, 7, 4, 5, 2, 6

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnlab.attention.multihead import MultiheadAttention
+from attnlab.modules.multihead import MultiheadAttention
 from attnlab.cli import main as cli_main
 from attnlab.evaluation.analysis import (AttentionAnalysis, Batch, analyze, head_entropy, head_mask, head_similarity,
                                          make_loss, mean_attention_distance, plot_analysis, prune_heads,

@@ -13,7 +13,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from attnlab.attention import multihead
+from attnlab.modules import multihead
 from attnlab.backends import dispatch
 from attnlab.evaluation.analysis import head_mask, self_attention_modules
 from attnlab.models import hub

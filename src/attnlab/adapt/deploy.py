@@ -18,7 +18,7 @@ from typing import Iterator, Optional
 from torch import nn
 
 from attnlab._checks import positive_int
-from attnlab.attention.multihead import MultiheadAttention
+from attnlab.modules.multihead import MultiheadAttention
 from attnlab.nn.block import DecoderLayer, EncoderLayer
 
 

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from attnlab._checks import int_at_least
 from attnlab._io import atomic_write
-from attnlab.attention.multihead import MultiheadAttention
+from attnlab.modules.multihead import MultiheadAttention
 from attnlab.models.bert import BertForMaskedLM, BertModel
 
 PathLike = Union[str, os.PathLike]

@@ -7,7 +7,7 @@ An adapted projection computes::
 with ``W``, ``b`` frozen, ``A`` Kaiming-uniform and ``B = 0`` at the start (so a freshly adapted
 model computes exactly what the base model does), and only ``A``, ``B`` trained.
 
-**Packed q/k/v.** :class:`~attnlab.attention.multihead.MultiheadAttention` packs ``W_Q; W_K; W_V`` in one
+**Packed q/k/v.** :class:`~attnlab.modules.multihead.MultiheadAttention` packs ``W_Q; W_K; W_V`` in one
 ``in_proj`` (rows q, k, v — torch's layout). LoRA targets them separately, as in the paper (``W_q`` and
 ``W_v``): the packed layer gets one independent pair ``(A_s, B_s)`` per chosen row slice ``s`` and
 ``ΔW[rows s] = (α / r) B_s A_s`` (zero elsewhere) — loralib's ``MergedLinear`` design, equal to separate
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab._checks import is_int, positive_number, rate
-from attnlab.attention.multihead import MultiheadAttention
+from attnlab.modules.multihead import MultiheadAttention
 from attnlab.nn.dropout import Dropout
 
 Pattern = Union[str, "re.Pattern[str]"]

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab._checks import one_of
-from attnlab.attention.multihead import MultiheadAttention
+from attnlab.modules.multihead import MultiheadAttention
 
 SIMILARITIES = ("cosine", "js")
 

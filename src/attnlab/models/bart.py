@@ -15,7 +15,7 @@ HF's ``encoder_attn``, ``norm1..3`` and ``ffn.w1/w2`` its layer norms and fc1/fc
 appear only in :data:`WEIGHT_MAP`, which :meth:`~BartForConditionalGeneration.to_hf_state_dict` /
 ``from_hf_state_dict`` read.
 With ``output_attentions`` the per-head weights are recovered from each attention's q, k and
-log-sum-exp by each attention's forward (:class:`~attnlab.attention.multihead.MultiheadAttention`), which keeps its fast backend.
+log-sum-exp by each attention's forward (:class:`~attnlab.modules.multihead.MultiheadAttention`), which keeps its fast backend.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 :class:`Seq2SeqLMOutput` is shared by T5, BART and :class:`~attnlab.models.transformer.Seq2SeqTransformer`
 (Hugging Face's field names). Its attention fields come from the layers' forward with ``need_weights``
-(:class:`~attnlab.nn.block.AttentionWeights`): each :class:`~attnlab.attention.multihead.MultiheadAttention`
+(:class:`~attnlab.nn.block.AttentionWeights`): each :class:`~attnlab.modules.multihead.MultiheadAttention`
 recovers its weights from the rows' log-sum-exp, ``w_ij = e^(s_ij - LSE_i)``, so the forward keeps its fast
 backend.
 """

@@ -35,7 +35,7 @@ from attnlab.models.hub import (PreTrainedMixin, WeightMap, check_attention_mask
                                check_token_inputs, pack, register, rename)
 from attnlab.models.outputs import Seq2SeqLMOutput
 from attnlab.models.t5_layers import T5Stack
-from attnlab.attention.multihead import MultiheadAttention
+from attnlab.modules.multihead import MultiheadAttention
 from attnlab.nn.block import LayerCache
 from attnlab.nn.positional import T5RelativeBias
 

@@ -1,5 +1,5 @@
 """T5's stacks, built from the shared layers (:class:`~attnlab.nn.block.EncoderLayer` /
-:class:`~attnlab.nn.block.DecoderLayer` with :class:`~attnlab.attention.multihead.MultiheadAttention`).
+:class:`~attnlab.nn.block.DecoderLayer` with :class:`~attnlab.modules.multihead.MultiheadAttention`).
 
 ::
 

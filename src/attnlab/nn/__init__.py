@@ -1,9 +1,9 @@
 """Building blocks: norms, feed-forward, positional encodings, Transformer layers, the KV cache.
 
 (``attnlab.nn.block`` is imported directly, not here, to keep ``import attnlab.nn`` light.
-``KVCache`` lives in :mod:`attnlab.attention.cache`, the layer below, and is re-exported here.)
+``KVCache`` lives in :mod:`attnlab.modules.cache`, the layer below, and is re-exported here.)
 """
-from attnlab.attention.cache import KVCache
+from attnlab.modules.cache import KVCache
 from attnlab.nn.feedforward import FeedForward
 from attnlab.nn.inference import InferenceLayoutMixin, PackedLinear, optimize_linears_
 from attnlab.nn.norms import RMSNorm, make_norm

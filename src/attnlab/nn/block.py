@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab._checks import boolean, rate
-from attnlab.attention.multihead import MultiheadAttention
-from attnlab.attention.cache import KVCache
+from attnlab.modules.multihead import MultiheadAttention
+from attnlab.modules.cache import KVCache
 from attnlab.nn.dropout import Dropout
 from attnlab.nn.feedforward import FeedForward
 from attnlab.nn.norms import make_norm
@@ -141,7 +141,7 @@ class EncoderLayer(_ResidualLayer):
         num_kv_heads: key/value heads for grouped-query attention.
         bias: biases in the attention and FFN linear layers.
         rotary, position_bias: positional modules handed to the self-attention
-            (see :class:`attnlab.attention.multihead.MultiheadAttention`).
+            (see :class:`attnlab.modules.multihead.MultiheadAttention`).
         backend: attention backend.
         head_dim: per-head width of every attention (default ``dim // num_heads``; T5: ``d_kv``).
         scale: score scale κ of every attention (default ``1 / sqrt(head_dim)``; T5: 1).

@@ -3,7 +3,7 @@
 * :class:`SinusoidalPositionalEmbedding`, :class:`LearnedPositionalEmbedding`: ``positions -> (..., dim)``,
   added to the token embeddings.
 * :class:`RotaryEmbedding`: ``rotary(x, positions)`` rotates q or k ``(B, H, L, D)``; this is
-  how :class:`~attnlab.attention.multihead.MultiheadAttention` calls its ``rotary`` argument.
+  how :class:`~attnlab.modules.multihead.MultiheadAttention` calls its ``rotary`` argument.
 * :class:`ALiBi`, :class:`T5RelativeBias`: ``bias(q_positions, k_positions) -> (1, H, Lq, Lk)``
   added to the scores, and ``.score_mod()``, the same formula as a FlexAttention-style mod
   (``q_idx``, ``kv_idx`` absolute positions); MultiheadAttention's ``position_bias``.

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.attention.multihead import MultiheadAttention
+from attnlab.modules.multihead import MultiheadAttention
 from attnlab.experiments.explain._report import check_run_args, finish, plt, train
 from attnlab.backends.dispatch import attention
 from attnlab.nn.positional import RotaryEmbedding

@@ -25,8 +25,8 @@ from typing import Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from attnlab.attention.linear import PerformerAttention
-from attnlab.attention.multihead import MultiheadAttention
+from attnlab.modules.linear import PerformerAttention
+from attnlab.modules.multihead import MultiheadAttention
 from attnlab.experiments.explain._report import check_run_args, finish, fmt, median_ms, plt
 
 DIM, HEADS = 512, 8

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab._checks import is_int, positive_int
-from attnlab.attention.cache import KVCache
+from attnlab.modules.cache import KVCache
 from attnlab.backends.dispatch import attend, attention_weights, position_bias_terms
 from attnlab.functional.request import prepare
 

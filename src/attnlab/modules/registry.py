@@ -9,13 +9,13 @@ from __future__ import annotations
 import importlib
 
 ATTENTION_REGISTRY: dict[str, str] = {
-    "additive": "attnlab.attention.additive:AdditiveAttention",
-    "luong": "attnlab.attention.multiplicative:LuongAttention",
-    "location": "attnlab.attention.location:LocationAwareAttention",
-    "monotonic": "attnlab.attention.monotonic:MonotonicAttention",
-    "performer": "attnlab.attention.linear:PerformerAttention",
-    "linformer": "attnlab.attention.linear:LinformerAttention",
-    "multihead": "attnlab.attention.multihead:MultiheadAttention",
+    "additive": "attnlab.modules.additive:AdditiveAttention",
+    "luong": "attnlab.modules.multiplicative:LuongAttention",
+    "location": "attnlab.modules.location:LocationAwareAttention",
+    "monotonic": "attnlab.modules.monotonic:MonotonicAttention",
+    "performer": "attnlab.modules.linear:PerformerAttention",
+    "linformer": "attnlab.modules.linear:LinformerAttention",
+    "multihead": "attnlab.modules.multihead:MultiheadAttention",
 }
 
 

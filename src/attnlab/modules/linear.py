@@ -1,6 +1,6 @@
 """Efficient self-attention modules beside the pipeline: Performer (linear attention, FAVOR+)
 and Linformer (low-rank attention), batch-first ``(B, L, E)``, with ``q_proj, k_proj, v_proj,
-out_proj`` like :class:`attnlab.attention.multihead.MultiheadAttention`.
+out_proj`` like :class:`attnlab.modules.multihead.MultiheadAttention`.
 """
 from __future__ import annotations
 
