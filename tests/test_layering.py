@@ -30,7 +30,7 @@ LAYERS: list[set[str]] = [
     {"adapt", "evaluation", "viz"},
     {"training"},
     {"experiments"},
-    {"cli", "bench", "env_cli"},
+    {"cli", "bench", "env_cli", "generate_cli"},
     {"__main__"},  # `python -m attnlab`
 ]
 FACADE = "__init__"  # attnlab/__init__.py re-exports the public API from every layer

@@ -40,6 +40,10 @@ COMMANDS = {
         "score outputs against references (BLEU/chrF via sacreBLEU, ROUGE) or a trained checkpoint",
         "attnlab.training.eval_cli",  # text scoring is evaluation/'s; --checkpoint needs the recipes
     ),
+    "generate": (
+        "continue a prompt (GPT-2, Llama) or answer a source text (T5, BART): greedy, sampling or beam search",
+        "attnlab.generate_cli",
+    ),
     "train": (
         "train a recipe (e.g. shakespeare-char) with checkpoints, resume and torchrun DDP",
         "attnlab.training.cli",
