@@ -79,6 +79,7 @@ class GenerationConfig:
     cache: str = "dynamic"
 
     def __post_init__(self) -> None:
+        """Check every field (each message names it); ``dataclasses.replace`` checks the new record again."""
         positive_int("max_new_tokens", self.max_new_tokens)
         positive_number("temperature", self.temperature)
         positive_int("top_k", self.top_k, optional=True)
