@@ -9,7 +9,8 @@ import torch
 import transformers
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from attnlab.generation import EncoderDecoderCache, filter_logits, generate, reorder_cache
+import attnlab
+from attnlab.generation import EncoderDecoderCache, GenerationConfig, filter_logits, generate, reorder_cache
 from attnlab.models.gpt import GPT2Config, GPT2LMHeadModel, state_dict_from_hf
 
 transformers.logging.set_verbosity_error()
@@ -216,3 +217,137 @@ def test_right_padding_and_models_that_cannot_generate_are_refused(pair, prompts
                                 intermediate_size=32))
     with pytest.raises(ValueError, match="BertModel cannot generate"):
         generate(bert, torch.tensor([[1, 2]]), max_new_tokens=2)
+
+
+# ------------------------------------------------------------------ GenerationConfig: one record of the settings
+
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(max_new_tokens=0), ValueError, "max_new_tokens must be a positive int, got 0"),
+    (dict(max_new_tokens=True), ValueError, "max_new_tokens must be a positive int, got True"),
+    (dict(max_new_tokens=2, temperature=0.0), ValueError, "temperature must be a positive number, got 0.0"),
+    (dict(max_new_tokens=2, top_k=0), ValueError, "top_k must be a positive int or None, got 0"),
+    (dict(max_new_tokens=2, top_p=1.5), ValueError, r"top_p must be in \(0, 1\], got 1.5"),
+    (dict(max_new_tokens=2, num_beams=0), ValueError, "num_beams must be an int >= 1, got 0"),
+    (dict(max_new_tokens=2, do_sample="yes"), TypeError, "do_sample must be a bool, got str"),
+    (dict(max_new_tokens=2, do_sample=True, num_beams=3), ValueError, "num_beams must be 1 with do_sample=True"),
+    (dict(max_new_tokens=2, length_penalty="1"), TypeError, "length_penalty must be a real number, got str"),
+    (dict(max_new_tokens=2, eos_token_id=-1), ValueError, "eos_token_id must be a non-negative int or None, got -1"),
+    (dict(max_new_tokens=2, pad_token_id=1.5), ValueError, "pad_token_id must be a non-negative int or None"),
+    (dict(max_new_tokens=2, decoder_start_token_id=-3), ValueError, "decoder_start_token_id must be a non-negative"),
+    (dict(max_new_tokens=2, cache="paged"), ValueError, "cache must be one of 'dynamic', 'static', got 'paged'"),
+])
+def test_generation_config_refuses_each_bad_field_by_name(kw, error, match):
+    with pytest.raises(error, match=match):
+        GenerationConfig(**kw)
+
+
+def test_generation_config_is_frozen_keyword_only_and_requires_max_new_tokens():
+    import dataclasses
+
+    c = GenerationConfig(max_new_tokens=4, top_k=3)
+    assert (c.max_new_tokens, c.top_k, c.temperature, c.num_beams, c.cache) == (4, 3, 1.0, 1, "dynamic")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.top_k = 5
+    with pytest.raises(TypeError):
+        GenerationConfig(4)
+    with pytest.raises(TypeError, match="max_new_tokens"):
+        GenerationConfig()
+    assert attnlab.GenerationConfig is GenerationConfig
+
+
+def test_generate_keywords_are_the_config_fields_with_its_defaults():
+    """generate's settings keep their names and defaults, which now live in GenerationConfig alone."""
+    import dataclasses
+    import inspect
+
+    params = inspect.signature(generate).parameters
+    fields = dataclasses.fields(GenerationConfig)
+    names = [n for n in params if n not in ("model", "input_ids", "attention_mask", "generator", "config")]
+    assert names == [f.name for f in fields]
+    for f in fields[1:]:
+        assert repr(params[f.name].default) == repr(f.default), f.name
+    assert params["generator"].default is None and params["config"].default is None
+
+
+def test_for_model_fills_encoder_decoder_defaults_and_pad_from_eos():
+    class EncDec:
+        is_encoder_decoder = True
+        generation_defaults = dict(decoder_start_token_id=0, eos_token_id=1, pad_token_id=None)
+
+    class Decoder:
+        pass
+
+    got = GenerationConfig(max_new_tokens=2).for_model(EncDec())
+    assert (got.decoder_start_token_id, got.eos_token_id, got.pad_token_id) == (0, 1, 1)
+    got = GenerationConfig(max_new_tokens=2, eos_token_id=5, decoder_start_token_id=7).for_model(EncDec())
+    assert (got.decoder_start_token_id, got.eos_token_id, got.pad_token_id) == (7, 5, 5)
+    got = GenerationConfig(max_new_tokens=2, eos_token_id=4).for_model(Decoder())
+    assert (got.decoder_start_token_id, got.eos_token_id, got.pad_token_id) == (None, 4, 4)
+    assert GenerationConfig(max_new_tokens=2, eos_token_id=4, pad_token_id=6).for_model(Decoder()).pad_token_id == 6
+    with pytest.raises(ValueError, match="decoder_start_token_id is only for encoder–decoder models"):
+        GenerationConfig(max_new_tokens=2, decoder_start_token_id=0).for_model(Decoder())
+    EncDec.generation_defaults = dict(decoder_start_token_id=None, eos_token_id=None, pad_token_id=None)
+    with pytest.raises(ValueError, match="decoder_start_token_id is required: EncDec has no default"):
+        GenerationConfig(max_new_tokens=2).for_model(EncDec())
+
+
+@pytest.mark.parametrize("settings", [
+    dict(max_new_tokens=NEW),  # greedy
+    dict(max_new_tokens=NEW, do_sample=True, temperature=0.8, top_k=20, top_p=0.9),  # seeded sampling
+    dict(max_new_tokens=NEW, num_beams=4, length_penalty=0.7, pad_token_id=PAD),  # beam search
+    dict(max_new_tokens=NEW, cache="static", pad_token_id=PAD),
+])
+def test_config_and_keywords_give_identical_tokens(pair, prompts, settings):
+    _, ours = pair
+    ids, mask = _left_padded(prompts)
+    for eos in _eos_tokens(pair, prompts):
+        kw = dict(settings, eos_token_id=eos)
+        a = generate(ours, ids, attention_mask=mask, generator=torch.Generator().manual_seed(3), **kw)
+        b = generate(ours, ids, attention_mask=mask, generator=torch.Generator().manual_seed(3),
+                     config=GenerationConfig(**kw))
+        c = ours.generate(ids, attention_mask=mask, generator=torch.Generator().manual_seed(3),
+                          config=GenerationConfig(**kw))
+        assert a.shape[1] > ids.shape[1] and torch.equal(a, b) and torch.equal(a, c), (settings, eos)
+
+
+def test_config_drives_an_encoder_decoder():
+    from attnlab.models.config import TransformerConfig
+    from attnlab.models.transformer import Seq2SeqTransformer
+
+    torch.manual_seed(0)
+    model = Seq2SeqTransformer(TransformerConfig(src_vocab_size=11, tgt_vocab_size=9, dim=16, num_heads=2,
+                                                 ffn_dim=32, num_encoder_layers=1, num_decoder_layers=1,
+                                                 dropout=0.0, pad_id=0)).eval()
+    src = torch.tensor([[3, 4, 5, 0], [6, 7, 8, 9]])
+    for beams in (1, 3):
+        kw = dict(max_new_tokens=5, decoder_start_token_id=1, eos_token_id=2, num_beams=beams)
+        a = generate(model, src, **kw)
+        b = generate(model, src, config=GenerationConfig(**kw))
+        assert a[:, 0].eq(1).all() and torch.equal(a, b), beams
+
+
+def test_keywords_override_the_config_fields(pair, prompts):
+    _, ours = pair
+    eos = _eos_tokens(pair, prompts)[1]
+    beam = GenerationConfig(max_new_tokens=NEW, num_beams=4, eos_token_id=eos, pad_token_id=PAD)
+    assert torch.equal(generate(ours, prompts, config=beam, num_beams=1),
+                       generate(ours, prompts, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=PAD))
+    assert torch.equal(generate(ours, prompts, config=beam, max_new_tokens=3),
+                       generate(ours, prompts, max_new_tokens=3, num_beams=4, eos_token_id=eos, pad_token_id=PAD))
+    # an explicit None overrides too: no EOS, so every row runs for max_new_tokens
+    assert generate(ours, prompts, config=beam, eos_token_id=None).shape == (3, prompts.shape[1] + NEW)
+    assert beam.num_beams == 4 and beam.max_new_tokens == NEW  # the config itself is untouched
+    with pytest.raises(ValueError, match="top_k must be a positive int or None, got 0"):
+        generate(ours, prompts, config=beam, top_k=0)  # the merged settings are checked too
+    with pytest.raises(ValueError, match="num_beams must be 1 with do_sample=True"):
+        generate(ours, prompts, config=beam, do_sample=True)
+
+
+def test_generate_needs_max_new_tokens_and_a_real_config(pair, prompts):
+    _, ours = pair
+    with pytest.raises(TypeError, match="generate\\(\\) missing 1 required keyword-only argument: 'max_new_tokens'"):
+        generate(ours, prompts)
+    with pytest.raises(TypeError, match="config must be a GenerationConfig or None, got dict"):
+        generate(ours, prompts, config=dict(max_new_tokens=2))
+    with pytest.raises(ValueError, match="input_ids"):  # the prompt is checked first, as before
+        generate(ours, prompts.float(), config=GenerationConfig(max_new_tokens=2))

@@ -44,10 +44,10 @@ from attnlab.models.bert import BertConfig, BertForMaskedLM, BertForPreTraining,
 from attnlab.models.hub import from_pretrained, save_pretrained  # noqa: E402
 
 __all__ += ["BertConfig", "BertModel", "BertForMaskedLM", "BertForPreTraining", "from_pretrained", "save_pretrained"]
-from attnlab.generation import generate  # noqa: E402
+from attnlab.generation import GenerationConfig, generate  # noqa: E402
 from attnlab.models.gpt import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
-__all__ += ["generate", "GPT2Config", "GPT2LMHeadModel"]
+__all__ += ["generate", "GenerationConfig", "GPT2Config", "GPT2LMHeadModel"]
 from attnlab.models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 __all__ += ["LlamaConfig", "LlamaForCausalLM"]

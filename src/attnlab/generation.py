@@ -8,6 +8,9 @@ Each step feeds only the newest token; the per-layer caches hold the keys and va
     beam:    keep the num_beams prefixes of highest Σ log p; a finished hypothesis scores
              Σ log p / len^α (α = length_penalty = 1), len = number of generated tokens
 
+The settings of a call form one :class:`GenerationConfig` (checked once, when built); ``generate`` takes
+them as keywords, as ``config=``, or both (keywords win), and the loops read that one record.
+
 The beam search follows Hugging Face ``transformers`` step for step (2·num_beams candidates per
 step, ``early_stopping=False`` heuristic), so on the same weights it returns the same tokens.
 
@@ -33,7 +36,7 @@ The one greedy/sampling loop and the one beam search serve both kinds of model.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, replace
 from types import SimpleNamespace
 from typing import Optional
 
@@ -41,20 +44,106 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnlab._checks import int_at_least, is_real, non_negative_int, one_of, positive_int, positive_number
+from attnlab._checks import (boolean, int_at_least, is_real, non_negative_int, one_of, positive_int,
+                             positive_number, real)
 from attnlab.nn.block import LayerCache
 from attnlab.modules.cache import KVCache
 
 CACHES = ("dynamic", "static")
 
 
-def generate(model, input_ids: Tensor, *, attention_mask: Optional[Tensor] = None, max_new_tokens: int,
-             do_sample: bool = False, temperature: float = 1.0, top_k: Optional[int] = None,
-             top_p: Optional[float] = None, num_beams: int = 1, length_penalty: float = 1.0,
-             eos_token_id: Optional[int] = None, pad_token_id: Optional[int] = None,
-             decoder_start_token_id: Optional[int] = None, generator: Optional[torch.Generator] = None,
-             cache: str = "dynamic") -> Tensor:
+@dataclass(frozen=True, kw_only=True)
+class GenerationConfig:
+    """The settings of one :func:`generate` call, checked once when built (Hugging Face's name and fields).
+
+    Each field is :func:`generate`'s keyword of the same name, with the same default and meaning;
+    ``generate(model, ids, config=c, top_k=5)`` decodes with ``c`` but ``top_k=5``. An encoder–decoder's
+    token ids left None are filled by :meth:`for_model` from its ``generation_defaults``.
+
+    Raises:
+        ValueError: a field is out of range, or ``do_sample=True`` with ``num_beams > 1`` (the message
+            names the field).
+        TypeError: ``do_sample`` is not a bool, or ``length_penalty`` not a real number.
+    """
+
+    max_new_tokens: int
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    eos_token_id: Optional[int] = None
+    pad_token_id: Optional[int] = None
+    decoder_start_token_id: Optional[int] = None
+    cache: str = "dynamic"
+
+    def __post_init__(self) -> None:
+        """Check every field (each message names it); ``dataclasses.replace`` checks the new record again."""
+        positive_int("max_new_tokens", self.max_new_tokens)
+        positive_number("temperature", self.temperature)
+        positive_int("top_k", self.top_k, optional=True)
+        if self.top_p is not None and not (is_real(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        int_at_least("num_beams", self.num_beams, 1)
+        boolean("do_sample", self.do_sample)
+        if self.do_sample and self.num_beams > 1:
+            raise ValueError(f"num_beams must be 1 with do_sample=True (beam sampling is not supported), "
+                             f"got {self.num_beams}")
+        real("length_penalty", self.length_penalty)
+        for name in ("eos_token_id", "pad_token_id", "decoder_start_token_id"):
+            non_negative_int(name, getattr(self, name), optional=True)
+        one_of("cache", self.cache, CACHES)
+
+    def for_model(self, model) -> GenerationConfig:
+        """The finished settings for ``model``: an encoder–decoder's ``generation_defaults`` fill the token ids
+        left None; then ``pad_token_id`` defaults to ``eos_token_id`` (for every model).
+
+        Raises:
+            ValueError: an encoder–decoder has no start token (none given, no default), or a decoder-only
+                model was given ``decoder_start_token_id``.
+        """
+        eos, pad, start = self.eos_token_id, self.pad_token_id, self.decoder_start_token_id
+        if getattr(model, "is_encoder_decoder", False):
+            defaults = model.generation_defaults
+            eos = defaults["eos_token_id"] if eos is None else eos
+            pad = defaults["pad_token_id"] if pad is None else pad
+            start = defaults["decoder_start_token_id"] if start is None else start
+            if start is None:
+                raise ValueError(f"decoder_start_token_id is required: {type(model).__name__} has no default")
+        elif start is not None:
+            raise ValueError("decoder_start_token_id is only for encoder–decoder models, "
+                             f"got {start} for {type(model).__name__}")
+        return replace(self, eos_token_id=eos, pad_token_id=eos if pad is None else pad, decoder_start_token_id=start)
+
+
+class _Unset:
+    """The default of each :func:`generate` setting: "not given: the config's value". It prints as
+    :class:`GenerationConfig`'s default, so ``help(generate)`` shows the defaults, kept in one place."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        default = GenerationConfig.__dataclass_fields__[self.name].default
+        return "<required>" if default is MISSING else repr(default)
+
+
+def generate(model, input_ids: Tensor, *, attention_mask: Optional[Tensor] = None,
+             max_new_tokens: int = _Unset("max_new_tokens"), do_sample: bool = _Unset("do_sample"),
+             temperature: float = _Unset("temperature"), top_k: Optional[int] = _Unset("top_k"),
+             top_p: Optional[float] = _Unset("top_p"), num_beams: int = _Unset("num_beams"),
+             length_penalty: float = _Unset("length_penalty"), eos_token_id: Optional[int] = _Unset("eos_token_id"),
+             pad_token_id: Optional[int] = _Unset("pad_token_id"),
+             decoder_start_token_id: Optional[int] = _Unset("decoder_start_token_id"),
+             generator: Optional[torch.Generator] = None, cache: str = _Unset("cache"),
+             config: Optional[GenerationConfig] = None) -> Tensor:
     """Continue ``input_ids (B, T)`` by up to ``max_new_tokens`` tokens (call ``model.eval()`` first).
+
+    The settings (``max_new_tokens`` ... ``cache``, all but ``generator``) are :class:`GenerationConfig`'s
+    fields, with its defaults: give them as keywords, or as ``config``, or both (a keyword given overrides
+    the config's field, as ``transformers``' ``generate(**kwargs)``). ``max_new_tokens`` is required
+    unless ``config`` gives it.
 
     Args:
         model: a decoder or an encoder–decoder following the protocols in this module's docstring
@@ -75,6 +164,7 @@ def generate(model, input_ids: Tensor, *, attention_mask: Optional[Tensor] = Non
         generator: a seeded ``torch.Generator`` makes sampling reproducible.
         cache: ``"dynamic"`` (grows by concatenation) or ``"static"`` (preallocated to
             ``T + max_new_tokens`` positions; for an encoder–decoder ``1 + max_new_tokens``).
+        config: a :class:`GenerationConfig` holding the settings (None: the keywords and defaults alone).
 
     Returns:
         ``(B, T + n)`` ids: the prompt, then the ``n <= max_new_tokens`` new tokens (as ``transformers``);
@@ -83,42 +173,49 @@ def generate(model, input_ids: Tensor, *, attention_mask: Optional[Tensor] = Non
     Raises:
         ValueError: an argument is out of range, or an encoder–decoder has no start token (the message
             names the argument).
+        TypeError: ``config`` is not a GenerationConfig, ``max_new_tokens`` is given by neither the keyword
+            nor ``config``, or a setting has the wrong type (see :class:`GenerationConfig`).
     """
-    _check(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, num_beams,
-           eos_token_id, pad_token_id, decoder_start_token_id, cache)
+    _check_inputs(input_ids, attention_mask)
+    config = _settings(config, dict(
+        max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+        num_beams=num_beams, length_penalty=length_penalty, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        decoder_start_token_id=decoder_start_token_id, cache=cache))
     encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
     if not (hasattr(model, "generation_defaults") if encoder_decoder else hasattr(model, "new_cache")):
         raise ValueError(f"{type(model).__name__} cannot generate: it has no language-model head with a KV cache "
                          "(use e.g. GPT2LMHeadModel, LlamaForCausalLM, T5ForConditionalGeneration, "
                          "BartForConditionalGeneration or Seq2SeqTransformer)")
     if not encoder_decoder:
-        _check_decoder_prompt(model, input_ids, attention_mask, max_new_tokens)
-    if encoder_decoder:
-        defaults = model.generation_defaults
-        eos_token_id = defaults["eos_token_id"] if eos_token_id is None else eos_token_id
-        pad_token_id = defaults["pad_token_id"] if pad_token_id is None else pad_token_id
-        if decoder_start_token_id is None:
-            decoder_start_token_id = defaults["decoder_start_token_id"]
-        if decoder_start_token_id is None:
-            raise ValueError(f"decoder_start_token_id is required: {type(model).__name__} has no default")
-        if (attention_mask is None and pad_token_id is not None and pad_token_id != eos_token_id
-                and bool((input_ids == pad_token_id).any())):
-            attention_mask = (input_ids != pad_token_id).long()
-    elif decoder_start_token_id is not None:
-        raise ValueError("decoder_start_token_id is only for encoder–decoder models, "
-                         f"got {decoder_start_token_id} for {type(model).__name__}")
-    if pad_token_id is None:
-        pad_token_id = eos_token_id
+        _check_decoder_prompt(model, input_ids, attention_mask, config.max_new_tokens)
+    config = config.for_model(model)
+    pad = config.pad_token_id
+    if (encoder_decoder and attention_mask is None and pad is not None and pad != config.eos_token_id
+            and bool((input_ids == pad).any())):
+        attention_mask = (input_ids != pad).long()
     with torch.inference_mode():
         if encoder_decoder:
             model = EncoderDecoderAsDecoder(model, input_ids, attention_mask)
-            input_ids, attention_mask = input_ids.new_full((input_ids.shape[0], 1), decoder_start_token_id), None
-        past = model.new_cache(max_length=input_ids.shape[1] + max_new_tokens if cache == "static" else None)
-        if num_beams > 1:
-            return _beam_search(model, input_ids, attention_mask, past, max_new_tokens, num_beams,
-                                length_penalty, eos_token_id, pad_token_id)
-        return _decode(model, input_ids, attention_mask, past, max_new_tokens, do_sample, temperature, top_k,
-                       top_p, eos_token_id, pad_token_id, generator)
+            input_ids = input_ids.new_full((input_ids.shape[0], 1), config.decoder_start_token_id)
+            attention_mask = None
+        static = config.cache == "static"
+        past = model.new_cache(max_length=input_ids.shape[1] + config.max_new_tokens if static else None)
+        if config.num_beams > 1:
+            return _beam_search(model, input_ids, attention_mask, past, config)
+        return _decode(model, input_ids, attention_mask, past, config, generator)
+
+
+def _settings(config: Optional[GenerationConfig], keywords: dict) -> GenerationConfig:
+    """``config`` (or the defaults) with the keywords :func:`generate` was given in place of its fields."""
+    given = {name: value for name, value in keywords.items() if not isinstance(value, _Unset)}
+    if config is None:
+        if "max_new_tokens" not in given:
+            raise TypeError("generate() missing 1 required keyword-only argument: 'max_new_tokens' "
+                            "(or config=GenerationConfig(max_new_tokens=...))")
+        return GenerationConfig(**given)
+    if not isinstance(config, GenerationConfig):
+        raise TypeError(f"config must be a GenerationConfig or None, got {type(config).__name__}")
+    return replace(config, **given) if given else config
 
 
 @dataclass
@@ -157,18 +254,19 @@ class EncoderDecoderAsDecoder:
                                                         cache=s.layers))
 
 
-def _decode(model, input_ids, mask, past, max_new_tokens, do_sample, temperature, top_k, top_p, eos, pad,
-            generator) -> Tensor:
+def _decode(model, input_ids, mask, past, config: GenerationConfig, generator) -> Tensor:
     """Greedy or sampled decoding, one token per step."""
     B, T0 = input_ids.shape
+    max_new_tokens, eos, pad = config.max_new_tokens, config.eos_token_id, config.pad_token_id
     out = input_ids.new_full((B, T0 + max_new_tokens), 0 if pad is None else pad)
     out[:, :T0] = input_ids
     unfinished = torch.ones(B, dtype=torch.bool, device=input_ids.device)
     logits = model(input_ids, attention_mask=mask, past_key_values=past, use_cache=True).logits[:, -1]
     for t in range(T0, T0 + max_new_tokens):
         logits = logits.float()  # (B, V)
-        if do_sample:
-            probs = F.softmax(filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p), dim=-1)
+        if config.do_sample:
+            probs = F.softmax(filter_logits(logits, temperature=config.temperature, top_k=config.top_k,
+                                            top_p=config.top_p), dim=-1)
             nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
         else:
             nxt = logits.argmax(dim=-1)
@@ -204,9 +302,11 @@ def filter_logits(logits: Tensor, *, temperature: float = 1.0, top_k: Optional[i
     return logits
 
 
-def _beam_search(model, input_ids, mask, past, max_new_tokens, nb, length_penalty, eos, pad) -> Tensor:
+def _beam_search(model, input_ids, mask, past, config: GenerationConfig) -> Tensor:
     """Beam search with ``transformers``' vectorised bookkeeping (finished hypotheses kept per item)."""
     B, T0 = input_ids.shape
+    max_new_tokens, nb, length_penalty = config.max_new_tokens, config.num_beams, config.length_penalty
+    eos, pad = config.eos_token_id, config.pad_token_id
     dev = input_ids.device
     max_len = T0 + max_new_tokens
     K = 2 * nb  # candidates kept per step: max(2, 1 + #eos) · num_beams, as transformers
@@ -309,8 +409,8 @@ def _check_decoder_prompt(model, input_ids: Tensor, attention_mask: Optional[Ten
                          f"model's {field}={limit}: at most {limit - input_ids.shape[1]} new tokens")
 
 
-def _check(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, num_beams,
-           eos_token_id, pad_token_id, decoder_start_token_id, cache) -> None:
+def _check_inputs(input_ids, attention_mask) -> None:
+    """``input_ids`` is a non-empty ``(B, T)`` LongTensor; ``attention_mask`` (if any) has its shape."""
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
         raise ValueError("input_ids must be a (B, T) LongTensor, got "
                          f"{tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__}")
@@ -319,15 +419,3 @@ def _check(input_ids, attention_mask, max_new_tokens, do_sample, temperature, to
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, "
                          f"got {tuple(attention_mask.shape)}")
-    positive_int("max_new_tokens", max_new_tokens)
-    positive_number("temperature", temperature)
-    positive_int("top_k", top_k, optional=True)
-    if top_p is not None and not (is_real(top_p) and 0 < top_p <= 1):
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    int_at_least("num_beams", num_beams, 1)
-    if do_sample and num_beams > 1:
-        raise ValueError(f"num_beams must be 1 with do_sample=True (beam sampling is not supported), got {num_beams}")
-    for name, v in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id),
-                    ("decoder_start_token_id", decoder_start_token_id)):
-        non_negative_int(name, v, optional=True)
-    one_of("cache", cache, CACHES)
