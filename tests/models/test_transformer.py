@@ -154,11 +154,17 @@ def test_output_attentions_match_the_reference_decoder_weights():
 
 def test_generate_arguments_are_checked():
     model = Seq2SeqTransformer(_config()).eval()
-    with pytest.raises(TypeError, match="decoder_start_token_id"):
-        model.generate(_src(), max_new_tokens=3)
-    with pytest.raises(ValueError, match="decoder_start_token_id"):  # the function: no default for this model
-        from attnlab.generation import generate
-        generate(model, _src(), max_new_tokens=3)
+    from attnlab.generation import GenerationConfig, generate
+
+    for run in (lambda: model.generate(_src(), max_new_tokens=3), lambda: generate(model, _src(), max_new_tokens=3)):
+        with pytest.raises(ValueError, match="decoder_start_token_id is required"):  # the model names no default
+            run()
+    # a config's start and end tokens are used (a keyword given wins): the same ids as the keywords
+    config = GenerationConfig(max_new_tokens=4, decoder_start_token_id=BOS, eos_token_id=3)
+    assert torch.equal(model.generate(_src(), config=config),
+                       model.generate(_src(), max_new_tokens=4, decoder_start_token_id=BOS, eos_token_id=3))
+    assert torch.equal(model.generate(_src(), config=config, eos_token_id=None),
+                       model.generate(_src(), max_new_tokens=4, decoder_start_token_id=BOS))
     with pytest.raises(ValueError, match="vocab_size=20"):
         model.generate(_src() + 20, max_new_tokens=3, decoder_start_token_id=BOS)
     with pytest.raises(ValueError, match="not both"):

@@ -314,16 +314,16 @@ class Seq2SeqTransformer(nn.Module):
         """No start or end token (the config names none); ``pad_token_id`` is ``config.pad_id``."""
         return dict(decoder_start_token_id=None, eos_token_id=None, pad_token_id=self.config.pad_id)
 
-    def generate(self, src_ids: Tensor, *, decoder_start_token_id: int, eos_token_id: Optional[int] = None,
-                 **kwargs) -> Tensor:
+    def generate(self, src_ids: Tensor, **kwargs) -> Tensor:
         """:func:`attnlab.generation.generate` from the source ``src_ids (B, S)`` (call ``eval()`` first).
 
         Args:
-            decoder_start_token_id: the BOS token every target starts with.
-            eos_token_id: a row ends at this token and is then filled with ``pad_token_id`` (default
-                ``config.pad_id``, else ``eos_token_id``); None: rows run for ``max_new_tokens``.
-            kwargs: :func:`~attnlab.generation.generate`'s other arguments (``max_new_tokens``,
-                ``num_beams``, ``do_sample``, ...); ``attention_mask`` defaults to ``src_ids != pad_id``.
+            kwargs: :func:`~attnlab.generation.generate`'s arguments, as keywords or a ``config``:
+                ``decoder_start_token_id`` (the BOS token every target starts with; required, the model
+                names none), ``eos_token_id`` (a row ends at this token and is then filled with
+                ``pad_token_id``, default ``config.pad_id``; None: rows run for ``max_new_tokens``),
+                ``max_new_tokens``, ``num_beams``, ``do_sample``, ...; ``attention_mask`` defaults to
+                ``src_ids != pad_id``.
 
         Returns:
             ``(B, 1 + n)`` ids: ``decoder_start_token_id`` then ``n <= max_new_tokens`` tokens.
@@ -333,8 +333,7 @@ class Seq2SeqTransformer(nn.Module):
         if kwargs.get("attention_mask") is None and pad is not None and isinstance(src_ids, Tensor) \
                 and bool((src_ids == pad).any()):
             kwargs["attention_mask"] = (src_ids != pad).long()  # as forward's default
-        return generate(self, src_ids, decoder_start_token_id=decoder_start_token_id, eos_token_id=eos_token_id,
-                        **kwargs)
+        return generate(self, src_ids, **kwargs)  # a keyword given wins over a config's field, as in generate
 
 
 def _xavier_(module: nn.Module) -> None:
