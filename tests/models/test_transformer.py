@@ -161,10 +161,11 @@ def test_generate_arguments_are_checked():
             run()
     # a config's start and end tokens are used (a keyword given wins): the same ids as the keywords
     config = GenerationConfig(max_new_tokens=4, decoder_start_token_id=BOS, eos_token_id=3)
-    assert torch.equal(model.generate(_src(), config=config),
-                       model.generate(_src(), max_new_tokens=4, decoder_start_token_id=BOS, eos_token_id=3))
-    assert torch.equal(model.generate(_src(), config=config, eos_token_id=None),
-                       model.generate(_src(), max_new_tokens=4, decoder_start_token_id=BOS))
+    src = _src()
+    assert torch.equal(model.generate(src, config=config),
+                       model.generate(src, max_new_tokens=4, decoder_start_token_id=BOS, eos_token_id=3))
+    assert torch.equal(model.generate(src, config=config, eos_token_id=None),
+                       model.generate(src, max_new_tokens=4, decoder_start_token_id=BOS))
     with pytest.raises(ValueError, match="vocab_size=20"):
         model.generate(_src() + 20, max_new_tokens=3, decoder_start_token_id=BOS)
     with pytest.raises(ValueError, match="not both"):
