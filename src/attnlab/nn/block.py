@@ -10,6 +10,10 @@ dropped with probability ``p`` and the kept ones scaled by ``1 / (1 - p)``; in e
 identity. Module names follow ``torch.nn.TransformerEncoderLayer``/``DecoderLayer`` (``self_attn``,
 ``cross_attn`` ≙ torch's ``multihead_attn``, ``ffn.w1/w2`` ≙ ``linear1/linear2``, ``norm1..3``), so
 ``from_torch`` converts those layers with weights copied.
+
+The options of a layer (widths, dropouts, norm, positions, backend) live in one frozen
+:class:`LayerSpec`, checked once; ``EncoderLayer(dim, num_heads, **options)`` and
+``EncoderLayer.from_spec(spec)`` build the same layer.
 """
 from __future__ import annotations
 
@@ -294,7 +298,7 @@ class DecoderLayer(_ResidualLayer):
 
     @classmethod
     def from_spec(cls, spec: LayerSpec, *, cross_attention: bool = True) -> "DecoderLayer":
-        """The layer of ``spec``: the same as ``DecoderLayer(spec.dim, spec.num_heads, cross_attention=..., **options)``."""
+        """The layer of ``spec``: as ``DecoderLayer(spec.dim, spec.num_heads, cross_attention=..., **options)``."""
         _is_spec(spec)
         return cls(spec.dim, spec.num_heads, cross_attention=cross_attention, **spec.options())
 
