@@ -226,7 +226,7 @@ class EncoderLayer(_ResidualLayer):
     :class:`LayerSpec`'s (``activation``, ``dropout``, ``attn_dropout``, ``ffn_dropout``, ``norm_first``,
     ``norm``, ``norm_eps``, ``drop_path``, ``num_kv_heads``, ``bias``, ``rotary``, ``position_bias``,
     ``backend``, ``head_dim``, ``scale``); ``EncoderLayer.from_spec(spec)`` builds the same layer from a spec.
-    The layer keeps it as ``self.spec``.
+    The layer keeps the spec it was built from as ``self.spec``.
 
     Raises:
         TypeError: an unknown keyword (the message names it).
