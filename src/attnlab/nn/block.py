@@ -158,16 +158,16 @@ class LayerSpec:
         return {name: getattr(self, name) for name in _SPEC_OPTIONS}
 
     @classmethod
-    def from_options(cls, owner: str, dim: int, num_heads: int, options: dict) -> "LayerSpec":
+    def _from_keywords(cls, owner: str, dim: int, num_heads: int, options: dict) -> "LayerSpec":
         """``LayerSpec(dim, num_heads, **options)``; an unknown keyword is a ``TypeError`` naming it and ``owner``."""
-        unknown = sorted(set(options) - _SPEC_OPTIONS)
+        unknown = [name for name in options if name not in _SPEC_OPTIONS]
         if unknown:
             raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r};"
-                            f" its options are LayerSpec's: {', '.join(sorted(_SPEC_OPTIONS))}")
+                            f" its options are LayerSpec's: {', '.join(_SPEC_OPTIONS)}")
         return cls(dim, num_heads, **options)
 
 
-_SPEC_OPTIONS = frozenset(f.name for f in fields(LayerSpec) if f.name not in ("dim", "num_heads", "_"))
+_SPEC_OPTIONS = tuple(f.name for f in fields(LayerSpec) if f.name not in ("dim", "num_heads"))  # field order
 
 
 def _is_spec(spec) -> None:
@@ -234,7 +234,7 @@ class EncoderLayer(_ResidualLayer):
     """
 
     def __init__(self, dim: int, num_heads: int, **options) -> None:
-        super().__init__(LayerSpec.from_options(type(self).__name__, dim, num_heads, options), 2)
+        super().__init__(LayerSpec._from_keywords(type(self).__name__, dim, num_heads, options), 2)
 
     @classmethod
     def from_spec(cls, spec: LayerSpec) -> "EncoderLayer":
@@ -288,7 +288,7 @@ class DecoderLayer(_ResidualLayer):
 
     def __init__(self, dim: int, num_heads: int, *, cross_attention: bool = True, **options) -> None:
         boolean("cross_attention", cross_attention)
-        spec = LayerSpec.from_options(type(self).__name__, dim, num_heads, options)
+        spec = LayerSpec._from_keywords(type(self).__name__, dim, num_heads, options)
         super().__init__(spec, 3 if cross_attention else 2)
         self.cross_attn = None
         if cross_attention:
