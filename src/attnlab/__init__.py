@@ -32,13 +32,14 @@ __all__ = [
 # blocks and models (after the attention imports: attnlab.nn.block imports MultiheadAttention)
 from attnlab.nn.norms import RMSNorm, make_norm  # noqa: E402
 from attnlab.nn.feedforward import FeedForward  # noqa: E402
-from attnlab.nn.block import AttentionWeights, DecoderLayer, DropPath, EncoderLayer, LayerCache  # noqa: E402
+from attnlab.nn.block import (AttentionWeights, DecoderLayer, DropPath, EncoderLayer, LayerCache,  # noqa: E402
+                              LayerSpec)
 from attnlab.models.config import TransformerConfig  # noqa: E402
 from attnlab.models.transformer import (Seq2SeqTransformer, Transformer, TransformerDecoder,  # noqa: E402
                                         TransformerEncoder)
 
 __all__ += ["RMSNorm", "make_norm", "FeedForward", "AttentionWeights", "DecoderLayer", "DropPath",
-            "EncoderLayer", "LayerCache", "TransformerConfig", "Seq2SeqTransformer", "Transformer",
+            "EncoderLayer", "LayerCache", "LayerSpec", "TransformerConfig", "Seq2SeqTransformer", "Transformer",
             "TransformerDecoder", "TransformerEncoder"]
 from attnlab.models.bert import BertConfig, BertForMaskedLM, BertForPreTraining, BertModel  # noqa: E402
 from attnlab.models.hub import from_pretrained, save_pretrained  # noqa: E402

@@ -31,7 +31,7 @@ from attnlab._checks import boolean, check_int, check_rate, one_of
 from attnlab.models.hub import (PreTrainedMixin, WeightMap, check_attention_mask, check_encoder_outputs,
                                 check_token_inputs, pack, register, rename)
 from attnlab.models.outputs import Seq2SeqLMOutput
-from attnlab.nn.block import DecoderLayer, EncoderLayer, LayerCache
+from attnlab.nn.block import DecoderLayer, EncoderLayer, LayerCache, LayerSpec
 from attnlab.nn.dropout import Dropout
 
 # HF activation_function -> our FeedForward activation ("gelu_new" is the tanh approximation).
@@ -137,9 +137,10 @@ class _BartStack(nn.Module):
         return self.dropout(self.layernorm_embedding(tokens + self.embed_positions(pos)))  # (B, T, E)
 
 
-def _layer_kwargs(config: BartConfig, heads: int, ffn_dim: int) -> dict:
-    return dict(num_heads=heads, ffn_dim=ffn_dim, activation=HF_ACTIVATIONS[config.activation_function],
-                dropout=config.dropout, attn_dropout=config.attention_dropout, norm_first=False, norm_eps=1e-5)
+def _layer_spec(config: BartConfig, heads: int, ffn_dim: int) -> LayerSpec:
+    """The options of one BART encoder or decoder layer (post-norm, LayerNorm ε = 1e-5)."""
+    return LayerSpec(config.d_model, heads, ffn_dim=ffn_dim, activation=HF_ACTIVATIONS[config.activation_function],
+                     dropout=config.dropout, attn_dropout=config.attention_dropout, norm_first=False, norm_eps=1e-5)
 
 
 class BartForConditionalGeneration(PreTrainedMixin, nn.Module):
@@ -159,10 +160,10 @@ class BartForConditionalGeneration(PreTrainedMixin, nn.Module):
         c = self.config = config
         self.embed_scale = math.sqrt(c.d_model) if c.scale_embedding else 1.0
         self.shared = nn.Embedding(c.vocab_size, c.d_model, padding_idx=c.pad_token_id)
-        enc_kw = _layer_kwargs(c, c.encoder_attention_heads, c.encoder_ffn_dim)
-        dec_kw = _layer_kwargs(c, c.decoder_attention_heads, c.decoder_ffn_dim)
-        self.encoder = _BartStack(c, [EncoderLayer(c.d_model, **enc_kw) for _ in range(c.encoder_layers)])
-        self.decoder = _BartStack(c, [DecoderLayer(c.d_model, **dec_kw) for _ in range(c.decoder_layers)])
+        enc = _layer_spec(c, c.encoder_attention_heads, c.encoder_ffn_dim)
+        dec = _layer_spec(c, c.decoder_attention_heads, c.decoder_ffn_dim)
+        self.encoder = _BartStack(c, [EncoderLayer.from_spec(enc) for _ in range(c.encoder_layers)])
+        self.decoder = _BartStack(c, [DecoderLayer.from_spec(dec) for _ in range(c.decoder_layers)])
         self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
         self.register_buffer("final_logits_bias", torch.zeros(1, c.vocab_size))
         self._init_weights()

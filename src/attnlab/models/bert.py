@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from attnlab._checks import check_int, check_positive_float, check_rate, one_of
 from attnlab.models.hub import PreTrainedMixin, WeightMap, check_token_inputs, pack, register, rename
-from attnlab.nn.block import EncoderLayer
+from attnlab.nn.block import EncoderLayer, LayerSpec
 from attnlab.nn.dropout import Dropout
 from attnlab.nn.feedforward import ACTIVATIONS
 from attnlab.nn.inference import InferenceLayoutMixin
@@ -186,12 +186,11 @@ def encoder_layers(config, *, norm_first: bool) -> nn.ModuleList:
     """The encoder stack of a BERT-style HF config (BERT post-norm, ViT pre-norm): fields
     ``hidden_size, num_attention_heads, intermediate_size, hidden_act, hidden_dropout_prob,
     attention_probs_dropout_prob, layer_norm_eps, num_hidden_layers``."""
-    return nn.ModuleList(
-        EncoderLayer(config.hidden_size, config.num_attention_heads, ffn_dim=config.intermediate_size,
+    spec = LayerSpec(config.hidden_size, config.num_attention_heads, ffn_dim=config.intermediate_size,
                      activation=HIDDEN_ACTS[config.hidden_act], dropout=config.hidden_dropout_prob,
                      attn_dropout=config.attention_probs_dropout_prob, norm_first=norm_first,
                      norm_eps=config.layer_norm_eps, ffn_dropout=0.0)  # HF: no dropout on the FFN hidden layer
-        for _ in range(config.num_hidden_layers))
+    return nn.ModuleList(EncoderLayer.from_spec(spec) for _ in range(config.num_hidden_layers))
 
 
 class BertModel(_BertBase):

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from attnlab._checks import check_positive_float, is_int, one_of, positive_int, rate
 from attnlab.models.hub import PreTrainedMixin, WeightMap, check_token_inputs, pack, register, rename
 from attnlab.models.vit import check_pixel_values
-from attnlab.nn.block import EncoderLayer
+from attnlab.nn.block import EncoderLayer, LayerSpec
 from attnlab.nn.feedforward import quick_gelu  # noqa: F401  (public here since CLIP introduced it)
 
 # HF hidden_act -> our FeedForward activation.
@@ -194,11 +194,10 @@ class CLIPOutput:
 
 def _encoder_layers(cfg: Union[CLIPTextConfig, CLIPVisionConfig]) -> nn.ModuleList:
     """``num_hidden_layers`` pre-norm :class:`EncoderLayer` (no residual dropout, as HF's CLIP)."""
-    return nn.ModuleList(
-        EncoderLayer(cfg.hidden_size, cfg.num_attention_heads, ffn_dim=cfg.intermediate_size,
+    spec = LayerSpec(cfg.hidden_size, cfg.num_attention_heads, ffn_dim=cfg.intermediate_size,
                      activation=HIDDEN_ACTS[cfg.hidden_act], dropout=0.0, attn_dropout=cfg.attention_dropout,
                      norm_first=True, norm_eps=cfg.layer_norm_eps)
-        for _ in range(cfg.num_hidden_layers))
+    return nn.ModuleList(EncoderLayer.from_spec(spec) for _ in range(cfg.num_hidden_layers))
 
 
 class CLIPTextTransformer(nn.Module):

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from attnlab._checks import boolean, one_of, positive_int
 from attnlab.models.causal_lm import DecoderOnlyLM
 from attnlab.models.hub import WeightMap, register, rename
-from attnlab.nn.block import DecoderLayer
+from attnlab.nn.block import DecoderLayer, LayerSpec
 from attnlab.nn.dropout import Dropout
 
 # HF activation_function -> our FeedForward activation
@@ -114,12 +114,11 @@ class GPT2LMHeadModel(DecoderOnlyLM):
         self.wte = nn.Embedding(c.vocab_size, c.n_embd)
         self.wpe = nn.Embedding(c.n_positions, c.n_embd)
         self.drop = Dropout(c.embd_pdrop)
-        self.layers = nn.ModuleList(
-            DecoderLayer(c.n_embd, c.n_head, ffn_dim=c.n_inner or 4 * c.n_embd,
+        spec = LayerSpec(c.n_embd, c.n_head, ffn_dim=c.n_inner or 4 * c.n_embd,
                          activation=_HF_ACTIVATIONS[c.activation], dropout=c.resid_pdrop,
                          attn_dropout=c.attn_pdrop, norm_first=True, norm_eps=c.layer_norm_epsilon,
-                         bias=c.bias, cross_attention=False, ffn_dropout=0.0)  # HF GPT-2: no FFN hidden dropout
-            for _ in range(c.n_layer))
+                         bias=c.bias, ffn_dropout=0.0)  # HF GPT-2: no FFN hidden dropout
+        self.layers = nn.ModuleList(DecoderLayer.from_spec(spec, cross_attention=False) for _ in range(c.n_layer))
         self.ln_f = nn.LayerNorm(c.n_embd, eps=c.layer_norm_epsilon, bias=c.bias)
         self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from attnlab._checks import positive_int, positive_number
 from attnlab.models.causal_lm import DecoderOnlyLM
 from attnlab.models.hub import WeightMap, pack, register, rename
-from attnlab.nn.block import DecoderLayer
+from attnlab.nn.block import DecoderLayer, LayerSpec
 from attnlab.nn.norms import RMSNorm
 from attnlab.nn.positional import RotaryEmbedding
 
@@ -159,11 +159,11 @@ class LlamaForCausalLM(DecoderOnlyLM):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         # one RoPE table (non-persistent buffers) shared by every layer
         rope = RotaryEmbedding(c.head_dim, base=float(c.rope_theta), max_positions=min(c.max_position_embeddings, 4096))
-        self.layers = nn.ModuleList(
-            DecoderLayer(c.hidden_size, c.num_attention_heads, ffn_dim=c.intermediate_size, activation="swiglu",
+        spec = LayerSpec(c.hidden_size, c.num_attention_heads, ffn_dim=c.intermediate_size, activation="swiglu",
                          dropout=0.0, norm_first=True, norm="rmsnorm", norm_eps=c.rms_norm_eps,
-                         num_kv_heads=c.num_key_value_heads, bias=False, rotary=rope, cross_attention=False)
-            for _ in range(c.num_hidden_layers))
+                         num_kv_heads=c.num_key_value_heads, bias=False, rotary=rope)
+        self.layers = nn.ModuleList(DecoderLayer.from_spec(spec, cross_attention=False)
+                                    for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         for m in self.modules():  # HF Llama's initialisation: N(0, 0.02), unit RMSNorm gains

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 from torch import Tensor, nn
 
 from attnlab.functional.request import ScoreMod
-from attnlab.nn.block import DecoderLayer, EncoderLayer, LayerCache
+from attnlab.nn.block import DecoderLayer, EncoderLayer, LayerCache, LayerSpec
 from attnlab.nn.dropout import Dropout
 from attnlab.nn.norms import RMSNorm
 from attnlab.nn.positional import T5RelativeBias
@@ -88,13 +88,14 @@ class T5Stack(nn.Module):
                                             num_buckets=c.relative_attention_num_buckets,
                                             max_distance=c.relative_attention_max_distance)
         self.position_bias = SharedPositionBias(self.relative_bias)
-        kw = dict(ffn_dim=c.d_ff, activation="geglu_tanh" if c.feed_forward_proj == "gated-gelu" else "relu",
-                  dropout=c.dropout_rate, norm_first=True, norm="rmsnorm", norm_eps=c.layer_norm_epsilon,
-                  bias=False, head_dim=c.d_kv, scale=1.0, position_bias=self.position_bias)
+        spec = LayerSpec(c.d_model, c.num_heads, ffn_dim=c.d_ff,
+                         activation="geglu_tanh" if c.feed_forward_proj == "gated-gelu" else "relu",
+                         dropout=c.dropout_rate, norm_first=True, norm="rmsnorm", norm_eps=c.layer_norm_epsilon,
+                         bias=False, head_dim=c.d_kv, scale=1.0, position_bias=self.position_bias)
         if decoder:
-            layers = [DecoderLayer(c.d_model, c.num_heads, **kw) for _ in range(c.num_decoder_layers)]
+            layers = [DecoderLayer.from_spec(spec) for _ in range(c.num_decoder_layers)]
         else:
-            layers = [EncoderLayer(c.d_model, c.num_heads, **kw) for _ in range(c.num_layers)]
+            layers = [EncoderLayer.from_spec(spec) for _ in range(c.num_layers)]
         self.layers = nn.ModuleList(layers)
         self.final_norm = RMSNorm(c.d_model, eps=c.layer_norm_epsilon)
         self.dropout = Dropout(c.dropout_rate)

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Callable, Optional, Union
 
 import torch
@@ -25,7 +26,7 @@ from attnlab._checks import positive_int
 from attnlab.models.config import TransformerConfig
 from attnlab.models.hub import check_attention_mask
 from attnlab.models.outputs import Seq2SeqLMOutput
-from attnlab.nn.block import AttentionWeights, DecoderLayer, EncoderLayer, LayerCache
+from attnlab.nn.block import AttentionWeights, DecoderLayer, EncoderLayer, LayerCache, LayerSpec
 from attnlab.nn.dropout import Dropout
 from attnlab.nn.norms import make_norm
 from attnlab.nn.positional import (ALiBi, LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEmbedding,
@@ -115,11 +116,12 @@ class Transformer(nn.Module):
                  norm_eps: float = 1e-5, num_kv_heads: Optional[int] = None, bias: bool = True,
                  backend: str = "auto") -> None:
         super().__init__()
-        kw = dict(ffn_dim=ffn_dim, activation=activation, dropout=dropout, norm_first=norm_first, norm=norm,
-                  norm_eps=norm_eps, num_kv_heads=num_kv_heads, bias=bias, backend=backend)
-        self.encoder = TransformerEncoder(lambda i: EncoderLayer(dim, num_heads, **kw), num_encoder_layers,
+        spec = LayerSpec(dim, num_heads, ffn_dim=ffn_dim, activation=activation, dropout=dropout,
+                         norm_first=norm_first, norm=norm, norm_eps=norm_eps, num_kv_heads=num_kv_heads, bias=bias,
+                         backend=backend)
+        self.encoder = TransformerEncoder(lambda i: EncoderLayer.from_spec(spec), num_encoder_layers,
                                           norm=make_norm(norm, dim, eps=norm_eps))
-        self.decoder = TransformerDecoder(lambda i: DecoderLayer(dim, num_heads, **kw), num_decoder_layers,
+        self.decoder = TransformerDecoder(lambda i: DecoderLayer.from_spec(spec), num_decoder_layers,
                                           norm=make_norm(norm, dim, eps=norm_eps))
         _xavier_(self)
 
@@ -185,9 +187,10 @@ class Seq2SeqTransformer(nn.Module):
             self.tgt_pos = LearnedPositionalEmbedding(c.max_positions, c.dim)
         enc_pos, dec_pos = self._attention_positions(c)
         self.dropout = Dropout(c.dropout)
-        kw = dict(ffn_dim=c.ffn_dim, activation=c.activation, dropout=c.dropout, attn_dropout=c.attn_dropout,
-                  norm_first=c.norm_first, norm=c.norm, norm_eps=c.norm_eps, num_kv_heads=c.num_kv_heads,
-                  bias=c.bias, backend=c.backend)
+        spec = LayerSpec(c.dim, c.num_heads, ffn_dim=c.ffn_dim, activation=c.activation, dropout=c.dropout,
+                         attn_dropout=c.attn_dropout, norm_first=c.norm_first, norm=c.norm, norm_eps=c.norm_eps,
+                         num_kv_heads=c.num_kv_heads, bias=c.bias, backend=c.backend)
+        enc_spec, dec_spec = replace(spec, **enc_pos), replace(spec, **dec_pos)
 
         def final_norm() -> Optional[nn.Module]:
             return make_norm(c.norm, c.dim, eps=c.norm_eps) if c.norm_first else None
@@ -196,10 +199,10 @@ class Seq2SeqTransformer(nn.Module):
             return c.drop_path * i / (n - 1) if n > 1 else c.drop_path
 
         self.encoder = TransformerEncoder(
-            lambda i: EncoderLayer(c.dim, c.num_heads, drop_path=rate(i, c.num_encoder_layers), **enc_pos, **kw),
+            lambda i: EncoderLayer.from_spec(replace(enc_spec, drop_path=rate(i, c.num_encoder_layers))),
             c.num_encoder_layers, norm=final_norm())
         self.decoder = TransformerDecoder(
-            lambda i: DecoderLayer(c.dim, c.num_heads, drop_path=rate(i, c.num_decoder_layers), **dec_pos, **kw),
+            lambda i: DecoderLayer.from_spec(replace(dec_spec, drop_path=rate(i, c.num_decoder_layers))),
             c.num_decoder_layers, norm=final_norm())
         self.out_proj = nn.Linear(c.dim, c.tgt_vocab_size, bias=False)
         _xavier_(self.encoder)

@@ -10,22 +10,26 @@ dropped with probability ``p`` and the kept ones scaled by ``1 / (1 - p)``; in e
 identity. Module names follow ``torch.nn.TransformerEncoderLayer``/``DecoderLayer`` (``self_attn``,
 ``cross_attn`` ≙ torch's ``multihead_attn``, ``ffn.w1/w2`` ≙ ``linear1/linear2``, ``norm1..3``), so
 ``from_torch`` converts those layers with weights copied.
+
+The options of a layer (widths, dropouts, norm, positions, backend) live in one frozen
+:class:`LayerSpec`, checked once; ``EncoderLayer(dim, num_heads, **options)`` and
+``EncoderLayer.from_spec(spec)`` build the same layer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, fields
 from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab._checks import boolean, rate
+from attnlab._checks import boolean, one_of, positive_int, positive_number, rate
 from attnlab.modules.multihead import MultiheadAttention
 from attnlab.modules.cache import KVCache
 from attnlab.nn.dropout import Dropout
-from attnlab.nn.feedforward import FeedForward
-from attnlab.nn.norms import make_norm
+from attnlab.nn.feedforward import FFN_ACTIVATIONS, FeedForward
+from attnlab.nn.norms import NORMS, make_norm
 
 
 class DropPath(nn.Module):
@@ -73,30 +77,121 @@ class LayerCache:
         return cls(KVCache(max_length=max_length), KVCache(static=True) if cross_attention else None)
 
 
-class _ResidualLayer(nn.Module):
-    """Shared constructor checks and the residual wrapper of :class:`EncoderLayer` / :class:`DecoderLayer`."""
+@dataclass(frozen=True)
+class LayerSpec:
+    """The options of one :class:`EncoderLayer` / :class:`DecoderLayer`, held and checked in one place.
 
-    def __init__(self, dim: int, num_heads: int, *, ffn_dim: int, activation: str, dropout: float,
-                 attn_dropout: Optional[float], norm_first: bool, norm: str, norm_eps: float,
-                 drop_path: float, num_kv_heads: Optional[int], bias: bool, rotary: Optional[nn.Module],
-                 position_bias: Optional[nn.Module], backend: str, num_sublayers: int,
-                 ffn_dropout: Optional[float], head_dim: Optional[int], scale: Optional[float]) -> None:
+    Build a layer from it with ``EncoderLayer.from_spec(spec)`` or
+    ``DecoderLayer.from_spec(spec, cross_attention=...)``; ``EncoderLayer(dim, num_heads, **options)``
+    builds the same spec from its keywords. A stack of identical layers shares one spec
+    (``dataclasses.replace(spec, drop_path=p)`` for a per-layer rate).
+
+    Args:
+        dim: model width E.
+        num_heads: attention heads H.
+        ffn_dim: feed-forward hidden width.
+        activation: FFN activation (see :class:`attnlab.nn.feedforward.FeedForward`).
+        dropout: dropout on the residual branches (and the FFN hidden layer, as ``torch.nn.Transformer``).
+        attn_dropout: dropout on the attention weights (default ``dropout``).
+        ffn_dropout: dropout on the FFN hidden layer (default ``dropout``; GPT-2 and BERT have none).
+        norm_first: pre-norm instead of post-norm.
+        norm: ``"layernorm"`` or ``"rmsnorm"``; ``norm_eps`` its ε.
+        drop_path: stochastic-depth probability of each residual branch.
+        num_kv_heads: key/value heads for grouped-query attention.
+        bias: biases in the attention, FFN and norm layers.
+        rotary, position_bias: positional modules handed to the self-attention
+            (see :class:`attnlab.modules.multihead.MultiheadAttention`); shared, not copied.
+        backend: attention backend.
+        head_dim: per-head width of every attention (default ``dim // num_heads``; T5: ``d_kv``).
+        scale: score scale κ of every attention (default ``1 / sqrt(head_dim)``; T5: 1).
+
+    Raises:
+        ValueError / TypeError: an option is invalid (the message names it). The attention's own
+            checks (``num_kv_heads``, ``head_dim``, ``scale``, ``backend``) run when a layer is built.
+    """
+
+    dim: int
+    num_heads: int
+    _: KW_ONLY
+    ffn_dim: int
+    activation: str = "relu"
+    dropout: float = 0.1
+    attn_dropout: Optional[float] = None
+    ffn_dropout: Optional[float] = None
+    norm_first: bool = False
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    drop_path: float = 0.0
+    num_kv_heads: Optional[int] = None
+    bias: bool = True
+    rotary: Optional[nn.Module] = None
+    position_bias: Optional[nn.Module] = None
+    backend: str = "auto"
+    head_dim: Optional[int] = None
+    scale: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        positive_int("dim", self.dim)
+        positive_int("num_heads", self.num_heads)
+        positive_int("ffn_dim", self.ffn_dim)
+        one_of("activation", self.activation, FFN_ACTIVATIONS)
+        rate("dropout", self.dropout)
+        rate("attn_dropout", self.resolved_attn_dropout)
+        rate("ffn_dropout", self.resolved_ffn_dropout)
+        boolean("norm_first", self.norm_first)
+        one_of("norm", self.norm, NORMS)
+        positive_number("norm_eps", self.norm_eps)
+        rate("drop_path", self.drop_path)
+
+    @property
+    def resolved_attn_dropout(self) -> float:
+        """Dropout on the attention weights: ``attn_dropout``, or ``dropout`` when it is None."""
+        return self.dropout if self.attn_dropout is None else self.attn_dropout
+
+    @property
+    def resolved_ffn_dropout(self) -> float:
+        """Dropout on the FFN hidden layer: ``ffn_dropout``, or ``dropout`` when it is None."""
+        return self.dropout if self.ffn_dropout is None else self.ffn_dropout
+
+    def options(self) -> dict:
+        """Every option but ``dim`` and ``num_heads``, as keywords (modules shared, not copied)."""
+        return {name: getattr(self, name) for name in _SPEC_OPTIONS}
+
+    @classmethod
+    def _from_keywords(cls, owner: str, dim: int, num_heads: int, options: dict) -> "LayerSpec":
+        """``LayerSpec(dim, num_heads, **options)``; an unknown keyword is a ``TypeError`` naming it and ``owner``."""
+        unknown = [name for name in options if name not in _SPEC_OPTIONS]
+        if unknown:
+            raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r};"
+                            f" its options are LayerSpec's: {', '.join(_SPEC_OPTIONS)}")
+        return cls(dim, num_heads, **options)
+
+
+_SPEC_OPTIONS = tuple(f.name for f in fields(LayerSpec) if f.name not in ("dim", "num_heads"))  # field order
+
+
+def _is_spec(spec) -> None:
+    if not isinstance(spec, LayerSpec):
+        raise TypeError(f"spec must be a LayerSpec, got {type(spec).__name__}")
+
+
+class _ResidualLayer(nn.Module):
+    """The sub-modules built from a :class:`LayerSpec` and the residual wrapper of Encoder/DecoderLayer."""
+
+    def __init__(self, spec: LayerSpec, num_sublayers: int) -> None:
         super().__init__()
-        rate("dropout", dropout)
-        attn_dropout = dropout if attn_dropout is None else attn_dropout
-        rate("attn_dropout", attn_dropout)
-        ffn_dropout = dropout if ffn_dropout is None else ffn_dropout
-        rate("ffn_dropout", ffn_dropout)
-        boolean("norm_first", norm_first)
-        self.dim, self.num_heads, self.norm_first = dim, num_heads, norm_first
-        self.self_attn = MultiheadAttention(dim, num_heads, num_kv_heads=num_kv_heads, bias=bias,
-                                            dropout=attn_dropout, head_dim=head_dim, scale=scale, rotary=rotary,
-                                            position_bias=position_bias, backend=backend)
-        self.ffn = FeedForward(dim, ffn_dim, activation=activation, dropout=ffn_dropout, bias=bias)
+        self.spec = spec
+        self.dim, self.num_heads, self.norm_first = spec.dim, spec.num_heads, spec.norm_first
+        self.self_attn = MultiheadAttention(spec.dim, spec.num_heads, num_kv_heads=spec.num_kv_heads, bias=spec.bias,
+                                            dropout=spec.resolved_attn_dropout, head_dim=spec.head_dim,
+                                            scale=spec.scale, rotary=spec.rotary, position_bias=spec.position_bias,
+                                            backend=spec.backend)
+        self.ffn = FeedForward(spec.dim, spec.ffn_dim, activation=spec.activation, dropout=spec.resolved_ffn_dropout,
+                               bias=spec.bias)
         for i in range(1, num_sublayers + 1):
-            setattr(self, f"norm{i}", make_norm(norm, dim, eps=norm_eps, bias=bias))
-            setattr(self, f"dropout{i}", Dropout(dropout))
-        self.drop_path = DropPath(drop_path)
+            setattr(self, f"norm{i}", make_norm(spec.norm, spec.dim, eps=spec.norm_eps, bias=spec.bias))
+            setattr(self, f"dropout{i}", Dropout(spec.dropout))
+        self.drop_path = DropPath(spec.drop_path)
 
     def _residual(self, x: Tensor, i: int, branch: Callable[[Tensor], Tensor]) -> Tensor:
         """Sub-layer ``i`` (1-based) around ``branch`` with norm ``norm{i}`` and dropout ``dropout{i}``."""
@@ -127,41 +222,25 @@ class _ResidualLayer(nn.Module):
 class EncoderLayer(_ResidualLayer):
     """Self-attention then feed-forward, each in a (post- or pre-norm) residual branch.
 
-    Args:
-        dim: model width E.
-        num_heads: attention heads H.
-        ffn_dim: feed-forward hidden width.
-        activation: FFN activation (see :class:`attnlab.nn.feedforward.FeedForward`).
-        dropout: dropout on the residual branches (and the FFN hidden layer, as ``torch.nn.Transformer``).
-        attn_dropout: dropout on the attention weights (default ``dropout``).
-        ffn_dropout: dropout on the FFN hidden layer (default ``dropout``; GPT-2 and BERT have none).
-        norm_first: pre-norm instead of post-norm.
-        norm: ``"layernorm"`` or ``"rmsnorm"``; ``norm_eps`` its ε.
-        drop_path: stochastic-depth probability of each residual branch.
-        num_kv_heads: key/value heads for grouped-query attention.
-        bias: biases in the attention and FFN linear layers.
-        rotary, position_bias: positional modules handed to the self-attention
-            (see :class:`attnlab.modules.multihead.MultiheadAttention`).
-        backend: attention backend.
-        head_dim: per-head width of every attention (default ``dim // num_heads``; T5: ``d_kv``).
-        scale: score scale κ of every attention (default ``1 / sqrt(head_dim)``; T5: 1).
+    ``EncoderLayer(dim, num_heads, ffn_dim=..., **options)``: the options and their defaults are
+    :class:`LayerSpec`'s (``activation``, ``dropout``, ``attn_dropout``, ``ffn_dropout``, ``norm_first``,
+    ``norm``, ``norm_eps``, ``drop_path``, ``num_kv_heads``, ``bias``, ``rotary``, ``position_bias``,
+    ``backend``, ``head_dim``, ``scale``); ``EncoderLayer.from_spec(spec)`` builds the same layer from a spec.
+    The layer keeps the spec it was built from as ``self.spec``.
 
     Raises:
-        ValueError / TypeError: an argument is invalid (the message names it).
+        TypeError: an unknown keyword (the message names it).
+        ValueError / TypeError: an option is invalid (the message names it).
     """
 
-    def __init__(self, dim: int, num_heads: int, *, ffn_dim: int, activation: str = "relu",
-                 dropout: float = 0.1, attn_dropout: Optional[float] = None, norm_first: bool = False,
-                 norm: str = "layernorm", norm_eps: float = 1e-5, drop_path: float = 0.0,
-                 num_kv_heads: Optional[int] = None, bias: bool = True, rotary: Optional[nn.Module] = None,
-                 position_bias: Optional[nn.Module] = None, backend: str = "auto",
-                 ffn_dropout: Optional[float] = None, head_dim: Optional[int] = None,
-                 scale: Optional[float] = None) -> None:
-        super().__init__(dim, num_heads, ffn_dim=ffn_dim, activation=activation, dropout=dropout,
-                         attn_dropout=attn_dropout, norm_first=norm_first, norm=norm, norm_eps=norm_eps,
-                         drop_path=drop_path, num_kv_heads=num_kv_heads, bias=bias, rotary=rotary,
-                         position_bias=position_bias, backend=backend, num_sublayers=2, ffn_dropout=ffn_dropout,
-                         head_dim=head_dim, scale=scale)
+    def __init__(self, dim: int, num_heads: int, **options) -> None:
+        super().__init__(LayerSpec._from_keywords(type(self).__name__, dim, num_heads, options), 2)
+
+    @classmethod
+    def from_spec(cls, spec: LayerSpec) -> "EncoderLayer":
+        """The layer of ``spec``: the same as ``EncoderLayer(spec.dim, spec.num_heads, **options)``."""
+        _is_spec(spec)
+        return cls(spec.dim, spec.num_heads, **spec.options())
 
     def forward(self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
                 is_causal: bool = False, need_weights: bool = False
@@ -196,29 +275,32 @@ class EncoderLayer(_ResidualLayer):
 class DecoderLayer(_ResidualLayer):
     """Causal self-attention, cross-attention on the encoder memory, feed-forward; each residual.
 
-    Takes :class:`EncoderLayer`'s arguments plus ``cross_attention`` (False: a decoder-only, GPT-style
-    layer with no memory). ``rotary`` / ``position_bias`` apply to the self-attention only (query
-    and memory positions are unrelated).
+    ``DecoderLayer(dim, num_heads, ffn_dim=..., cross_attention=True, **options)``: the options are
+    :class:`LayerSpec`'s, as :class:`EncoderLayer`; ``DecoderLayer.from_spec(spec, cross_attention=...)``
+    builds the same layer from a spec. ``cross_attention`` False: a decoder-only, GPT-style layer with
+    no memory. ``rotary`` / ``position_bias`` apply to the self-attention only (query and memory
+    positions are unrelated).
+
+    Raises:
+        TypeError: an unknown keyword, or ``cross_attention`` not a bool (the message names it).
+        ValueError / TypeError: an option is invalid (the message names it).
     """
 
-    def __init__(self, dim: int, num_heads: int, *, ffn_dim: int, activation: str = "relu",
-                 dropout: float = 0.1, attn_dropout: Optional[float] = None, norm_first: bool = False,
-                 norm: str = "layernorm", norm_eps: float = 1e-5, drop_path: float = 0.0,
-                 num_kv_heads: Optional[int] = None, bias: bool = True, rotary: Optional[nn.Module] = None,
-                 position_bias: Optional[nn.Module] = None, backend: str = "auto",
-                 cross_attention: bool = True, ffn_dropout: Optional[float] = None,
-                 head_dim: Optional[int] = None, scale: Optional[float] = None) -> None:
+    def __init__(self, dim: int, num_heads: int, *, cross_attention: bool = True, **options) -> None:
         boolean("cross_attention", cross_attention)
-        super().__init__(dim, num_heads, ffn_dim=ffn_dim, activation=activation, dropout=dropout,
-                         attn_dropout=attn_dropout, norm_first=norm_first, norm=norm, norm_eps=norm_eps,
-                         drop_path=drop_path, num_kv_heads=num_kv_heads, bias=bias, rotary=rotary,
-                         position_bias=position_bias, backend=backend, num_sublayers=3 if cross_attention else 2,
-                         ffn_dropout=ffn_dropout, head_dim=head_dim, scale=scale)
+        spec = LayerSpec._from_keywords(type(self).__name__, dim, num_heads, options)
+        super().__init__(spec, 3 if cross_attention else 2)
         self.cross_attn = None
         if cross_attention:
-            self.cross_attn = MultiheadAttention(dim, num_heads, num_kv_heads=num_kv_heads, bias=bias,
-                                                 dropout=self.self_attn.dropout, head_dim=head_dim, scale=scale,
-                                                 backend=backend)
+            self.cross_attn = MultiheadAttention(spec.dim, spec.num_heads, num_kv_heads=spec.num_kv_heads,
+                                                 bias=spec.bias, dropout=self.self_attn.dropout,
+                                                 head_dim=spec.head_dim, scale=spec.scale, backend=spec.backend)
+
+    @classmethod
+    def from_spec(cls, spec: LayerSpec, *, cross_attention: bool = True) -> "DecoderLayer":
+        """The layer of ``spec``: as ``DecoderLayer(spec.dim, spec.num_heads, cross_attention=..., **options)``."""
+        _is_spec(spec)
+        return cls(spec.dim, spec.num_heads, cross_attention=cross_attention, **spec.options())
 
     def forward(self, x: Tensor, memory: Optional[Tensor] = None, *, tgt_key_padding_mask: Optional[Tensor] = None,
                 memory_key_padding_mask: Optional[Tensor] = None, tgt_mask: Optional[Tensor] = None,
