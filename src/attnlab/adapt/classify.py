@@ -82,11 +82,13 @@ def pad_id_for(model: nn.Module, tokenizer) -> int:
     return 0 if pad is None else int(pad)
 
 
-def _forward(model: nn.Module, batch: EncodedBatch) -> Tensor:
+def forward_logits(model: nn.Module, batch: EncodedBatch) -> Tensor:
+    """``(B, num_labels)`` logits of a sequence classifier on an encoded batch (a GPT-2 head without
+    ``pad_token_id`` reads one sequence at a time)."""
     if hasattr(model, "bert"):
         return model(batch.input_ids, batch.attention_mask, batch.token_type_ids).logits
     if getattr(model.config, "pad_token_id", None) is None and batch.input_ids.shape[0] > 1:
-        return torch.cat([_forward(model, EncodedBatch(*(t[b:b + 1, :int(batch.attention_mask[b].sum())]
+        return torch.cat([forward_logits(model, EncodedBatch(*(t[b:b + 1, :int(batch.attention_mask[b].sum())]
                                                          for t in (batch.input_ids, batch.attention_mask,
                                                                    batch.token_type_ids))))
                           for b in range(batch.input_ids.shape[0])])
@@ -112,7 +114,7 @@ def logits_of(model: nn.Module, tokenizer, texts: Sequence[str], texts_b: Option
             b = encode_texts(tokenizer, texts[i:i + batch_size], None if texts_b is None else texts_b[i:i + batch_size],
                              pad_id=pad, max_length=max_length)
             b = EncodedBatch(*(t.to(device) for t in (b.input_ids, b.attention_mask, b.token_type_ids)))
-            out.append(_forward(model, b).float().cpu())
+            out.append(forward_logits(model, b).float().cpu())
     return torch.cat(out)
 
 

@@ -390,6 +390,48 @@ class GPT2ForSequenceClassification(GPT2LMHeadModel):
         return SequenceClassifierOutput(logits, loss, None, out.attentions)
 
 
+SEQUENCE_CLASSIFIERS = {"bert": BertForSequenceClassification, "gpt2": GPT2ForSequenceClassification}
+
+
+def classifier_from_pretrained(path, id2label: dict, *, problem_type: Optional[str] = None,
+                               pad_token_id: Optional[int] = None, dtype: Optional[torch.dtype] = None):
+    """A sequence classifier with the labels ``id2label`` from any checkpoint of its family (a bare
+    encoder, an LM, another classifier): the body's weights are loaded, the head is freshly initialised
+    (one warning line) unless the checkpoint's head already has one output per label.
+
+    Args:
+        path: an HF-format folder or Hub id (:func:`attnlab.models.hub.resolve_pretrained`).
+        id2label: ``{index: name}`` of the new head.
+        pad_token_id: GPT-2's padding id when its config has none (e.g. the tokenizer's, or ``eos``).
+
+    Raises:
+        ValueError: a ``model_type`` with no sequence-classification head here, or the loader's refusals.
+    """
+    from attnlab.models.hub import load_weights, read_config, resolve_pretrained
+
+    folder = resolve_pretrained(path)
+    raw, family = read_config(folder)
+    cls = SEQUENCE_CLASSIFIERS.get(family.model_type)
+    if cls is None:
+        raise ValueError(f"{str(folder)!r} holds a {family.model_type!r} model; sequence classification is "
+                         f"available for {sorted(SEQUENCE_CLASSIFIERS)}")
+    config = cls.config_from_hf(raw)
+    pad = config.pad_token_id if config.pad_token_id is not None else pad_token_id
+    if cls is GPT2ForSequenceClassification and pad is None:
+        pad = config.base.eos_token_id  # GPT-2 has no padding token; its end-of-text serves, as is common
+    config = ClassifierConfig(config.base, id2label=id2label, problem_type=problem_type,
+                              classifier_dropout=config.classifier_dropout, pad_token_id=pad)
+    head = {"bert": ("classifier.weight", "classifier.bias"), "gpt2": ("score.weight",)}[family.model_type]
+    weights = {k: v for k, v in load_weights(folder).items()
+               if k not in head or v.shape[0] == config.num_labels}  # a head of another size: replaced
+    config, hf = cls.adapt_hf_checkpoint(config, weights)
+    model = cls(config)
+    model.load_state_dict(model.from_hf_state_dict(hf), strict=True)
+    if dtype is None:
+        dtype = next(v.dtype for v in hf.values() if v.is_floating_point())
+    return model.to(dtype)
+
+
 def _extend(model_type: str, *classes: type) -> None:
     """Add ``classes`` (by their ``hf_architecture``) to the registered family ``model_type``."""
     family = MODEL_TYPES[model_type]
