@@ -197,3 +197,24 @@ def test_bad_configs_and_batches_are_refused():
     qa = BertForQuestionAnswering(ClassifierConfig(BertConfig(**BERT))).eval()
     with pytest.raises(ValueError, match="both start_positions and end_positions"):
         qa(ids, start_positions=torch.zeros(3, dtype=torch.long))
+
+
+def test_classifier_from_pretrained_keeps_the_body_and_sizes_the_head(tmp_path):
+    from attnlab.models.heads import classifier_from_pretrained
+
+    torch.manual_seed(0)
+    lm = GPT2LMHeadModel(GPT2Config(**GPT2)).eval()
+    lm.save_pretrained(tmp_path / "gpt2")
+    with pytest.warns(UserWarning, match="score.weight"):
+        clf = classifier_from_pretrained(tmp_path / "gpt2", {0: "a", 1: "b", 2: "c"}).eval()
+    assert clf.config.pad_token_id == GPT2["eos_token_id"] and clf.score.weight.shape == (3, 32)
+    assert torch.equal(clf.wte.weight, lm.wte.weight) and torch.equal(clf.layers[1].ffn.w2.weight,
+                                                                      lm.layers[1].ffn.w2.weight)
+    hf = _hf("BertForSequenceClassification")  # a 3-label head: kept for 3 labels, replaced for 2
+    hf.save_pretrained(tmp_path / "bert")
+    same = classifier_from_pretrained(tmp_path / "bert", {0: "x", 1: "y", 2: "z"})
+    assert torch.equal(same.classifier.weight, hf.classifier.weight) and same.config.id2label[2] == "z"
+    with pytest.warns(UserWarning, match="classifier.weight"):
+        two = classifier_from_pretrained(tmp_path / "bert", {0: "x", 1: "y"})
+    assert two.classifier.weight.shape == (2, 32)
+    assert torch.equal(two.bert.pooler.weight, hf.bert.pooler.dense.weight)
