@@ -67,7 +67,8 @@ def test_minilm_tells_german_from_english_and_transformers_loads_it(tmp_path, ca
                         + [{"text": t, "label": "en"} for t in en])
     out = tmp_path / "run"
     assert main(["train", "classify", "--out", str(out), "--quiet", "--set", f"model={minilm.get_model_path()}",
-                 "--set", f"data={data}", "--set", "max_steps=40", "--set", "eval_every=20", "--set", "max_len=48"]) == 0
+                 "--set", f"data={data}", "--set", "max_steps=40", "--set", "eval_every=20",
+                 "--set", "max_len=48"]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["val_examples"] == 60 and metrics["labels"] == ["de", "en"]
     assert metrics["val_accuracy"] >= 0.95 and metrics["val_macro_f1"] >= 0.95 and 0 <= metrics["val_ece"] <= 0.2

@@ -46,7 +46,8 @@ def main(args: argparse.Namespace) -> int:
     from attnlab.models.hub import from_pretrained, resolve_pretrained
 
     if args.text_b is not None and len(args.text_b) != len(args.text):
-        raise ValueError(f"--text-b must be given once per --text: {len(args.text)} --text, {len(args.text_b)} --text-b")
+        raise ValueError(f"--text-b must be given once per --text: {len(args.text)} --text, "
+                         f"{len(args.text_b)} --text-b")
     for flag, v in (("--max-length", args.max_length), ("--batch-size", args.batch_size)):
         if v < 1:
             raise ValueError(f"{flag} must be >= 1, got {v}")
@@ -54,7 +55,8 @@ def main(args: argparse.Namespace) -> int:
     model = from_pretrained(folder, dtype=model_dtype(args)).to(args.device or "cpu")
     if not is_sequence_classifier(model):
         raise ValueError(f"--model {args.model} holds a {type(model).__name__}; predict needs a sequence classifier "
-                         "(config.json's architectures: BertForSequenceClassification or GPT2ForSequenceClassification)")
+                         "(config.json's architectures: BertForSequenceClassification or "
+                         "GPT2ForSequenceClassification)")
     tokenizer = load_tokenizer(folder)
     if not isinstance(tokenizer, TextTokenizer):
         raise ValueError(f"--model {args.model} must hold a subword tokenizer.json, not a character tokenizer")

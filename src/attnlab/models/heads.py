@@ -92,6 +92,7 @@ class ClassifierConfig:
             check_int("pad_token_id", self.pad_token_id, 0)
 
     def __getattr__(self, name: str):
+        """The family's fields (``hidden_size``, ``vocab_size``, …) read through to ``base``."""
         if name == "base":  # not set yet (during copy / unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.base, name)
@@ -171,7 +172,8 @@ def classification_loss(logits: Tensor, labels, config: ClassifierConfig) -> Ten
 def _cross_entropy(logits: Tensor, labels, shape: tuple[int, ...], name: str) -> Tensor:
     """``CE(logits (…, n), labels (…))`` after checking ``labels``: integers in ``[0, n)`` or -100, ``shape``."""
     n = logits.shape[-1]
-    if not isinstance(labels, Tensor) or labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+    if not isinstance(labels, Tensor) or labels.is_floating_point() or labels.is_complex() \
+            or labels.dtype == torch.bool:
         raise ValueError(f"{name} must be an integer tensor of shape {shape} (class indices), got "
                          f"{getattr(labels, 'dtype', type(labels).__name__)}")
     if tuple(labels.shape) != tuple(shape):
@@ -208,7 +210,9 @@ class _BertHead(_BertBase):
         setattr(self, self.head_name, nn.Linear(config.base.hidden_size, self._outputs(config)))
         self._init_weights(config.base.initializer_range)
 
-    def _outputs(self, config: ClassifierConfig) -> int:
+    @classmethod
+    def _outputs(cls, config: ClassifierConfig) -> int:
+        """The head's number of outputs."""
         return config.num_labels
 
     @classmethod
@@ -233,12 +237,12 @@ class _BertHead(_BertBase):
             {k: v for k, v in hf.items() if not k.startswith(("cls.", "classifier.", "qa_outputs."))}
         pooler = ("pooler.dense.weight", "pooler.dense.bias")
         if cls.with_pooler:
-            config_base, enc = BertModel.adapt_hf_checkpoint(config.base, enc)
+            _, enc = BertModel.adapt_hf_checkpoint(config.base, enc)
         else:
             enc = {k: v for k, v in enc.items() if k not in pooler}
         if not head and "embeddings.word_embeddings.weight" in enc:
             dtype = enc["embeddings.word_embeddings.weight"].dtype
-            n, E = cls._outputs(cls, config), config.base.hidden_size
+            n, E = cls._outputs(config), config.base.hidden_size
             warnings.warn(f"the checkpoint has no {cls.head_name}.weight / .bias: {cls.__name__}'s head is freshly "
                           f"initialised ({n} outputs), train it before use", stacklevel=3)
             head = {f"{cls.head_name}.weight": torch.randn(n, E).mul_(config.base.initializer_range).to(dtype),
@@ -289,7 +293,9 @@ class BertForQuestionAnswering(_BertHead):
     hf_architecture = "BertForQuestionAnswering"
     head_name = "qa_outputs"
 
-    def _outputs(self, config: ClassifierConfig) -> int:
+    @classmethod
+    def _outputs(cls, config: ClassifierConfig) -> int:
+        """2 (start, end); another ``num_labels`` is refused."""
         if config.num_labels != 2:
             raise ValueError(f"BertForQuestionAnswering needs num_labels=2 (start, end), got {config.num_labels}")
         return 2
@@ -306,7 +312,8 @@ class BertForQuestionAnswering(_BertHead):
         if start_positions is not None and end_positions is not None:
             B, L = start.shape
             parts = []
-            for name, logits, pos in (("start_positions", start, start_positions), ("end_positions", end, end_positions)):
+            for name, logits, pos in (("start_positions", start, start_positions),
+                                      ("end_positions", end, end_positions)):
                 if not isinstance(pos, Tensor) or pos.is_floating_point() or pos.reshape(-1).shape != (B,):
                     raise ValueError(f"{name} must be an integer tensor of shape (B,) = ({B},), got "
                                      f"{getattr(pos, 'dtype', type(pos).__name__)} {tuple(getattr(pos, 'shape', ()))}")
@@ -363,7 +370,8 @@ class GPT2ForSequenceClassification(GPT2LMHeadModel):
         return config, hf
 
     def head(self, x: Tensor) -> Tensor:
-        return self.score(self.ln_f(x))  # (B, T, num_labels)
+        """``W_s LN_f(h)`` at every position, ``(B, T, num_labels)``; :meth:`forward` picks one per sequence."""
+        return self.score(self.ln_f(x))
 
     def forward(self, input_ids: Tensor, *, attention_mask: Optional[Tensor] = None,
                 labels: Optional[Tensor] = None, output_attentions: bool = False) -> SequenceClassifierOutput:

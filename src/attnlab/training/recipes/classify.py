@@ -185,9 +185,11 @@ class ClassifyBatches:
                                max_len=self.max_len)
 
     def state_dict(self) -> dict:
+        """The sampler's generator state (a resumed run draws the batches an uninterrupted one would)."""
         return {"generator": self.generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s state. Raises ValueError for anything else."""
         if not isinstance(state, dict) or not isinstance(state.get("generator"), Tensor):
             raise ValueError("state must be a dict with a 'generator' tensor (from ClassifyBatches.state_dict)")
         self.generator.set_state(state["generator"].clone())
@@ -224,7 +226,8 @@ def evaluate_classifier(model: nn.Module, *, batches: Sequence[dict[str, Tensor]
     z, y = torch.cat(logits), torch.cat(labels)
     p = probabilities(z, model.config)
     pred = p.argmax(-1)
-    return {"val_loss": float(torch.nn.functional.cross_entropy(z, y)), "val_accuracy": float((pred == y).double().mean()),
+    return {"val_loss": float(torch.nn.functional.cross_entropy(z, y)),
+            "val_accuracy": float((pred == y).double().mean()),
             "val_macro_f1": macro_f1(pred, y, model.config.num_labels),
             "val_ece": expected_calibration_error(p, y, from_logits=False), "val_examples": int(y.numel())}
 
