@@ -218,3 +218,21 @@ def test_classifier_from_pretrained_keeps_the_body_and_sizes_the_head(tmp_path):
         two = classifier_from_pretrained(tmp_path / "bert", {0: "x", 1: "y"})
     assert two.classifier.weight.shape == (2, 32)
     assert torch.equal(two.bert.pooler.weight, hf.bert.pooler.dense.weight)
+
+
+def test_gpt2_left_padding_gives_the_unpadded_logits(tmp_path):
+    # positions follow the mask (p = cumsum(mask) - 1), so padding on the left changes nothing; transformers'
+    # GPT-2 forward agrees for right padding (tested above) and needs position_ids for left padding
+    hf = _hf("GPT2ForSequenceClassification")
+    hf.save_pretrained(tmp_path)
+    ours = attnlab.from_pretrained(tmp_path)
+    ids, _ = _inputs()
+    row = ids[:1, :7]
+    left = torch.cat([torch.full((1, 4), PAD), row], dim=1)
+    mask = torch.cat([torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 7, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        alone = ours(row).logits
+        padded = ours(torch.cat([left, ids[:1]]), attention_mask=torch.cat([mask, torch.ones_like(mask)])).logits
+        expected = hf(row).logits
+    _close(alone, expected)
+    assert (padded[:1] - alone).abs().max() <= tolerance(alone, n=32, depth=2)
