@@ -48,6 +48,10 @@ COMMANDS = {
         "train a recipe (e.g. shakespeare-char) with checkpoints, resume and torchrun DDP",
         "attnlab.training.cli",
     ),
+    "predict": (
+        "classify texts (or text pairs) with a sequence-classification model: labels and probabilities",
+        "attnlab.adapt.predict_cli",
+    ),
     "bench": (
         "run the benchmarks (ours vs PyTorch / transformers, side by side) and print their tables",
         "attnlab.bench",

@@ -13,6 +13,8 @@ from attnlab.models.t5 import T5Config, T5ForConditionalGeneration
 from attnlab.models.bart import BartConfig, BartForConditionalGeneration
 from attnlab.models.vit import ViTConfig, ViTForImageClassification, ViTModel, ViTOutput
 from attnlab.models.clip import CLIPConfig, CLIPModel, CLIPOutput, CLIPTextConfig, CLIPVisionConfig
+from attnlab.models.heads import (BertForQuestionAnswering, BertForSequenceClassification, BertForTokenClassification,
+                                  ClassifierConfig, GPT2ForSequenceClassification)
 
 __all__ = [
     "TransformerConfig", "Seq2SeqTransformer", "Transformer", "TransformerDecoder", "TransformerEncoder",
@@ -22,4 +24,6 @@ __all__ = [
     "T5Config", "T5ForConditionalGeneration", "BartConfig", "BartForConditionalGeneration",
     "ViTConfig", "ViTModel", "ViTForImageClassification", "ViTOutput",
     "CLIPConfig", "CLIPTextConfig", "CLIPVisionConfig", "CLIPModel", "CLIPOutput",
+    "ClassifierConfig", "BertForSequenceClassification", "BertForTokenClassification", "BertForQuestionAnswering",
+    "GPT2ForSequenceClassification",
 ]

@@ -24,6 +24,8 @@ Registration contract (one call per model family, at the bottom of its model fil
   shape when a checkpoint omits them: BART's ``final_logits_bias``) — from which the mixin derives
   ``to_hf_state_dict() -> {hf_name: tensor}`` (every tensor HF expects, tied ones once) and
   ``from_hf_state_dict(hf: dict) -> {our_name: tensor}`` (the inverse, for ``load_state_dict``);
+  optionally the classmethod ``config_from_hf(dict) -> config``, used instead of the family's (a task
+  head's config adds ``id2label`` … to the family's: :mod:`attnlab.models.heads`);
   optionally the classmethod ``adapt_hf_checkpoint(config, hf) -> (config, hf)``, which settles what
   ``config.json`` alone cannot say from the tensors present (T5: an ``lm_head.weight`` of its own
   unties the head) or completes a checkpoint in ways a weight map cannot declare.
@@ -65,7 +67,7 @@ class ModelFamily:
 MODEL_TYPES: dict[str, ModelFamily] = {}
 # Model files that register themselves on import; imported on first lookup (they import this module).
 BUILTIN_MODULES = ("attnlab.models.bert", "attnlab.models.gpt", "attnlab.models.llama", "attnlab.models.t5",
-                   "attnlab.models.bart", "attnlab.models.vit", "attnlab.models.clip")
+                   "attnlab.models.bart", "attnlab.models.vit", "attnlab.models.clip", "attnlab.models.heads")
 
 
 def _import_builtin() -> None:
@@ -340,7 +342,7 @@ def from_pretrained(path: PathLike, *, dtype: Optional[torch.dtype] = None, mode
     cfg_file = Path(path) / CONFIG_NAME
     check_config_sizes(raw, where=str(cfg_file))
     try:
-        config = family.config_from_hf(raw)
+        config = getattr(model_cls, "config_from_hf", family.config_from_hf)(raw)  # a task head: + its labels
     except (TypeError, ValueError, KeyError) as e:  # a field of the wrong type or range: name the file
         raise ValueError(f"{str(cfg_file)!r}: {e}") from None
     weights = load_weights(path)

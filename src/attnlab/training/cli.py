@@ -15,8 +15,8 @@ from attnlab.training.recipes import get_recipe, parse_set, run_recipe
 from attnlab.training.trainer import TrainingDivergedError
 
 TRAIN_DTYPES = {"auto": "auto", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # --dtype -> the dtype setting
-SUMMARY_KEYS = ("steps", "val_loss", "best_val_loss", "best_step", "val_accuracy", "bleu", "chrf", "train_tokens_per_s",
-                "wall_s", "total_wall_s")
+SUMMARY_KEYS = ("steps", "val_loss", "best_val_loss", "best_step", "val_accuracy", "val_macro_f1", "val_ece", "bleu",
+                "chrf", "train_tokens_per_s", "wall_s", "total_wall_s")
 
 
 EPILOG = """examples:

@@ -41,6 +41,7 @@ RECIPE_MODULES = {
     "shakespeare-char": "attnlab.training.recipes.shakespeare",
     "multi30k-de-en": "attnlab.training.recipes.multi30k",
     "mlm": "attnlab.training.recipes.mlm",
+    "classify": "attnlab.training.recipes.classify",
 }
 _REGISTRY: dict[str, "Recipe"] = {}
 PathLike = Union[str, os.PathLike]

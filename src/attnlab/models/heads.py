@@ -1,0 +1,451 @@
+"""Task heads on BERT and GPT-2, as Hugging Face's: sequence and token classification, extractive QA.
+
+::
+
+    BertForSequenceClassification   logits = W_c dropout(pooler) + b_c                  (B, num_labels)
+    BertForTokenClassification      logits = W_c dropout(h) + b_c                       (B, L, num_labels)
+    BertForQuestionAnswering        [start | end] = W_qa h + b_qa                       (B, L) each
+    GPT2ForSequenceClassification   logits = (W_s LN_f(h))[b, last non-pad token of b]  (B, num_labels)
+
+Losses, as transformers computes them (``problem_type`` from ``config.json``, else inferred):
+``num_labels == 1`` → regression, ``MSE(logits, labels)``; integer labels → cross-entropy
+``-log softmax(logits)[label]`` (label ``-100`` is ignored); float ``(B, num_labels)`` labels →
+multi-label ``BCEWithLogits``. QA: ``(CE(start_logits, start) + CE(end_logits, end)) / 2`` with
+positions clamped to ``[0, L]`` and ``L`` ignored.
+
+A head's config is a :class:`ClassifierConfig`: the family's config (``base``) plus ``id2label``,
+``label2id``, ``problem_type``, ``classifier_dropout`` (BERT) and ``pad_token_id`` (GPT-2), all read
+from and written back to ``config.json``. A checkpoint of the bare encoder or of another head (e.g.
+all-MiniLM-L6-v2's ``BertModel``, ``gpt2``'s LM head) loads with a freshly initialised task head and
+one warning line naming it, as transformers does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnlab._checks import check_int, one_of, rate
+from attnlab.models.bert import BertConfig, BertModel, _BertBase, weight_map as bert_weight_map
+from attnlab.models.gpt import WEIGHT_MAP as GPT2_WEIGHT_MAP, GPT2Config, GPT2LMHeadModel
+from attnlab.models.hub import MODEL_TYPES, WeightMap, register, rename
+from attnlab.nn.dropout import Dropout
+
+PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
+
+
+@dataclass
+class ClassifierConfig:
+    """A family's config (``base``: :class:`BertConfig` or :class:`GPT2Config`) plus a task head's fields.
+
+    Args:
+        base: the encoder's / decoder's config; its fields are readable on this object too.
+        num_labels: the head's outputs (default 2, or ``len(id2label)``).
+        id2label: ``{index: name}``; default ``{i: "LABEL_i"}``, as transformers.
+        label2id: ``{name: index}``; default the inverse of ``id2label``.
+        problem_type: one of :data:`PROBLEM_TYPES` or None (inferred from ``num_labels`` and the labels).
+        classifier_dropout: dropout before the classifier (BERT; None: ``hidden_dropout_prob``).
+        pad_token_id: GPT-2's padding id, needed to find each sequence's last token in a batch.
+
+    Raises:
+        ValueError: ``num_labels`` < 1 or different from ``len(id2label)``, keys of ``id2label`` not
+            ``0 … n-1``, an unknown ``problem_type``, a dropout outside ``[0, 1)``.
+    """
+
+    base: Any
+    num_labels: Optional[int] = None
+    id2label: Optional[dict] = None
+    label2id: Optional[dict] = None
+    problem_type: Optional[str] = None
+    classifier_dropout: Optional[float] = None
+    pad_token_id: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.id2label is None:
+            n = 2 if self.num_labels is None else self.num_labels
+            check_int("num_labels", n)
+            self.id2label = {i: f"LABEL_{i}" for i in range(n)}
+        if not isinstance(self.id2label, dict) or not self.id2label:
+            raise ValueError(f"id2label must be a non-empty dict {{index: name}}, got {self.id2label!r}")
+        try:
+            self.id2label = {int(k): str(v) for k, v in self.id2label.items()}
+        except (TypeError, ValueError):
+            raise ValueError(f"id2label's keys must be label indices 0, 1, …, got {list(self.id2label)}") from None
+        if sorted(self.id2label) != list(range(len(self.id2label))):
+            raise ValueError(f"id2label's keys must be 0 … {len(self.id2label) - 1}, got {sorted(self.id2label)}")
+        if self.num_labels is not None and self.num_labels != len(self.id2label):
+            raise ValueError(f"num_labels={self.num_labels} but id2label has {len(self.id2label)} labels")
+        self.num_labels = len(self.id2label)
+        if self.label2id is None:
+            self.label2id = {v: k for k, v in self.id2label.items()}
+        self.label2id = {str(k): int(v) for k, v in self.label2id.items()}
+        if self.problem_type is not None:
+            one_of("problem_type", self.problem_type, PROBLEM_TYPES)
+        if self.classifier_dropout is not None:
+            rate("classifier_dropout", self.classifier_dropout)
+        if self.pad_token_id is not None:
+            check_int("pad_token_id", self.pad_token_id, 0)
+
+    def __getattr__(self, name: str):
+        """The family's fields (``hidden_size``, ``vocab_size``, …) read through to ``base``."""
+        if name == "base":  # not set yet (during copy / unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+    @classmethod
+    def from_hf(cls, d: dict, base_from_hf: Callable[[dict], Any]) -> "ClassifierConfig":
+        """From an HF ``config.json`` dict; ``base_from_hf`` reads the family's part."""
+        kw = {k: d.get(k) for k in ("id2label", "label2id", "problem_type", "classifier_dropout", "pad_token_id")}
+        if kw["id2label"] is None:
+            kw["num_labels"] = d.get("num_labels", 2)
+            kw["label2id"] = None
+        if isinstance(kw["pad_token_id"], list):  # some configs list several; transformers' heads take none
+            kw["pad_token_id"] = None
+        return cls(base=base_from_hf(d), **kw)
+
+    def to_hf(self) -> dict:
+        """The family's ``config.json`` dict plus the head's fields (``id2label`` keys as strings, as HF)."""
+        d = {**self.base.to_hf(), "id2label": {str(k): v for k, v in self.id2label.items()},
+             "label2id": dict(self.label2id), "problem_type": self.problem_type}
+        if isinstance(self.base, BertConfig):
+            d["classifier_dropout"] = self.classifier_dropout
+        else:
+            d["pad_token_id"] = self.pad_token_id
+        return d
+
+
+@dataclass
+class SequenceClassifierOutput:
+    """``logits (B, num_labels)`` (token classification: ``(B, L, num_labels)``); ``loss`` when labels are given."""
+
+    logits: Tensor
+    loss: Optional[Tensor] = None
+    hidden_states: Optional[tuple[Tensor, ...]] = None
+    attentions: Optional[tuple[Tensor, ...]] = None
+
+
+@dataclass
+class QuestionAnsweringOutput:
+    """``start_logits``, ``end_logits`` ``(B, L)``; ``loss`` when both positions are given."""
+
+    start_logits: Tensor
+    end_logits: Tensor
+    loss: Optional[Tensor] = None
+    hidden_states: Optional[tuple[Tensor, ...]] = None
+    attentions: Optional[tuple[Tensor, ...]] = None
+
+
+def classification_loss(logits: Tensor, labels, config: ClassifierConfig) -> Tensor:
+    """transformers' sequence-classification loss (see the module docstring for the three kinds).
+
+    Raises:
+        ValueError: ``labels`` is not a tensor of the shape and kind the problem type needs, or a class
+            index is outside ``[0, num_labels)`` (``-100``, ignored, is allowed).
+    """
+    B, n = logits.shape
+    if not isinstance(labels, Tensor):
+        raise ValueError(f"labels must be a tensor, got {type(labels).__name__}")
+    kind = config.problem_type
+    if kind is None:
+        kind = PROBLEM_TYPES[0] if n == 1 else PROBLEM_TYPES[1] if not labels.is_floating_point() else PROBLEM_TYPES[2]
+    if kind == "regression":
+        want = ((B,), (B, 1)) if n == 1 else ((B, n),)
+        if tuple(labels.shape) not in want:
+            raise ValueError(f"labels for regression with num_labels={n} must have shape "
+                             f"{' or '.join(map(str, want))}, got {tuple(labels.shape)}")
+        if n == 1:
+            return F.mse_loss(logits.squeeze(), labels.squeeze().to(logits.dtype))
+        return F.mse_loss(logits, labels.to(logits.dtype))
+    if kind == "single_label_classification":
+        return _cross_entropy(logits, labels, (B,), "labels")
+    if tuple(labels.shape) != (B, n):
+        raise ValueError(f"labels for multi-label classification must have shape (B, num_labels) = {(B, n)}, "
+                         f"got {tuple(labels.shape)}")
+    return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
+
+
+def _cross_entropy(logits: Tensor, labels, shape: tuple[int, ...], name: str) -> Tensor:
+    """``CE(logits (…, n), labels (…))`` after checking ``labels``: integers in ``[0, n)`` or -100, ``shape``."""
+    n = logits.shape[-1]
+    if not isinstance(labels, Tensor) or labels.is_floating_point() or labels.is_complex() \
+            or labels.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor of shape {shape} (class indices), got "
+                         f"{getattr(labels, 'dtype', type(labels).__name__)}")
+    if tuple(labels.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {shape} (class indices), got {tuple(labels.shape)}")
+    bad = (labels != -100) & ((labels < 0) | (labels >= n))
+    if bool(bad.any()):
+        raise ValueError(f"{name} must lie in [0, num_labels={n}) (or be -100, ignored), got {int(labels[bad][0])}")
+    return F.cross_entropy(logits.reshape(-1, n), labels.reshape(-1).long())
+
+
+def _prefixed(rules, prefix: str):
+    """``rules`` with ``prefix`` put before our side's template."""
+    return [dataclasses.replace(r, ours=prefix + r.ours) for r in rules]
+
+
+# ---- BERT -------------------------------------------------------------------------------------
+
+
+class _BertHead(_BertBase):
+    """``self.bert`` (:class:`BertModel`, with a pooler when ``with_pooler``) + one linear head ``head_name``."""
+
+    heads = ("task",)
+    with_pooler = False
+    head_name = "classifier"
+
+    def __init__(self, config: ClassifierConfig) -> None:
+        super().__init__()
+        if not isinstance(config, ClassifierConfig) or not isinstance(config.base, BertConfig):
+            raise TypeError(f"config must be a ClassifierConfig of a BertConfig, got {type(config).__name__}")
+        self.config = config
+        self.bert = BertModel(config.base, add_pooling_layer=self.with_pooler)
+        p = config.classifier_dropout
+        self.dropout = Dropout(config.base.hidden_dropout_prob if p is None else p)
+        setattr(self, self.head_name, nn.Linear(config.base.hidden_size, self._outputs(config)))
+        self._init_weights(config.base.initializer_range)
+
+    @classmethod
+    def _outputs(cls, config: ClassifierConfig) -> int:
+        """The head's number of outputs."""
+        return config.num_labels
+
+    @classmethod
+    def config_from_hf(cls, d: dict) -> ClassifierConfig:
+        """:meth:`ClassifierConfig.from_hf` over :meth:`BertConfig.from_hf`."""
+        return ClassifierConfig.from_hf(d, BertConfig.from_hf)
+
+    def hf_weight_map(self) -> WeightMap:
+        """BERT's names under ``bert.`` (:func:`attnlab.models.bert.weight_map`) + the head, same name in HF."""
+        base = bert_weight_map(pooler=self.with_pooler, heads=self.heads)
+        return WeightMap("BERT", [*base.rules, rename(f"{self.head_name}.{{p}}", f"{self.head_name}.{{p}}")],
+                         ignore=base.ignore)
+
+    @classmethod
+    def adapt_hf_checkpoint(cls, config: ClassifierConfig, hf: dict[str, Tensor]):
+        """Any BERT checkpoint into this head: the encoder's tensors (with or without ``bert.``) are kept,
+        other heads' (``cls.*``) dropped, a pooler added or dropped as this head needs, and a missing
+        task head freshly initialised (N(0, initializer_range), zero bias) with one warning line."""
+        prefixed = any(k.startswith("bert.") for k in hf)
+        head = {k: v for k, v in hf.items() if k.startswith(cls.head_name + ".")}
+        enc = {k[5:]: v for k, v in hf.items() if k.startswith("bert.")} if prefixed else \
+            {k: v for k, v in hf.items() if not k.startswith(("cls.", "classifier.", "qa_outputs."))}
+        pooler = ("pooler.dense.weight", "pooler.dense.bias")
+        if cls.with_pooler:
+            _, enc = BertModel.adapt_hf_checkpoint(config.base, enc)
+        else:
+            enc = {k: v for k, v in enc.items() if k not in pooler}
+        if not head and "embeddings.word_embeddings.weight" in enc:
+            dtype = enc["embeddings.word_embeddings.weight"].dtype
+            n, E = cls._outputs(config), config.base.hidden_size
+            warnings.warn(f"the checkpoint has no {cls.head_name}.weight / .bias: {cls.__name__}'s head is freshly "
+                          f"initialised ({n} outputs), train it before use", stacklevel=3)
+            head = {f"{cls.head_name}.weight": torch.randn(n, E).mul_(config.base.initializer_range).to(dtype),
+                    f"{cls.head_name}.bias": torch.zeros(n, dtype=dtype)}
+        return config, {**{"bert." + k: v for k, v in enc.items()}, **head}
+
+    def _encode(self, input_ids, attention_mask, token_type_ids, output_attentions, output_hidden_states):
+        return self.bert(input_ids, attention_mask, token_type_ids, output_attentions=output_attentions,
+                         output_hidden_states=output_hidden_states)
+
+
+class BertForSequenceClassification(_BertHead):
+    """HF ``BertForSequenceClassification``: ``logits = W_c dropout(pooler_output) + b_c``, ``(B, num_labels)``."""
+
+    hf_architecture = "BertForSequenceClassification"
+    with_pooler = True
+
+    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
+                token_type_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None, *,
+                output_attentions: bool = False, output_hidden_states: bool = False) -> SequenceClassifierOutput:
+        """Classify each sequence; ``labels`` ``(B,)`` (class indices, or floats for regression) adds ``loss``
+        (:func:`classification_loss`). Inputs as :meth:`BertModel.forward`."""
+        out = self._encode(input_ids, attention_mask, token_type_ids, output_attentions, output_hidden_states)
+        logits = self.classifier(self.dropout(out.pooler_output))  # (B, num_labels)
+        loss = None if labels is None else classification_loss(logits, labels, self.config)
+        return SequenceClassifierOutput(logits, loss, out.hidden_states, out.attentions)
+
+
+class BertForTokenClassification(_BertHead):
+    """HF ``BertForTokenClassification``: ``logits = W_c dropout(h) + b_c``, ``(B, L, num_labels)``; no pooler."""
+
+    hf_architecture = "BertForTokenClassification"
+
+    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
+                token_type_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None, *,
+                output_attentions: bool = False, output_hidden_states: bool = False) -> SequenceClassifierOutput:
+        """Classify each token; ``labels`` ``(B, L)`` class indices (-100: ignored) add the mean cross-entropy."""
+        out = self._encode(input_ids, attention_mask, token_type_ids, output_attentions, output_hidden_states)
+        logits = self.classifier(self.dropout(out.last_hidden_state))  # (B, L, num_labels)
+        loss = None if labels is None else _cross_entropy(logits, labels, tuple(input_ids.shape), "labels")
+        return SequenceClassifierOutput(logits, loss, out.hidden_states, out.attentions)
+
+
+class BertForQuestionAnswering(_BertHead):
+    """HF ``BertForQuestionAnswering``: ``[start | end] = W_qa h + b_qa`` (``qa_outputs`` has ``num_labels`` = 2
+    outputs, as HF's); no pooler, no dropout."""
+
+    hf_architecture = "BertForQuestionAnswering"
+    head_name = "qa_outputs"
+
+    @classmethod
+    def _outputs(cls, config: ClassifierConfig) -> int:
+        """2 (start, end); another ``num_labels`` is refused."""
+        if config.num_labels != 2:
+            raise ValueError(f"BertForQuestionAnswering needs num_labels=2 (start, end), got {config.num_labels}")
+        return 2
+
+    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
+                token_type_ids: Optional[Tensor] = None, start_positions: Optional[Tensor] = None,
+                end_positions: Optional[Tensor] = None, *, output_attentions: bool = False,
+                output_hidden_states: bool = False) -> QuestionAnsweringOutput:
+        """Span logits; ``start_positions`` and ``end_positions`` ``(B,)`` add
+        ``loss = (CE(start) + CE(end)) / 2`` (positions clamped to ``[0, L]``, ``L`` ignored, as HF)."""
+        out = self._encode(input_ids, attention_mask, token_type_ids, output_attentions, output_hidden_states)
+        start, end = self.qa_outputs(out.last_hidden_state).unbind(-1)  # (B, L) each
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            B, L = start.shape
+            parts = []
+            for name, logits, pos in (("start_positions", start, start_positions),
+                                      ("end_positions", end, end_positions)):
+                if not isinstance(pos, Tensor) or pos.is_floating_point() or pos.reshape(-1).shape != (B,):
+                    raise ValueError(f"{name} must be an integer tensor of shape (B,) = ({B},), got "
+                                     f"{getattr(pos, 'dtype', type(pos).__name__)} {tuple(getattr(pos, 'shape', ()))}")
+                parts.append(F.cross_entropy(logits, pos.reshape(-1).long().clamp(0, L), ignore_index=L))
+            loss = (parts[0] + parts[1]) / 2
+        elif (start_positions is None) != (end_positions is None):
+            raise ValueError("give both start_positions and end_positions (or neither)")
+        return QuestionAnsweringOutput(start, end, loss, out.hidden_states, out.attentions)
+
+
+# ---- GPT-2 ------------------------------------------------------------------------------------
+
+
+class GPT2ForSequenceClassification(GPT2LMHeadModel):
+    """HF ``GPT2ForSequenceClassification``: ``W_s LN_f(h)`` (no bias) read at each sequence's last
+    non-padding token — the last position whose id is not ``pad_token_id`` (the last position when
+    none is), so a batch of several sequences needs ``config.pad_token_id``, as in transformers.
+
+    The LM head stays tied to ``wte`` (no parameters of its own) and is not saved.
+    """
+
+    hf_architecture = "GPT2ForSequenceClassification"
+
+    def __init__(self, config: ClassifierConfig) -> None:
+        if not isinstance(config, ClassifierConfig) or not isinstance(config.base, GPT2Config):
+            raise TypeError(f"config must be a ClassifierConfig of a GPT2Config, got {type(config).__name__}")
+        super().__init__(config.base)
+        self.config = config
+        self.score = nn.Linear(config.base.n_embd, config.num_labels, bias=False)
+        nn.init.normal_(self.score.weight, std=0.02)
+
+    @classmethod
+    def config_from_hf(cls, d: dict) -> ClassifierConfig:
+        """:meth:`ClassifierConfig.from_hf` over :meth:`GPT2Config.from_hf`."""
+        return ClassifierConfig.from_hf(d, GPT2Config.from_hf)
+
+    def hf_weight_map(self) -> WeightMap:
+        """GPT-2's names (:data:`attnlab.models.gpt.WEIGHT_MAP`) + ``score.weight``."""
+        m = GPT2_WEIGHT_MAP
+        return WeightMap("GPT-2", [*m.rules, rename("score.weight", "score.weight")], tied=m.tied, ignore=m.ignore)
+
+    @classmethod
+    def adapt_hf_checkpoint(cls, config: ClassifierConfig, hf: dict[str, Tensor]):
+        """Any GPT-2 checkpoint into this head: ``GPT2Model``'s names get ``transformer.``, the LM head is
+        dropped, and a missing ``score.weight`` is freshly initialised (N(0, 0.02)) with one warning line."""
+        if not any(k.startswith("transformer.") for k in hf):
+            hf = {(k if k == "score.weight" else "transformer." + k): v for k, v in hf.items()}
+        hf = {k: v for k, v in hf.items() if k != "lm_head.weight"}
+        if "score.weight" not in hf and "transformer.wte.weight" in hf:
+            warnings.warn(f"the checkpoint has no score.weight: {cls.__name__}'s head is freshly initialised "
+                          f"({config.num_labels} outputs), train it before use", stacklevel=3)
+            dtype = hf["transformer.wte.weight"].dtype
+            hf["score.weight"] = torch.randn(config.num_labels, config.base.n_embd).mul_(0.02).to(dtype)
+        return config, hf
+
+    def head(self, x: Tensor) -> Tensor:
+        """``W_s LN_f(h)`` at every position, ``(B, T, num_labels)``; :meth:`forward` picks one per sequence."""
+        return self.score(self.ln_f(x))
+
+    def forward(self, input_ids: Tensor, *, attention_mask: Optional[Tensor] = None,
+                labels: Optional[Tensor] = None, output_attentions: bool = False) -> SequenceClassifierOutput:
+        """Classify each sequence of ``input_ids (B, T)`` (``attention_mask`` as the LM's); ``labels`` ``(B,)``
+        add ``loss`` (:func:`classification_loss`).
+
+        Raises:
+            ValueError: B > 1 without ``config.pad_token_id``; inputs or labels as the LM / the loss refuse.
+        """
+        B = input_ids.shape[0] if isinstance(input_ids, Tensor) and input_ids.dim() == 2 else 1
+        pad = self.config.pad_token_id
+        if pad is None and B > 1:
+            raise ValueError(f"GPT2ForSequenceClassification needs config.pad_token_id to classify a batch of "
+                             f"{B} sequences (it reads each one's last non-padding token)")
+        out = super().forward(input_ids, attention_mask=attention_mask, output_attentions=output_attentions)
+        T = input_ids.shape[1]
+        if pad is None:
+            last = torch.full((B,), T - 1, device=input_ids.device)
+        else:  # the last position that is not padding (0 when all are), as transformers
+            pos = torch.arange(T, device=input_ids.device)
+            last = (pos * (input_ids != pad)).argmax(-1)
+        logits = out.logits[torch.arange(B, device=input_ids.device), last]  # (B, num_labels)
+        loss = None if labels is None else classification_loss(logits, labels, self.config)
+        return SequenceClassifierOutput(logits, loss, None, out.attentions)
+
+
+SEQUENCE_CLASSIFIERS = {"bert": BertForSequenceClassification, "gpt2": GPT2ForSequenceClassification}
+
+
+def classifier_from_pretrained(path, id2label: dict, *, problem_type: Optional[str] = None,
+                               pad_token_id: Optional[int] = None, dtype: Optional[torch.dtype] = None):
+    """A sequence classifier with the labels ``id2label`` from any checkpoint of its family (a bare
+    encoder, an LM, another classifier): the body's weights are loaded, the head is freshly initialised
+    (one warning line) unless the checkpoint's head already has one output per label.
+
+    Args:
+        path: an HF-format folder or Hub id (:func:`attnlab.models.hub.resolve_pretrained`).
+        id2label: ``{index: name}`` of the new head.
+        pad_token_id: GPT-2's padding id when its config has none (e.g. the tokenizer's, or ``eos``).
+
+    Raises:
+        ValueError: a ``model_type`` with no sequence-classification head here, or the loader's refusals.
+    """
+    from attnlab.models.hub import load_weights, read_config, resolve_pretrained
+
+    folder = resolve_pretrained(path)
+    raw, family = read_config(folder)
+    cls = SEQUENCE_CLASSIFIERS.get(family.model_type)
+    if cls is None:
+        raise ValueError(f"{str(folder)!r} holds a {family.model_type!r} model; sequence classification is "
+                         f"available for {sorted(SEQUENCE_CLASSIFIERS)}")
+    config = cls.config_from_hf(raw)
+    pad = config.pad_token_id if config.pad_token_id is not None else pad_token_id
+    if cls is GPT2ForSequenceClassification and pad is None:
+        pad = config.base.eos_token_id  # GPT-2 has no padding token; its end-of-text serves, as is common
+    config = ClassifierConfig(config.base, id2label=id2label, problem_type=problem_type,
+                              classifier_dropout=config.classifier_dropout, pad_token_id=pad)
+    head = {"bert": ("classifier.weight", "classifier.bias"), "gpt2": ("score.weight",)}[family.model_type]
+    weights = {k: v for k, v in load_weights(folder).items()
+               if k not in head or v.shape[0] == config.num_labels}  # a head of another size: replaced
+    config, hf = cls.adapt_hf_checkpoint(config, weights)
+    model = cls(config)
+    model.load_state_dict(model.from_hf_state_dict(hf), strict=True)
+    if dtype is None:
+        dtype = next(v.dtype for v in hf.values() if v.is_floating_point())
+    return model.to(dtype)
+
+
+def _extend(model_type: str, *classes: type) -> None:
+    """Add ``classes`` (by their ``hf_architecture``) to the registered family ``model_type``."""
+    family = MODEL_TYPES[model_type]
+    register(model_type, config_from_hf=family.config_from_hf, default=family.default,
+             architectures={**family.architectures, **{c.hf_architecture: c for c in classes}})
+
+
+_extend("bert", BertForSequenceClassification, BertForTokenClassification, BertForQuestionAnswering)
+_extend("gpt2", GPT2ForSequenceClassification)

