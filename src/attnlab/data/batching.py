@@ -60,6 +60,23 @@ def _blocks(data: Tensor, starts: Tensor, block_size: int) -> tuple[Tensor, Tens
     return chunk[:, :-1], chunk[:, 1:]  # (B, T), (B, T)
 
 
+class GeneratorState:
+    """For batch sources whose whole state is ``self.generator`` (a ``torch.Generator``): ``state_dict`` /
+    ``load_state_dict`` so a resumed run draws the batches an uninterrupted one would."""
+
+    generator: torch.Generator
+
+    def state_dict(self) -> dict:
+        """``{"generator": ByteTensor}``."""
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s state. Raises ValueError for anything else."""
+        if not isinstance(state, dict) or not isinstance(state.get("generator"), Tensor):
+            raise ValueError(f"state must be a dict with a 'generator' tensor (from {type(self).__name__}.state_dict)")
+        self.generator.set_state(state["generator"].clone())
+
+
 class LMBatches:
     """Endless random contiguous blocks of a token stream: ``next(it) -> (x, y)``, ``y`` = ``x`` shifted by one.
 

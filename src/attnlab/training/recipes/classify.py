@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from attnlab._checks import check_int, fraction
 from attnlab.adapt.classify import EncodedBatch, encode_texts, forward_logits, pad_id_for, probabilities
 from attnlab.adapt.lora import apply_lora, lora_layers, unload_lora
+from attnlab.data.batching import GeneratorState
 from attnlab.evaluation.metrics import expected_calibration_error
 from attnlab.models.heads import classification_loss, classifier_from_pretrained
 from attnlab.training.distributed import DistInfo
@@ -166,7 +167,7 @@ def macro_f1(pred: Tensor, target: Tensor, num_labels: int) -> float:
     return sum(f1) / num_labels
 
 
-class ClassifyBatches:
+class ClassifyBatches(GeneratorState):
     """Endless training batches ``{"input_ids", "attention_mask", "token_type_ids", "labels"}`` of ``batch_size``
     examples drawn with replacement from the sampler's own generator (``state_dict``: its state).
 
@@ -191,15 +192,6 @@ class ClassifyBatches:
         return encode_examples([self.examples[i] for i in rows], self.label2id, self.tokenizer, pad_id=self.pad_id,
                                max_len=self.max_len)
 
-    def state_dict(self) -> dict:
-        """The sampler's generator state (a resumed run draws the batches an uninterrupted one would)."""
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s state. Raises ValueError for anything else."""
-        if not isinstance(state, dict) or not isinstance(state.get("generator"), Tensor):
-            raise ValueError("state must be a dict with a 'generator' tensor (from ClassifyBatches.state_dict)")
-        self.generator.set_state(state["generator"].clone())
 
 
 def encode_examples(examples: Sequence[Example], label2id: dict, tokenizer, *, pad_id: int,

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab._checks import check_int
-from attnlab.data.batching import pad_batch
+from attnlab.data.batching import GeneratorState, pad_batch
 from attnlab.data.datasets import load_sentences
 from attnlab.data.tokenizers import TextTokenizer, train_wordpiece
 from attnlab.evaluation.metrics import perplexity
@@ -123,7 +123,7 @@ def mask_tokens(ids: Tensor, *, special: Tensor, mask_id: int, vocab_size: int, 
     return inputs, labels
 
 
-class MLMBatches:
+class MLMBatches(GeneratorState):
     """Endless masked batches ``{"input_ids", "attention_mask", "token_type_ids", "labels"[, "nsp_labels"]}``.
 
     Each step draws the *global* batch of ``batch_size`` captions (and, with ``nsp``, cut points and
@@ -184,13 +184,6 @@ class MLMBatches:
         lo = self.rank * self.local
         return {k: v[lo:lo + self.local] for k, v in batch.items()}
 
-    def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        if not isinstance(state, dict) or not isinstance(state.get("generator"), Tensor):
-            raise ValueError("state must be a dict with a 'generator' tensor (from MLMBatches.state_dict)")
-        self.generator.set_state(state["generator"].clone())
 
 
 def _forward(model: nn.Module, batch: dict[str, Tensor]):
