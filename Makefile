@@ -28,8 +28,13 @@ test: $(STAMP)
 
 # the same suite as an AVX2-only CPU (no AVX-512, no native bf16) computes it: other kernels, other
 # rounding, and dtype="auto" choosing fp32
+# the numerical and dtype-choice tests only: what an ISA changes (kernels, rounding, auto's choice); the
+# command-line, run-safety, browser and data tests do not depend on it and ran in `make test`
+NUMERICS := tests/functional tests/backends tests/modules tests/nn tests/models tests/adapt tests/evaluation \
+            tests/experiments tests/test_capability.py tests/test_runtime.py tests/test_generation.py \
+            tests/training/test_recipe_dtype.py tests/training/test_losses.py tests/training/test_trainer.py
 test-avx2: $(STAMP)
-	$(AVX2) $(PY) -m pytest -q
+	$(AVX2) $(PY) -m pytest -q $(NUMERICS)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "slow or not slow"
