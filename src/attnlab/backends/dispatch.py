@@ -142,6 +142,11 @@ def select_backend(q, k, v, **request) -> Backend:
     raise RuntimeError("no backend can compute this request")  # unreachable: reference takes all
 
 
+def keeps_lse(backend: str) -> bool:
+    """Whether ``backend=`` (``"auto"`` or a registered name) can be asked for ``return_lse=True``."""
+    return backend == "auto" or (backend in BACKENDS and BACKENDS[backend].lse is not None)
+
+
 def choose(backend: str, q: Tensor, k: Tensor, v: Tensor, request: dict, *, return_lse: bool = False) -> Backend:
     """The backend for ``backend=`` (``"auto"`` or a registered name), refusing a request it cannot compute.
 

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from attnlab._checks import is_int, positive_int
 from attnlab.modules.cache import KVCache
-from attnlab.backends.dispatch import attend, attention_weights, position_bias_terms
+from attnlab.backends.dispatch import attend, attention_weights, keeps_lse, position_bias_terms
 from attnlab.functional.request import prepare
 
 
@@ -175,8 +175,7 @@ class MultiheadAttention(nn.Module):
     def _weights_from_lse(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
         """Weights can come from the log-sum-exp: softmax, no dropout, nothing needs their gradient."""
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        return (self.normalize == "softmax" and dropout_p == 0.0 and not grad
-                and self.backend in ("auto", "sdpa", "tiled"))
+        return self.normalize == "softmax" and dropout_p == 0.0 and not grad and keeps_lse(self.backend)
 
     def _mask_and_mod(self, key_padding_mask, attn_mask, B, L, S, q: Tensor):
         """The pipeline mask (masks + a dense position bias) and score_mod (a large position bias)."""
