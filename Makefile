@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 # unset, recipes download into ~/.cache/attnlab and tests without the data skip, saying why.
 AVX2   := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 
-.PHONY: setup demo test test-avx2 test-all bench clean
+.PHONY: setup demo test test-avx2 test-tutorials test-all bench clean
 
 setup: $(STAMP)
 
@@ -36,8 +36,12 @@ NUMERICS := tests/functional tests/backends tests/modules tests/nn tests/models 
 test-avx2: $(STAMP)
 	$(AVX2) $(PY) -m pytest -q $(NUMERICS)
 
+# every notebook in docs/tutorials/, executed top to bottom at tiny sizes in a fresh kernel
+test-tutorials: $(STAMP)
+	$(PY) -m pytest -q -m tutorial tests/docs
+
 test-all: $(STAMP)
-	$(PY) -m pytest -q -m "slow or not slow"
+	$(PY) -m pytest -q -m "slow or not slow or tutorial"
 
 bench: $(STAMP)
 	$(PY) benchmarks/attention.py
