@@ -1,4 +1,6 @@
 """Shared pieces of the viz tests: synthetic attention records and tiny word-level tokenizers."""
+import os
+
 import pytest
 import torch
 
@@ -39,3 +41,43 @@ def save_word_tokenizer(directory, words, *, template=None, specials=()):
 @pytest.fixture
 def word_tokenizer():
     return save_word_tokenizer
+
+
+# ---- the browser (headless Chromium through Playwright), shared by test_browser and test_notebook_export ----
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"Chromium is not installed at {CHROMIUM} (Debian package 'chromium')")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
+    with sync_api.sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def open_file(browser):
+    """``open_file(path) -> page``; ``page.problems`` collects console errors, page errors and any
+    request other than the file itself (an ``<iframe srcdoc>`` is no request: ``about:srcdoc``)."""
+    pages = []
+
+    def _open(path):
+        page = browser.new_page(viewport={"width": 1200, "height": 900})
+        page.problems = []
+        page.on("console", lambda m: m.type == "error" and page.problems.append(f"console: {m.text}"))
+        page.on("pageerror", lambda e: page.problems.append(f"pageerror: {e}"))
+        url = path.resolve().as_uri()
+        page.on("request", lambda r: r.url not in (url, "about:srcdoc") and page.problems.append(f"request: {r.url}"))
+        page.goto(url)
+        pages.append(page)
+        return page
+
+    yield _open
+    for p in pages:
+        p.close()

@@ -5,52 +5,14 @@ lines visible (SVG ``stroke-opacity``); clicking a head colour toggles its lines
 thumbnail enlarges that map (SVG ``fill-opacity`` equals the weight to 0.5/SCALE); hostile tokens
 run nothing and show as text. Skipped only when Chromium or the playwright package is absent.
 """
-import os
-
 import pytest
 import torch
 
 from attnlab.viz.extract import AttentionRecord
 from attnlab.viz.html import SCALE, save_html
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync"]
 HOSTILE = ['<img src=x onerror="window.__pwned=1">', "</script><script>window.__pwned=1</script>",
            "<svg onload=window.__pwned=1>", "a & b"]
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not os.path.exists(CHROMIUM):
-        pytest.skip(f"Chromium is not installed at {CHROMIUM} (Debian package 'chromium')")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
-    with sync_api.sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
-        yield b
-        b.close()
-
-
-@pytest.fixture
-def open_file(browser):
-    """``open_file(path) -> page``; ``page.problems`` collects console errors, page errors and any
-    request other than the file itself (an ``<iframe srcdoc>`` is no request: ``about:srcdoc``)."""
-    pages = []
-
-    def _open(path):
-        page = browser.new_page(viewport={"width": 1200, "height": 900})
-        page.problems = []
-        page.on("console", lambda m: m.type == "error" and page.problems.append(f"console: {m.text}"))
-        page.on("pageerror", lambda e: page.problems.append(f"pageerror: {e}"))
-        url = path.resolve().as_uri()
-        page.on("request", lambda r: r.url not in (url, "about:srcdoc") and page.problems.append(f"request: {r.url}"))
-        page.goto(url)
-        pages.append(page)
-        return page
-
-    yield _open
-    for p in pages:
-        p.close()
 
 
 @pytest.fixture
