@@ -49,7 +49,7 @@ from attnlab._checks import (boolean, int_at_least, is_real, non_negative_int, o
 from attnlab.nn.block import LayerCache
 from attnlab.modules.cache import KVCache
 
-CACHES = ("dynamic", "static")
+CACHES = ("dynamic", "static", "window")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,7 +163,10 @@ def generate(model, input_ids: Tensor, *, attention_mask: Optional[Tensor] = Non
         decoder_start_token_id: encoder–decoders only: the first decoder token (default: the model's).
         generator: a seeded ``torch.Generator`` makes sampling reproducible.
         cache: ``"dynamic"`` (grows by concatenation) or ``"static"`` (preallocated to
-            ``T + max_new_tokens`` positions; for an encoder–decoder ``1 + max_new_tokens``).
+            ``T + max_new_tokens`` positions; for an encoder–decoder ``1 + max_new_tokens``) or ``"window"``
+            (a decoder-only model whose self-attention has a sliding window ``w``, e.g. under
+            :func:`attnlab.adapt.deploy.sliding_window`: a ring buffer of the ``w`` newest keys and values per
+            layer, O(w) memory however many tokens; the same tokens as the growing cache).
         config: a :class:`GenerationConfig` holding the settings (None: the keywords and defaults alone).
 
     Returns:
@@ -198,11 +201,24 @@ def generate(model, input_ids: Tensor, *, attention_mask: Optional[Tensor] = Non
             model = EncoderDecoderAsDecoder(model, input_ids, attention_mask)
             input_ids = input_ids.new_full((input_ids.shape[0], 1), config.decoder_start_token_id)
             attention_mask = None
-        static = config.cache == "static"
-        past = model.new_cache(max_length=input_ids.shape[1] + config.max_new_tokens if static else None)
+        past = _new_cache(model, input_ids.shape[1] + config.max_new_tokens, config.cache)
         if config.num_beams > 1:
             return _beam_search(model, input_ids, attention_mask, past, config)
         return _decode(model, input_ids, attention_mask, past, config, generator)
+
+
+def _new_cache(model, total: int, kind: str):
+    """The empty cache of ``kind``: growing, preallocated to ``total`` positions, or a ring buffer of the model's
+    sliding window (O(window) memory for any length)."""
+    if kind == "static":
+        return model.new_cache(max_length=total)
+    if kind == "window":
+        window = getattr(model, "attention_window", None)
+        if window is None:
+            raise ValueError(f"cache='window' needs a decoder-only model whose every self-attention has a sliding "
+                             f"window ({type(model).__name__} has none): attnlab.adapt.deploy.sliding_window(model, w)")
+        return model.new_cache(window=window)
+    return model.new_cache()
 
 
 def _settings(config: Optional[GenerationConfig], keywords: dict) -> GenerationConfig:

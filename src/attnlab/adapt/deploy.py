@@ -9,6 +9,13 @@ With window ``w`` the query at position ``p`` attends only to keys ``j`` with ``
 The pipeline then picks the ``tiled`` backend, which skips the key blocks outside the band, so the
 cost falls from O(L²) to O(L·w) per layer; the loss shows how much of the trained model's context
 the task needed. Cross-attention is left alone.
+
+Generating with a window keeps only the keys it can still see: ``generate(..., cache="window")`` holds a ring
+buffer of ``w`` keys and values per layer (:class:`~attnlab.modules.cache.KVCache` with ``window``), so memory
+stays O(w) for any number of tokens::
+
+    with sliding_window(model, 256):
+        ids = model.generate(prompt, max_new_tokens=100_000, cache="window")
 """
 from __future__ import annotations
 

@@ -46,9 +46,18 @@ class DecoderOnlyLM(InferenceLayoutMixin, PreTrainedMixin, nn.Module):
     def head(self, x: Tensor) -> Tensor:
         raise NotImplementedError
 
-    def new_cache(self, *, max_length: Optional[int] = None) -> list[LayerCache]:
-        """Empty per-layer caches; ``max_length`` preallocates them (a static cache)."""
-        return [LayerCache.create(max_length=max_length, cross_attention=False) for _ in self.layers]
+    def new_cache(self, *, max_length: Optional[int] = None, window: Optional[int] = None) -> list[LayerCache]:
+        """Empty per-layer caches; ``max_length`` preallocates them (a static cache); ``window`` makes each a ring
+        buffer holding the keys a sliding window of that width still sees: O(window) memory however long the
+        generation (every layer's self-attention must have a window ≤ it; see :attr:`attention_window`)."""
+        return [LayerCache.create(max_length=max_length, cross_attention=False, window=window) for _ in self.layers]
+
+    @property
+    def attention_window(self) -> Optional[int]:
+        """The sliding window shared by every layer's self-attention (``sliding_window(model, w)`` sets it), or
+        None when some layer attends to the whole prefix."""
+        windows = {layer.self_attn.window for layer in self.layers}
+        return None if None in windows else max(windows)
 
     def forward(self, input_ids: Tensor, *, attention_mask: Optional[Tensor] = None,
                 past_key_values: Optional[list[LayerCache]] = None, use_cache: bool = False,

@@ -5,6 +5,11 @@ costs O(t) projections per token. The cache keeps the projected, heads-first key
 ``(B, Hkv, L, D)`` and appends the new ones. It also remembers whether every entry written so far is finite
 (``finite``, from the new entries only), so the pipeline's NaN/inf check need not re-read the whole cache
 at every step.
+
+With a sliding window ``w`` (Mistral-style: the query at position ``p`` sees the keys ``p - w < j ≤ p``) the cache
+is a ring buffer that holds O(w) entries however long the generation runs. Position ``p`` is written twice, at
+slots ``p mod w`` and ``p mod w + w`` of a ``2w`` buffer, so the ``w`` newest entries in order of position are
+always the contiguous slice ``[L mod w, L mod w + w)`` (``L`` entries written so far): no copy per step.
 """
 from __future__ import annotations
 
@@ -27,15 +32,25 @@ class KVCache:
         static: cross-attention mode: the first :meth:`update` stores the projected memory and
             every later call returns it unchanged (the encoder output does not change while
             decoding).
+        window: keep only the keys a sliding window of this width can still see (a ring buffer of
+            ``2 * window`` slots). :meth:`update` then returns the entries of the last ``window - 1``
+            positions before the new ones, followed by the new ones: the attention must apply the same
+            window (bottom-right aligned, as the pipeline's ``window`` and ``causal`` masks are).
+            ``length`` still counts every position written (rotary positions follow it).
 
     Raises:
-        ValueError: ``max_length`` is not a positive int, or an update would overflow it.
+        ValueError: ``max_length`` or ``window`` is not a positive int, both are given, or an update would
+            overflow ``max_length``.
     """
 
-    def __init__(self, *, max_length: Optional[int] = None, static: bool = False):
+    def __init__(self, *, max_length: Optional[int] = None, static: bool = False, window: Optional[int] = None):
         positive_int("max_length", max_length, optional=True)
+        positive_int("window", window, optional=True)
+        if window is not None and (max_length is not None or static):
+            raise ValueError("window is a cache of its own: give it without max_length or static")
         self.max_length = max_length
         self.static = static
+        self.window = window
         self.k: Optional[Tensor] = None
         self.v: Optional[Tensor] = None
         self.length = 0
@@ -53,6 +68,8 @@ class KVCache:
             with torch.no_grad():
                 self.finite = math.isfinite(float(k.sum()) + float(v.sum()))
         n = k.shape[2]
+        if self.window is not None:
+            return self._update_ring(k, v, n)
         if self.max_length is None:
             if self.k is None:
                 self.k, self.v = k, v
@@ -74,6 +91,43 @@ class KVCache:
         self.length += n
         return self.k[:, :, :self.length], self.v[:, :, :self.length]
 
+    def _update_ring(self, k: Tensor, v: Tensor, n: int) -> tuple[Tensor, Tensor]:
+        w = self.window
+        if self.k is None:
+            B, Hkv, _, D = k.shape
+            self.k = k.new_empty(B, Hkv, 2 * w, D)
+            self.v = v.new_empty(B, Hkv, 2 * w, v.shape[-1])
+        result = None
+        if n > 1:  # several new queries: the first of them still sees the w - 1 positions before it (copied
+            pk, pv = self.stored()  # now, before the ring overwrites them)
+            keep = pk.shape[2] - min(pk.shape[2], w - 1)
+            result = torch.cat([pk[:, :, keep:], k], dim=2), torch.cat([pv[:, :, keep:], v], dim=2)
+        if n == 1:
+            s = self.length % w
+            self.k[:, :, s] = self.k[:, :, s + w] = k[:, :, 0]
+            self.v[:, :, s] = self.v[:, :, s + w] = v[:, :, 0]
+        else:  # only the last w new entries can stay
+            keep = min(n, w)
+            slots = torch.arange(self.length + n - keep, self.length + n, device=k.device) % w
+            for buf, new in ((self.k, k[:, :, n - keep:]), (self.v, v[:, :, n - keep:])):
+                buf.index_copy_(2, slots, new)
+                buf.index_copy_(2, slots + w, new)
+        self.length += n
+        return self.stored() if result is None else result
+
+    def stored(self) -> tuple[Tensor, Tensor]:
+        """The entries held now, in order of position: all of them, or a ring's ``window`` newest."""
+        if self.k is None:
+            raise ValueError("the cache is empty")
+        if self.window is None:
+            end = self.length if self.max_length is not None else self.k.shape[2]
+            return self.k[:, :, :end], self.v[:, :, :end]
+        w = self.window
+        if self.length <= w:
+            return self.k[:, :, :self.length], self.v[:, :, :self.length]
+        s = self.length % w
+        return self.k[:, :, s:s + w], self.v[:, :, s:s + w]
+
     def reorder(self, index: Tensor) -> None:
         """Select batch rows (beam search: keep the caches of the surviving beams)."""
         if self.k is not None:
@@ -86,5 +140,7 @@ class KVCache:
         self.finite = True
 
     def __repr__(self) -> str:
+        if self.window is not None:
+            return f"KVCache(window={self.window}, length={self.length})"
         kind = "static" if self.static else ("preallocated" if self.max_length else "growing")
         return f"KVCache({kind}, length={self.length})"

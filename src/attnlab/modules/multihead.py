@@ -150,8 +150,14 @@ class MultiheadAttention(nn.Module):
         if self.rotary is not None:
             q = self.rotary(q, torch.arange(past, past + L, device=q.device))
         if cache is not None:
+            if cache.window is not None and (self.window is None or self.window > cache.window):
+                raise ValueError(f"a cache with window={cache.window} keeps fewer keys than this attention sees "
+                                 f"(window={self.window}): give the attention a window ≤ {cache.window}")
             k, v = cache.update(k, v)
         S = k.shape[2]
+        if cache is not None and cache.window is not None:  # a ring holds the newest S keys: the masks' last S columns
+            key_padding_mask = None if key_padding_mask is None else key_padding_mask[:, -S:]
+            attn_mask = None if attn_mask is None else attn_mask[..., -S:]
 
         mask, score_mod = self._mask_and_mod(key_padding_mask, attn_mask, B, L, S, q)
         request = dict(mask=mask, causal=is_causal, window=self.window, scale=self.scale, score_mod=score_mod,

@@ -72,9 +72,11 @@ class LayerCache:
     cross_attn: Optional[KVCache] = None
 
     @classmethod
-    def create(cls, *, max_length: Optional[int] = None, cross_attention: bool = True) -> "LayerCache":
-        """Empty caches; ``max_length`` preallocates the self-attention cache (static cache)."""
-        return cls(KVCache(max_length=max_length), KVCache(static=True) if cross_attention else None)
+    def create(cls, *, max_length: Optional[int] = None, cross_attention: bool = True,
+               window: Optional[int] = None) -> "LayerCache":
+        """Empty caches; ``max_length`` preallocates the self-attention cache (static cache); ``window`` makes it a
+        ring buffer of the keys a sliding window of that width can still see (:class:`KVCache`)."""
+        return cls(KVCache(max_length=max_length, window=window), KVCache(static=True) if cross_attention else None)
 
 
 @dataclass(frozen=True)
