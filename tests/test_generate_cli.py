@@ -85,3 +85,20 @@ def test_errors_are_one_line(tmp_path, capsys):
         assert main(["generate", *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_window_generates_as_the_windowed_model_does(tmp_path, capsys):
+    from attnlab.adapt.deploy import sliding_window
+
+    folder = _gpt_folder(tmp_path, _save_word_tokenizer)
+    assert main(["generate", "--model", str(folder), "--prompt", "the cat sat", "--max-new-tokens", "30",
+                 "--window", "4", "--dtype", "float32"]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    tok = load_tokenizer(folder)
+    model = GPT2LMHeadModel.from_pretrained(folder).eval()
+    ids = torch.tensor([tok.encode("the cat sat")])
+    with sliding_window(model, 4):
+        new = model.generate(ids, max_new_tokens=30, cache="dynamic")[0, ids.shape[1]:]
+    assert line == "the cat sat" + tok.decode(new.tolist())
+    assert main(["generate", "--model", str(folder), "--prompt", "a", "--window", "0"]) == 2
+    assert "window must be a positive int" in capsys.readouterr().err

@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None, help="sample within the smallest set of mass >= p")
     p.add_argument("--num-beams", type=int, default=1, help="beam search with this many beams (default 1)")
+    p.add_argument("--window", type=int, default=None,
+                   help="decoder-only: sliding-window self-attention of this width, its KV cache a ring buffer "
+                        "(O(window) memory however many tokens)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -52,6 +55,11 @@ def main(args: argparse.Namespace) -> int:
     if not encoder_decoder and not hasattr(model, "new_cache"):
         raise ValueError(f"--model {args.model} holds a {type(model).__name__}, which cannot generate: give a "
                          "decoder-only (GPT-2, Llama) or encoder-decoder (T5, BART) model")
+    if args.window is not None:
+        if encoder_decoder:
+            raise ValueError("--window is for decoder-only models (GPT-2, Llama)")
+        from attnlab.adapt.deploy import set_window
+        set_window(model, args.window)
     if hasattr(model, "optimize_for_inference"):
         model.optimize_for_inference(dtype=torch_dtype(name))  # weight-only bf16, or fp32's packed layout
     else:
@@ -64,7 +72,8 @@ def main(args: argparse.Namespace) -> int:
         ids = torch.tensor([tok.encode(text)], device=device)
         out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                             num_beams=args.num_beams, generator=generator, **stop)
+                             num_beams=args.num_beams, generator=generator,
+                             cache="dynamic" if args.window is None else "window", **stop)
         new = out[0, 1:] if encoder_decoder else out[0, ids.shape[1]:]  # after the start token / the prompt
         print(tok.decode(new.tolist()) if encoder_decoder else text + tok.decode(new.tolist()))
     return 0
