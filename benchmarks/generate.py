@@ -49,7 +49,7 @@ import transformers  # noqa: E402
 
 from attnlab.generation import generate  # noqa: E402
 from attnlab.models.gpt import GPT2Config, GPT2LMHeadModel, state_dict_from_hf  # noqa: E402
-from attnlab.nn.inference import PackedLinear  # noqa: E402
+from attnlab.nn.inference import PackedLinear, decode_weight_bytes as weight_bytes  # noqa: E402
 
 PROMPT, NEW = 32, 128
 TARGETS = {"float32": 1.25, "bfloat16": 2.2}  # tokens/s ratio to transformers fp32
@@ -62,33 +62,6 @@ def copy_fn(mbytes: int):
     n = mbytes * 10**6 // 4
     src, dst = torch.randn(n), torch.empty(n)
     return (lambda: dst.copy_(src)), 2 * n * 4
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of weights one decode step reads (see the module docstring)."""
-    seen: set[int] = set()
-    total = 0
-
-    def add(t, nbytes=None):
-        nonlocal total
-        if t is not None and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size() if nbytes is None else nbytes
-
-    for m in model.modules():  # linear layers first: the tied LM head reads the token table whole
-        if isinstance(m, nn.Linear):
-            add(m.weight), add(m.bias)
-        elif isinstance(m, PackedLinear):
-            total += m.in_features * m.out_features * m.weight_.element_size()
-            add(m.bias_)
-        elif hasattr(m, "weight_int8"):  # attnlab.adapt.quantize's Int8Linear: int8 rows and their scales
-            add(m.weight_int8), add(m.weight_scale), add(getattr(m, "bias", None))
-    for m in model.modules():
-        if isinstance(m, nn.Embedding):
-            add(m.weight, m.weight.shape[1] * m.weight.element_size())  # one row
-    for p in model.parameters():
-        add(p)
-    return total
 
 
 def models(config: GPT2Config):

@@ -262,7 +262,7 @@ def test_generate_keywords_are_the_config_fields_with_its_defaults():
 
     params = inspect.signature(generate).parameters
     fields = dataclasses.fields(GenerationConfig)
-    names = [n for n in params if n not in ("model", "input_ids", "attention_mask", "generator", "config")]
+    names = [n for n in params if n not in ("model", "input_ids", "attention_mask", "generator", "config", "streamer")]
     assert names == [f.name for f in fields]
     for f in fields[1:]:
         assert repr(params[f.name].default) == repr(f.default), f.name
@@ -351,3 +351,18 @@ def test_generate_needs_max_new_tokens_and_a_real_config(pair, prompts):
         generate(ours, prompts, config=dict(max_new_tokens=2))
     with pytest.raises(ValueError, match="input_ids"):  # the prompt is checked first, as before
         generate(ours, prompts.float(), config=GenerationConfig(max_new_tokens=2))
+
+
+def test_streamer_sees_every_new_token_in_order(pair, prompts):
+    _, ours = pair
+    ids = prompts
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    seen = []
+    out = generate(ours, ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None,
+                   streamer=lambda t: seen.append(t.clone()))
+    assert torch.equal(torch.stack(seen, 1), out[:, ids.shape[1]:])
+    with pytest.raises(ValueError, match="streamer is for greedy decoding and sampling"):
+        generate(ours, ids, attention_mask=mask, max_new_tokens=2, num_beams=2, streamer=print)
+    with pytest.raises(TypeError, match="streamer must be callable"):
+        generate(ours, ids, max_new_tokens=2, streamer=3)

@@ -1,29 +1,47 @@
 """``attnlab generate``: continue a prompt with a decoder-only model, or answer a source text with an
-encoder–decoder, from an HF-format folder or a Hub id.
+encoder–decoder, from an HF-format folder, a Hub id or an ``attnlab train`` run folder.
 
 The model is loaded in float32 and given its inference layout (:meth:`optimize_for_inference`, decoder-only
 models) in ``--dtype`` — by default ``auto``: bfloat16 weights where this CPU computes bf16 natively and
-faster, float32 elsewhere (``attnlab env`` shows the choice; an emulated bf16 would be many times slower).
+faster, float32 elsewhere (``attnlab env`` shows the choice; an emulated bf16 would be many times slower) —
+or int8 weights with ``--int8`` (:func:`attnlab.adapt.quantize`, dynamic int8 products).
 Decoding is :func:`attnlab.generation.generate`: greedy by default, ``--do-sample`` with the common ``--seed``,
 ``--num-beams`` for beam search. Each prompt is decoded on its own (batch 1), so no padding changes a result.
+
+The text is printed as the tokens come (beam search: at the end). On standard error each prompt ends with
+its speed: new tokens per second, and for a decoder-only model the share of this machine's bandwidth bound,
+``t_min = weight bytes read per token / copy bandwidth`` (:func:`attnlab.nn.inference.decode_weight_bytes`,
+the bandwidth measured by :func:`attnlab._runtime.probe`).
+
+A run folder: a ``shakespeare-char`` run samples text as nanoGPT's ``sample.py`` does (``--prompt`` defaults to
+a new line; try ``--do-sample --temperature 0.8 --top-k 200``); a ``multi30k-de-en`` run translates the German
+text given.
 """
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 
 EPILOG = """examples:
   attnlab generate --model path/to/gpt2-dir --prompt "Once upon a time" --max-new-tokens 40
   attnlab generate --model org/name --prompt "ROMEO:" --do-sample --temperature 0.8 --top-k 50 --seed 1
   attnlab generate --model t5-dir --prompt "translate English to German: Hello" --num-beams 4
   attnlab generate --model gpt2-dir --prompt "a" --prompt "b" --dtype float32      # one line per prompt
---model is an HF-format folder (config.json, safetensors, tokenizer.json) or a Hub id (org/name)."""
+  attnlab generate --model runs/shakespeare-char --do-sample --temperature 0.8 --top-k 200 --max-new-tokens 200
+  attnlab generate --model runs/multi30k-de-en --prompt "Ein Hund läuft durch den Schnee." --num-beams 4
+  attnlab generate --model gpt2-dir --prompt "x" --window 256 --max-new-tokens 100000   # O(256) cache memory
+--model is an HF-format folder (config.json, safetensors, tokenizer.json), a Hub id (org/name) or a run folder
+of `attnlab train shakespeare-char` / `multi30k-de-en`."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``attnlab generate`` (the common flags are added by :mod:`attnlab.cli`)."""
-    p.add_argument("--model", required=True, help="HF-format model folder or Hub id (GPT-2, Llama, T5, BART)")
-    p.add_argument("--prompt", action="append", required=True,
-                   help="text to continue (decoder-only) or the source text (encoder-decoder); repeatable")
+    p.add_argument("--model", required=True,
+                   help="HF-format model folder, Hub id (GPT-2, Llama, T5, BART) or attnlab train run folder")
+    p.add_argument("--prompt", action="append", default=None,
+                   help="text to continue (decoder-only) or the source text (encoder-decoder); repeatable "
+                        "(a shakespeare-char run: default a new line)")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one with --model)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to add at most (default 32)")
     p.add_argument("--do-sample", action="store_true", help="sample instead of taking the most likely token")
@@ -34,46 +52,122 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=None,
                    help="decoder-only: sliding-window self-attention of this width, its KV cache a ring buffer "
                         "(O(window) memory however many tokens)")
+    p.add_argument("--int8", action="store_true",
+                   help="int8 weights and activations in every linear layer (CPU; instead of --dtype)")
+
+
+class _Load:
+    """What ``--model`` names, ready to decode: the model, its tokenizer, how a prompt is encoded, the token
+    ids ``generate`` needs, and the prompt used when none is given."""
+
+    def __init__(self, args: argparse.Namespace, device: str) -> None:
+        from pathlib import Path
+
+        import torch
+
+        from attnlab.data.tokenizers import CharTokenizer, load_tokenizer
+        from attnlab.training.run_dir import is_run
+
+        path = Path(args.model)
+        self.ids_for_generate, self.default_prompt, self.add_special = {}, None, False
+        if path.is_dir() and is_run(path):
+            from attnlab.training.recipes import load_run
+
+            run = load_run(path, device=device)
+            self.model, self.tok = run.model, load_tokenizer(args.tokenizer or path)
+            if getattr(self.model, "is_encoder_decoder", False):  # multi30k-de-en: <s> source </s> -> target
+                self.add_special = True
+                self.ids_for_generate = dict(decoder_start_token_id=self.tok.bos_id, eos_token_id=self.tok.eos_id)
+            elif isinstance(self.tok, CharTokenizer):
+                self.default_prompt = "\n"  # nanoGPT's sample.py starts from a new line
+        else:
+            from attnlab.models.hub import from_pretrained, resolve_pretrained
+
+            folder = resolve_pretrained(args.model)  # a folder, or a Hub id's snapshot
+            self.tok = load_tokenizer(args.tokenizer or folder)
+            self.model = from_pretrained(folder, dtype=torch.float32).to(device).eval()
+        self.encoder_decoder = bool(getattr(self.model, "is_encoder_decoder", False))
+        if not self.encoder_decoder and not hasattr(self.model, "new_cache"):
+            raise ValueError(f"--model {args.model} holds a {type(self.model).__name__}, which cannot generate: give "
+                             "a decoder-only (GPT-2, Llama) or encoder-decoder (T5, BART) model")
+        if not self.encoder_decoder and not self.ids_for_generate and getattr(self.tok, "eos_id", None) is not None:
+            self.ids_for_generate = {"eos_token_id": self.tok.eos_id}  # stop at the tokenizer's end token
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=True) if self.add_special else self.tok.encode(text)
+
+
+class _Printer:
+    """A ``streamer`` for one sequence: prints the text of the new tokens as it grows (waiting while the last
+    token ends inside a multi-byte character), then what is left at :meth:`finish`."""
+
+    def __init__(self, tok) -> None:
+        self.tok, self.ids, self.shown = tok, [], ""
+
+    def __call__(self, new) -> None:
+        self.ids.append(int(new[0]))
+        self._show(self.tok.decode(self.ids))
+
+    def _show(self, text: str) -> None:
+        if not text.endswith("\ufffd") and text.startswith(self.shown):
+            print(text[len(self.shown):], end="", flush=True)
+            self.shown = text
+
+    def finish(self, ids: list[int]) -> None:
+        text = self.tok.decode(ids)
+        self.shown = text[:len(self.shown)] if text.startswith(self.shown) else ""
+        print(text[len(self.shown):], flush=True)
 
 
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from attnlab._runtime import resolve_dtype, torch_dtype
-    from attnlab.data.tokenizers import load_tokenizer
-    from attnlab.models.hub import from_pretrained, resolve_pretrained
+    from attnlab._runtime import probe, resolve_dtype, torch_dtype
+    from attnlab.nn.inference import decode_weight_bytes
 
-    prompts = [t for t in args.prompt if t.strip()]
-    if len(prompts) != len(args.prompt):
-        raise ValueError("--prompt must not be empty")
-    folder = resolve_pretrained(args.model)  # a folder, or a Hub id's snapshot
-    tok = load_tokenizer(args.tokenizer or folder)
     device = args.device or "cpu"
-    name, reason = resolve_dtype(args.dtype or "auto", device, name="--dtype")
-    model = from_pretrained(folder, dtype=torch.float32).to(device).eval()
-    encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
-    if not encoder_decoder and not hasattr(model, "new_cache"):
-        raise ValueError(f"--model {args.model} holds a {type(model).__name__}, which cannot generate: give a "
-                         "decoder-only (GPT-2, Llama) or encoder-decoder (T5, BART) model")
+    if args.int8 and (args.dtype not in (None, "auto") or device != "cpu"):
+        raise ValueError("--int8 runs on the CPU in place of --dtype: give one of them")
+    loaded = _Load(args, device)
+    prompts = args.prompt if args.prompt is not None else [loaded.default_prompt]
+    if prompts == [None]:
+        raise ValueError("--prompt is required for this model")
+    if any(not t.strip() for t in prompts) and loaded.default_prompt is None:
+        raise ValueError("--prompt must not be empty")
+    model = loaded.model
     if args.window is not None:
-        if encoder_decoder:
+        if loaded.encoder_decoder:
             raise ValueError("--window is for decoder-only models (GPT-2, Llama)")
         from attnlab.adapt.deploy import set_window
         set_window(model, args.window)
-    if hasattr(model, "optimize_for_inference"):
-        model.optimize_for_inference(dtype=torch_dtype(name))  # weight-only bf16, or fp32's packed layout
+    if args.int8:
+        from attnlab.adapt.quantize import quantize
+        model, label = quantize(model, "int8", inplace=True), "int8 (dynamic: int8 weights and activations)"
     else:
-        model.to(torch_dtype(name))
-    print(f"{type(model).__name__}, dtype {name} ({reason})")
+        name, reason = resolve_dtype(args.dtype or "auto", device, name="--dtype")
+        if hasattr(model, "optimize_for_inference"):
+            model.optimize_for_inference(dtype=torch_dtype(name))  # weight-only bf16, or fp32's packed layout
+        else:
+            model.to(torch_dtype(name))
+        label = f"{name} ({reason})"
+    print(f"{type(model).__name__}, dtype {label}")
     generator = torch.Generator(device=device).manual_seed(args.seed or 0) if args.do_sample else None
-    # a decoder-only model stops at its tokenizer's end token, when it has one (encoder-decoders: the model's)
-    stop = {} if encoder_decoder or tok.eos_id is None else {"eos_token_id": tok.eos_id}
+    bound_s = None if loaded.encoder_decoder else decode_weight_bytes(model) / (probe(measure=True).copy_gbps * 1e9)
     for text in prompts:
-        ids = torch.tensor([tok.encode(text)], device=device)
+        ids = torch.tensor([loaded.encode(text)], device=device)
+        printer = _Printer(loaded.tok)
+        if not loaded.encoder_decoder:
+            print(text, end="", flush=True)
+        start = time.perf_counter()
         out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                              num_beams=args.num_beams, generator=generator,
-                             cache="dynamic" if args.window is None else "window", **stop)
-        new = out[0, 1:] if encoder_decoder else out[0, ids.shape[1]:]  # after the start token / the prompt
-        print(tok.decode(new.tolist()) if encoder_decoder else text + tok.decode(new.tolist()))
+                             cache="dynamic" if args.window is None else "window",
+                             streamer=printer if args.num_beams == 1 else None, **loaded.ids_for_generate)
+        seconds = time.perf_counter() - start
+        new = out[0, 1:] if loaded.encoder_decoder else out[0, ids.shape[1]:]  # after the start token / the prompt
+        printer.finish(new.tolist())
+        rate = len(new) / seconds
+        share = "" if bound_s is None else f"; {100 * bound_s * rate:.0f} % of this machine's bandwidth bound"
+        print(f"{len(new)} tokens in {seconds:.2f} s: {rate:.1f} tokens/s{share}", file=sys.stderr)
     return 0

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, replace
 from types import SimpleNamespace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -137,7 +137,7 @@ def generate(model, input_ids: Tensor, *, attention_mask: Optional[Tensor] = Non
              pad_token_id: Optional[int] = _Unset("pad_token_id"),
              decoder_start_token_id: Optional[int] = _Unset("decoder_start_token_id"),
              generator: Optional[torch.Generator] = None, cache: str = _Unset("cache"),
-             config: Optional[GenerationConfig] = None) -> Tensor:
+             config: Optional[GenerationConfig] = None, streamer: Optional[Callable[[Tensor], None]] = None) -> Tensor:
     """Continue ``input_ids (B, T)`` by up to ``max_new_tokens`` tokens (call ``model.eval()`` first).
 
     The settings (``max_new_tokens`` ... ``cache``, all but ``generator``) are :class:`GenerationConfig`'s
@@ -168,6 +168,8 @@ def generate(model, input_ids: Tensor, *, attention_mask: Optional[Tensor] = Non
             :func:`attnlab.adapt.deploy.sliding_window`: a ring buffer of the ``w`` newest keys and values per
             layer, O(w) memory however many tokens; the same tokens as the growing cache).
         config: a :class:`GenerationConfig` holding the settings (None: the keywords and defaults alone).
+        streamer: called with each step's new tokens ``(B,)`` as soon as they are chosen (greedy and sampling;
+            a finished sequence gets ``pad_token_id``), e.g. to print text as it comes.
 
     Returns:
         ``(B, T + n)`` ids: the prompt, then the ``n <= max_new_tokens`` new tokens (as ``transformers``);
@@ -180,6 +182,8 @@ def generate(model, input_ids: Tensor, *, attention_mask: Optional[Tensor] = Non
             nor ``config``, or a setting has the wrong type (see :class:`GenerationConfig`).
     """
     _check_inputs(input_ids, attention_mask)
+    if streamer is not None and not callable(streamer):
+        raise TypeError(f"streamer must be callable, got {type(streamer).__name__}")
     config = _settings(config, dict(
         max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
         num_beams=num_beams, length_penalty=length_penalty, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
@@ -203,8 +207,11 @@ def generate(model, input_ids: Tensor, *, attention_mask: Optional[Tensor] = Non
             attention_mask = None
         past = _new_cache(model, input_ids.shape[1] + config.max_new_tokens, config.cache)
         if config.num_beams > 1:
+            if streamer is not None:
+                raise ValueError("streamer is for greedy decoding and sampling: beam search knows its tokens only "
+                                 "at the end (num_beams must be 1)")
             return _beam_search(model, input_ids, attention_mask, past, config)
-        return _decode(model, input_ids, attention_mask, past, config, generator)
+        return _decode(model, input_ids, attention_mask, past, config, generator, streamer)
 
 
 def _new_cache(model, total: int, kind: str):
@@ -270,7 +277,7 @@ class EncoderDecoderAsDecoder:
                                                         cache=s.layers))
 
 
-def _decode(model, input_ids, mask, past, config: GenerationConfig, generator) -> Tensor:
+def _decode(model, input_ids, mask, past, config: GenerationConfig, generator, streamer=None) -> Tensor:
     """Greedy or sampled decoding, one token per step."""
     B, T0 = input_ids.shape
     max_new_tokens, eos, pad = config.max_new_tokens, config.eos_token_id, config.pad_token_id
@@ -290,6 +297,8 @@ def _decode(model, input_ids, mask, past, config: GenerationConfig, generator) -
             nxt = torch.where(unfinished, nxt, pad)
             unfinished &= nxt != eos
         out[:, t] = nxt
+        if streamer is not None:
+            streamer(nxt)
         if t + 1 == T0 + max_new_tokens or (eos is not None and not bool(unfinished.any())):
             return out[:, :t + 1]
         if mask is not None:

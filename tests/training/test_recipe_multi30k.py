@@ -184,3 +184,23 @@ def test_bad_settings_and_options_are_clear_errors(small, tiny_run, tmp_path):
     (folder / "tokenizer.json").unlink()
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         evaluate_checkpoint(folder)
+
+
+def test_generate_translates_with_a_run_folder(tiny_run, capsys):
+    """``attnlab generate --model RUN`` on a multi30k-de-en run prints what :func:`translate` gives."""
+    from attnlab.cli import main
+    from attnlab.data.tokenizers import TextTokenizer
+    from attnlab.training.recipes import load_run
+
+    out, _ = tiny_run
+    source = "Ein Hund läuft durch den Schnee."
+    assert main(["generate", "--model", str(out), "--prompt", source, "--max-new-tokens", "12",
+                 "--dtype", "float32"]) == 0
+    captured = capsys.readouterr()
+    line = captured.out.splitlines()[1]
+    model = load_run(out).model
+    tok = TextTokenizer.load(out / "tokenizer.json")
+    ids = torch.tensor([tok.encode(source, add_special_tokens=True)])
+    new = model.generate(ids, decoder_start_token_id=tok.bos_id, eos_token_id=tok.eos_id, max_new_tokens=12)[0, 1:]
+    assert line == tok.decode(new.tolist())
+    assert "tokens/s" in captured.err and "bandwidth bound" not in captured.err  # encoder-decoder: no bound

@@ -196,3 +196,22 @@ def test_nanogpt_cpu_preset_learns(tmp_path, shakespeare):
     nanoGPT reports 1.874 on its 20 x 12-block estimate; seeds and eval draws move ours by ~0.01."""
     m = run_recipe("shakespeare-char", out=tmp_path, preset="nanogpt-cpu", overrides=FAST)
     assert m["steps"] == 2000 and m["val_loss"] < 1.92
+
+
+def test_generate_samples_from_a_run_folder(tmp_path, shakespeare, capsys):
+    """``attnlab generate --model RUN`` on a shakespeare-char run: from a new line by default (as nanoGPT's
+    sample.py), the run's character tokenizer, the model at its newest checkpoint."""
+    import torch
+
+    from attnlab import cli
+    from attnlab.data.tokenizers import CharTokenizer
+    from attnlab.training.recipes.shakespeare import load_run_model
+
+    out = tmp_path / "run"
+    run_recipe("shakespeare-char", out=out, preset="tiny", overrides={**FAST, "max_steps": 3})
+    assert cli.main(["generate", "--model", str(out), "--max-new-tokens", "12", "--dtype", "float32"]) == 0
+    captured = capsys.readouterr()
+    tok = CharTokenizer.load(out / "tokenizer.json")
+    new = load_run_model(out).generate(torch.tensor([tok.encode("\n")]), max_new_tokens=12)[0, 1:]
+    assert captured.out.split("\n", 1)[1] == "\n" + tok.decode(new.tolist()) + "\n"
+    assert "12 tokens in" in captured.err and "% of this machine's bandwidth bound" in captured.err

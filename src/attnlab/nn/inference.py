@@ -193,3 +193,35 @@ class InferenceLayoutMixin:
             resolve_dtype("bf16", next((p.device for p in self.parameters()), torch.device("cpu")))  # warns if emulated
         optimize_linears_(self, dtype=dtype, rows=self.packed_rows)
         return self.eval()
+
+
+def decode_weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights one decoding step reads: every linear layer's weights (packed, int8 rows and their
+    scales, or plain), one row of each embedding table (the tied LM head reads the table whole, as a linear
+    layer), and every other parameter once; tensors shared by several modules count once.
+
+    The step's floor on a memory-bound machine is ``decode_weight_bytes(model) / bandwidth``.
+    """
+    seen: set[int] = set()
+    total = 0
+
+    def add(t, nbytes=None):
+        nonlocal total
+        if t is not None and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size() if nbytes is None else nbytes
+
+    for m in model.modules():  # linear layers first: the tied LM head reads the token table whole
+        if isinstance(m, nn.Linear):
+            add(m.weight), add(m.bias)
+        elif isinstance(m, PackedLinear):
+            total += m.in_features * m.out_features * m.weight_.element_size()
+            add(m.bias_)
+        elif hasattr(m, "weight_int8"):  # attnlab.adapt.quantize's Int8Linear: int8 rows and their scales
+            add(m.weight_int8), add(m.weight_scale), add(getattr(m, "bias", None))
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            add(m.weight, m.weight.shape[1] * m.weight.element_size())  # one row
+    for p in model.parameters():
+        add(p)
+    return total

@@ -325,6 +325,49 @@ def load_weights_checked(model: nn.Module, weights: Mapping[str, torch.Tensor], 
     model.load_state_dict(weights)
 
 
+@dataclass
+class LoadedRun:
+    """A run's model at one checkpoint (eval mode, on ``device``), with its recipe, settings and build."""
+
+    recipe: Recipe
+    settings: Any
+    built: Built
+    model: nn.Module
+    checkpoint: Path
+    step: Optional[int]
+
+
+def load_run(directory: PathLike, *, checkpoint: Optional[PathLike] = None, device: str = "cpu") -> LoadedRun:
+    """The model of a ``run_recipe`` output folder, built from the settings the checkpoint carries (or
+    ``config.json``), with the weights of ``checkpoint`` (default: the newest intact one; a torn or empty newer
+    one is skipped with a warning).
+
+    Raises:
+        FileNotFoundError: no settings or no checkpoint.
+        ValueError: ``directory`` is a file, or the checkpoint holds no weights or weights of another model.
+    """
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"{directory} is a file: give the run's output folder")
+    if checkpoint is not None:
+        path, state = Path(checkpoint), load_checkpoint(checkpoint, map_location=device)
+    else:
+        path, state = latest_intact_checkpoint(directory, map_location=device)
+    saved = state.get("run") if state is not None and isinstance(state.get("run"), dict) else _read_config(directory)
+    if saved is None:
+        raise FileNotFoundError(f"no config.json in {directory}: not an `attnlab train` output folder")
+    recipe = get_recipe(saved.get("recipe", "?"))
+    settings = resolve_settings(recipe, base=saved.get("settings", {}))
+    if path is None:
+        raise FileNotFoundError(f"no checkpoint (ckpt-*.pt) in {directory}")
+    if "model" not in state:
+        raise ValueError(f"{path} holds no model weights")
+    built = recipe.build(settings, out=directory, dist=DistInfo(), training=False)
+    model = built.model.to(device)
+    load_weights_checked(model, state["model"], source=path)
+    return LoadedRun(recipe, settings, built, model.eval(), path, state.get("step"))
+
+
 def evaluate_checkpoint(directory: PathLike, *, checkpoint: Optional[PathLike] = None, device: str = "cpu",
                         **options) -> dict:
     """Score a checkpoint of a ``run_recipe`` output folder with its recipe's evaluation.
@@ -346,28 +389,12 @@ def evaluate_checkpoint(directory: PathLike, *, checkpoint: Optional[PathLike] =
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"--checkpoint {directory} is a file: give the run's output folder")
-    if checkpoint is not None:
-        path, state = Path(checkpoint), load_checkpoint(checkpoint, map_location=device)
-    else:  # the newest checkpoint that reads; a torn or empty newer one is skipped with a warning
-        path, state = latest_intact_checkpoint(directory, map_location=device)
-    saved = state.get("run") if state is not None and isinstance(state.get("run"), dict) else _read_config(directory)
-    if saved is None:
-        raise FileNotFoundError(f"no config.json in {directory}: not an `attnlab train` output folder")
-    recipe = get_recipe(saved.get("recipe", "?"))
-    settings = resolve_settings(recipe, base=saved.get("settings", {}))
-    if path is None:
-        raise FileNotFoundError(f"no checkpoint (ckpt-*.pt) in {directory}")
-    if "model" not in state:
-        raise ValueError(f"{path} holds no model weights")
-    built = recipe.build(settings, out=directory, dist=DistInfo(), training=False)
-    model = built.model.to(device)
-    load_weights_checked(model, state["model"], source=path)
-    model.eval()
-    score = built.score or built.evaluate
+    run = load_run(directory, checkpoint=checkpoint, device=device)
+    score = run.built.score or run.built.evaluate
     accepted = inspect.signature(score).parameters
     bad = [k for k in options if k not in accepted]
     if bad:
-        raise ValueError(f"recipe {recipe.name} does not take evaluation option(s) {bad}")
+        raise ValueError(f"recipe {run.recipe.name} does not take evaluation option(s) {bad}")
     with torch.no_grad():
-        scores = score(model, **options)
-    return {"recipe": recipe.name, "checkpoint": str(path), "step": state.get("step"), **scores}
+        scores = score(run.model, **options)
+    return {"recipe": run.recipe.name, "checkpoint": str(run.checkpoint), "step": run.step, **scores}
