@@ -91,7 +91,7 @@ class DecoderOnlyLM(InferenceLayoutMixin, PreTrainedMixin, nn.Module):
         weights = []
         for i, layer in enumerate(self.layers):
             # one query at the last position sees every key: no causal mask needed
-            out = layer(x, tgt_key_padding_mask=padding, is_causal=T > 1, need_weights=output_attentions,
+            out = layer(x, tgt_key_padding_mask=padding, is_causal=bool(T > 1), need_weights=output_attentions,
                         cache=None if past_key_values is None else past_key_values[i])
             if output_attentions:
                 x, w = out
