@@ -126,10 +126,13 @@ def test_onnx_decoder_runs_generate_greedy_and_beams(exported):
     ids, mask = _prompts(seed=4)
     greedy = model.generate(ids, attention_mask=mask, max_new_tokens=20)
     eos = int(greedy[0, 12])  # row 0 ends at its 5th new token; the others are padded after theirs, if any
-    for kwargs in (dict(max_new_tokens=20), dict(max_new_tokens=20, eos_token_id=eos, pad_token_id=0),
-                   dict(max_new_tokens=10, num_beams=3)):
-        assert torch.equal(decoder.generate(ids, attention_mask=mask, **kwargs),
-                           model.generate(ids, attention_mask=mask, **kwargs)), kwargs
+    stopping = dict(max_new_tokens=20, eos_token_id=eos, pad_token_id=0)
+    stopped = model.generate(ids, attention_mask=mask, **stopping)
+    assert not torch.equal(stopped, greedy) and (stopped[0, 13:] == 0).all()  # the end token took effect
+    for kwargs, expected in ((dict(max_new_tokens=20), greedy), (stopping, stopped),
+                             (dict(max_new_tokens=10, num_beams=3), None)):
+        expected = model.generate(ids, attention_mask=mask, **kwargs) if expected is None else expected
+        assert torch.equal(decoder.generate(ids, attention_mask=mask, **kwargs), expected), kwargs
     one = decoder(ids[:1])  # no mask, no cache: logits of a fresh call
     with torch.no_grad():
         assert (one.logits - model(ids[:1]).logits).abs().max() <= 1e-4 and one.past_key_values is None
@@ -142,7 +145,8 @@ def test_attnlab_export_writes_a_decoder_that_decodes_like_the_model(tmp_path, c
     out = capsys.readouterr().out
     assert "LlamaForCausalLM" in out and "past_key_values.{0..1}.key/.value" in out and "present." in out
     ids, mask = _prompts(seed=6)
-    assert torch.equal(OnnxDecoder(tmp_path / "out" / "llama.onnx").generate(ids, attention_mask=mask, max_new_tokens=8),
+    decoder = OnnxDecoder(tmp_path / "out" / "llama.onnx")
+    assert torch.equal(decoder.generate(ids, attention_mask=mask, max_new_tokens=8),
                        model.generate(ids, attention_mask=mask, max_new_tokens=8))
 
 
@@ -160,10 +164,12 @@ def test_attnlab_export_errors_are_one_line(tmp_path, capsys, make_gpt2):
                                         num_heads=2)).save_pretrained(tmp_path / "t5")
     make_gpt2().save_pretrained(tmp_path / "gpt2")
     out = str(tmp_path / "x.onnx")
-    _one_line_error(capsys, ["export", "--model", str(tmp_path / "t5"), "--out", out], "holds a T5ForConditionalGeneration")
+    _one_line_error(capsys, ["export", "--model", str(tmp_path / "t5"), "--out", out],
+                    "holds a T5ForConditionalGeneration")
     _one_line_error(capsys, ["export", "--model", str(tmp_path / "gpt2"), "--out", out, "--dtype", "bfloat16"],
                     "float32")
     _one_line_error(capsys, ["export", "--model", str(tmp_path / "gpt2"), "--out", out, "--opset", "12"], "opset")
+    _one_line_error(capsys, ["export", "--model", str(tmp_path / "gpt2"), "--out", str(tmp_path)], "is a folder")
     assert not (tmp_path / "x.onnx").exists()
 
 

@@ -71,8 +71,9 @@ class _Exportable(nn.Module):
 
 
 class _DecoderWithCache(nn.Module):
-    """``(input_ids, attention_mask, k_0, v_0, …, k_{L-1}, v_{L-1}) -> (logits, k'_0, v'_0, …)``: each layer's past
-    fills a fresh growing :class:`KVCache`, the model's forward appends the new keys and values, ``k'_i = [k_i; k_new]``."""
+    """``(input_ids, attention_mask, k_0, v_0, …, k_{L-1}, v_{L-1}) -> (logits, k'_0, v'_0, …)``: each layer's
+    past fills a fresh growing :class:`KVCache`, the model's forward appends the new keys and values,
+    ``k'_i = [k_i; k_new]``."""
 
     def __init__(self, model: DecoderOnlyLM) -> None:
         super().__init__()
@@ -159,8 +160,9 @@ def export_onnx(model: nn.Module, path: PathLike, *, opset: Optional[int] = None
 
     Raises:
         TypeError: ``model`` is not a supported encoder or decoder.
-        ValueError: the model was quantised or packed for inference (export before that); ``opset`` < 14, or
-            ``example_length`` outside ``[2, positions]`` (a decoder's example also holds one cached position).
+        ValueError: the model was quantised or packed for inference (export before that); ``opset`` < 14,
+            ``example_length`` outside ``[2, positions]`` (a decoder's example also holds one cached position), or
+            ``path`` is a folder.
     """
     outputs = output_names(model)
     converted = sorted({type(m).__name__ for m in model.modules()
@@ -176,6 +178,8 @@ def export_onnx(model: nn.Module, path: PathLike, *, opset: Optional[int] = None
     if not (isinstance(example_length, int) and 2 <= example_length <= limit):
         raise ValueError(f"example_length must be an int in [2, {limit}], got {example_length!r}")
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"export_onnx: path {path} is a folder: give the .onnx file to write")
     example, dynamic = (_decoder_example if decoder else _encoder_example)(model, example_length)
     traced = copy.deepcopy(model).eval().float().cpu()
     for m in traced.modules():
