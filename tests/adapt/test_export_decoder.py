@@ -3,9 +3,9 @@
 The graph has Optimum's decoder layout; its logits and presents equal our forward and the same weights in
 ``transformers`` (max abs ≤ 1e-4 and within the float32 rounding model of ``tests/_tolerance.py``) at batch sizes
 and lengths other than the traced example's, from an empty past, over a cached past, one token or a chunk; a plain
-numpy greedy loop over the session gives our ``generate``'s tokens, token for token, with left padding; and
-:class:`OnnxDecoder` runs ``generate`` itself (greedy with an end token, beams) on the graph. Then the
-``attnlab export`` command and the errors.
+numpy greedy loop over the session gives our ``generate``'s tokens, token for token, with left padding;
+:class:`OnnxDecoder` runs ``generate`` itself (greedy with an end token, beams) on the graph; a sliding-window model
+keeps its window. Then the ``attnlab export`` command and the errors.
 """
 import numpy as np
 import pytest
@@ -136,6 +136,18 @@ def test_onnx_decoder_runs_generate_greedy_and_beams(exported):
     one = decoder(ids[:1])  # no mask, no cache: logits of a fresh call
     with torch.no_grad():
         assert (one.logits - model(ids[:1]).logits).abs().max() <= 1e-4 and one.past_key_values is None
+
+
+def test_a_sliding_window_model_exports_with_its_window(tmp_path, make_llama):
+    from attnlab.adapt.deploy import set_window
+
+    model = make_llama(seed=7)
+    set_window(model, 4)
+    decoder = OnnxDecoder(export_onnx(model, tmp_path / "window.onnx"))
+    ids, mask = _prompts(seed=8)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=20, cache="window")
+    assert not torch.equal(expected, make_llama(seed=7).generate(ids, attention_mask=mask, max_new_tokens=20))
+    assert torch.equal(decoder.generate(ids, attention_mask=mask, max_new_tokens=20), expected)
 
 
 def test_attnlab_export_writes_a_decoder_that_decodes_like_the_model(tmp_path, capsys, make_llama):

@@ -18,5 +18,5 @@ from attnlab.adapt.rag import Retriever, SentenceEncoder, rag_generate
 __all__ = ["LoRALinear", "apply_lora", "merge_lora", "unmerge_lora", "unload_lora", "lora_state_dict",
            "BottleneckAdapter", "apply_adapters", "remove_adapters", "PromptTuningLM", "PrefixTuningLM",
            "save_adapter", "load_adapter", "adapter_state_dict", "trainable_parameters",
-           "quantize", "Int8Linear", "Int8Embedding", "export_onnx", "OnnxDecoder", "SentenceEncoder", "Retriever", "rag_generate",
-           "set_window", "sliding_window"]
+           "quantize", "Int8Linear", "Int8Embedding", "export_onnx", "OnnxDecoder", "SentenceEncoder", "Retriever",
+           "rag_generate", "set_window", "sliding_window"]

@@ -20,8 +20,10 @@ mask grown by the new tokens. There is no ``position_ids`` input: positions foll
 our forward (GPT-2: ``p = cumsum(mask) - 1``; Llama: RoPE at ``past .. past + sequence - 1``, exact under left
 padding because RoPE is relative), so prompts of different lengths are left-padded. The graph holds the model's
 position table (GPT-2's ``n_positions``; Llama's RoPE table, grown to ``max_position_embeddings``): ONNX Runtime
-refuses positions beyond it. :class:`OnnxDecoder` runs such a file behind the decoder protocol of
-:mod:`attnlab.generation`, so ``generate`` (greedy, sampling, beams) decodes on ONNX Runtime.
+refuses positions beyond it. A model under :func:`~attnlab.adapt.deploy.sliding_window` exports with its window
+as a mask; the graph's past still keeps every position (no ring buffer). :class:`OnnxDecoder` runs such a file
+behind the decoder protocol of :mod:`attnlab.generation`, so ``generate`` (greedy, sampling, beams) decodes on
+ONNX Runtime.
 
 Both are traced with the TorchScript exporter (``torch.onnx.export(..., dynamo=False)``) on a float32 copy of the
 model whose attention modules use the ``reference`` backend — ``softmax(Q Kᵀ/√d + mask) V`` written out as
