@@ -39,6 +39,7 @@ FLAGS = {
     "explain": [("--list", None), ("name", st.sampled_from(["nope", ""]))],
     "rag": [("--corpus", path), ("--query", text), ("--k", small), ("--model", path), ("--generator", path)],
     "env": [("--json", None)],
+    "export": [("--model", path), ("--out", path), ("--opset", st.sampled_from(["12", "17", "x"]))],
     "bench": [("--list", None), ("names", st.sampled_from(["nope"]))],
 }
 REQUIRED = {"demo": ["--max-steps", "2", "--quiet"], "train": ["shakespeare-char", "--set", "max_steps=2", "--quiet",

@@ -60,6 +60,10 @@ COMMANDS = {
         "what this machine computes natively (ISA, bf16, AMX, measured speed) and the defaults that follow",
         "attnlab.env_cli",
     ),
+    "export": (
+        "write a BERT encoder or a GPT-2 / Llama decoder (with its KV cache as inputs and outputs) as an ONNX file",
+        "attnlab.adapt.export_cli",
+    ),
     "rag": (
         "retrieve the passages of a corpus closest to a query (all-MiniLM-L6-v2), optionally generate an answer",
         "attnlab.adapt.rag_cli",

@@ -51,16 +51,16 @@ def ids():
     return torch.randint(0, V, (2, 12))
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")  # a factory: module-scoped fixtures may use it
 def make_gpt2():
     return tiny_gpt2
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")  # a factory: module-scoped fixtures may use it
 def make_llama():
     return tiny_llama
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")  # a factory: module-scoped fixtures may use it
 def make_bert():
     return tiny_bert

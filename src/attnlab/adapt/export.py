@@ -1,15 +1,39 @@
-"""ONNX export of BERT-style encoders (BERT, all-MiniLM-L6-v2) with dynamic batch size and length.
+"""ONNX export of BERT-style encoders and of decoder-only language models (GPT-2, Llama) with an explicit KV cache.
 
-The graph takes ``input_ids``, ``attention_mask`` and ``token_type_ids`` (int64, ``(batch, sequence)``)
-— the input names Hugging Face Optimum uses for BERT — and returns ``last_hidden_state``
-``(batch, sequence, hidden)`` plus ``pooler_output`` ``(batch, hidden)`` when the model has a pooler, or
-``logits`` for :class:`~attnlab.models.bert.BertForMaskedLM`.
+**Encoders** (BERT, all-MiniLM-L6-v2): the graph takes ``input_ids``, ``attention_mask`` and ``token_type_ids``
+(int64, ``(batch, sequence)``) — the input names Hugging Face Optimum uses for BERT — and returns
+``last_hidden_state`` ``(batch, sequence, hidden)`` plus ``pooler_output`` ``(batch, hidden)`` when the model has
+a pooler, or ``logits`` for :class:`~attnlab.models.bert.BertForMaskedLM`.
 
-It is traced with the TorchScript exporter (``torch.onnx.export(..., dynamo=False)``) on a copy of the
-model whose attention modules use the ``reference`` backend — ``softmax(Q Kᵀ/√d + mask) V`` written out
-as MatMul/Softmax nodes that ONNX Runtime fuses itself. (The ``dynamo`` exporter stops at the models'
-data-dependent input checks, e.g. ``input_ids.max() < vocab_size``; the tracer records them as
-constants, which is harmless because they only raise errors.)
+**Decoder-only models** (:class:`~attnlab.models.causal_lm.DecoderOnlyLM`: GPT-2, Llama with GQA) use Optimum's
+decoder layout, one graph for the first call and every step after it (``L`` layers, ``Hkv`` key/value heads)::
+
+    inputs   input_ids                    (batch, sequence)                 int64
+             attention_mask               (batch, past + sequence)          int64, 1 = token, 0 = padding
+             past_key_values.{i}.key      (batch, Hkv, past, head_dim)      float32, i = 0 .. L-1
+             past_key_values.{i}.value    (batch, Hkv, past, head_dim)
+    outputs  logits                       (batch, sequence, vocab)
+             present.{i}.key / .value     (batch, Hkv, past + sequence, head_dim) = concat(past, new) on axis 2
+
+The first call passes past tensors of length 0; each later call passes the previous call's ``present`` and the
+mask grown by the new tokens. There is no ``position_ids`` input: positions follow the mask inside the graph as in
+our forward (GPT-2: ``p = cumsum(mask) - 1``; Llama: RoPE at ``past .. past + sequence - 1``, exact under left
+padding because RoPE is relative), so prompts of different lengths are left-padded. The graph holds the model's
+position table (GPT-2's ``n_positions``; Llama's RoPE table, grown to ``max_position_embeddings``): ONNX Runtime
+refuses positions beyond it. A model under :func:`~attnlab.adapt.deploy.sliding_window` exports with its window
+as a mask; the graph's past still keeps every position (no ring buffer). :class:`OnnxDecoder` runs such a file
+behind the decoder protocol of :mod:`attnlab.generation`, so ``generate`` (greedy, sampling, beams) decodes on
+ONNX Runtime.
+
+Both are traced with the TorchScript exporter (``torch.onnx.export(..., dynamo=False)``) on a float32 copy of the
+model whose attention modules use the ``reference`` backend — ``softmax(Q Kᵀ/√d + mask) V`` written out as
+MatMul/Softmax nodes that ONNX Runtime fuses itself. (The ``dynamo`` exporter stops at the models' data-dependent
+input checks, e.g. ``input_ids.max() < vocab_size``; the tracer records them as constants, which is harmless
+because they only raise errors.) The tracer also fixes Python branches to the example's, so the decoder example has
+a padded row, ``sequence > 1`` and a non-empty past: the graph then always applies the padding mask (all-allowed
+when nothing is padded) and the causal mask, bottom-right aligned, which leaves one new query free to see every key.
+The cache plumbing is :class:`_DecoderWithCache`, a wrapper: the past fills a fresh
+:class:`~attnlab.modules.cache.KVCache` per layer and the model's own forward appends to it.
 """
 from __future__ import annotations
 
@@ -17,23 +41,27 @@ import copy
 import os
 import warnings
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
 from attnlab._checks import int_at_least
 from attnlab._io import atomic_write
+from attnlab.modules.cache import KVCache
 from attnlab.modules.multihead import MultiheadAttention
 from attnlab.models.bert import BertForMaskedLM, BertModel
+from attnlab.models.causal_lm import CausalLMOutput, DecoderOnlyLM
+from attnlab.nn.positional import RotaryEmbedding
 
 PathLike = Union[str, os.PathLike]
 DEFAULT_OPSET = 17
-INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
+INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")  # the encoders'
+SUPPORTED = "BERT encoders (BertModel, BertForMaskedLM) and decoder-only LMs (GPT2LMHeadModel, LlamaForCausalLM)"
 
 
 class _Exportable(nn.Module):
-    """Positional tensors in, a tuple of tensors out: what the tracer records."""
+    """An encoder: positional tensors in, a tuple of tensors out: what the tracer records."""
 
     def __init__(self, model: nn.Module, outputs: tuple[str, ...]) -> None:
         super().__init__()
@@ -44,21 +72,87 @@ class _Exportable(nn.Module):
         return tuple(getattr(out, name) for name in self.outputs)
 
 
+class _DecoderWithCache(nn.Module):
+    """``(input_ids, attention_mask, k_0, v_0, …, k_{L-1}, v_{L-1}) -> (logits, k'_0, v'_0, …)``: each layer's
+    past fills a fresh growing :class:`KVCache`, the model's forward appends the new keys and values,
+    ``k'_i = [k_i; k_new]``."""
+
+    def __init__(self, model: DecoderOnlyLM) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
+        caches = self.model.new_cache()
+        for i, cache in enumerate(caches):
+            cache.self_attn.update(past[2 * i], past[2 * i + 1])
+        logits = self.model(input_ids, attention_mask=attention_mask, past_key_values=caches).logits
+        return (logits, *(t for cache in caches for t in cache.self_attn.stored()))
+
+
+def _cache_names(prefix: str, num_layers: int) -> list[str]:
+    return [f"{prefix}.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
+
+
+def input_names(model: nn.Module) -> tuple[str, ...]:
+    """The graph inputs :func:`export_onnx` writes for ``model`` (see the module docstring)."""
+    if isinstance(model, DecoderOnlyLM):
+        return ("input_ids", "attention_mask", *_cache_names("past_key_values", len(model.layers)))
+    output_names(model)  # raises for what is not supported
+    return INPUT_NAMES
+
+
 def output_names(model: nn.Module) -> tuple[str, ...]:
     """The graph outputs :func:`export_onnx` writes for ``model``."""
+    if isinstance(model, DecoderOnlyLM):
+        return ("logits", *_cache_names("present", len(model.layers)))
     if isinstance(model, BertForMaskedLM):
         return ("logits",)
     if isinstance(model, BertModel):
         return ("last_hidden_state",) + (("pooler_output",) if model.pooler is not None else ())
-    raise TypeError(f"export_onnx exports BERT encoders (BertModel, BertForMaskedLM), got {type(model).__name__}")
+    raise TypeError(f"export_onnx exports {SUPPORTED}, got {type(model).__name__}")
+
+
+def _positions(model: nn.Module) -> int:
+    """The most positions the model's tables hold (the ``example_length`` bound)."""
+    if isinstance(model, DecoderOnlyLM):
+        return getattr(model.config, model.positions_field)
+    return model.config.max_position_embeddings
+
+
+def _encoder_example(model: nn.Module, length: int) -> tuple[tuple[Tensor, ...], dict]:
+    """A padded example batch and the dynamic axes (``batch``, ``sequence``) of an encoder graph."""
+    ids = torch.randint(1, model.config.vocab_size, (2, length))
+    mask = torch.ones_like(ids)
+    mask[1, length // 2:] = 0  # a padded row, so the mask is traced as data, not folded away
+    dynamic = {name: {0: "batch", 1: "sequence"} for name in INPUT_NAMES}
+    dynamic.update({name: {0: "batch", 1: "sequence"} if name != "pooler_output" else {0: "batch"}
+                    for name in output_names(model)})
+    return (ids, mask, torch.zeros_like(ids)), dynamic
+
+
+def _decoder_example(model: DecoderOnlyLM, length: int) -> tuple[tuple[Tensor, ...], dict]:
+    """``length`` tokens after one cached position, the second row left-padded; Optimum's axis names."""
+    attn = model.layers[0].self_attn
+    ids = torch.randint(1, model.config.vocab_size, (2, length))
+    mask = torch.ones(2, 1 + length, dtype=torch.long)
+    mask[1, :2] = 0  # padding: the mask is traced as data
+    past = [torch.randn(2, attn.num_kv_heads, 1, attn.head_dim) for _ in range(2 * len(model.layers))]
+    batch, seq, past_len, total = "batch_size", "sequence_length", "past_sequence_length", \
+        "past_sequence_length + sequence_length"
+    dynamic = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: total}, "logits": {0: batch, 1: seq}}
+    dynamic.update({name: {0: batch, 2: past_len} for name in input_names(model)[2:]})
+    dynamic.update({name: {0: batch, 2: total} for name in output_names(model)[1:]})
+    return (ids, mask, *past), dynamic
 
 
 def export_onnx(model: nn.Module, path: PathLike, *, opset: Optional[int] = None, example_length: int = 16) -> Path:
-    """Write ``model`` as an ONNX file with dynamic ``batch`` and ``sequence`` axes (atomically).
+    """Write ``model`` as an ONNX file with dynamic batch and length axes (atomically).
 
     Args:
-        model: a :class:`~attnlab.models.bert.BertModel` / ``BertForMaskedLM`` (e.g. from
-            ``attnlab.from_pretrained``); exported in eval mode, float32.
+        model: a :class:`~attnlab.models.bert.BertModel` / ``BertForMaskedLM``, or a decoder-only language model
+            (``GPT2LMHeadModel``, ``LlamaForCausalLM``; e.g. from ``attnlab.from_pretrained``); exported in eval
+            mode, float32, on the CPU, from a copy (``model`` is left as it was). The graphs' inputs and outputs
+            are in the module docstring (:func:`input_names`, :func:`output_names`).
         path: the ``.onnx`` file to write (its folder is created).
         opset: ONNX opset (default 17; at least 14, where SDPA's pieces are expressible).
         example_length: sequence length of the example input that is traced (any length works after).
@@ -67,8 +161,10 @@ def export_onnx(model: nn.Module, path: PathLike, *, opset: Optional[int] = None
         ``path`` as a :class:`~pathlib.Path`.
 
     Raises:
-        TypeError: ``model`` is not a supported encoder.
-        ValueError: the model was quantised or packed for inference (export before that); ``opset`` < 14, or ``example_length`` outside ``[2, max_position_embeddings]``.
+        TypeError: ``model`` is not a supported encoder or decoder.
+        ValueError: the model was quantised or packed for inference (export before that); ``opset`` < 14,
+            ``example_length`` outside ``[2, positions]`` (a decoder's example also holds one cached position), or
+            ``path`` is a folder.
     """
     outputs = output_names(model)
     converted = sorted({type(m).__name__ for m in model.modules()
@@ -79,29 +175,97 @@ def export_onnx(model: nn.Module, path: PathLike, *, opset: Optional[int] = None
                          "(onnxruntime.quantization.quantize_dynamic)")
     opset = DEFAULT_OPSET if opset is None else opset
     int_at_least("opset", opset, 14)
-    cfg = model.config
-    if not 2 <= example_length <= cfg.max_position_embeddings:
-        raise ValueError(f"example_length must be in [2, {cfg.max_position_embeddings}], got {example_length}")
+    decoder = isinstance(model, DecoderOnlyLM)
+    limit = _positions(model) - (1 if decoder else 0)
+    if not (isinstance(example_length, int) and 2 <= example_length <= limit):
+        raise ValueError(f"example_length must be an int in [2, {limit}], got {example_length!r}")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    ids = torch.randint(1, cfg.vocab_size, (2, example_length))
-    mask = torch.ones_like(ids)
-    mask[1, example_length // 2:] = 0  # a padded row, so the mask is traced as data, not folded away
-    example = (ids, mask, torch.zeros_like(ids))
-    dynamic = {name: {0: "batch", 1: "sequence"} for name in INPUT_NAMES}
-    dynamic.update({name: {0: "batch", 1: "sequence"} if name != "pooler_output" else {0: "batch"}
-                    for name in outputs})
-    traced = copy.deepcopy(model).eval().float()
+    if path.is_dir():
+        raise ValueError(f"export_onnx: path {path} is a folder: give the .onnx file to write")
+    example, dynamic = (_decoder_example if decoder else _encoder_example)(model, example_length)
+    traced = copy.deepcopy(model).eval().float().cpu()
     for m in traced.modules():
         if isinstance(m, MultiheadAttention):
             m.backend = "reference"  # softmax(QKᵀ/√d + mask)V as plain ops; the tracer cannot take SDPA's GQA flag
-    wrapper = _Exportable(traced, outputs)
+        if isinstance(m, RotaryEmbedding) and m.cached_positions < _positions(model):
+            m._grow(_positions(model))  # the graph keeps the cos/sin table as a constant: make it cover every position
+    wrapper = _DecoderWithCache(traced) if decoder else _Exportable(traced, outputs)
 
     def write(tmp: str) -> None:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # tracer warnings about Python bools from input checks
-            torch.onnx.export(wrapper, example, tmp, input_names=list(INPUT_NAMES), output_names=list(outputs),
+            torch.onnx.export(wrapper, example, tmp, input_names=list(input_names(model)), output_names=list(outputs),
                               dynamic_axes=dynamic, opset_version=opset, dynamo=False)
 
     atomic_write(path, write)
     return path
+
+
+class OnnxDecoder:
+    """A decoder-only model exported by :func:`export_onnx`, run by ONNX Runtime behind the decoder protocol of
+    :mod:`attnlab.generation`: ``OnnxDecoder(path).generate(ids, attention_mask=mask, max_new_tokens=20)`` (greedy,
+    sampling or beams, as :func:`attnlab.generation.generate`) decodes on the ONNX graph.
+
+    Its cache is one :class:`~attnlab.modules.cache.KVCache` per layer holding the last call's ``present`` tensors,
+    fed back as the next call's ``past_key_values`` (beam search reorders them as any cache). Each call copies the
+    cache into ONNX Runtime and back; ``max_length`` (a static cache) changes nothing here.
+
+    Args:
+        path: the ``.onnx`` file.
+        providers: ONNX Runtime execution providers (default ``["CPUExecutionProvider"]``).
+
+    Raises:
+        ImportError: onnxruntime is not installed (``pip install 'attnlab[export]'``).
+        FileNotFoundError: no such file.
+        ValueError: the file is not a decoder graph with the inputs of the module docstring.
+    """
+
+    max_positions = None  # the graph refuses positions beyond its table itself
+
+    def __init__(self, path: PathLike, *, providers: Optional[Sequence[str]] = None) -> None:
+        try:
+            import onnxruntime as ort
+        except ImportError as e:
+            raise ImportError("OnnxDecoder needs onnxruntime: pip install 'attnlab[export]'") from e
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"OnnxDecoder: no such file {str(path)!r}")
+        self.session = ort.InferenceSession(str(path), providers=list(providers or ["CPUExecutionProvider"]))
+        inputs = self.session.get_inputs()
+        names = [i.name for i in inputs]
+        self.num_layers = (len(names) - 2) // 2
+        expected = ["input_ids", "attention_mask", *_cache_names("past_key_values", self.num_layers)]
+        if self.num_layers < 1 or names != expected:
+            raise ValueError(f"{path} is not a decoder exported by export_onnx: its inputs are {names}, expected "
+                             "input_ids, attention_mask, past_key_values.{i}.key / .value")
+        _, self.num_kv_heads, _, self.head_dim = inputs[2].shape  # (batch, Hkv, past, head_dim)
+
+    def new_cache(self, *, max_length: Optional[int] = None) -> list[KVCache]:
+        """One empty growing cache per layer (``max_length`` is accepted for the protocol and ignored)."""
+        return [KVCache() for _ in range(self.num_layers)]
+
+    def __call__(self, input_ids: Tensor, *, attention_mask: Optional[Tensor] = None,
+                 past_key_values: Optional[list[KVCache]] = None, use_cache: bool = False) -> CausalLMOutput:
+        """Logits ``(B, T, V)`` of ``input_ids (B, T)`` after the cached prefix; ``past_key_values`` (from
+        :meth:`new_cache` or an earlier call) is updated in place; ``attention_mask`` ``(B, past + T)`` or None."""
+        caches = self.new_cache() if past_key_values is None else past_key_values
+        B, T = input_ids.shape
+        past = caches[0].length
+        if attention_mask is None:
+            attention_mask = torch.ones(B, past + T, dtype=torch.long)
+        feed = {"input_ids": input_ids.long().cpu().numpy(), "attention_mask": attention_mask.long().cpu().numpy()}
+        empty = torch.zeros(B, self.num_kv_heads, 0, self.head_dim)
+        for i, cache in enumerate(caches):
+            k, v = cache.stored() if cache.filled else (empty, empty)
+            feed[f"past_key_values.{i}.key"] = k.contiguous().numpy()
+            feed[f"past_key_values.{i}.value"] = v.contiguous().numpy()
+        logits, *present = self.session.run(None, feed)
+        for i, cache in enumerate(caches):
+            cache.reset()
+            cache.update(torch.from_numpy(present[2 * i]), torch.from_numpy(present[2 * i + 1]))
+        return CausalLMOutput(torch.from_numpy(logits), caches if use_cache else None)
+
+    def generate(self, input_ids: Tensor, **kwargs) -> Tensor:
+        """:func:`attnlab.generation.generate` on this graph (same arguments)."""
+        from attnlab.generation import generate
+        return generate(self, input_ids, **kwargs)

@@ -90,8 +90,9 @@ class DecoderOnlyLM(InferenceLayoutMixin, PreTrainedMixin, nn.Module):
         x = self.embed(input_ids, pos)  # (B, T, E)
         weights = []
         for i, layer in enumerate(self.layers):
-            # one query at the last position sees every key: no causal mask needed
-            out = layer(x, tgt_key_padding_mask=padding, is_causal=T > 1, need_weights=output_attentions,
+            # one query at the last position sees every key: no causal mask needed (bool(): the ONNX tracer
+            # gives T as a tensor and records the example's branch, see attnlab.adapt.export)
+            out = layer(x, tgt_key_padding_mask=padding, is_causal=bool(T > 1), need_weights=output_attentions,
                         cache=None if past_key_values is None else past_key_values[i])
             if output_attentions:
                 x, w = out
