@@ -151,10 +151,11 @@ for offset in (-5, 0, 3, 20):
     torch.testing.assert_close(diag, diag[0].expand_as(diag))  # one value per offset (float64 round-off)
 print("q_m·k_n is constant along every diagonal n - m = const")
 
-ones = torch.ones(D, dtype=torch.float64)                      # the RoFormer paper's long-range decay
-r = apply_rope(ones.expand(64, D), cos, sin)
+D_big, far = 128, torch.arange(512)                           # the RoFormer paper's long-range decay
+cos_big, sin_big = rope_frequencies(D_big, far, dtype=torch.float64)
+r = apply_rope(torch.ones(512, D_big, dtype=torch.float64), cos_big, sin_big)
 plt.figure(figsize=(5, 3))
-plt.plot(pos, (r[0] @ r.T) / D)
+plt.plot(far, (r[0] @ r.T) / D_big)
 plt.xlabel("relative distance n - m")
 plt.ylabel("q_m·k_n / d  (q = k = 1)")
 plt.title("RoPE: the score oscillates and decays with distance")
