@@ -37,7 +37,6 @@ import attnlab
 
 QUICK = os.environ.get("ATTNLAB_TUTORIAL_QUICK") == "1"
 torch.manual_seed(0)
-print("attnlab from", attnlab.__file__)
 
 # %% [markdown]
 # ## The formula in torch
