@@ -66,7 +66,8 @@ ours = attnlab.attention(q, k, v, backend="reference")
 fused = F.scaled_dot_product_attention(q, k, v)
 torch.testing.assert_close(out, ours)   # float32 tolerances: rtol 1.3e-6, atol 1e-5
 torch.testing.assert_close(out, fused)
-print("max |by hand - attnlab|:", (out - ours).abs().max().item(), " max |by hand - SDPA|:", (out - fused).abs().max().item())
+print("max |by hand - attnlab|:", (out - ours).abs().max().item())
+print("max |by hand - SDPA|:   ", (out - fused).abs().max().item())
 assert torch.allclose(w.sum(-1), torch.ones(B, H, L))
 
 # %% [markdown]

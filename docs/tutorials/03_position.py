@@ -27,7 +27,6 @@
 # | T5 relative bias | a learned bias on the scores per distance bucket | T5 |
 
 # %%
-import math
 import os
 
 import matplotlib.pyplot as plt
