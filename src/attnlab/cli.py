@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Optional
 
@@ -149,6 +150,7 @@ def _command_in(argv: list[str]) -> str:
 
 
 def main(argv=None) -> int:
+    os.environ.setdefault("MPLBACKEND", "Agg")  # the command line writes figures to files, never opens a window
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(_command_in(argv)).parse_args(argv)
     try:

@@ -409,9 +409,7 @@ def analyze(model: nn.Module, batch: Batch, *, similarity: str = "cosine", prune
 
 def plot_analysis(result: AttentionAnalysis, path, *, title: str = "") -> Path:
     """Heatmaps (layers × heads) of every statistic and the head-similarity matrix, one PNG (atomic write)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: a notebook's backend is left alone
 
     from attnlab._io import atomic_write
 
@@ -419,7 +417,8 @@ def plot_analysis(result: AttentionAnalysis, path, *, title: str = "") -> Path:
               ("weight on first token", result.first_token), ("weight on special tokens", result.special_tokens)]
     if result.prune_delta is not None:
         panels.append((f"Δ loss when pruned\n{result.loss_name}", result.prune_delta))
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
+    fig = Figure(figsize=(15, 8.5))
+    axes = fig.subplots(2, 3)
     for ax, (name, t) in zip(axes.flat, panels):
         im = ax.imshow(t.float().numpy(), cmap="viridis", aspect="auto")
         ax.set_title(name, fontsize=10)
@@ -444,5 +443,4 @@ def plot_analysis(result: AttentionAnalysis, path, *, title: str = "") -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
-    plt.close(fig)
     return path

@@ -1,16 +1,14 @@
-"""Attention heatmaps with matplotlib (headless: the Agg backend, written to PNG)."""
+"""Attention heatmaps with matplotlib, written to PNG (a bare ``Figure``: no pyplot, so a notebook's backend is
+left alone)."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Sequence
 
-import matplotlib
+from matplotlib.figure import Figure
+from torch import Tensor
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from torch import Tensor  # noqa: E402
-
-from attnlab._io import atomic_write  # noqa: E402
+from attnlab._io import atomic_write
 
 
 def save_heatmap(weights: Tensor, path, *, x_labels: Sequence[str], y_labels: Sequence[str],
@@ -22,7 +20,8 @@ def save_heatmap(weights: Tensor, path, *, x_labels: Sequence[str], y_labels: Se
         raise ValueError(f"weights {tuple(weights.shape)} do not match labels ({len(y_labels)}, {len(x_labels)})")
     w = weights.detach().float().cpu().numpy()
     # 0.45 inch per token, capped so that long inputs stay a readable page (labels then shrink)
-    fig, ax = plt.subplots(figsize=(min(1.0 + 0.45 * w.shape[1], 24.0), min(1.0 + 0.45 * w.shape[0], 24.0)))
+    fig = Figure(figsize=(min(1.0 + 0.45 * w.shape[1], 24.0), min(1.0 + 0.45 * w.shape[0], 24.0)))
+    ax = fig.subplots()
     im = ax.imshow(w, cmap="viridis", vmin=0.0, vmax=max(float(w.max()), 1e-9), aspect="equal")
     ax.set_xticks(range(len(x_labels)), labels=list(x_labels))
     ax.set_yticks(range(len(y_labels)), labels=list(y_labels))
@@ -33,8 +32,5 @@ def save_heatmap(weights: Tensor, path, *, x_labels: Sequence[str], y_labels: Se
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     fig.tight_layout()
     path = Path(path)
-    try:
-        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
-    finally:
-        plt.close(fig)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     return path

@@ -240,14 +240,12 @@ def _as_picture(image):
 
 
 def _draw(picture, panels, title: str) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: a notebook's backend is left alone
 
     cols = min(len(panels), 6)
     rows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(2.6 * cols, 2.8 * rows + 0.4), squeeze=False)
+    fig = Figure(figsize=(2.6 * cols, 2.8 * rows + 0.4))
+    axes = fig.subplots(rows, cols, squeeze=False)
     H, W = picture.shape[:2]
     for ax in axes.flat:
         ax.axis("off")
@@ -262,8 +260,5 @@ def _draw(picture, panels, title: str) -> bytes:
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     buf = io.BytesIO()
-    try:
-        fig.savefig(buf, dpi=100, format="png")
-    finally:
-        plt.close(fig)
+    fig.savefig(buf, dpi=100, format="png")
     return buf.getvalue()

@@ -8,15 +8,12 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
-import matplotlib
+import matplotlib.pyplot as plt  # no matplotlib.use(): a notebook keeps its backend (the CLI picks Agg)
+import torch
+from torch import Tensor, nn
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-from torch import Tensor, nn  # noqa: E402
-
-from attnlab._checks import boolean, integer  # noqa: E402
-from attnlab._io import atomic_write  # noqa: E402
+from attnlab._checks import boolean, integer
+from attnlab._io import atomic_write
 
 __all__ = ["plt", "fmt", "table", "finish", "median_ms", "train", "check_run_args"]
 
