@@ -47,7 +47,7 @@ data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
 val = data[int(0.9 * len(data)):]
 blocks = lm_eval_batches(val, block_size=b["block"], batch_size=b["batch"], num_batches=b["batches"], seed=b["seed"])
 with torch.no_grad():
-    total = sum(model(x, y)[1].item() * y.numel() for x, y in blocks)
+    total = sum(model(x.contiguous(), y.contiguous())[1].item() * y.numel() for x, y in blocks)
 print(json.dumps({"val_loss_fixed": total / sum(y.numel() for _, y in blocks), "iter": int(ckpt["iter_num"])}))
 """
 
@@ -76,7 +76,7 @@ def run_upstream(checkout: Path, *, threads: int, work: Path, steps: int = 2000,
            "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     _run([sys.executable, "prepare.py"], cwd=work / "data/shakespeare_char", env=env)
     flags = [f if not f.startswith(("--max_iters", "--lr_decay_iters")) else f"{f.split('=')[0]}={steps}"
-             for f in CPU_FLAGS]
+             for f in CPU_FLAGS] + ([f"--eval_interval={steps}"] if steps < 250 else [])  # a short smoke run
     t0 = time.perf_counter()
     log = _run([sys.executable, "train.py", *flags, "--always_save_checkpoint=True", "--out_dir=out"],
                cwd=work, env=env)

@@ -13,13 +13,19 @@ plain PyTorch, on this machine, its final model scored on the recipe's validatio
 ("nanoGPT-equivalent"; ``--no-peer`` skips it). ``speedup`` = peer wall / our wall, against the
 same-machine peer where there is one. With ``--ablate`` each recipe also runs with ``dtype=fp32``.
 
+``--nanogpt-dir DIR`` adds the real peer for ``nanogpt-cpu``: nanoGPT's own ``train.py`` from an upstream checkout
+(``git clone https://github.com/karpathy/nanoGPT``), its CPU recipe on the same ``input.txt`` prepared by its own
+``prepare.py``, in a fresh process, its final model scored on our fixed validation blocks
+(``benchmarks/nanogpt_upstream.py``). Issue #16's target: our whole process in **≤ 0.5×** its wall time, at a val
+loss ≤ its val loss on the same blocks (``vs_upstream`` = our process_s / its process_s).
+
 | recipe | target |
 |---|---|
 | ``nanogpt-cpu`` | val loss <= 1.88 and run_s <= 30 (nanoGPT: 1.874 in 59 s) |
 | ``default`` | best val loss <= 1.50 and run_s <= 600 (nanoGPT 4x256: 1.554 in 9 m 20 s) |
 
 Run: ``python benchmarks/train.py [--recipe nanogpt-cpu|default|all] [--threads 2] [--ablate] [--no-peer]
-[--set key=value ...] [--quick] [--out PATH]`` (``--quick``: the ``tiny`` preset, a smoke run).
+[--nanogpt-dir DIR] [--set key=value ...] [--quick] [--out PATH]`` (``--quick``: the ``tiny`` preset, a smoke run).
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import parser, print_table, setup, write_json  # noqa: E402
+from nanogpt_upstream import check_checkout, run_upstream  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # BASELINES.md, "Training: nanoGPT, character-level tiny-shakespeare" (fp32, 2 threads; recorded, not re-run)
@@ -44,6 +51,14 @@ NANOGPT = {
 }
 TARGETS = {"nanogpt-cpu": ("val_loss", 1.88, 30.0), "default": ("best_val_loss", 1.50, 600.0),
            "tiny": ("val_loss", 4.2, 120.0)}
+UPSTREAM_RATIO = 0.5  # issue #16: our wall <= 0.5x nanoGPT's own train.py on the same machine
+
+
+def get_settings(preset: str):
+    """The resolved settings of a ``shakespeare-char`` preset (for the peers' fixed validation blocks)."""
+    from attnlab.training.recipes import get_recipe, resolve_settings
+
+    return resolve_settings(get_recipe("shakespeare-char"), preset=preset)
 
 
 def run_preset(preset: str, *, threads: int, overrides: list[str], out: Path) -> dict:
@@ -90,7 +105,11 @@ def main() -> None:
     p.add_argument("--ablate", action="store_true", help="also run each recipe with dtype=fp32")
     p.add_argument("--no-peer", action="store_true", help="skip the same-machine nanoGPT-equivalent run")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra setting for every run")
+    p.add_argument("--nanogpt-dir", type=Path, default=None,
+                   help="an upstream nanoGPT checkout: its own train.py is the nanogpt-cpu peer")
     args = p.parse_args()
+    if args.nanogpt_dir is not None:
+        args.nanogpt_dir = check_checkout(args.nanogpt_dir)  # before any run: a wrong folder fails at once
     setup(args)
     if not os.environ.get("ATTNLAB_DATA_DIR"):
         print("note: ATTNLAB_DATA_DIR is not set; the data comes from ~/.cache/attnlab (or a download)")
@@ -105,16 +124,33 @@ def main() -> None:
             peer = run_peer(threads=args.threads) if preset == "nanogpt-cpu" and not args.no_peer else None
             if peer:
                 print(f"nanoGPT-equivalent: {peer['run_s']:.1f} s, val loss {peer['val_loss']:.4f}", flush=True)
+            upstream = None
+            if preset == "nanogpt-cpu" and args.nanogpt_dir is not None:
+                work = Path(tmp) / f"nanogpt-{i}"
+                s = get_settings(preset)
+                up = run_upstream(args.nanogpt_dir, threads=args.threads, work=work, fixed_blocks=dict(
+                    block=s.block_size, batch=s.eval_batch_size, batches=s.eval_batches, seed=s.seed + 1))
+                upstream = {"run": "nanoGPT train.py (upstream, this machine)", "preset": preset, "run_s": "",
+                            "process_s": up["process_s"], "steps": up["steps"], "val_loss": up["val_loss_fixed"],
+                            "best_val_loss": "", "dtype": "fp32", "met": "",
+                            "target": f"its own val estimate {up['val_loss_own']:.4f} (step {up['scored_iter']})"}
+                print(f"nanoGPT upstream: {up['process_s']:.1f} s, val loss {up['val_loss_fixed']:.4f}", flush=True)
             for j, (label, overrides) in enumerate(variants):
                 row = run_preset(preset, threads=args.threads, overrides=overrides, out=Path(tmp) / f"{i}-{j}")
                 row["run"] = label
                 ref = peer or NANOGPT.get(preset)
                 if ref:
                     row["speedup"] = (ref["run_s"] if peer else ref["wall_s"]) / row["run_s"]
+                if upstream:
+                    row["vs_upstream"] = row["process_s"] / upstream["process_s"]
+                    row["upstream_met"] = "yes" if (row["vs_upstream"] <= UPSTREAM_RATIO
+                                                    and row["val_loss"] <= upstream["val_loss"]) else "no"
                 rows.append(row)
                 print(f"{label} {preset}: {row['run_s']:.1f} s, val loss {row['val_loss']:.4f}", flush=True)
             if peer:
                 rows.append(peer)
+            if upstream:
+                rows.append(upstream)
             if preset in NANOGPT:
                 ref = NANOGPT[preset]
                 rows.append({"run": "nanoGPT (recorded)", "preset": preset, "run_s": ref["wall_s"], "process_s": "",
@@ -122,11 +158,15 @@ def main() -> None:
                              "best_val_loss": ref["val_loss"], "target": ref["config"], "met": ""})
     print()
     print_table(rows, ["run", "preset", "dtype", "run_s", "process_s", "steps", "tokens_per_s", "val_loss",
-                       "best_val_loss", "speedup", "target", "met"])
+                       "best_val_loss", "speedup", "vs_upstream", "upstream_met", "target", "met"])
     ours = [r for r in rows if r["run"] == "attnlab"]
     print(f"\ntargets met: {sum(r['met'] == 'yes' for r in ours)}/{len(ours)}  "
           "(recorded rows: BASELINES.md, another CPU, not re-run; speedup against the same-machine peer where run)")
-    write_json(args.out, rows, quick=args.quick, threads=args.threads, nanogpt_recorded=NANOGPT)
+    if args.nanogpt_dir is not None:
+        print(f"vs_upstream: our process wall / nanoGPT's own train.py wall; target <= {UPSTREAM_RATIO} at a val loss "
+              "<= its val loss on the same fixed blocks (upstream_met)")
+    write_json(args.out, rows, quick=args.quick, threads=args.threads, nanogpt_recorded=NANOGPT,
+               nanogpt_dir=None if args.nanogpt_dir is None else str(args.nanogpt_dir))
     print(f"wrote {args.out}")
 
 
