@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from attnlab.experiments.explain._report import check_run_args, finish, plt, train
 from attnlab.modules.multihead import MultiheadAttention
 
-DIM, KEYS, VALUES, PAIRS, SLOTS = 64, 64, 16, 24, 4
+DIM, KEYS, VALUES, PAIRS, SLOTS = 64, 16, 16, 12, 4
 
 
 class LookupModel(nn.Module):
@@ -93,7 +93,7 @@ def run(out_dir: Union[str, Path], *, seed: int = 0, quick: bool = False) -> dic
     """Train one model per head count at equal steps; accuracy, loss and the heads' logit rank vs H."""
     out = check_run_args(out_dir, seed, quick)
     head_counts = [1, 4, 64] if quick else [1, 2, 4, 8, 16, 32, 64]
-    steps = 30 if quick else 600
+    steps = 30 if quick else 800
     test = make_batch(256 if quick else 2048, torch.Generator().manual_seed(seed + 99))
     rows, curves = [], {}
     for H in head_counts:
@@ -115,6 +115,8 @@ def run(out_dir: Union[str, Path], *, seed: int = 0, quick: bool = False) -> dic
     i = accs.index(best["field acc"])
     rises = i > 0 and accs[0] < best["field acc"]
     falls = i < len(rows) - 1 and accs[-1] < best["field acc"]
+    matched = [r for r in rows if r["keys matched"] >= 0.95]
+    low = min(matched, key=lambda r: r["d_head"]) if matched else None  # the smallest rank that still matches
     findings = [
         f"Field accuracy by heads (width {DIM}, {steps} steps each, chance {1 / VALUES:.3f}): "
         + ", ".join(f"H = {r['heads']} (d = {r['d_head']}): {r['field acc']:.3f}" for r in rows) + ".",
@@ -124,8 +126,14 @@ def run(out_dir: Union[str, Path], *, seed: int = 0, quick: bool = False) -> dic
         f"{rows[-1]['field acc']:.3f}.",
         "Rank of each head's key-matching logits (median over heads and slots; at most d_head): "
         + ", ".join(f"H = {r['heads']}: {r['logit rank']:.0f}" for r in rows)
-        + f"; exact matching of {KEYS} keys needs rank {KEYS}. Share of keys the best head of each slot "
-        "singles out: " + ", ".join(f"{r['keys matched']:.2f}" for r in rows) + ".",
+        + ". Share of keys that the best head of each slot singles out (its logit row peaks on the right key): "
+        + ", ".join(f"H = {r['heads']}: {r['keys matched']:.2f}" for r in rows) + ".",
+        (f"Reproducing the exact pattern (the {KEYS} × {KEYS} identity) needs rank {KEYS}, but picking the right "
+         f"key only needs each row's largest logit on it: heads of rank {low['d_head']} still manage that for "
+         f"{low['keys matched']:.0%} of the keys, so the bottleneck bites below the rank the exact pattern needs, "
+         f"where d_head is too small for a head to single out a key."
+         if low is not None else
+         f"No head count matched ≥ 95 % of the keys: the lookups were not learned in {steps} steps."),
         "More heads help while each added softmax can take a lookup of its own, and hurt once d_head is too small "
         "for one head to single out a key: at a fixed width, the head count trades the number of lookups against "
         "each lookup's rank." if rises and falls else
