@@ -27,7 +27,7 @@ EXPERIMENTS = {
                    "attnlab.experiments.explain.redundancy:run"),
     "ensemble": ("is multi-head attention an ensemble? heads trained jointly vs independent heads averaged",
                  "attnlab.experiments.explain.ensemble:run"),
-    "cross-lengths": ("cross-attention joins sequences of different lengths: shapes, an exact check, a trained alignment",
+    "cross-lengths": ("cross-attention between sequences of different lengths: shapes, exact check, learned alignment",
                       "attnlab.experiments.explain.cross_lengths:run"),
     "more-heads": ("more heads at a fixed width: accuracy vs H and the per-head rank bottleneck",
                    "attnlab.experiments.explain.more_heads:run"),

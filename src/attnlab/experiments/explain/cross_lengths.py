@@ -110,7 +110,8 @@ def run(out_dir: Union[str, Path], *, seed: int = 0, quick: bool = False) -> dic
     cfg = TransformerConfig(src_vocab_size=VOCAB, dim=64, num_heads=4, ffn_dim=128, num_encoder_layers=1,
                             num_decoder_layers=2, dropout=0.0, position="sinusoidal", max_positions=32, pad_id=PAD)
     model = Seq2SeqTransformer(cfg)
-    curve = train(model, lambda g: make_batch(64, g), _loss, steps=steps, lr=2e-3, g=torch.Generator().manual_seed(seed))
+    curve = train(model, lambda g: make_batch(64, g), _loss, steps=steps, lr=2e-3,
+                  g=torch.Generator().manual_seed(seed))
     g_test = torch.Generator().manual_seed(seed + 99)
     per_len = 32 if quick else 200
     by_length = []
@@ -136,9 +137,11 @@ def run(out_dir: Union[str, Path], *, seed: int = 0, quick: bool = False) -> dic
     findings = [
         "Shapes: " + "; ".join(f"Lq = {c['Lq']}, Lk = {c['Lk']} → output {c['out']}, weights {c['weights']}"
                                for c in checks)
-        + f". Against torch.nn.MultiheadAttention (float64): max |Δoutput| {max(c['max|Δout|'] for c in checks):.1e}, "
+        + ". Against torch.nn.MultiheadAttention (float64): max |Δoutput| "
+        f"{max(c['max|Δout|'] for c in checks):.1e}, "
         f"max |Δweights| {max(c['max|Δweights|'] for c in checks):.1e}; padded keys get weight "
-        f"{max(c['weight on padding'] for c in checks):.1e}. The output has the queries' length for any number of keys.",
+        f"{max(c['weight on padding'] for c in checks):.1e}. The output has the queries' length for any number "
+        "of keys.",
         f"Trained {steps} steps (final loss {curve[-1]:.4f}): greedy exact match by source length "
         + ", ".join(f"{r['source length']}: {r['exact match']:.2f}" for r in by_length)
         + f"; mean {sum(seen) / len(seen):.3f} over the trained lengths {MIN_LEN}–{MAX_LEN}, "

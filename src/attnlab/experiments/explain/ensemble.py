@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab.evaluation.analysis import head_mask, head_similarity
@@ -75,7 +74,8 @@ def run(out_dir: Union[str, Path], *, seed: int = 0, quick: bool = False) -> dic
     ids, tgt = make_batch(128 if quick else 2048, torch.Generator().manual_seed(seed + 99))
 
     def fit(model: FieldsModel, s: int) -> list[float]:
-        return train(model, lambda g: make_batch(64, g), _loss, steps=steps, lr=3e-3, g=torch.Generator().manual_seed(s))
+        return train(model, lambda g: make_batch(64, g), _loss, steps=steps, lr=3e-3,
+                     g=torch.Generator().manual_seed(s))
 
     torch.manual_seed(seed)
     joint = FieldsModel(dim=DIM, num_heads=HEADS)
