@@ -1,7 +1,6 @@
 """`attnlab explain`: the registry, every experiment in quick mode (its files and the properties its
 numbers must have), the helpers with known answers, the CLI; the full runs are marked slow."""
 import inspect
-import json
 import math
 
 import pytest
@@ -10,22 +9,12 @@ import torch
 from attnlab.cli import main as cli_main
 from attnlab.experiments.explain import EXPERIMENTS, run_experiment
 
-
-def _files(result, tmp_path, name):
-    for kind, suffix in (("plot", "png"), ("report", "md"), ("json", "json")):
-        path = tmp_path / f"{name}.{suffix}"
-        assert result["files"][kind] == str(path) and path.stat().st_size > 100
-    assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
-    report = (tmp_path / f"{name}.md").read_text(encoding="utf-8")
-    assert report.startswith("# ") and "## What the numbers show" in report and f"![{name}]({name}.png)" in report
-    data = json.loads((tmp_path / f"{name}.json").read_text())
-    assert data["experiment"] == name and data["quick"] is True and data["findings"] == result["findings"]
-    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
-    return data
+from _explain import check_files as _files  # tests/_explain.py: the three files every experiment writes
 
 
 def test_registry_entries_import_and_share_the_signature():
-    assert set(EXPERIMENTS) == {"scaling", "heads", "position", "linear", "receptive-field", "redundancy"}
+    assert set(EXPERIMENTS) == {"scaling", "heads", "position", "linear", "receptive-field", "redundancy",
+                                "ensemble", "cross-lengths", "more-heads"}
     for name, (description, target) in EXPERIMENTS.items():
         module, func = target.split(":")
         fn = getattr(__import__(module, fromlist=[func]), func)

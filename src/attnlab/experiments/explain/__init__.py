@@ -25,6 +25,12 @@ EXPERIMENTS = {
                         "attnlab.experiments.explain.receptive_field:run"),
     "redundancy": ("prune the heads of a trained model one by one and cumulatively: how many are needed?",
                    "attnlab.experiments.explain.redundancy:run"),
+    "ensemble": ("is multi-head attention an ensemble? heads trained jointly vs independent heads averaged",
+                 "attnlab.experiments.explain.ensemble:run"),
+    "cross-lengths": ("cross-attention between sequences of different lengths: shapes, exact check, learned alignment",
+                      "attnlab.experiments.explain.cross_lengths:run"),
+    "more-heads": ("more heads at a fixed width: accuracy vs H and the per-head rank bottleneck",
+                   "attnlab.experiments.explain.more_heads:run"),
 }
 
 
