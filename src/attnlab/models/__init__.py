@@ -14,7 +14,9 @@ from attnlab.models.bart import BartConfig, BartForConditionalGeneration
 from attnlab.models.vit import ViTConfig, ViTForImageClassification, ViTModel, ViTOutput
 from attnlab.models.clip import CLIPConfig, CLIPModel, CLIPOutput, CLIPTextConfig, CLIPVisionConfig
 from attnlab.models.heads import (BertForQuestionAnswering, BertForSequenceClassification, BertForTokenClassification,
-                                  ClassifierConfig, GPT2ForSequenceClassification)
+                                  ClassifierConfig, GPT2ForQuestionAnswering, GPT2ForSequenceClassification,
+                                  GPT2ForTokenClassification, LlamaForQuestionAnswering, LlamaForSequenceClassification,
+                                  LlamaForTokenClassification)
 
 __all__ = [
     "TransformerConfig", "Seq2SeqTransformer", "Transformer", "TransformerDecoder", "TransformerEncoder",
@@ -25,5 +27,6 @@ __all__ = [
     "ViTConfig", "ViTModel", "ViTForImageClassification", "ViTOutput",
     "CLIPConfig", "CLIPTextConfig", "CLIPVisionConfig", "CLIPModel", "CLIPOutput",
     "ClassifierConfig", "BertForSequenceClassification", "BertForTokenClassification", "BertForQuestionAnswering",
-    "GPT2ForSequenceClassification",
+    "GPT2ForSequenceClassification", "GPT2ForTokenClassification", "GPT2ForQuestionAnswering",
+    "LlamaForSequenceClassification", "LlamaForTokenClassification", "LlamaForQuestionAnswering",
 ]
