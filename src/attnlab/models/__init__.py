@@ -16,7 +16,7 @@ from attnlab.models.clip import CLIPConfig, CLIPModel, CLIPOutput, CLIPTextConfi
 from attnlab.models.heads import (BertForQuestionAnswering, BertForSequenceClassification, BertForTokenClassification,
                                   ClassifierConfig, GPT2ForQuestionAnswering, GPT2ForSequenceClassification,
                                   GPT2ForTokenClassification, LlamaForQuestionAnswering, LlamaForSequenceClassification,
-                                  LlamaForTokenClassification)
+                                  LlamaForTokenClassification, BartForSequenceClassification, BartForQuestionAnswering)
 
 __all__ = [
     "TransformerConfig", "Seq2SeqTransformer", "Transformer", "TransformerDecoder", "TransformerEncoder",
@@ -29,4 +29,5 @@ __all__ = [
     "ClassifierConfig", "BertForSequenceClassification", "BertForTokenClassification", "BertForQuestionAnswering",
     "GPT2ForSequenceClassification", "GPT2ForTokenClassification", "GPT2ForQuestionAnswering",
     "LlamaForSequenceClassification", "LlamaForTokenClassification", "LlamaForQuestionAnswering",
+    "BartForSequenceClassification", "BartForQuestionAnswering",
 ]

@@ -37,6 +37,7 @@ from attnlab.models.decoder_heads import (GPT2ForQuestionAnswering, GPT2ForSeque
                                           GPT2ForTokenClassification, LlamaForQuestionAnswering,
                                           LlamaForSequenceClassification, LlamaForTokenClassification, _SequenceTask)
 from attnlab.models.hub import WeightMap, rename
+from attnlab.models.seq2seq_heads import BartForQuestionAnswering, BartForSequenceClassification  # noqa: F401
 from attnlab.nn.dropout import Dropout
 
 def _prefixed(rules, prefix: str):
@@ -169,7 +170,7 @@ class BertForQuestionAnswering(_BertHead):
 
 
 SEQUENCE_CLASSIFIERS = {"bert": BertForSequenceClassification, "gpt2": GPT2ForSequenceClassification,
-                        "llama": LlamaForSequenceClassification}
+                        "llama": LlamaForSequenceClassification, "bart": BartForSequenceClassification}
 
 
 def classifier_from_pretrained(path, id2label: dict, *, problem_type: Optional[str] = None,
