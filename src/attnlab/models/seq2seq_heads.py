@@ -88,6 +88,7 @@ class BartForSequenceClassification(_BartHead):
     last ``eos_token_id``."""
 
     hf_architecture = "BartForSequenceClassification"
+    head_name = "classification_head"
     label_tensors = ("classification_head.out_proj.weight", "classification_head.out_proj.bias")
     head_rules = [rename("classification_head.{m:dense|out_proj}.{p}", "classification_head.{m}.{p}")]
 
@@ -132,6 +133,7 @@ class BartForQuestionAnswering(_BartHead):
     transformers sets ``num_labels = 2``)."""
 
     hf_architecture = "BartForQuestionAnswering"
+    head_name = "qa_outputs"
     head_rules = [rename("qa_outputs.{p}", "qa_outputs.{p}")]
 
     def __init__(self, config: ClassifierConfig) -> None:
