@@ -16,7 +16,8 @@ from attnlab.models.clip import CLIPConfig, CLIPModel, CLIPOutput, CLIPTextConfi
 from attnlab.models.heads import (BertForQuestionAnswering, BertForSequenceClassification, BertForTokenClassification,
                                   ClassifierConfig, GPT2ForQuestionAnswering, GPT2ForSequenceClassification,
                                   GPT2ForTokenClassification, LlamaForQuestionAnswering, LlamaForSequenceClassification,
-                                  LlamaForTokenClassification, BartForSequenceClassification, BartForQuestionAnswering)
+                                  LlamaForTokenClassification, BartForSequenceClassification, BartForQuestionAnswering,
+                                  T5ForQuestionAnswering, T5ForSequenceClassification, T5ForTokenClassification)
 
 __all__ = [
     "TransformerConfig", "Seq2SeqTransformer", "Transformer", "TransformerDecoder", "TransformerEncoder",
@@ -30,4 +31,5 @@ __all__ = [
     "GPT2ForSequenceClassification", "GPT2ForTokenClassification", "GPT2ForQuestionAnswering",
     "LlamaForSequenceClassification", "LlamaForTokenClassification", "LlamaForQuestionAnswering",
     "BartForSequenceClassification", "BartForQuestionAnswering",
+    "T5ForSequenceClassification", "T5ForTokenClassification", "T5ForQuestionAnswering",
 ]

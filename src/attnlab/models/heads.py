@@ -37,7 +37,9 @@ from attnlab.models.decoder_heads import (GPT2ForQuestionAnswering, GPT2ForSeque
                                           GPT2ForTokenClassification, LlamaForQuestionAnswering,
                                           LlamaForSequenceClassification, LlamaForTokenClassification, _SequenceTask)
 from attnlab.models.hub import WeightMap, rename
-from attnlab.models.seq2seq_heads import BartForQuestionAnswering, BartForSequenceClassification  # noqa: F401
+from attnlab.models.seq2seq_heads import (BartForQuestionAnswering, BartForSequenceClassification,  # noqa: F401
+                                          T5ForQuestionAnswering, T5ForSequenceClassification,
+                                          T5ForTokenClassification)
 from attnlab.nn.dropout import Dropout
 
 def _prefixed(rules, prefix: str):
@@ -170,7 +172,8 @@ class BertForQuestionAnswering(_BertHead):
 
 
 SEQUENCE_CLASSIFIERS = {"bert": BertForSequenceClassification, "gpt2": GPT2ForSequenceClassification,
-                        "llama": LlamaForSequenceClassification, "bart": BartForSequenceClassification}
+                        "llama": LlamaForSequenceClassification, "bart": BartForSequenceClassification,
+                        "t5": T5ForSequenceClassification}
 
 
 def classifier_from_pretrained(path, id2label: dict, *, problem_type: Optional[str] = None,
