@@ -161,8 +161,9 @@ def test_lm_checkpoint_gets_a_fresh_head_with_one_warning(name, tmp_path):
     assert torch.equal(getattr(model, emb).weight, getattr(lm, emb).weight)
     assert torch.equal(model.layers[1].ffn.w2.weight, lm.layers[1].ffn.w2.weight)
     head = getattr(model, model.head_name)
-    assert head.weight.shape[0] == (2 if name.endswith("QuestionAnswering") else 2)  # default num_labels: 2
+    assert head.weight.shape == (2, 32)  # QA: start, end; classifiers: the default num_labels, 2
     assert head.bias is None or not head.bias.any()  # a fresh head: zero bias
+    assert 0.01 < float(head.weight.std()) < 0.04  # N(0, 0.02), transformers' initializer_range
 
 
 def test_llama_qa_checkpoint_loads_into_a_sequence_classifier(tmp_path):
