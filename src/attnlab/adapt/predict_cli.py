@@ -43,6 +43,7 @@ def main(args: argparse.Namespace) -> int:
     from attnlab._runtime import model_dtype
     from attnlab.adapt.classify import is_sequence_classifier, logits_of, probabilities
     from attnlab.data.tokenizers import TextTokenizer, load_tokenizer
+    from attnlab.models.heads import SEQUENCE_CLASSIFIERS
     from attnlab.models.hub import from_pretrained, resolve_pretrained
 
     if args.text_b is not None and len(args.text_b) != len(args.text):
@@ -54,9 +55,9 @@ def main(args: argparse.Namespace) -> int:
     folder = resolve_pretrained(args.model)
     model = from_pretrained(folder, dtype=model_dtype(args)).to(args.device or "cpu")
     if not is_sequence_classifier(model):
+        names = sorted(c.__name__ for c in SEQUENCE_CLASSIFIERS.values())
         raise ValueError(f"--model {args.model} holds a {type(model).__name__}; predict needs a sequence classifier "
-                         "(config.json's architectures: BertForSequenceClassification or "
-                         "GPT2ForSequenceClassification)")
+                         f"(config.json's architectures: one of {', '.join(names)})")
     tokenizer = load_tokenizer(folder)
     if not isinstance(tokenizer, TextTokenizer):
         raise ValueError(f"--model {args.model} must hold a subword tokenizer.json, not a character tokenizer")

@@ -14,7 +14,10 @@ from attnlab.models.bart import BartConfig, BartForConditionalGeneration
 from attnlab.models.vit import ViTConfig, ViTForImageClassification, ViTModel, ViTOutput
 from attnlab.models.clip import CLIPConfig, CLIPModel, CLIPOutput, CLIPTextConfig, CLIPVisionConfig
 from attnlab.models.heads import (BertForQuestionAnswering, BertForSequenceClassification, BertForTokenClassification,
-                                  ClassifierConfig, GPT2ForSequenceClassification)
+                                  ClassifierConfig, GPT2ForQuestionAnswering, GPT2ForSequenceClassification,
+                                  GPT2ForTokenClassification, LlamaForQuestionAnswering, LlamaForSequenceClassification,
+                                  LlamaForTokenClassification, BartForSequenceClassification, BartForQuestionAnswering,
+                                  T5ForQuestionAnswering, T5ForSequenceClassification, T5ForTokenClassification)
 
 __all__ = [
     "TransformerConfig", "Seq2SeqTransformer", "Transformer", "TransformerDecoder", "TransformerEncoder",
@@ -25,5 +28,8 @@ __all__ = [
     "ViTConfig", "ViTModel", "ViTForImageClassification", "ViTOutput",
     "CLIPConfig", "CLIPTextConfig", "CLIPVisionConfig", "CLIPModel", "CLIPOutput",
     "ClassifierConfig", "BertForSequenceClassification", "BertForTokenClassification", "BertForQuestionAnswering",
-    "GPT2ForSequenceClassification",
+    "GPT2ForSequenceClassification", "GPT2ForTokenClassification", "GPT2ForQuestionAnswering",
+    "LlamaForSequenceClassification", "LlamaForTokenClassification", "LlamaForQuestionAnswering",
+    "BartForSequenceClassification", "BartForQuestionAnswering",
+    "T5ForSequenceClassification", "T5ForTokenClassification", "T5ForQuestionAnswering",
 ]

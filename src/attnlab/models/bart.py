@@ -219,6 +219,13 @@ class BartForConditionalGeneration(PreTrainedMixin, nn.Module):
                             cache, False)[0]
 
     def _decode(self, ids: Tensor, memory: Tensor, attention_mask, decoder_attention_mask, cache, need_weights):
+        x, self_w, cross_w = self._decoder_states(ids, memory, attention_mask, decoder_attention_mask, cache,
+                                                  need_weights)
+        return self.lm_head(x) + self.final_logits_bias, self_w, cross_w  # (B, T, V)
+
+    def _decoder_states(self, ids: Tensor, memory: Tensor, attention_mask, decoder_attention_mask, cache,
+                        need_weights):
+        """The last decoder layer's output ``(B, T, E)`` (+ per-layer self / cross weights with ``need_weights``)."""
         past = 0 if cache is None else cache[0].self_attn.length
         check_token_inputs(ids, decoder_attention_mask, vocab_size=self.config.vocab_size, past=past,
                            max_positions=self.config.max_position_embeddings, name="decoder_input_ids",
@@ -235,10 +242,9 @@ class BartForConditionalGeneration(PreTrainedMixin, nn.Module):
             if need_weights:
                 x, w = x
                 weights.append(w)
-        logits = self.lm_head(x) + self.final_logits_bias  # (B, T, V)
         if not need_weights:
-            return logits, None, None
-        return logits, tuple(w.self_attn for w in weights), tuple(w.cross_attn for w in weights)
+            return x, None, None
+        return x, tuple(w.self_attn for w in weights), tuple(w.cross_attn for w in weights)
 
     def forward(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
                 decoder_input_ids: Optional[Tensor] = None, decoder_attention_mask: Optional[Tensor] = None,

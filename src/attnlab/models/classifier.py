@@ -6,12 +6,16 @@ plus the labels and ``problem_type``), the output records, and the losses as tra
     float (B, num_labels)    multi-label    BCEWithLogits(logits, labels)
     QA                       (CE(start_logits, start) + CE(end_logits, end)) / 2
 
-The heads themselves are in :mod:`attnlab.models.heads`.
+:func:`adopt_checkpoint` reads any checkpoint of a family into one of its heads (a fresh head, one warning
+line, when it has none). The heads themselves are in :mod:`attnlab.models.heads` (BERT),
+:mod:`attnlab.models.decoder_heads` (GPT-2, Llama) and :mod:`attnlab.models.seq2seq_heads` (BART).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +23,7 @@ from torch import Tensor
 
 from attnlab._checks import check_int, one_of, rate
 from attnlab.models.bert import BertConfig
+from attnlab.models.hub import MODEL_TYPES, register
 
 
 PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
@@ -35,7 +40,8 @@ class ClassifierConfig:
         label2id: ``{name: index}``; default the inverse of ``id2label``.
         problem_type: one of :data:`PROBLEM_TYPES` or None (inferred from ``num_labels`` and the labels).
         classifier_dropout: dropout before the classifier (BERT; None: ``hidden_dropout_prob``).
-        pad_token_id: GPT-2's padding id, needed to find each sequence's last token in a batch.
+        pad_token_id: the padding id a decoder-only head needs to find each sequence's last token in a
+            batch; default the family config's own ``pad_token_id`` (GPT-2 has none).
 
     Raises:
         ValueError: ``num_labels`` < 1 or different from ``len(id2label)``, keys of ``id2label`` not
@@ -73,6 +79,8 @@ class ClassifierConfig:
             one_of("problem_type", self.problem_type, PROBLEM_TYPES)
         if self.classifier_dropout is not None:
             rate("classifier_dropout", self.classifier_dropout)
+        if self.pad_token_id is None:
+            self.pad_token_id = getattr(self.base, "pad_token_id", None)
         if self.pad_token_id is not None:
             check_int("pad_token_id", self.pad_token_id, 0)
 
@@ -97,9 +105,9 @@ class ClassifierConfig:
         """The family's ``config.json`` dict plus the head's fields (``id2label`` keys as strings, as HF)."""
         d = {**self.base.to_hf(), "id2label": {str(k): v for k, v in self.id2label.items()},
              "label2id": dict(self.label2id), "problem_type": self.problem_type}
-        if isinstance(self.base, BertConfig):
+        if isinstance(self.base, BertConfig) or self.classifier_dropout is not None:
             d["classifier_dropout"] = self.classifier_dropout
-        else:
+        if not isinstance(self.base, BertConfig) and (self.pad_token_id is not None or "pad_token_id" not in d):
             d["pad_token_id"] = self.pad_token_id
         return d
 
@@ -169,3 +177,63 @@ def _cross_entropy(logits: Tensor, labels, shape: tuple[int, ...], name: str) ->
     return F.cross_entropy(logits.reshape(-1, n), labels.reshape(-1).long())
 
 
+
+
+def question_answering_loss(start: Tensor, end: Tensor, start_positions, end_positions) -> Optional[Tensor]:
+    """``(CE(start, s) + CE(end, e)) / 2`` over ``(B, L)`` logits, positions clamped to ``[0, L]`` and ``L``
+    ignored (as transformers); None when neither position is given.
+
+    Raises:
+        ValueError: only one of the two is given, or one is not an integer tensor of shape ``(B,)``.
+    """
+    if start_positions is None and end_positions is None:
+        return None
+    if start_positions is None or end_positions is None:
+        raise ValueError("give both start_positions and end_positions (or neither)")
+    B, L = start.shape
+    parts = []
+    for name, logits, pos in (("start_positions", start, start_positions), ("end_positions", end, end_positions)):
+        if not isinstance(pos, Tensor) or pos.is_floating_point() or pos.reshape(-1).shape != (B,):
+            raise ValueError(f"{name} must be an integer tensor of shape (B,) = ({B},), got "
+                             f"{getattr(pos, 'dtype', type(pos).__name__)} {tuple(getattr(pos, 'shape', ()))}")
+        parts.append(F.cross_entropy(logits, pos.reshape(-1).long().clamp(0, L), ignore_index=L))
+    return (parts[0] + parts[1]) / 2
+
+
+# top-level names of the task and LM heads transformers puts beside a family's body
+OTHER_HEADS = ("lm_head", "score", "classifier", "qa_outputs", "classification_head", "final_logits_bias", "cls")
+
+
+def adopt_checkpoint(owner: str, hf: dict[str, Tensor], *, prefix: str, body_prefixes: tuple[str, ...],
+                     head: dict[str, tuple[int, ...]], std: float, marker: str) -> dict[str, Tensor]:
+    """Any checkpoint of a family as the head ``owner``'s: the body's tensors (under one of ``body_prefixes``,
+    or none: a bare model) are put under ``prefix``, other heads' (:data:`OTHER_HEADS`) dropped, and when the
+    body is there (``prefix + marker``) but some of ``head`` (``{name: shape}``) is not, those tensors are
+    freshly initialised (weights ~ N(0, std), biases 0) with one warning line naming them, as transformers."""
+    out, own = {}, {}
+    for k, v in hf.items():
+        if k in head:
+            own[k] = v
+            continue
+        p = next((p for p in body_prefixes if k.startswith(p)), None)
+        if p is not None:
+            out[prefix + k[len(p):]] = v
+        elif k.split(".")[0] not in OTHER_HEADS:
+            out[prefix + k] = v
+    missing = [k for k in head if k not in own]
+    if missing and prefix + marker in out:
+        dtype = out[prefix + marker].dtype
+        n = max(shape[0] for shape in head.values())
+        warnings.warn(f"the checkpoint has no {', '.join(missing)}: {owner}'s head is freshly initialised "
+                      f"({n} outputs), train it before use", stacklevel=4)
+        for k in missing:
+            t = torch.zeros(head[k]) if k.endswith("bias") else torch.randn(head[k]).mul_(std)
+            own[k] = t.to(dtype)
+    return {**out, **own}
+
+
+def extend_family(model_type: str, *classes: type) -> None:
+    """Add ``classes`` (by their ``hf_architecture``) to the registered family ``model_type``."""
+    family = MODEL_TYPES[model_type]
+    register(model_type, config_from_hf=family.config_from_hf, default=family.default,
+             architectures={**family.architectures, **{c.hf_architecture: c for c in classes}})

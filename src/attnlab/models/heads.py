@@ -1,11 +1,12 @@
-"""Task heads on BERT and GPT-2, as Hugging Face's: sequence and token classification, extractive QA.
+"""Task heads on BERT, as Hugging Face's: sequence and token classification, extractive QA; and the one
+entry point for every family's heads (the decoder-only ones live in :mod:`attnlab.models.decoder_heads`,
+BART's in :mod:`attnlab.models.seq2seq_heads`, all importable from here).
 
 ::
 
     BertForSequenceClassification   logits = W_c dropout(pooler) + b_c                  (B, num_labels)
     BertForTokenClassification      logits = W_c dropout(h) + b_c                       (B, L, num_labels)
     BertForQuestionAnswering        [start | end] = W_qa h + b_qa                       (B, L) each
-    GPT2ForSequenceClassification   logits = (W_s LN_f(h))[b, last non-pad token of b]  (B, num_labels)
 
 Losses, as transformers computes them (``problem_type`` from ``config.json``, else inferred):
 ``num_labels == 1`` → regression, ``MSE(logits, labels)``; integer labels → cross-entropy
@@ -14,7 +15,7 @@ multi-label ``BCEWithLogits``. QA: ``(CE(start_logits, start) + CE(end_logits, e
 positions clamped to ``[0, L]`` and ``L`` ignored.
 
 A head's config is a :class:`ClassifierConfig`: the family's config (``base``) plus ``id2label``,
-``label2id``, ``problem_type``, ``classifier_dropout`` (BERT) and ``pad_token_id`` (GPT-2), all read
+``label2id``, ``problem_type``, ``classifier_dropout`` and ``pad_token_id`` (decoder-only heads), all read
 from and written back to ``config.json``. A checkpoint of the bare encoder or of another head (e.g.
 all-MiniLM-L6-v2's ``BertModel``, ``gpt2``'s LM head) loads with a freshly initialised task head and
 one warning line naming it, as transformers does.
@@ -26,14 +27,19 @@ import warnings
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.models.classifier import (PROBLEM_TYPES, ClassifierConfig, QuestionAnsweringOutput,  # noqa: F401
-                                       SequenceClassifierOutput, classification_loss, _cross_entropy)
+                                       SequenceClassifierOutput, classification_loss, _cross_entropy, extend_family,
+                                       question_answering_loss)
 from attnlab.models.bert import BertConfig, BertModel, _BertBase, weight_map as bert_weight_map
-from attnlab.models.gpt import WEIGHT_MAP as GPT2_WEIGHT_MAP, GPT2Config, GPT2LMHeadModel
-from attnlab.models.hub import MODEL_TYPES, WeightMap, register, rename
+from attnlab.models.decoder_heads import (GPT2ForQuestionAnswering, GPT2ForSequenceClassification,  # noqa: F401
+                                          GPT2ForTokenClassification, LlamaForQuestionAnswering,
+                                          LlamaForSequenceClassification, LlamaForTokenClassification, _SequenceTask)
+from attnlab.models.hub import WeightMap, rename
+from attnlab.models.seq2seq_heads import (BartForQuestionAnswering, BartForSequenceClassification,  # noqa: F401
+                                          T5ForQuestionAnswering, T5ForSequenceClassification,
+                                          T5ForTokenClassification)
 from attnlab.nn.dropout import Dropout
 
 def _prefixed(rules, prefix: str):
@@ -111,6 +117,7 @@ class BertForSequenceClassification(_BertHead):
 
     hf_architecture = "BertForSequenceClassification"
     with_pooler = True
+    label_tensors = ("classifier.weight", "classifier.bias")
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
                 token_type_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None, *,
@@ -160,109 +167,26 @@ class BertForQuestionAnswering(_BertHead):
         ``loss = (CE(start) + CE(end)) / 2`` (positions clamped to ``[0, L]``, ``L`` ignored, as HF)."""
         out = self._encode(input_ids, attention_mask, token_type_ids, output_attentions, output_hidden_states)
         start, end = self.qa_outputs(out.last_hidden_state).unbind(-1)  # (B, L) each
-        loss = None
-        if start_positions is not None and end_positions is not None:
-            B, L = start.shape
-            parts = []
-            for name, logits, pos in (("start_positions", start, start_positions),
-                                      ("end_positions", end, end_positions)):
-                if not isinstance(pos, Tensor) or pos.is_floating_point() or pos.reshape(-1).shape != (B,):
-                    raise ValueError(f"{name} must be an integer tensor of shape (B,) = ({B},), got "
-                                     f"{getattr(pos, 'dtype', type(pos).__name__)} {tuple(getattr(pos, 'shape', ()))}")
-                parts.append(F.cross_entropy(logits, pos.reshape(-1).long().clamp(0, L), ignore_index=L))
-            loss = (parts[0] + parts[1]) / 2
-        elif (start_positions is None) != (end_positions is None):
-            raise ValueError("give both start_positions and end_positions (or neither)")
+        loss = question_answering_loss(start, end, start_positions, end_positions)
         return QuestionAnsweringOutput(start, end, loss, out.hidden_states, out.attentions)
 
 
-# ---- GPT-2 ------------------------------------------------------------------------------------
-
-
-class GPT2ForSequenceClassification(GPT2LMHeadModel):
-    """HF ``GPT2ForSequenceClassification``: ``W_s LN_f(h)`` (no bias) read at each sequence's last
-    non-padding token — the last position whose id is not ``pad_token_id`` (the last position when
-    none is), so a batch of several sequences needs ``config.pad_token_id``, as in transformers.
-
-    The LM head stays tied to ``wte`` (no parameters of its own) and is not saved.
-    """
-
-    hf_architecture = "GPT2ForSequenceClassification"
-
-    def __init__(self, config: ClassifierConfig) -> None:
-        if not isinstance(config, ClassifierConfig) or not isinstance(config.base, GPT2Config):
-            raise TypeError(f"config must be a ClassifierConfig of a GPT2Config, got {type(config).__name__}")
-        super().__init__(config.base)
-        self.config = config
-        self.score = nn.Linear(config.base.n_embd, config.num_labels, bias=False)
-        nn.init.normal_(self.score.weight, std=0.02)
-
-    @classmethod
-    def config_from_hf(cls, d: dict) -> ClassifierConfig:
-        """:meth:`ClassifierConfig.from_hf` over :meth:`GPT2Config.from_hf`."""
-        return ClassifierConfig.from_hf(d, GPT2Config.from_hf)
-
-    def hf_weight_map(self) -> WeightMap:
-        """GPT-2's names (:data:`attnlab.models.gpt.WEIGHT_MAP`) + ``score.weight``."""
-        m = GPT2_WEIGHT_MAP
-        return WeightMap("GPT-2", [*m.rules, rename("score.weight", "score.weight")], tied=m.tied, ignore=m.ignore)
-
-    @classmethod
-    def adapt_hf_checkpoint(cls, config: ClassifierConfig, hf: dict[str, Tensor]):
-        """Any GPT-2 checkpoint into this head: ``GPT2Model``'s names get ``transformer.``, the LM head is
-        dropped, and a missing ``score.weight`` is freshly initialised (N(0, 0.02)) with one warning line."""
-        if not any(k.startswith("transformer.") for k in hf):
-            hf = {(k if k == "score.weight" else "transformer." + k): v for k, v in hf.items()}
-        hf = {k: v for k, v in hf.items() if k != "lm_head.weight"}
-        if "score.weight" not in hf and "transformer.wte.weight" in hf:
-            warnings.warn(f"the checkpoint has no score.weight: {cls.__name__}'s head is freshly initialised "
-                          f"({config.num_labels} outputs), train it before use", stacklevel=3)
-            dtype = hf["transformer.wte.weight"].dtype
-            hf["score.weight"] = torch.randn(config.num_labels, config.base.n_embd).mul_(0.02).to(dtype)
-        return config, hf
-
-    def head(self, x: Tensor) -> Tensor:
-        """``W_s LN_f(h)`` at every position, ``(B, T, num_labels)``; :meth:`forward` picks one per sequence."""
-        return self.score(self.ln_f(x))
-
-    def forward(self, input_ids: Tensor, *, attention_mask: Optional[Tensor] = None,
-                labels: Optional[Tensor] = None, output_attentions: bool = False) -> SequenceClassifierOutput:
-        """Classify each sequence of ``input_ids (B, T)`` (``attention_mask`` as the LM's); ``labels`` ``(B,)``
-        add ``loss`` (:func:`classification_loss`).
-
-        Raises:
-            ValueError: B > 1 without ``config.pad_token_id``; inputs or labels as the LM / the loss refuse.
-        """
-        B = input_ids.shape[0] if isinstance(input_ids, Tensor) and input_ids.dim() == 2 else 1
-        pad = self.config.pad_token_id
-        if pad is None and B > 1:
-            raise ValueError(f"GPT2ForSequenceClassification needs config.pad_token_id to classify a batch of "
-                             f"{B} sequences (it reads each one's last non-padding token)")
-        out = super().forward(input_ids, attention_mask=attention_mask, output_attentions=output_attentions)
-        T = input_ids.shape[1]
-        if pad is None:
-            last = torch.full((B,), T - 1, device=input_ids.device)
-        else:  # the last position that is not padding (0 when all are), as transformers
-            pos = torch.arange(T, device=input_ids.device)
-            last = (pos * (input_ids != pad)).argmax(-1)
-        logits = out.logits[torch.arange(B, device=input_ids.device), last]  # (B, num_labels)
-        loss = None if labels is None else classification_loss(logits, labels, self.config)
-        return SequenceClassifierOutput(logits, loss, None, out.attentions)
-
-
-SEQUENCE_CLASSIFIERS = {"bert": BertForSequenceClassification, "gpt2": GPT2ForSequenceClassification}
+SEQUENCE_CLASSIFIERS = {"bert": BertForSequenceClassification, "gpt2": GPT2ForSequenceClassification,
+                        "llama": LlamaForSequenceClassification, "bart": BartForSequenceClassification,
+                        "t5": T5ForSequenceClassification}
 
 
 def classifier_from_pretrained(path, id2label: dict, *, problem_type: Optional[str] = None,
                                pad_token_id: Optional[int] = None, dtype: Optional[torch.dtype] = None):
     """A sequence classifier with the labels ``id2label`` from any checkpoint of its family (a bare
-    encoder, an LM, another classifier): the body's weights are loaded, the head is freshly initialised
+    model, an LM, another classifier): the body's weights are loaded, the head is freshly initialised
     (one warning line) unless the checkpoint's head already has one output per label.
 
     Args:
         path: an HF-format folder or Hub id (:func:`attnlab.models.hub.resolve_pretrained`).
         id2label: ``{index: name}`` of the new head.
-        pad_token_id: GPT-2's padding id when its config has none (e.g. the tokenizer's, or ``eos``).
+        pad_token_id: a decoder-only model's padding id when its config has none (e.g. the tokenizer's;
+            else its ``eos_token_id``, as is common).
 
     Raises:
         ValueError: a ``model_type`` with no sequence-classification head here, or the loader's refusals.
@@ -277,11 +201,11 @@ def classifier_from_pretrained(path, id2label: dict, *, problem_type: Optional[s
                          f"available for {sorted(SEQUENCE_CLASSIFIERS)}")
     config = cls.config_from_hf(raw)
     pad = config.pad_token_id if config.pad_token_id is not None else pad_token_id
-    if cls is GPT2ForSequenceClassification and pad is None:
+    if issubclass(cls, _SequenceTask) and pad is None:
         pad = config.base.eos_token_id  # GPT-2 has no padding token; its end-of-text serves, as is common
     config = ClassifierConfig(config.base, id2label=id2label, problem_type=problem_type,
                               classifier_dropout=config.classifier_dropout, pad_token_id=pad)
-    head = {"bert": ("classifier.weight", "classifier.bias"), "gpt2": ("score.weight",)}[family.model_type]
+    head = cls.label_tensors
     weights = {k: v for k, v in load_weights(folder).items()
                if k not in head or v.shape[0] == config.num_labels}  # a head of another size: replaced
     config, hf = cls.adapt_hf_checkpoint(config, weights)
@@ -292,12 +216,4 @@ def classifier_from_pretrained(path, id2label: dict, *, problem_type: Optional[s
     return model.to(dtype)
 
 
-def _extend(model_type: str, *classes: type) -> None:
-    """Add ``classes`` (by their ``hf_architecture``) to the registered family ``model_type``."""
-    family = MODEL_TYPES[model_type]
-    register(model_type, config_from_hf=family.config_from_hf, default=family.default,
-             architectures={**family.architectures, **{c.hf_architecture: c for c in classes}})
-
-
-_extend("bert", BertForSequenceClassification, BertForTokenClassification, BertForQuestionAnswering)
-_extend("gpt2", GPT2ForSequenceClassification)
+extend_family("bert", BertForSequenceClassification, BertForTokenClassification, BertForQuestionAnswering)

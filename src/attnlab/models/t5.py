@@ -220,6 +220,16 @@ class T5ForConditionalGeneration(PreTrainedMixin, nn.Module):
                             cache, False)[0]
 
     def _decode(self, ids: Tensor, memory: Tensor, attention_mask, decoder_attention_mask, cache, need_weights):
+        h, self_w, cross_w = self._decoder_states(ids, memory, attention_mask, decoder_attention_mask, cache,
+                                                  need_weights)
+        if self.config.scale_decoder_outputs:
+            h = h * self.config.d_model ** -0.5
+        logits = F.linear(h, self.shared.weight if self.lm_head is None else self.lm_head.weight)  # (B, T, V)
+        return logits, self_w, cross_w
+
+    def _decoder_states(self, ids: Tensor, memory: Tensor, attention_mask, decoder_attention_mask, cache,
+                        need_weights):
+        """The decoder stack's output ``(B, T, E)`` (after its final norm), + per-layer weights if ``need_weights``."""
         check_encoder_outputs(memory, self.config.d_model)
         check_attention_mask(attention_mask, memory.shape[:2])
         past = 0 if cache is None else cache[0].self_attn.length
@@ -227,10 +237,7 @@ class T5ForConditionalGeneration(PreTrainedMixin, nn.Module):
                            name="decoder_input_ids", mask_name="decoder_attention_mask")
         h, self_w, cross_w = self.decoder(self.shared(ids), decoder_attention_mask, memory=memory,
                                           memory_mask=attention_mask, caches=cache, need_weights=need_weights)
-        if self.config.scale_decoder_outputs:
-            h = h * self.config.d_model ** -0.5
-        logits = F.linear(h, self.shared.weight if self.lm_head is None else self.lm_head.weight)  # (B, T, V)
-        return (logits, tuple(self_w), tuple(cross_w)) if need_weights else (logits, None, None)
+        return (h, tuple(self_w), tuple(cross_w)) if need_weights else (h, None, None)
 
     def forward(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
                 decoder_input_ids: Optional[Tensor] = None, decoder_attention_mask: Optional[Tensor] = None,

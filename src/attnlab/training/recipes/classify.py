@@ -1,4 +1,4 @@
-"""``classify``: fine-tune a BERT (or GPT-2) checkpoint to classify texts or text pairs from a labelled file.
+"""``classify``: fine-tune a BERT, GPT-2, Llama, BART or T5 checkpoint to classify texts or text pairs.
 
 Data (``data=FILE``): ``.jsonl`` (one object a line) or ``.csv`` (a header line) with a text column,
 optionally a second text column (a pair: ``[CLS] a [SEP] b [SEP]``) and a label column — SST-2 style
@@ -6,8 +6,11 @@ optionally a second text column (a pair: ``[CLS] a [SEP] b [SEP]``) and a label 
 label set is ``labels=a,b,…`` when given (a label outside it is refused), else the sorted labels seen.
 A deterministic ``val_fraction`` of the rows (shuffled with ``seed``) is held out.
 
-The model (``model=DIR_OR_ID``, default all-MiniLM-L6-v2) gets a freshly initialised head of one output
-per label (:func:`attnlab.models.heads.classifier_from_pretrained`); the whole model is trained on
+The model (``model=DIR_OR_ID``, default all-MiniLM-L6-v2; any checkpoint of a family with a sequence-classification
+head: BERT, GPT-2, Llama, BART, T5) gets a freshly initialised head of one output per label
+(:func:`attnlab.models.heads.classifier_from_pretrained`; a decoder-only model reads each text's last non-pad
+token, padded with the tokenizer's padding id or else ``eos``; BART and T5 read the last ``eos``, which
+their tokenizers' templates put in every text); the whole model is trained on
 ``L = CE(logits, label)``. On the held-out split::
 
     accuracy = mean [argmax p = y]      macro-F1 = mean_c 2·P_c·R_c / (P_c + R_c)
@@ -267,7 +270,7 @@ def build(s: ClassifySettings, *, out: Path, dist: DistInfo, training: bool) -> 
     info: dict = {}
     if s.lora is not None:  # LoRA on q and v, and the task head trained in full (PEFT's modules_to_save)
         apply_lora(model, **parse_lora_spec(s.lora))
-        head = model.classifier if hasattr(model, "classifier") else model.score
+        head = getattr(model, model.head_name)
         for p in head.parameters():
             p.requires_grad_(True)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -301,8 +304,8 @@ def build(s: ClassifySettings, *, out: Path, dist: DistInfo, training: bool) -> 
 
 register(Recipe(
     name="classify", settings=ClassifySettings, build=build,
-    description="fine-tune a BERT/GPT-2 checkpoint (default all-MiniLM-L6-v2) to classify texts or pairs "
-                "from a .jsonl/.csv file; accuracy, macro-F1, ECE; saves an HF-format classifier",
+    description="fine-tune a BERT/GPT-2/Llama/BART/T5 checkpoint (default all-MiniLM-L6-v2) to classify texts or "
+                "pairs from a .jsonl/.csv file; accuracy, macro-F1, ECE; saves an HF-format classifier",
     targets={"default": "held-out accuracy and macro-F1 of the labelled file; minutes on 2 cores for a few "
                         "thousand rows"},
 ))
