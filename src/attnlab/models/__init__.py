@@ -15,6 +15,7 @@ from attnlab.models.vit import ViTConfig, ViTForImageClassification, ViTModel, V
 from attnlab.models.clip import CLIPConfig, CLIPModel, CLIPOutput, CLIPTextConfig, CLIPVisionConfig
 from attnlab.models.heads import (BertForQuestionAnswering, BertForSequenceClassification, BertForTokenClassification,
                                   ClassifierConfig, GPT2ForSequenceClassification)
+from attnlab.models.image_heads import CLIPForImageClassification
 
 __all__ = [
     "TransformerConfig", "Seq2SeqTransformer", "Transformer", "TransformerDecoder", "TransformerEncoder",
@@ -25,5 +26,5 @@ __all__ = [
     "ViTConfig", "ViTModel", "ViTForImageClassification", "ViTOutput",
     "CLIPConfig", "CLIPTextConfig", "CLIPVisionConfig", "CLIPModel", "CLIPOutput",
     "ClassifierConfig", "BertForSequenceClassification", "BertForTokenClassification", "BertForQuestionAnswering",
-    "GPT2ForSequenceClassification",
+    "GPT2ForSequenceClassification", "CLIPForImageClassification",
 ]
