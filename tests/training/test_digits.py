@@ -20,7 +20,7 @@ from attnlab.training.recipes.digits import load_digits_split  # noqa: E402
 transformers.logging.set_verbosity_error()
 # Measured: the default preset reached a held-out accuracy of ACCURACY_MEASURED (seed 0, 359 digits held out);
 # the bar leaves a margin for another machine's float rounding (a few digits of 359).
-ACCURACY_MEASURED, MARGIN = 0.97, 0.02
+ACCURACY_MEASURED, MARGIN = 0.975, 0.02
 
 
 def test_split_is_fixed_disjoint_and_scaled_from_sklearns_digits():
