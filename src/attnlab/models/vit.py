@@ -293,7 +293,8 @@ class ViTForImageClassification(_ViTBase):
                           f"initialised ({config.num_labels} outputs), train it before use", stacklevel=3)
             dtype = hf["vit.embeddings.cls_token"].dtype
             w = nn.init.trunc_normal_(torch.empty(config.num_labels, config.hidden_size), std=config.initializer_range)
-            hf = {**hf, "classifier.weight": w.to(dtype), "classifier.bias": torch.zeros(config.num_labels, dtype=dtype)}
+            hf = {**hf, "classifier.weight": w.to(dtype),
+                  "classifier.bias": torch.zeros(config.num_labels, dtype=dtype)}
         return config, hf
 
     def forward(self, pixel_values: Tensor, labels: Optional[Tensor] = None, *, output_attentions: bool = False,

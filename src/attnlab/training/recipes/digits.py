@@ -144,7 +144,8 @@ def evaluate_digits(model: nn.Module, x: Tensor, y: Tensor, *, batch_size: int =
     device = next(model.parameters()).device
     logits = torch.cat([model(x[i:i + batch_size].to(device)).logits.float().cpu()
                         for i in range(0, len(y), batch_size)])
-    return {"val_loss": float(F.cross_entropy(logits, y)), "val_accuracy": float((logits.argmax(-1) == y).double().mean()),
+    accuracy = (logits.argmax(-1) == y).double().mean()
+    return {"val_loss": float(F.cross_entropy(logits, y)), "val_accuracy": float(accuracy),
             "val_examples": int(y.numel())}
 
 
