@@ -220,6 +220,7 @@ from attnlab.training.recipes import run_recipe
 from attnlab.training.recipes.digits import load_digits_split
 
 run = WORK / "digits-run"
+torch.set_num_threads(1)  # 17 tokens of width 64: one thread is faster than two for matrices this small
 if QUICK:
     metrics = run_recipe("digits-vit", out=run, preset="tiny", overrides={"max_steps": 60, "progress": False})
 else:

@@ -14,6 +14,10 @@ At the end the model is written as an HF-format folder ``OUT/model`` (``config.j
 ``model.safetensors``) that ``transformers.ViTForImageClassification`` loads, and the attention of
 ``attention_examples`` held-out digits is drawn by :func:`attnlab.viz.image.image_view` (attention rollout
 and the last layer's per-head [CLS]→patch maps) into ``OUT/attention/digit-K.png``.
+
+The default preset reached a held-out accuracy of 0.975 (350 of 359) with ``--threads 1``, about a minute of CPU
+time; its matrices are so small that a second thread costs more than it gives (measured: 0.967 and six times
+the CPU time with two threads on a busy 2-core machine).
 """
 from __future__ import annotations
 
@@ -206,6 +210,7 @@ register(Recipe(
     name="digits-vit", settings=DigitsSettings, build=build, presets=PRESETS,
     description="train a small ViT from scratch on scikit-learn's bundled 8×8 handwritten digits (no download); "
                 "held-out accuracy, attention maps of held-out digits; saves an HF-format ViTForImageClassification",
-    targets={"default": "held-out accuracy ≥ 0.95 in about a minute on 2 CPU cores",
+    targets={"default": "held-out accuracy ≥ 0.95 (measured 0.975) in about a minute on one CPU thread "
+                        "(--threads 1)",
              "tiny": "a few-second smoke run"},
 ))
