@@ -18,6 +18,7 @@ from attnlab.models.heads import (BertForQuestionAnswering, BertForSequenceClass
                                   GPT2ForTokenClassification, LlamaForQuestionAnswering, LlamaForSequenceClassification,
                                   LlamaForTokenClassification, BartForSequenceClassification, BartForQuestionAnswering,
                                   T5ForQuestionAnswering, T5ForSequenceClassification, T5ForTokenClassification)
+from attnlab.models.image_heads import CLIPForImageClassification
 
 __all__ = [
     "TransformerConfig", "Seq2SeqTransformer", "Transformer", "TransformerDecoder", "TransformerEncoder",
@@ -32,4 +33,5 @@ __all__ = [
     "LlamaForSequenceClassification", "LlamaForTokenClassification", "LlamaForQuestionAnswering",
     "BartForSequenceClassification", "BartForQuestionAnswering",
     "T5ForSequenceClassification", "T5ForTokenClassification", "T5ForQuestionAnswering",
+    "CLIPForImageClassification",
 ]

@@ -350,26 +350,33 @@ class CLIPModel(PreTrainedMixin, nn.Module):
 
     @torch.no_grad()
     def _init_weights(self) -> None:
-        """HF's CLIP init: N(0, σ) with σ scaled by width and depth, zero biases, unit LayerNorms."""
+        """HF's CLIP init: each tower by :func:`init_tower`, the projections N(0, E^-½ · f)."""
         f = self.config.initializer_factor
         for tower in (self.text_model, self.vision_model):
-            c = tower.config
-            E, depth = c.hidden_size, (2 * c.num_hidden_layers) ** -0.5
-            for layer in tower.layers:
-                nn.init.normal_(layer.self_attn.in_proj.weight, std=E ** -0.5 * depth * f)
-                nn.init.normal_(layer.self_attn.out_proj.weight, std=E ** -0.5 * f)
-                nn.init.normal_(layer.ffn.w1.weight, std=(2 * E) ** -0.5 * f)
-                nn.init.normal_(layer.ffn.w2.weight, std=E ** -0.5 * depth * f)
-                for lin in (layer.self_attn.in_proj, layer.self_attn.out_proj, layer.ffn.w1, layer.ffn.w2):
-                    nn.init.zeros_(lin.bias)
-        nn.init.normal_(self.text_model.token_embedding.weight, std=0.02 * f)
-        nn.init.normal_(self.text_model.position_embedding.weight, std=0.02 * f)
-        v = self.vision_model
-        nn.init.normal_(v.class_embedding, std=v.config.hidden_size ** -0.5 * f)
-        nn.init.normal_(v.patch_embedding.weight, std=v.config.initializer_range * f)
-        nn.init.normal_(v.position_embedding.weight, std=v.config.initializer_range * f)
+            init_tower(tower, f)
         nn.init.normal_(self.text_projection.weight, std=self.config.text_config.hidden_size ** -0.5 * f)
         nn.init.normal_(self.visual_projection.weight, std=self.config.vision_config.hidden_size ** -0.5 * f)
 
+
+@torch.no_grad()
+def init_tower(tower: Union[CLIPTextTransformer, CLIPVisionTransformer], f: float) -> None:
+    """HF's CLIP init of one tower: N(0, σ) with σ scaled by width, depth and the factor ``f``, zero biases,
+    unit LayerNorms (as built)."""
+    c = tower.config
+    E, depth = c.hidden_size, (2 * c.num_hidden_layers) ** -0.5
+    for layer in tower.layers:
+        nn.init.normal_(layer.self_attn.in_proj.weight, std=E ** -0.5 * depth * f)
+        nn.init.normal_(layer.self_attn.out_proj.weight, std=E ** -0.5 * f)
+        nn.init.normal_(layer.ffn.w1.weight, std=(2 * E) ** -0.5 * f)
+        nn.init.normal_(layer.ffn.w2.weight, std=E ** -0.5 * depth * f)
+        for lin in (layer.self_attn.in_proj, layer.self_attn.out_proj, layer.ffn.w1, layer.ffn.w2):
+            nn.init.zeros_(lin.bias)
+    if isinstance(tower, CLIPTextTransformer):
+        nn.init.normal_(tower.token_embedding.weight, std=0.02 * f)
+        nn.init.normal_(tower.position_embedding.weight, std=0.02 * f)
+    else:
+        nn.init.normal_(tower.class_embedding, std=E ** -0.5 * f)
+        nn.init.normal_(tower.patch_embedding.weight, std=c.initializer_range * f)
+        nn.init.normal_(tower.position_embedding.weight, std=c.initializer_range * f)
 
 register("clip", config_from_hf=CLIPConfig.from_hf, architectures={"CLIPModel": CLIPModel}, default="CLIPModel")

@@ -66,7 +66,8 @@ class ModelFamily:
 MODEL_TYPES: dict[str, ModelFamily] = {}
 # Model files that register themselves on import; imported on first lookup (they import this module).
 BUILTIN_MODULES = ("attnlab.models.bert", "attnlab.models.gpt", "attnlab.models.llama", "attnlab.models.t5",
-                   "attnlab.models.bart", "attnlab.models.vit", "attnlab.models.clip", "attnlab.models.heads")
+                   "attnlab.models.bart", "attnlab.models.vit", "attnlab.models.clip", "attnlab.models.heads",
+                   "attnlab.models.image_heads")
 
 
 def _import_builtin() -> None:

@@ -8,6 +8,10 @@
     y = LN(hᴸ)
     logits = W_c y_[CLS] + b_c;  pooler = tanh(W_p y_[CLS] + b_p)      (ViTModel only)
 
+A checkpoint of the bare ``ViTModel`` loads into :class:`ViTForImageClassification` with a freshly
+initialised classifier and one warning line, as transformers does (CLIP's image classifier is in
+:mod:`attnlab.models.image_heads`).
+
 Module names are ours (``layers.i.self_attn.in_proj`` packs HF's query/key/value); HF's checkpoint
 names (``vit.encoder.layer.i.attention.attention.query``, ...) appear only in :func:`weight_map`,
 which :meth:`to_hf_state_dict` / :meth:`from_hf_state_dict` read. Training-mode difference from HF: our
@@ -16,14 +20,16 @@ feed-forward also applies dropout to its hidden activation (HF's ViT default dro
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
-from attnlab._checks import boolean
+from attnlab._checks import boolean, one_of
 from attnlab.models.bert import check_encoder_config, encoder_layers
+from attnlab.models.classifier import PROBLEM_TYPES, classification_loss
 from attnlab.models.hub import PreTrainedMixin, WeightMap, pack, register, rename
 from attnlab.nn.dropout import Dropout
 
@@ -33,7 +39,8 @@ class ViTConfig:
     """ViT hyper-parameters, with HF ``ViTConfig``'s field names and defaults (ViT-B/16 at 224²).
 
     ``id2label`` (optional) names the ``num_labels`` classes; it is kept so that a checkpoint's
-    class names survive a load/save round trip.
+    class names survive a load/save round trip. ``problem_type`` (one of
+    :data:`attnlab.models.classifier.PROBLEM_TYPES` or None: inferred) chooses the loss, as transformers.
     """
 
     image_size: int = 224
@@ -51,6 +58,7 @@ class ViTConfig:
     initializer_range: float = 0.02
     num_labels: int = 2
     id2label: Optional[dict[int, str]] = None
+    problem_type: Optional[str] = None
 
     def __post_init__(self) -> None:
         check_encoder_config(self, ("image_size", "patch_size", "num_channels", "hidden_size", "num_hidden_layers",
@@ -58,6 +66,8 @@ class ViTConfig:
         if self.image_size % self.patch_size:
             raise ValueError(f"image_size={self.image_size} must be divisible by patch_size={self.patch_size}")
         boolean("qkv_bias", self.qkv_bias)
+        if self.problem_type is not None:
+            one_of("problem_type", self.problem_type, PROBLEM_TYPES)
         if self.id2label is not None:
             if not isinstance(self.id2label, dict) or sorted(self.id2label) != list(range(self.num_labels)):
                 raise ValueError(f"id2label must map each class id 0..num_labels-1 ({self.num_labels} classes) "
@@ -104,6 +114,7 @@ class ViTOutput:
         last_hidden_state: ``(B, 1 + N, E)`` after the final LayerNorm.
         pooler_output: ``(B, E)``, ``tanh(W_p y_[CLS] + b_p)`` (ViTModel with a pooler).
         logits: ``(B, num_labels)`` (ViTForImageClassification).
+        loss: the classification loss when ``labels`` are given (ViTForImageClassification).
         hidden_states: ``num_layers + 1`` tensors ``(B, 1 + N, E)`` (embeddings, then each layer; before
             the final LayerNorm, as HF).
         attentions: ``num_layers`` tensors ``(B, H, 1 + N, 1 + N)`` of softmax weights.
@@ -112,6 +123,7 @@ class ViTOutput:
     last_hidden_state: Optional[Tensor] = None
     pooler_output: Optional[Tensor] = None
     logits: Optional[Tensor] = None
+    loss: Optional[Tensor] = None
     hidden_states: Optional[tuple[Tensor, ...]] = None
     attentions: Optional[tuple[Tensor, ...]] = None
 
@@ -268,12 +280,31 @@ class ViTForImageClassification(_ViTBase):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self._init_weights(config.initializer_range)
 
-    def forward(self, pixel_values: Tensor, *, output_attentions: bool = False,
+    @classmethod
+    def adapt_hf_checkpoint(cls, config: ViTConfig, hf: dict[str, Tensor]):
+        """A bare ``ViTModel`` checkpoint into this head: its names get ``vit.``, its pooler is dropped and
+        the missing classifier is freshly initialised (truncated N(0, initializer_range), zero bias) with one
+        warning line."""
+        if not any(k.startswith("vit.") for k in hf):
+            hf = {(k if k.startswith("classifier.") else "vit." + k): v for k, v in hf.items()}
+        hf = {k: v for k, v in hf.items() if not k.startswith("vit.pooler.")}
+        if "classifier.weight" not in hf and "vit.embeddings.cls_token" in hf:
+            warnings.warn(f"the checkpoint has no classifier.weight / .bias: {cls.__name__}'s head is freshly "
+                          f"initialised ({config.num_labels} outputs), train it before use", stacklevel=3)
+            dtype = hf["vit.embeddings.cls_token"].dtype
+            w = nn.init.trunc_normal_(torch.empty(config.num_labels, config.hidden_size), std=config.initializer_range)
+            hf = {**hf, "classifier.weight": w.to(dtype),
+                  "classifier.bias": torch.zeros(config.num_labels, dtype=dtype)}
+        return config, hf
+
+    def forward(self, pixel_values: Tensor, labels: Optional[Tensor] = None, *, output_attentions: bool = False,
                 output_hidden_states: bool = False) -> ViTOutput:
-        """As :meth:`ViTModel.forward`, plus ``logits (B, num_labels) = W_c y_[CLS] + b_c``."""
+        """As :meth:`ViTModel.forward`, plus ``logits (B, num_labels) = W_c y_[CLS] + b_c``; ``labels`` ``(B,)``
+        add ``loss`` (:func:`attnlab.models.classifier.classification_loss`: cross-entropy for class indices)."""
         out = self.vit(pixel_values, output_attentions=output_attentions,
                        output_hidden_states=output_hidden_states)
         out.logits = self.classifier(out.last_hidden_state[:, 0])
+        out.loss = None if labels is None else classification_loss(out.logits, labels, self.config)
         return out
 
 

@@ -42,6 +42,7 @@ RECIPE_MODULES = {
     "multi30k-de-en": "attnlab.training.recipes.multi30k",
     "mlm": "attnlab.training.recipes.mlm",
     "classify": "attnlab.training.recipes.classify",
+    "digits-vit": "attnlab.training.recipes.digits",
 }
 _REGISTRY: dict[str, "Recipe"] = {}
 PathLike = Union[str, os.PathLike]
