@@ -104,3 +104,19 @@ def test_clip_image_tower(tmp_path):
     assert name == "CLIPModel" and picture.shape == (32, 32, 3) and att[1].shape == (1, 4, 17, 17)
     view = image_view(att, picture)
     assert view.layer == 1 and torch.equal(view.heads[3], att[1][0, 3, 0, 1:].reshape(4, 4))
+
+
+def test_greyscale_vit_reads_one_channel(tmp_path, capsys):
+    """A ViT with ``num_channels=1`` (e.g. ``attnlab train digits-vit``) is given the picture in grey: the luminance
+    PIL computes, normalised with the model's one mean and std, and shown in grey."""
+    from PIL import Image
+
+    torch.manual_seed(0)
+    ViTModel(ViTConfig(**{**VIT, "num_channels": 1})).eval().save_pretrained(tmp_path / "grey")
+    pic = _picture(tmp_path / "cat.png")
+    att, picture, _ = image_attention_from_path(tmp_path / "grey", pic)
+    assert picture.shape == (32, 32, 1) and att[0].shape == (1, 4, 17, 17)
+    expected = torch.tensor(list(Image.open(pic).convert("L").resize((32, 32), Image.BILINEAR).getdata()),
+                            dtype=torch.float32).view(32, 32, 1) / 255.0
+    assert torch.equal(torch.from_numpy(picture), expected)
+    assert main(["viz", "--model", str(tmp_path / "grey"), "--image", str(pic), "--out", str(tmp_path / "g.html")]) == 0

@@ -177,11 +177,13 @@ def image_attention_from_path(path, image_path, *, dtype: torch.dtype = torch.fl
 
     folder = resolve_pretrained(path)
     model = from_pretrained(folder, dtype=dtype).to(device)
+    channels = 3
     if isinstance(model, CLIPModel):
         size, mean, std, crop = model.config.vision_config.image_size, CLIP_MEAN, CLIP_STD, True
         tower = model.vision_model
     elif isinstance(model, (ViTModel, ViTForImageClassification)):
-        size, mean, std, crop, tower = model.config.image_size, (0.5,) * 3, (0.5,) * 3, False, model
+        channels = model.config.num_channels
+        size, mean, std, crop, tower = model.config.image_size, (0.5,) * channels, (0.5,) * channels, False, model
     else:
         raise ValueError(f"--image needs a ViT or CLIP model, but {str(path)!r} holds a {type(model).__name__}")
     pre = Path(folder) / "preprocessor_config.json"
@@ -189,7 +191,7 @@ def image_attention_from_path(path, image_path, *, dtype: torch.dtype = torch.fl
         cfg = json.loads(pre.read_text(encoding="utf-8"))
         mean, std = tuple(cfg.get("image_mean", mean)), tuple(cfg.get("image_std", std))
     try:
-        img = Image.open(image_path).convert("RGB")
+        img = Image.open(image_path).convert("L" if channels == 1 else "RGB")  # a greyscale model reads one channel
     except FileNotFoundError:
         raise FileNotFoundError(f"no such image: {str(image_path)!r}") from None
     except (UnidentifiedImageError, OSError) as e:
@@ -202,9 +204,9 @@ def image_attention_from_path(path, image_path, *, dtype: torch.dtype = torch.fl
         img = img.crop((left, top, left + size, top + size))
     else:
         img = img.resize((size, size), Image.BILINEAR)
-    picture = np.asarray(img, dtype=np.float32) / 255.0  # (S, S, 3)
-    x = (torch.from_numpy(picture) - torch.tensor(mean)) / torch.tensor(std)  # (S, S, 3)
-    pixel_values = x.permute(2, 0, 1).unsqueeze(0).to(device=device, dtype=dtype)  # (1, 3, S, S)
+    picture = np.asarray(img, dtype=np.float32).reshape(size, size, channels) / 255.0  # (S, S, C)
+    x = (torch.from_numpy(picture) - torch.tensor(mean)) / torch.tensor(std)  # (S, S, C)
+    pixel_values = x.permute(2, 0, 1).unsqueeze(0).to(device=device, dtype=dtype)  # (1, C, S, S)
     with torch.no_grad():
         attentions = tower(pixel_values, output_attentions=True).attentions
     return attentions, picture, type(model).__name__
