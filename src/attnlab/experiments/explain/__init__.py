@@ -31,6 +31,8 @@ EXPERIMENTS = {
                       "attnlab.experiments.explain.cross_lengths:run"),
     "more-heads": ("more heads at a fixed width: accuracy vs H and the per-head rank bottleneck",
                    "attnlab.experiments.explain.more_heads:run"),
+    "addressing": ("attention vs a learned fixed average on associative recall: the weights find the key by content",
+                   "attnlab.experiments.explain.addressing:run"),
 }
 
 
