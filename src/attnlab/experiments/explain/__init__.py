@@ -33,6 +33,8 @@ EXPERIMENTS = {
                    "attnlab.experiments.explain.more_heads:run"),
     "addressing": ("attention vs a learned fixed average on associative recall: the weights find the key by content",
                    "attnlab.experiments.explain.addressing:run"),
+    "limits": ("what attention cannot express: parity vs length (one layer vs a GRU); order without positions",
+               "attnlab.experiments.explain.limits:run"),
 }
 
 
