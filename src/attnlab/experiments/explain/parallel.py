@@ -154,14 +154,15 @@ def run(out_dir: Union[str, Path], *, seed: int = 0, quick: bool = False) -> dic
                "torch threads": n_threads, "load average (1 min) before / after": [round(v, 2) for v in load]}
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.3))
-    for name in LAYERS:
-        axes[0].plot(graph_lens, [counts[name, n]["critical path"] for n in graph_lens], "o-",
+    for i, name in enumerate(LAYERS):  # one colour per layer in every panel
+        axes[0].plot(graph_lens, [counts[name, n]["critical path"] for n in graph_lens], "o-", color=f"C{i}",
                      label=f"{name}: critical path")
-        axes[0].plot(graph_lens, [counts[name, n]["path from s = 0"] for n in graph_lens], "s--",
+        axes[0].plot(graph_lens, [counts[name, n]["path from s = 0"] for n in graph_lens], "s--", color=f"C{i}",
                      label=f"{name}: path x_0 → y_L−1")
         for t, style in zip(thread_counts, ("o:", "o-")):
-            axes[1].loglog(lengths, [times[t][name, n] for n in lengths], style, label=f"{name}, {t} thread(s)")
-        axes[2].semilogx(lengths, [r[f"{name} speed-up"] for r in time_rows], "o-", label=name)
+            axes[1].loglog(lengths, [times[t][name, n] for n in lengths], style, color=f"C{i}",
+                           label=f"{name}, {t} thread(s)")
+        axes[2].semilogx(lengths, [r[f"{name} speed-up"] for r in time_rows], "o-", color=f"C{i}", label=name)
     axes[0].set_xlabel("sequence length L")
     axes[0].set_ylabel("operations (autograd graph)")
     axes[0].set_title("dependent steps and path length")
