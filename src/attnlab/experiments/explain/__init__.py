@@ -31,6 +31,12 @@ EXPERIMENTS = {
                       "attnlab.experiments.explain.cross_lengths:run"),
     "more-heads": ("more heads at a fixed width: accuracy vs H and the per-head rank bottleneck",
                    "attnlab.experiments.explain.more_heads:run"),
+    "addressing": ("attention vs a learned fixed average on associative recall: the weights find the key by content",
+                   "attnlab.experiments.explain.addressing:run"),
+    "parallel": ("why attention replaced recurrence: dependent steps, path length, 1 vs all threads, GRU vs attention",
+                 "attnlab.experiments.explain.parallel:run"),
+    "limits": ("what attention cannot express: parity vs length (one layer vs a GRU); order without positions",
+               "attnlab.experiments.explain.limits:run"),
 }
 
 
