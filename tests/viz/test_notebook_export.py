@@ -37,8 +37,14 @@ def _open(browser, path):
     return page
 
 
-def _view_frames(page):
-    return [f for f in page.frames if f.url == "about:srcdoc"]
+def _view_frames(page, n):
+    """The ``n`` views' frames, once each has drawn (an iframe's document loads after the page's ``load`` on a
+    busy machine, so wait for it rather than read ``page.frames`` at once)."""
+    page.wait_for_function(f"document.querySelectorAll('iframe[srcdoc]').length === {n}")
+    frames = [el.content_frame() for el in page.query_selector_all("iframe[srcdoc]")]
+    for frame in frames:
+        frame.wait_for_selector("#hv-svg, canvas.thumb, #grid", state="attached")
+    return frames
 
 
 def _opacities(frame, q=None):
@@ -47,12 +53,12 @@ def _opacities(frame, q=None):
 
 
 def _check(page, template_urls, n_views, tokens):
+    frames = _view_frames(page, n_views)  # drawn: every request a view would make has been made
+    assert [f.url for f in frames] == ["about:srcdoc"] * n_views
     url = page.url
     outside = [(u, f) for u, f in page.requests if u not in (url, "about:srcdoc")]
     assert all(f == url for _, f in outside), f"a view made a request: {outside}"
     assert {u for u, _ in outside} <= template_urls, outside
-    frames = _view_frames(page)
-    assert len(frames) == n_views
     head = frames[0]
     head.wait_for_selector("#hv-svg line", state="attached")
     assert head.eval_on_selector_all("#hv-svg text.tok-q", "els => els.map(e => e.textContent)") == tokens
