@@ -124,5 +124,7 @@ def test_errors(make_gpt2):
         quantize(apply_lora(make_gpt2(), r=2, alpha=2), "int8")
     with pytest.raises(ValueError, match="compute_dtype"):
         quantize(make_gpt2(), "int8-weight", compute_dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"holds a packed inference layout \(optimize_for_inference\): quantise the"):
+        quantize(make_gpt2().optimize_for_inference(dtype=torch.float32), "int8")  # was a silent no-op
     q = quantize(make_gpt2().bfloat16(), "int8-weight", exclude=["lm_head"])  # bf16 weight-only is supported
     assert isinstance(q.lm_head, torch.nn.Linear)

@@ -159,11 +159,16 @@ def quantize(model: nn.Module, mode: str, *, compute_dtype: Optional[torch.dtype
 
     Raises:
         ValueError: unknown ``mode``; a layer of an unsupported dtype (named); a model not on the CPU;
-            LoRA layers present; a ``compute_dtype`` other than float32/bfloat16/float16.
+            LoRA layers or a packed inference layout present; a ``compute_dtype`` other than float32/bfloat16/float16.
     """
     from attnlab.adapt.lora import LoRALinear
+    from attnlab.nn.inference import PackedLinear
 
     one_of("mode", mode, MODES)
+    packed = [n for n, m in model.named_modules() if isinstance(m, PackedLinear)]
+    if packed:  # its float weights are packed for oneDNN: nothing would be quantised
+        raise ValueError(f"{packed[0]!r} holds a packed inference layout (optimize_for_inference): quantise the "
+                         "float model instead, before or instead of optimize_for_inference")
     if compute_dtype is None:
         compute_dtype = torch.bfloat16
     if mode == "int8-weight" and compute_dtype not in FLOAT_DTYPES["int8-weight"]:
