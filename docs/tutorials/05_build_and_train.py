@@ -95,7 +95,8 @@ assert (torch.triu(out.decoder_attentions[0], diagonal=1) == 0).all()
 #
 # The recipe uses $\varepsilon = 0.1$ (`attnlab.training.losses.token_cross_entropy`). We check it against the formula
 # written out, then plot the loss of one token as a function of the probability the model gives the right class
-# (the rest spread evenly): without smoothing the minimum is at $p = 1$; with it, at $p = 1 - \varepsilon + \varepsilon/V$.
+# (the rest spread evenly): without smoothing the minimum is at $p = 1$; with it, at
+# $p = 1 - \varepsilon + \varepsilon/V$.
 
 # %%
 from attnlab.training.losses import token_cross_entropy
@@ -132,11 +133,12 @@ plt.show()
 # ```
 #
 # Here we call the same thing from Python. The data comes from `ATTNLAB_DATA_DIR` or is downloaded.
-# **Quick mode** trains the `tiny` preset (a 34k-parameter model, 400 sentence pairs, 30 steps): it learns the most
-# frequent tokens and nothing more, so its BLEU is about 0. **Full mode** trains the default model for 300 steps
-# (a few minutes on 2 cores; a sixth of the default recipe's 1,800 steps, so expect a BLEU far below the recipe's). The default recipe itself targets
-# sacreBLEU ≥ 35 on test_2016_flickr within 30 minutes on 2 cores (the target it is
-# registered with, printed below); run it from the command line above for the full result. Steps, not the clock, decide the model.
+# **Quick mode** trains the `tiny` preset (a 34k-parameter model, 400 sentence pairs, 30 steps): it learns the
+# most frequent tokens and nothing more, so its BLEU is about 0. **Full mode** trains the default model for
+# 300 steps (a few minutes on 2 cores; a sixth of the default recipe's 1,800 steps, so expect a BLEU far below
+# the recipe's). The default recipe itself targets sacreBLEU ≥ 35 on test_2016_flickr within 30 minutes on
+# 2 cores (the target it is registered with, printed below); run it from the command line above for the full
+# result. Steps, not the clock, decide the model.
 
 # %%
 from attnlab.training.recipes import get_recipe, load_run, run_recipe
@@ -195,7 +197,7 @@ for de, en, g, b in list(zip(german, [en for _, en in pairs], greedy, beam))[:3]
 # %%
 refs = [en for _, en in pairs]
 for name, hyps in (("greedy", greedy), ("beam 4", beam)):
-    print(f"{name}: BLEU {bleu(hyps, refs).score:5.2f}  chrF {chrf(hyps, refs).score:5.2f}  on {len(refs)} val sentences")
+    print(f"{name}: BLEU {bleu(hyps, refs).score:5.2f}  chrF {chrf(hyps, refs).score:5.2f}  ({len(refs)} sentences)")
 print(bleu(refs, refs))
 assert abs(bleu(refs, refs).score - 100.0) < 1e-9                # exp(mean log 1) in float64
 

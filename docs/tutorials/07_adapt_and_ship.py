@@ -130,6 +130,9 @@ torch.testing.assert_close(distillation_loss(zs, zt, y, temperature=T, alpha=a),
 # The recipe's `teacher` setting distils from another run. A one-layer student trained with the base model as teacher
 # is compared with the same student trained on the labels alone (same seed, same batches). With this few steps
 # and a barely trained teacher the difference is small either way: the point here is the mechanics, not a result.
+# (Full mode, 400 steps, measured on 2 cores: teacher 2.713, student alone 2.705, distilled 2.706 nats/char —
+# a 2-layer teacher of width 32 knows no more than its 1-layer student; distillation pays with a teacher that
+# is much better than the student can become alone.)
 
 # %%
 student = dict(common, n_layer=1)
@@ -150,7 +153,8 @@ print(f"val loss: teacher {base['val_loss']:.3f}, student alone {alone['val_loss
 # ## int8 quantisation
 #
 # Post-training quantisation stores each weight row in 8 bits with one scale:
-# $s_i = \max_j |W_{ij}| / 127$, $Q_{ij} = \operatorname{round}(W_{ij}/s_i) \in [-127, 127]$, $W \approx \operatorname{diag}(s) Q$,
+# $s_i = \max_j |W_{ij}| / 127$, $Q_{ij} = \operatorname{round}(W_{ij}/s_i) \in [-127, 127]$,
+# $W \approx \operatorname{diag}(s) Q$,
 # so every weight is off by at most $s_i/2$. `attnlab.adapt.quantize(model, "int8")` replaces the linear layers (and
 # embeddings) and computes the products in int8 × int8 → int32 with dynamically quantised activations. We measure
 # the size, check the rounding bound, and look at how far the logits move.
@@ -261,7 +265,8 @@ plt.show()
 
 # %% [markdown]
 # The generator's input is the question with the retrieved passages in front; any decoder-only model
-# (`attnlab.from_pretrained` of a GPT-2 or Llama folder) continues it in `rag_generate(retriever, model, tokenizer, query)`.
+# (`attnlab.from_pretrained` of a GPT-2 or Llama folder) continues it in
+# `rag_generate(retriever, model, tokenizer, query)`.
 
 # %%
 from attnlab.adapt.rag import build_prompt
