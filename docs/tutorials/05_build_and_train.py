@@ -137,9 +137,9 @@ plt.show()
 # most frequent tokens and nothing more, so its BLEU is about 0. **Full mode** trains the default model for
 # 300 steps (5–10 minutes on 2 cores; a sixth of the default recipe's 1,800 steps). One such run, measured here:
 # sacreBLEU 13.7 on the first 300 test_2016_flickr sentences (beam 5, averaged checkpoints), and on 200 val
-# sentences 14.4 greedy / 19.1 with 4 beams below. The default recipe itself targets sacreBLEU ≥ 35 on test_2016_flickr within 30 minutes on
-# 2 cores (the target it is registered with, printed below); run it from the command line above for the full
-# result. Steps, not the clock, decide the model.
+# sentences 14.4 greedy / 19.1 with 4 beams below. The default recipe itself targets sacreBLEU ≥ 35 on
+# test_2016_flickr within 30 minutes on 2 cores (the target it is registered with, printed below); run it from
+# the command line above for the full result. Steps, not the clock, decide the model.
 
 # %%
 from attnlab.training.recipes import get_recipe, load_run, run_recipe
