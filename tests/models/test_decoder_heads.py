@@ -15,6 +15,7 @@ from attnlab.models.gpt import GPT2Config, GPT2LMHeadModel  # noqa: E402
 from attnlab.models.heads import (ClassifierConfig, LlamaForSequenceClassification,  # noqa: E402
                                   LlamaForTokenClassification, classifier_from_pretrained)
 from attnlab.models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from tests._heads import check_sequence_loss  # noqa: E402
 from tests._tolerance import tolerance  # noqa: E402
 
 GPT2 = dict(vocab_size=99, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=1)
@@ -113,19 +114,8 @@ def test_llama_sequence_classification_reads_the_last_non_pad_token(left, tmp_pa
 
 @pytest.mark.parametrize("kind", ["single", "regression", "multi"])
 def test_llama_sequence_classification_loss_equals_transformers(kind, tmp_path):
-    hf = _hf("LlamaForSequenceClassification")
-    if kind == "regression":
-        hf.config.id2label, hf.config.label2id = {0: "score"}, {"score": 0}
-        hf = transformers.LlamaForSequenceClassification(hf.config).eval()
-    hf.save_pretrained(tmp_path)
-    ours = attnlab.from_pretrained(tmp_path)
     ids, mask = _inputs()
-    labels = {"single": torch.tensor([2, 0, 1]), "regression": torch.tensor([0.5, -1.0, 2.0]),
-              "multi": torch.tensor([[1.0, 0, 1], [0, 0, 1], [1, 1, 0]])}[kind]
-    with torch.no_grad():
-        a = ours(ids, attention_mask=mask, labels=labels).loss
-        b = hf(ids, attention_mask=mask, labels=labels).loss
-    assert abs(float(a) - float(b)) <= tolerance(b, n=32, depth=2)
+    check_sequence_loss(_hf("LlamaForSequenceClassification"), kind, ids, mask, tmp_path, depth=2)
 
 
 @pytest.mark.parametrize("name", [h for h in HEADS if not h.endswith("SequenceClassification")])

@@ -16,6 +16,7 @@ from attnlab.models.heads import (BartForQuestionAnswering, BartForSequenceClass
                                   ClassifierConfig, T5ForQuestionAnswering, T5ForTokenClassification,
                                   classifier_from_pretrained)
 from attnlab.models.t5 import T5Config, T5ForConditionalGeneration  # noqa: E402
+from tests._heads import check_sequence_loss  # noqa: E402
 from tests._tolerance import tolerance  # noqa: E402
 
 BART = dict(vocab_size=99, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
@@ -110,19 +111,8 @@ def test_eos_pooling_reads_each_rows_last_eos(tmp_path):
 
 @pytest.mark.parametrize("kind", ["single", "regression", "multi"])
 def test_sequence_classification_loss_equals_transformers(kind, tmp_path):
-    hf = _hf("BartForSequenceClassification")
-    if kind == "regression":
-        hf.config.id2label, hf.config.label2id = {0: "score"}, {"score": 0}
-        hf = transformers.BartForSequenceClassification(hf.config).eval()
-    hf.save_pretrained(tmp_path)
-    ours = attnlab.from_pretrained(tmp_path)
     ids, mask = _inputs()
-    labels = {"single": torch.tensor([2, 0, 1]), "regression": torch.tensor([0.5, -1.0, 2.0]),
-              "multi": torch.tensor([[1.0, 0, 1], [0, 0, 1], [1, 1, 0]])}[kind]
-    with torch.no_grad():
-        a = ours(ids, attention_mask=mask, labels=labels).loss
-        b = hf(ids, attention_mask=mask, labels=labels).loss
-    assert abs(float(a) - float(b)) <= tolerance(b, n=32, depth=4)
+    check_sequence_loss(_hf("BartForSequenceClassification"), kind, ids, mask, tmp_path, depth=4)
 
 
 def test_qa_loss_equals_transformers(tmp_path):
