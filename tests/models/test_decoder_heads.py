@@ -15,13 +15,12 @@ from attnlab.models.gpt import GPT2Config, GPT2LMHeadModel  # noqa: E402
 from attnlab.models.heads import (ClassifierConfig, LlamaForSequenceClassification,  # noqa: E402
                                   LlamaForTokenClassification, classifier_from_pretrained)
 from attnlab.models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
-from tests._heads import check_sequence_loss  # noqa: E402
+from tests._heads import check_round_trip, check_sequence_loss, close as _close  # noqa: E402
 from tests._tolerance import tolerance  # noqa: E402
 
 GPT2 = dict(vocab_size=99, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=1)
 LLAMA = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
-ATOL = 1e-4
 LABELS = {0: "neg", 1: "neu", 2: "pos"}
 PAD = 0
 HEADS = ["GPT2ForTokenClassification", "GPT2ForQuestionAnswering", "LlamaForSequenceClassification",
@@ -69,32 +68,10 @@ def _call(model, ids, mask, **kw):
     return model(ids, attention_mask=mask, **kw)
 
 
-def _outputs(model, name, ids, mask):
-    out = _call(model, ids, mask)
-    if name.endswith("QuestionAnswering"):
-        return torch.stack([out.start_logits, out.end_logits])
-    return out.logits
-
-
-def _close(a, b):
-    assert a.shape == b.shape
-    assert (a - b).abs().max() <= ATOL
-
-
 @pytest.mark.parametrize("name", HEADS)
 def test_head_loads_transformers_and_saves_back(name, tmp_path):
     hf = _hf(name)
-    hf.save_pretrained(tmp_path / "hf")
-    ours = attnlab.from_pretrained(tmp_path / "hf")
-    assert type(ours).__name__ == name
-    ids, mask = _inputs()
-    with torch.no_grad():
-        expected = _outputs(hf, name, ids, mask)
-        _close(_outputs(ours, name, ids, mask), expected)
-        ours.save_pretrained(tmp_path / "ours")
-        back = _auto(name).from_pretrained(tmp_path / "ours", attn_implementation="eager").eval()
-        assert type(back).__name__ == name
-        _close(_outputs(back, name, ids, mask), expected)
+    ours, back = check_round_trip(hf, _auto(name), *_inputs(), tmp_path, call=_call)
     assert back.config.id2label == hf.config.id2label and back.config.pad_token_id == PAD
     again = attnlab.from_pretrained(tmp_path / "ours")
     assert again.config.id2label == ours.config.id2label and again.config.pad_token_id == PAD

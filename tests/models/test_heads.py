@@ -16,12 +16,12 @@ from attnlab.models.bert import BertConfig, BertModel  # noqa: E402
 from attnlab.models.gpt import GPT2Config, GPT2LMHeadModel  # noqa: E402
 from attnlab.models.heads import (BertForQuestionAnswering, BertForSequenceClassification,  # noqa: E402
                                   BertForTokenClassification, ClassifierConfig, GPT2ForSequenceClassification)
+from tests._heads import check_round_trip, close as _close  # noqa: E402
 from tests._tolerance import tolerance  # noqa: E402
 
 BERT = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
             max_position_embeddings=64)
 GPT2 = dict(vocab_size=99, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=1)
-ATOL = 1e-4
 LABELS = {0: "neg", 1: "neu", 2: "pos"}
 BERT_HEADS = ["BertForSequenceClassification", "BertForTokenClassification", "BertForQuestionAnswering"]
 AUTO = {"BertForSequenceClassification": "AutoModelForSequenceClassification",
@@ -55,32 +55,10 @@ def _inputs():
     return ids, mask
 
 
-def _outputs(model, name, ids, mask):
-    out = model(ids, attention_mask=mask)
-    if name == "BertForQuestionAnswering":
-        return torch.stack([out.start_logits, out.end_logits])
-    return out.logits
-
-
-def _close(a, b):
-    assert a.shape == b.shape
-    assert (a - b).abs().max() <= ATOL
-
-
 @pytest.mark.parametrize("name", BERT_HEADS + ["GPT2ForSequenceClassification"])
 def test_head_loads_transformers_and_saves_back(name, tmp_path):
     hf = _hf(name)
-    hf.save_pretrained(tmp_path / "hf")
-    ours = attnlab.from_pretrained(tmp_path / "hf")
-    assert type(ours).__name__ == name
-    ids, mask = _inputs()
-    with torch.no_grad():
-        expected = _outputs(hf, name, ids, mask)
-        _close(_outputs(ours, name, ids, mask), expected)
-        ours.save_pretrained(tmp_path / "ours")
-        back = getattr(transformers, AUTO[name]).from_pretrained(tmp_path / "ours", attn_implementation="eager").eval()
-        assert type(back).__name__ == name
-        _close(_outputs(back, name, ids, mask), expected)
+    ours, back = check_round_trip(hf, getattr(transformers, AUTO[name]), *_inputs(), tmp_path)
     assert back.config.id2label == hf.config.id2label
     assert back.config.label2id == {v: k for k, v in hf.config.id2label.items()}
     again = attnlab.from_pretrained(tmp_path / "ours")

@@ -16,7 +16,7 @@ from attnlab.models.heads import (BartForQuestionAnswering, BartForSequenceClass
                                   ClassifierConfig, T5ForQuestionAnswering, T5ForTokenClassification,
                                   classifier_from_pretrained)
 from attnlab.models.t5 import T5Config, T5ForConditionalGeneration  # noqa: E402
-from tests._heads import check_sequence_loss  # noqa: E402
+from tests._heads import check_round_trip, check_sequence_loss, close as _close  # noqa: E402
 from tests._tolerance import tolerance  # noqa: E402
 
 BART = dict(vocab_size=99, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
@@ -25,7 +25,6 @@ T5 = dict(vocab_size=99, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
           relative_attention_max_distance=20)
 BOS, PAD, EOS = 0, 1, 2  # BART's defaults
 T5_PAD, T5_EOS = 0, 1  # T5's: no bos, "x … </s>"
-ATOL = 1e-4
 LABELS = {0: "neg", 1: "neu", 2: "pos"}
 AUTO = {"BartForSequenceClassification": "AutoModelForSequenceClassification",
         "BartForQuestionAnswering": "AutoModelForQuestionAnswering",
@@ -63,32 +62,11 @@ def _inputs(lengths=(11, 7, 4), t5=False):
     return ids, mask
 
 
-def _outputs(model, name, ids, mask):
-    out = model(ids, attention_mask=mask)
-    if name.endswith("QuestionAnswering"):
-        return torch.stack([out.start_logits, out.end_logits])
-    return out.logits
-
-
-def _close(a, b):
-    assert a.shape == b.shape
-    assert (a - b).abs().max() <= ATOL
-
-
 @pytest.mark.parametrize("name", list(AUTO))
 def test_head_loads_transformers_and_saves_back(name, tmp_path):
     hf = _hf(name, classifier_dropout=0.1)
-    hf.save_pretrained(tmp_path / "hf")
-    ours = attnlab.from_pretrained(tmp_path / "hf")
-    assert type(ours).__name__ == name and ours.config.classifier_dropout == 0.1
-    ids, mask = _inputs(t5=name.startswith("T5"))
-    with torch.no_grad():
-        expected = _outputs(hf, name, ids, mask)
-        _close(_outputs(ours, name, ids, mask), expected)
-        ours.save_pretrained(tmp_path / "ours")
-        back = getattr(transformers, AUTO[name]).from_pretrained(tmp_path / "ours", attn_implementation="eager").eval()
-        assert type(back).__name__ == name
-        _close(_outputs(back, name, ids, mask), expected)
+    ours, back = check_round_trip(hf, getattr(transformers, AUTO[name]), *_inputs(t5=name.startswith("T5")), tmp_path)
+    assert ours.config.classifier_dropout == 0.1
     assert back.config.id2label == hf.config.id2label and back.config.classifier_dropout == 0.1
     assert attnlab.from_pretrained(tmp_path / "ours").config.id2label == ours.config.id2label
 
