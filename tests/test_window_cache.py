@@ -42,7 +42,7 @@ def test_ring_equals_growing_cache_and_recomputation(make):
         growing = model.generate(ids, max_new_tokens=40, cache="dynamic")
         again = _recomputed(model, ring[:, :-1])
     assert torch.equal(ring, growing)
-    assert torch.equal(ring[:, :9], full)  # 5 + 4 = 9 ≤ w... the first w positions see everything
+    assert torch.equal(ring[:, :9], full)  # each of these 4 tokens is predicted from ≤ 8 = w positions: all visible
     assert torch.equal(again[:, 4:], ring[:, 5:])
 
 
