@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnlab.functional.masks import build_mask, index_grids, split_mask
+from attnlab.functional.masks import build_mask, call_score_mod, index_grids, split_mask
 from attnlab.functional.normalize import NORMALIZERS
 from attnlab.functional.dropout import dropout
 
@@ -21,15 +21,7 @@ def apply_score_mod(scores: Tensor, score_mod) -> Tensor:
     """``scores = score_mod(scores, b, h, q_idx, kv_idx)``, checked to keep shape and dtype."""
     B, H, Lq, Lk = scores.shape
     b, h, q_idx, kv_idx = index_grids(B, H, Lq, Lk, scores.device)
-    out = score_mod(scores, b, h, q_idx, kv_idx)
-    if not isinstance(out, Tensor) or out.shape != scores.shape or out.dtype != scores.dtype:
-        got = (f"shape {tuple(out.shape)} and dtype {out.dtype}" if isinstance(out, Tensor)
-               else type(out).__name__)
-        raise ValueError(
-            f"score_mod must return a tensor of the scores' shape {tuple(scores.shape)} and dtype "
-            f"{scores.dtype}, got {got}"
-        )
-    return out
+    return call_score_mod(score_mod, scores, b, h, q_idx, kv_idx)
 
 
 def attention(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, dropout_p, normalize,

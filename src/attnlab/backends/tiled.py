@@ -29,7 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from attnlab._runtime import reuse_large_blocks
-from attnlab.functional.masks import call_mask_mod
+from attnlab.backends import banded
+from attnlab.functional.masks import call_mask_mod, call_score_mod
 
 BLOCK_Q = 128     # query rows per block
 BLOCK_K = 128     # key chunk when an element-wise mask must be evaluated to find empty chunks
@@ -68,6 +69,10 @@ def tiled_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Optional[Tensor] =
     Arguments are those of :func:`attnlab.attention`, already validated (4-D masks).
     """
     reuse_large_blocks(q, k, v)  # long sequences: keep freed blocks instead of re-faulting them (see _runtime)
+    if mask is None and banded.applies(q.shape[2], k.shape[2], window, causal, min(block_q, banded.BLOCK)):
+        captured = captured_tensors(score_mod) if score_mod is not None else []
+        return banded.banded_attention(q, k, v, window=window, causal=causal, scale=scale, score_mod=score_mod,
+                                       mask_mod=mask_mod, captured=captured, block=min(block_q, banded.BLOCK))
     cfg = _Config(causal=causal, window=window, scale=scale, score_mod=score_mod, mask_mod=mask_mod,
                   bool_mask=mask if mask is not None and mask.dtype == torch.bool else None,
                   block_q=block_q, block_k=block_k, max_chunk=max_chunk)
@@ -196,14 +201,6 @@ def _raw_scores(q_blk: Tensor, k_chunk: Tensor, scale: float) -> Tensor:
     return _unfold(torch.matmul(_fold(q_blk, Hkv), k_chunk.transpose(-2, -1)), H) * scale
 
 
-def _apply_score_mod(cfg: _Config, s: Tensor, grids) -> Tensor:
-    out = cfg.score_mod(s, *grids)
-    if not isinstance(out, Tensor) or out.shape != s.shape or out.dtype != s.dtype:
-        got = f"shape {tuple(out.shape)}, dtype {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
-        raise ValueError(f"score_mod must return a tensor of the scores' shape {tuple(s.shape)} and dtype {s.dtype}, got {got}")
-    return out
-
-
 def _finish_scores(s: Tensor, bias_block: Optional[Tensor], allowed: Optional[Tensor]) -> Tensor:
     """Add the bias and mask the block, in place (``s`` is a fresh block this module owns)."""
     if bias_block is not None:
@@ -249,7 +246,7 @@ class _TiledAttention(torch.autograd.Function):
                 kept.append((ks, ke, needs_mask))
                 s = _raw_scores(q_blk, kc[:, :, ks:ke], cfg.scale)
                 if cfg.score_mod is not None:
-                    s = _apply_score_mod(cfg, s, grids)
+                    s = call_score_mod(cfg.score_mod, s, *grids)
                 s = _finish_scores(s, _bias_block(bias, qs, qe, ks, ke), allowed)
                 m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
                 m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
@@ -293,7 +290,7 @@ class _TiledAttention(torch.autograd.Function):
                 if cfg.score_mod is not None:
                     with torch.enable_grad():
                         leaf = raw.detach().requires_grad_()
-                        modded = _apply_score_mod(cfg, leaf, grids)
+                        modded = call_score_mod(cfg.score_mod, leaf, *grids)
                     s = modded.detach().clone()  # the mod's graph may have saved its output
                 else:
                     s = raw
@@ -338,7 +335,7 @@ def recover_weights(q: Tensor, k: Tensor, lse: Tensor, *, heads: Tensor, rows: T
     s = torch.matmul(qs, ks.transpose(-2, -1)) * scale                    # (B, h, R, Lk)
     grids = _grids(B, heads, Lk - Lq + rows, torch.arange(Lk, device=q.device))
     if score_mod is not None:
-        s = _apply_score_mod(cfg, s, grids)
+        s = call_score_mod(cfg.score_mod, s, *grids)
 
     def pick(m):  # the chosen heads / rows of a (possibly broadcast) 4-D mask
         m = m if m.shape[1] == 1 else m[:, heads]

@@ -116,6 +116,16 @@ def call_mask_mod(mask_mod: MaskMod, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx
     return out
 
 
+def call_score_mod(score_mod, s: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """``score_mod(s, b, h, q_idx, kv_idx)``, checked to return a tensor of the scores' shape and dtype."""
+    out = score_mod(s, b, h, q_idx, kv_idx)
+    if not isinstance(out, Tensor) or out.shape != s.shape or out.dtype != s.dtype:
+        got = f"shape {tuple(out.shape)}, dtype {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
+        raise ValueError(f"score_mod must return a tensor of the scores' shape {tuple(s.shape)} and dtype {s.dtype}, "
+                         f"got {got}")
+    return out
+
+
 def split_mask(mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """Split a user mask into ``(bool_mask, float_bias)``; exactly one of them is set."""
     if mask is None:

@@ -1,0 +1,150 @@
+"""The banded path of the tiled backend (a narrow sliding window as a few batched products) against the
+float64 reference: values, gradients (q, k, v and tensors a score_mod reads), GQA, Lq != Lk, bidirectional
+windows, mask_mod, empty rows, groups split inside a head, and the kept-vs-recomputed backward.
+
+Tolerances: float64 1e-10 (observed ~1e-15); bf16 inputs (computed in float32) 2e-2.
+"""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnlab
+from attnlab import attention
+from attnlab.backends import banded
+from attnlab.backends.banded import banded_attention
+
+F64 = torch.float64
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+def _qkv(B, H, Hkv, Lq, Lk, D, Dv, dtype=F64):
+    return (torch.randn(B, H, Lq, D, dtype=dtype, requires_grad=True),
+            torch.randn(B, Hkv, Lk, D, dtype=dtype, requires_grad=True),
+            torch.randn(B, Hkv, Lk, Dv, dtype=dtype, requires_grad=True))
+
+
+def _check(q, k, v, *, window, causal, block, extra=(), score_mod=None, mask_mod=None):
+    ref = attention(q, k, v, backend="reference", causal=causal, window=window, score_mod=score_mod,
+                    mask_mod=mask_mod)
+    g = torch.randn_like(ref)
+    inputs = [q, k, v, *extra]
+    want = torch.autograd.grad(ref, inputs, g, allow_unused=True)
+    out, lse = banded_attention(q, k, v, window=window, causal=causal, scale=q.shape[-1] ** -0.5,
+                                score_mod=score_mod, mask_mod=mask_mod, captured=list(extra), block=block)
+    got = torch.autograd.grad(out, inputs, g, allow_unused=True)
+    torch.testing.assert_close(out, ref, **TOL)
+    for a, b in zip(want, got):
+        torch.testing.assert_close(b if b is not None else torch.zeros_like(a), a, **TOL)
+    return out, lse
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_matches_reference(data):
+    Hkv = data.draw(st.integers(1, 2))
+    H = Hkv * data.draw(st.integers(1, 3))
+    Lq, Lk = data.draw(st.integers(1, 40)), data.draw(st.integers(1, 40))
+    q, k, v = _qkv(data.draw(st.integers(1, 2)), H, Hkv, Lq, Lk, data.draw(st.integers(1, 5)),
+                   data.draw(st.integers(1, 4)))
+    kw = dict(window=data.draw(st.integers(1, 12)), causal=data.draw(st.booleans()),
+              block=data.draw(st.integers(1, 8)))
+    if data.draw(st.booleans()):
+        kw["score_mod"] = lambda s, b, h, qi, kj: s - 0.1 * (h + 1) * (qi - kj).abs() + 0.01 * b
+    if data.draw(st.booleans()):
+        kw["mask_mod"] = lambda b, h, qi, kj: ((qi + kj + h) % 3) != 0
+    group = data.draw(st.sampled_from([banded.GROUP_ELEMENTS, 7, 100]))   # whole heads / parts of one head
+    keep = data.draw(st.sampled_from([banded.KEEP_ELEMENTS, 0]))           # reuse or recompute e^(S - m)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(banded, "GROUP_ELEMENTS", group)
+        mp.setattr(banded, "KEEP_ELEMENTS", keep)
+        _check(q, k, v, **kw)
+
+
+def test_gradcheck_with_captured_slopes():
+    q, k, v = _qkv(1, 2, 1, 11, 11, 3, 2)
+    slopes = torch.rand(2, dtype=F64, requires_grad=True)
+
+    def f(q, k, v, slopes):
+        mod = lambda s, b, h, qi, kj: s + slopes[h] * (kj - qi)  # noqa: E731
+        return banded_attention(q, k, v, window=3, causal=True, scale=0.7, score_mod=mod, captured=[slopes],
+                                block=2)[0]
+
+    assert torch.autograd.gradcheck(f, (q, k, v, slopes))
+
+
+def test_captured_tensor_gradient_equals_reference():
+    q, k, v = _qkv(2, 4, 2, 30, 30, 4, 3)
+    slopes = torch.rand(4, dtype=F64, requires_grad=True)
+    mod = lambda s, b, h, qi, kj: s + slopes[h] * (kj - qi)  # noqa: E731
+    _check(q, k, v, window=6, causal=True, block=4, score_mod=mod, extra=(slopes,))
+
+
+def test_empty_rows_give_zero_output_and_neg_inf_lse():
+    q, k, v = _qkv(1, 2, 2, 24, 24, 4, 4)
+    mod = lambda b, h, qi, kj: qi % 5 != 0  # noqa: E731  rows 0, 5, 10, ... see nothing
+    out, lse = _check(q, k, v, window=4, causal=True, block=4, mask_mod=mod)
+    empty = torch.arange(24) % 5 == 0
+    assert torch.all(out[:, :, empty] == 0) and torch.all(torch.isneginf(lse[:, :, empty]))
+    assert torch.isfinite(lse[:, :, ~empty]).all()
+
+
+def test_lse_is_logsumexp_of_windowed_scores():
+    q, k, v = _qkv(1, 2, 2, 33, 33, 4, 4)
+    _, lse = banded_attention(q, k, v, window=5, causal=True, scale=0.5, block=4)
+    d = torch.arange(33).view(-1, 1) - torch.arange(33)
+    s = (q @ k.transpose(-2, -1) * 0.5).masked_fill(~((d >= 0) & (d < 5)), float("-inf"))
+    torch.testing.assert_close(lse, torch.logsumexp(s, dim=-1).detach(), **TOL)
+
+
+def test_bf16_inputs_computed_in_float32():
+    q, k, v = (t.detach().float().requires_grad_() for t in _qkv(1, 2, 1, 64, 64, 8, 8))
+    qb, kb, vb = (t.detach().bfloat16().requires_grad_() for t in (q, k, v))
+    out, _ = banded_attention(qb, kb, vb, window=8, causal=True, scale=8 ** -0.5, block=8)
+    assert out.dtype == torch.bfloat16
+    ref = attention(qb.float(), kb.float(), vb.float(), causal=True, window=8, backend="reference")
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    out.float().sum().backward()
+    assert qb.grad.dtype == torch.bfloat16 and torch.isfinite(qb.grad.float()).all()
+
+
+def test_layout_work_and_padding():
+    q, k = torch.zeros(1, 8, 8192, 64), torch.zeros(1, 8, 8192, 64)
+    L = banded._layout(q, k, 256, True, 1.0, 32)
+    assert L.S == 288 and L.S < 32 + 256 + 32           # span: the block and the window, rounded to blocks
+    assert (L.nb - 8192 // 32) / L.nb < 0.04            # padding blocks per head
+    bi = banded._layout(q, k, 256, False, 1.0, 32)
+    assert bi.S >= 32 + 2 * 255                         # a bidirectional window reaches both ways
+
+
+def test_auto_takes_the_banded_path_for_a_long_narrow_window(monkeypatch):
+    calls = []
+    orig = banded._BandedAttention.forward
+
+    def spy(ctx, *a):
+        calls.append(a[0])
+        return orig(ctx, *a)
+
+    monkeypatch.setattr(banded._BandedAttention, "forward", staticmethod(spy))
+    q, k, v = (torch.randn(1, 2, 1024, 16) for _ in range(3))
+    attnlab.attention(q, k, v, causal=True, window=64)
+    assert len(calls) == 1
+    attnlab.attention(q, k, v, causal=True, window=64, mask=torch.ones(1024, 1024, dtype=torch.bool)[None, None])
+    attnlab.attention(q[:, :, :64], k[:, :, :64], v[:, :, :64], causal=True, window=60)  # too short to pay
+    assert len(calls) == 1
+    assert not banded.applies(1024, 1024, None, True) and not banded.applies(1024, 1024, 1024, True)
+
+
+def test_long_sequence_float32_matches_sdpa_with_dense_mask():
+    q, k, v = (torch.randn(1, 4, 2048, 32, requires_grad=True) for _ in range(3))
+    d = torch.arange(2048).view(-1, 1) - torch.arange(2048)
+    mask = (d >= 0) & (d < 128)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out = attnlab.attention(q, k, v, causal=True, window=128)
+    g = torch.randn_like(out)
+    want = torch.autograd.grad(ref, (q, k, v), g)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    # float32, 128 keys per row of magnitude ~1: round-off ~1e-6 relative
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
