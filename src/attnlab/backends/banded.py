@@ -15,8 +15,10 @@ Forward, per group of blocks (a few MiB of scores, so the element-wise passes st
     S = (κ Q_blk) K_spanᵀ  → score_mod → mask;   m = rowmax S;   P = e^(S - m);   l = rowsum P
     O_blk = P V_span / l;   LSE = m + log l                                 (l = 0: O = 0, LSE = -inf)
 
-Backward reuses the forward's ``e^(S - m)`` and ``1/l`` when they fit in :data:`KEEP_ELEMENTS` (no score_mod),
-else recomputes ``P = e^(S - LSE)``; with ``D = rowsum(dO ∘ O)``::
+Backward reuses the forward's ``e^(S - m)`` and ``1/l`` when they fit in :data:`KEEP_ELEMENTS` and the
+score_mod, if any, is additive with no gradient to return
+(:func:`~attnlab.functional.masks.additive_without_grads`); else it recomputes ``P = e^(S - LSE)``.
+With ``D = rowsum(dO ∘ O)``::
 
     dV_span = Pᵀ dO;  dS = P ∘ (dO V_spanᵀ - D);  dQ_blk = κ dS K_span;  dK_span = dSᵀ (κ Q_blk)
 
@@ -35,7 +37,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from attnlab.functional.masks import call_mask_mod, call_score_mod
+from attnlab.functional.masks import additive_without_grads, call_mask_mod, call_score_mod
 
 BLOCK = 32                  # query rows per block (measured: 32 beats 64 and 128 at w = 256)
 GROUP_ELEMENTS = 1 << 20    # scores per group of blocks (4 MiB in float32)
@@ -178,8 +180,8 @@ class _Group:
             self.blocked = self.blocked | ~call_mask_mod(mask_mod, *self.grids)
 
     def scores(self, qb: Tensor, kbuf: Tensor, L: _Layout, score_mod, *, keep_graph: bool = False, out=None):
-        """``(leaf, modded, S)``: ``S`` masked, as ``(J1 - J0, b, S)`` (into ``out`` when given and no score_mod
-        replaces it); ``leaf``/``modded`` carry score_mod's graph for its gradient."""
+        """``(leaf, modded, S)``: ``S`` masked, as ``(J1 - J0, b, S)`` (in ``out`` when given);
+        ``leaf``/``modded`` carry score_mod's graph for its gradient."""
         raw = torch.bmm(qb[self.J0:self.J1], _spans(kbuf, L, self.J0, self.J1).transpose(1, 2), out=out)
         leaf = modded = None
         s = raw
@@ -188,6 +190,8 @@ class _Group:
                 leaf = raw.view(self.shape).detach().requires_grad_(keep_graph)
                 modded = call_score_mod(score_mod, leaf, *self.grids)
             s = (modded.detach().clone() if keep_graph else modded).reshape(raw.shape)
+            if out is not None:
+                s = out.copy_(s)
         s.view(self.shape).masked_fill_(self.blocked, float("-inf"))
         return leaf, modded, s
 
@@ -215,8 +219,9 @@ class _BandedAttention(torch.autograd.Function):
         ob = q.new_empty(L.blocks, L.b, v.shape[-1], dtype=cdt)
         lse = q.new_empty(L.blocks, L.b, 1, dtype=cdt)
         inv_l = q.new_empty(L.blocks, L.b, 1, dtype=cdt)
-        # without a score_mod, e^(S - m) of every block is kept for backward when it is small enough
-        keep = score_mod is None and any(ctx.needs_input_grad[3:6]) and L.blocks * L.b * L.S <= KEEP_ELEMENTS
+        # e^(S - m) of every block is kept for backward when it is small enough and no score_mod needs autograd
+        plain = score_mod is None or additive_without_grads(score_mod, captured)
+        keep = plain and any(ctx.needs_input_grad[3:6]) and L.blocks * L.b * L.S <= KEEP_ELEMENTS
         p_all = q.new_empty(L.blocks, L.b, L.S, dtype=cdt) if keep else None
         pos = _Positions(L, q.device, need_grids=score_mod is not None or mask_mod is not None)
         for J0, J1 in L.groups():
@@ -231,6 +236,7 @@ class _BandedAttention(torch.autograd.Function):
             torch.add(mx, l.log_(), out=lse[J0:J1])                # log 0 = -inf on an empty row
         out = _unblock(ob, L).to(q.dtype)
         ctx.layout, ctx.score_mod, ctx.mask_mod, ctx.cdt = L, score_mod, mask_mod, cdt
+        ctx.autograd_mod = not plain
         ctx.q_dtype, ctx.k_dtype, ctx.v_dtype = q.dtype, k.dtype, v.dtype
         ctx.keep = keep
         kept = (p_all, inv_l) if keep else (lse,)
@@ -263,12 +269,12 @@ class _BandedAttention(torch.autograd.Function):
                 p = p_all[J0:J1]
             else:
                 g = _Group(L, pos, J0, J1, ctx.mask_mod)
-                leaf, modded, s = g.scores(qb, kbuf, L, ctx.score_mod, keep_graph=ctx.score_mod is not None)
+                leaf, modded, s = g.scores(qb, kbuf, L, ctx.score_mod, keep_graph=ctx.autograd_mod)
                 p = s.sub_(lse_safe[J0:J1]).exp_()                                # P = e^(S - LSE)
             do = dob[J0:J1]
             _shift_add(dv_rows, torch.bmm(p.transpose(1, 2), do), L, J0)
             ds = torch.bmm(do, _spans(vbuf, L, J0, J1).transpose(1, 2)).sub_(delta[J0:J1]).mul_(p)
-            if ctx.score_mod is not None:
+            if ctx.autograd_mod:
                 grads = torch.autograd.grad(modded, [leaf, *captured], ds.view(g.shape), allow_unused=True)
                 ds = grads[0].view_as(ds)
                 for acc, gr in zip(dcaptured, grads[1:]):

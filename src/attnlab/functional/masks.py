@@ -126,6 +126,12 @@ def call_score_mod(score_mod, s: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv
     return out
 
 
+def additive_without_grads(score_mod, captured) -> bool:
+    """A score_mod marked ``additive`` (it returns ``score + bias(b, h, q_idx, kv_idx)``) that reads no tensor
+    needing a gradient: its backward is the identity on dS, in closed form."""
+    return score_mod is not None and bool(getattr(score_mod, "additive", False)) and not captured
+
+
 def split_mask(mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """Split a user mask into ``(bool_mask, float_bias)``; exactly one of them is set."""
     if mask is None:

@@ -184,6 +184,7 @@ def alibi_score_mod(slopes: Tensor, *, causal: bool = True) -> ScoreMod:
         bias = slopes[h] * distance if causal else -slopes[h] * distance.abs()
         return score + bias.to(score.dtype)
 
+    score_mod.additive = True  # score + bias: the tiled backend's backward passes dS through in closed form
     return score_mod
 
 

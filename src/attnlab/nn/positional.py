@@ -259,6 +259,7 @@ class T5RelativeBias(nn.Module):
             weight = self.relative_attention_bias.weight
             return score + weight[self._buckets(kv_idx - q_idx), h].to(score.dtype)
 
+        score_mod.additive = True  # score + bias (the table's own gradient still goes through autograd)
         return score_mod
 
     def extra_repr(self) -> str:
