@@ -154,6 +154,12 @@ class _Positions:
         kv_pos = (torch.arange(L.nb, device=device) * L.b).view(-1, 1) + s - L.P  # (nb, S)
         key_ok = (kv_pos >= 0) & (kv_pos < L.Lk)
         self.blocked = ~(band.view(1, L.b, L.S) & key_ok.view(L.nb, 1, L.S)).view(L.rows, L.S)
+        # the rectangles (rows, columns) that hold masked pairs: the band's ragged edge columns in every row,
+        # and its full middle columns only in the first/last blocks, whose keys run past the sequence
+        edge = ~band.all(dim=0)
+        mid_bad = ~key_ok[:, ~edge].all(dim=1) if bool((~edge).any()) else torch.zeros(L.nb, dtype=torch.bool)
+        self.rects = [(0, L.rows, c0, c1) for c0, c1 in _runs(edge)]
+        self.rects += [(i0 * L.b, i1 * L.b, c0, c1) for i0, i1 in _runs(mid_bad) for c0, c1 in _runs(~edge)]
         self.q_pos = self.kv_pos = None
         if need_grids:  # padding rows repeat the last real row; padding columns are clamped into range (masked)
             self.q_pos = (torch.arange(L.rows, device=device).clamp(max=L.Lq - 1) + (L.Lk - L.Lq)).view(-1, 1)
@@ -171,6 +177,7 @@ class _Group:
         r0, r1 = i0 * L.b, i1 * L.b
         self.shape = (1, nh, r1 - r0, L.S)   # the group's scores as (1, heads, rows, S)
         self.blocked = pos.blocked[r0:r1].view(1, 1, r1 - r0, L.S)
+        self.rects = [(max(a, r0) - r0, min(b, r1) - r0, c0, c1) for a, b, c0, c1 in pos.rects if a < r1 and b > r0]
         self.grids = None
         if pos.q_pos is not None:
             bh = torch.arange(bh0, bh0 + nh, device=pos.blocked.device).view(1, nh, 1, 1)
@@ -178,6 +185,7 @@ class _Group:
                           pos.kv_pos[r0:r1].view(1, 1, r1 - r0, L.S))
         if mask_mod is not None:
             self.blocked = self.blocked | ~call_mask_mod(mask_mod, *self.grids)
+            self.rects = [(0, r1 - r0, 0, L.S)]
 
     def scores(self, qb: Tensor, kbuf: Tensor, L: _Layout, score_mod, *, keep_graph: bool = False, out=None):
         """``(leaf, modded, S)``: ``S`` masked, as ``(J1 - J0, b, S)`` (in ``out`` when given);
@@ -192,8 +200,17 @@ class _Group:
             s = (modded.detach().clone() if keep_graph else modded).reshape(raw.shape)
             if out is not None:
                 s = out.copy_(s)
-        s.view(self.shape).masked_fill_(self.blocked, float("-inf"))
+        s4 = s.view(self.shape)
+        for a, b, c0, c1 in self.rects:  # only where the mask has holes (the band's edges): fewer bytes touched
+            s4[:, :, a:b, c0:c1].masked_fill_(self.blocked[:, :, a:b, c0:c1], float("-inf"))
         return leaf, modded, s
+
+
+def _runs(flags: Tensor) -> list[tuple[int, int]]:
+    """``[start, end)`` of each run of True in a 1-D bool tensor."""
+    padded = torch.cat([flags.new_zeros(1), flags, flags.new_zeros(1)]).to(torch.int8)
+    change = (padded[1:] - padded[:-1]).nonzero().flatten().tolist()
+    return list(zip(change[0::2], change[1::2]))
 
 
 def _shift_add(dst: Tensor, spans: Tensor, L: _Layout, J0: int) -> None:
