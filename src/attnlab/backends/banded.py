@@ -158,8 +158,8 @@ class _Positions:
         # and its full middle columns only in the first/last blocks, whose keys run past the sequence
         edge = ~band.all(dim=0)
         mid_bad = ~key_ok[:, ~edge].all(dim=1) if bool((~edge).any()) else torch.zeros(L.nb, dtype=torch.bool)
-        self.rects = [(0, L.rows, c0, c1) for c0, c1 in _runs(edge)]
-        self.rects += [(i0 * L.b, i1 * L.b, c0, c1) for i0, i1 in _runs(mid_bad) for c0, c1 in _runs(~edge)]
+        self.rects = [(0, L.rows, c0, c1) for c0, c1 in true_runs(edge)]
+        self.rects += [(i0 * L.b, i1 * L.b, c0, c1) for i0, i1 in true_runs(mid_bad) for c0, c1 in true_runs(~edge)]
         self.q_pos = self.kv_pos = None
         if need_grids:  # padding rows repeat the last real row; padding columns are clamped into range (masked)
             self.q_pos = (torch.arange(L.rows, device=device).clamp(max=L.Lq - 1) + (L.Lk - L.Lq)).view(-1, 1)
@@ -206,7 +206,7 @@ class _Group:
         return leaf, modded, s
 
 
-def _runs(flags: Tensor) -> list[tuple[int, int]]:
+def true_runs(flags: Tensor) -> list[tuple[int, int]]:
     """``[start, end)`` of each run of True in a 1-D bool tensor."""
     padded = torch.cat([flags.new_zeros(1), flags, flags.new_zeros(1)]).to(torch.int8)
     change = (padded[1:] - padded[:-1]).nonzero().flatten().tolist()

@@ -121,21 +121,43 @@ def _full_range(cfg: _Config, p0: int, p1: int, lo: int, hi: int) -> tuple[int, 
     return flo, max(flo, fhi)
 
 
-def _initial_chunks(cfg: _Config, qs: int, qe: int, Lq: int, Lk: int) -> list[tuple[int, int, bool]]:
-    """``[(ks, ke, needs_mask)]`` covering the keys causal/window allow for queries ``qs..qe``.
+def _chunks(cfg: _Config, B: int, H: int, qs: int, qe: int, Lq: int, Lk: int, device):
+    """``(ks, ke, needs_mask, grids, allowed)`` for each key range the queries ``qs..qe`` visit in the forward pass.
 
-    With only causal/window, the fully visible middle is cut into ``max_chunk`` pieces computed
-    without a mask, and the ragged edges get a mask; a short middle is merged with its edges (one
-    larger product beats three small ones). With an element-wise mask every chunk is ``block_k``
-    wide, so that the empty ones can be found and skipped.
+    With an element-wise mask (``mask_mod`` or a dense boolean mask) the mask is evaluated once over the keys
+    causal/window allow, its empty ``block_k``-wide chunks are dropped, and neighbouring non-empty chunks are
+    merged (up to ``max_chunk`` keys): one product per range. Otherwise :func:`_initial_chunks`.
+    """
+    if cfg.mask_mod is None and cfg.bool_mask is None:
+        for ks, ke, needs_mask in _initial_chunks(cfg, qs, qe, Lq, Lk):
+            grids = _block_grids(B, H, qs, qe, ks, ke, Lk - Lq, device)
+            yield ks, ke, needs_mask, grids, (_allowed(cfg, grids, None) if needs_mask else None)
+        return
+    off = Lk - Lq
+    lo, hi = _key_range(cfg, off + qs, off + qe - 1, Lk)
+    if hi <= lo:
+        return
+    allowed = _allowed(cfg, _block_grids(B, H, qs, qe, lo, hi, off, device), _bool_block(cfg, qs, qe, lo, hi))
+    cols = allowed.flatten(0, -2).any(dim=0).expand(hi - lo)               # key columns anyone sees
+    n = -(-(hi - lo) // cfg.block_k)
+    flags = torch.nn.functional.pad(cols, (0, n * cfg.block_k - (hi - lo))).view(n, cfg.block_k).any(dim=1)
+    for c0, c1 in banded.true_runs(flags):
+        for ks in range(lo + c0 * cfg.block_k, min(lo + c1 * cfg.block_k, hi), cfg.max_chunk):
+            ke = min(ks + cfg.max_chunk, lo + c1 * cfg.block_k, hi)
+            part = allowed if allowed.shape[-1] == 1 else allowed[..., ks - lo:ke - lo]
+            yield ks, ke, True, _block_grids(B, H, qs, qe, ks, ke, off, device), part
+
+
+def _initial_chunks(cfg: _Config, qs: int, qe: int, Lq: int, Lk: int) -> list[tuple[int, int, bool]]:
+    """``[(ks, ke, needs_mask)]`` covering the keys causal/window allow for queries ``qs..qe`` (no element-wise
+    mask): the fully visible middle is cut into ``max_chunk`` pieces computed without a mask, and the ragged
+    edges get a mask; a short middle is merged with its edges (one larger product beats three small ones).
     """
     off = Lk - Lq
     p0, p1 = off + qs, off + qe - 1
     lo, hi = _key_range(cfg, p0, p1, Lk)
     if hi <= lo:
         return []
-    if cfg.mask_mod is not None or cfg.bool_mask is not None:
-        return [(ks, min(ks + cfg.block_k, hi), True) for ks in range(lo, hi, cfg.block_k)]
     flo, fhi = _full_range(cfg, p0, p1, lo, hi)
     if fhi - flo < cfg.block_k:  # little to gain from splitting: one masked range
         flo = fhi = hi
@@ -237,12 +259,7 @@ class _TiledAttention(torch.autograd.Function):
             l = torch.zeros_like(m)
             acc = torch.zeros(B, H, qe - qs, Dv, dtype=cdt, device=q.device)
             kept = []
-            for ks, ke, needs_mask in _initial_chunks(cfg, qs, qe, Lq, Lk):
-                grids = _block_grids(B, H, qs, qe, ks, ke, Lk - Lq, q.device)
-                allowed = _allowed(cfg, grids, _bool_block(cfg, qs, qe, ks, ke)) if needs_mask else None
-                elementwise = cfg.mask_mod is not None or cfg.bool_mask is not None
-                if elementwise and not bool(allowed.any()):
-                    continue  # an empty block: skipped now and in backward
+            for ks, ke, needs_mask, grids, allowed in _chunks(cfg, B, H, qs, qe, Lq, Lk, q.device):
                 kept.append((ks, ke, needs_mask))
                 s = _raw_scores(q_blk, kc[:, :, ks:ke], cfg.scale)
                 if cfg.score_mod is not None:
