@@ -67,7 +67,10 @@ def attention(
             ``p - j < w`` (and ``j - p < w`` when not causal).
         scale: κ; default ``1 / sqrt(D)``.
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, FlexAttention's
-            signature, called with broadcastable index tensors and absolute positions.
+            signature, called with broadcastable index tensors and absolute positions. A mod
+            whose output is ``score + bias(b, h, q_idx, kv_idx)`` may say so with
+            ``score_mod.additive = True`` (ALiBi's and T5's do): the ``tiled`` backend then skips
+            autograd inside its blocks when no tensor the mod reads needs a gradient.
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``, FlexAttention's signature.
         dropout_p: dropout on the attention weights (pass 0 in eval mode).
         normalize: ``"softmax"``, ``"topk"`` (needs ``top_k``), ``"hard"`` (argmax forward,
