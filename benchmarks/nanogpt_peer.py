@@ -15,8 +15,8 @@ README's command (``--device=cpu --compile=False --eval_iters=20 --block_size=64
 - evaluation: every 250 steps, ``eval_iters`` batches of each split (nanoGPT's ``estimate_loss``).
 
 It prints one JSON line: ``wall_s`` (data to last step), ``tokens_per_s``, ``val_loss`` (nanoGPT's own
-estimate at the last evaluation) and ``val_loss_fixed`` (the final model on the recipe's fixed
-validation blocks, the number our rows report).
+estimate at the last evaluation), ``val_loss_fixed`` (the final model on the recipe's fixed
+validation blocks, the number our rows report), and the model's shape (``model_args``, ``batch_size``).
 
 Run: ``python benchmarks/nanogpt_peer.py [--threads 2] [--n-layer 4 --n-embd 128 --block-size 64 ...]``
 """
@@ -146,7 +146,9 @@ def main() -> None:
         total = sum(model(x, y).item() * y.numel() for x, y in fixed)
         fixed_loss = total / sum(y.numel() for _, y in fixed)
     print(json.dumps({"wall_s": wall_s, "steps": a.max_iters, "val_loss": val_loss, "val_loss_fixed": fixed_loss,
-                      "tokens_per_s": a.max_iters * a.batch_size * a.block_size / train_s}))
+                      "tokens_per_s": a.max_iters * a.batch_size * a.block_size / train_s, "batch_size": a.batch_size,
+                      "model_args": {"n_layer": a.n_layer, "n_embd": a.n_embd, "block_size": a.block_size,
+                                     "vocab_size": len(chars)}}))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,12 @@ imports). Its files are copied into a temporary folder, so the checkout is never
 3. its saved model, loaded by its own ``model.py`` (``torch.load(weights_only=True)``), is scored on the same fixed
    validation blocks as our rows (:func:`attnlab.data.batching.lm_eval_batches` over the last 10 % of the text:
    nanoGPT's ``val.bin`` is the same split of the same character ids).
+
+For ``benchmarks/train.py --compare-budget`` (:func:`run_upstream_for`), step 2 runs nanoGPT's
+``shakespeare_char`` config at our default preset's model size (:func:`budget_flags`) and, since its
+``train.py`` has no time limit, reads its output live, stamps each line with the seconds since the process
+started, and kills it at the deadline; step 3 scores the last checkpoint it saved.
+Training steps are counted from its "iter N: loss ..." lines (``--log_interval=1``): iteration ``N`` done.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,6 +35,8 @@ from pathlib import Path
 CPU_FLAGS = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
              "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
              "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0"]
+EVAL_LINE = re.compile(r"step (\d+): train loss ([\d.]+), val loss ([\d.]+)")
+ITER_LINE = re.compile(r"iter (\d+): loss ")
 NEEDED = ("train.py", "model.py", "configurator.py", "config/train_shakespeare_char.py",
           "data/shakespeare_char/prepare.py")
 
@@ -48,7 +57,8 @@ val = data[int(0.9 * len(data)):]
 blocks = lm_eval_batches(val, block_size=b["block"], batch_size=b["batch"], num_batches=b["batches"], seed=b["seed"])
 with torch.no_grad():
     total = sum(model(x.contiguous(), y.contiguous())[1].item() * y.numel() for x, y in blocks)
-print(json.dumps({"val_loss_fixed": total / sum(y.numel() for _, y in blocks), "iter": int(ckpt["iter_num"])}))
+print(json.dumps({"val_loss_fixed": total / sum(y.numel() for _, y in blocks), "iter": int(ckpt["iter_num"]),
+                  "model_args": ckpt["model_args"], "batch_size": ckpt["config"]["batch_size"]}))
 """
 
 
@@ -65,6 +75,66 @@ def check_checkout(directory: Path) -> Path:
 def run_upstream(checkout: Path, *, threads: int, work: Path, steps: int = 2000, fixed_blocks: dict) -> dict:
     """nanoGPT's ``train.py`` (CPU recipe, ``steps`` iterations) in ``work``; its wall time, its own val loss and
     its final model's loss on ``fixed_blocks`` (``block``, ``batch``, ``batches``, ``seed`` of our recipe)."""
+    env = prepare(checkout, work=work, threads=threads)
+    flags = [f if not f.startswith(("--max_iters", "--lr_decay_iters")) else f"{f.split('=')[0]}={steps}"
+             for f in CPU_FLAGS] + ([f"--eval_interval={steps}"] if steps < 250 else [])  # a short smoke run
+    t0 = time.perf_counter()
+    log = _run([sys.executable, "train.py", *flags, "--always_save_checkpoint=True", "--out_dir=out"],
+               cwd=work, env=env)
+    process_s = time.perf_counter() - t0
+    evals = EVAL_LINE.findall(log)
+    if not evals:
+        raise SystemExit(f"nanoGPT's train.py printed no evaluation:\n{log[-2000:]}")
+    fixed = score(work, env=env, fixed_blocks=fixed_blocks)
+    return {"process_s": process_s, "steps": _train_steps(log.splitlines()), "val_loss_own": float(evals[-1][2]),
+            "val_loss_fixed": fixed["val_loss_fixed"], "scored_iter": fixed["iter"],
+            "model_args": fixed["model_args"], "batch_size": fixed["batch_size"]}
+
+
+def budget_flags(settings, *, iters: int, eval_iters: int) -> list[str]:
+    """nanoGPT's ``shakespeare_char`` config at our ``settings``' model size (``n_layer``, ``n_head``, ``n_embd``,
+    ``block_size``, ``batch_size``), on the CPU without compile or dropout (its README's CPU choices), ``iters``
+    (rounded to a multiple of 10) iterations with its cosine decaying over them, 10 evaluations of ``eval_iters``
+    batches per split, each followed by a checkpoint (``always_save_checkpoint``), every iteration logged."""
+    interval = max(1, round(iters / 10))
+    return ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", f"--n_layer={settings.n_layer}",
+            f"--n_head={settings.n_head}", f"--n_embd={settings.n_embd}", f"--block_size={settings.block_size}",
+            f"--batch_size={settings.batch_size}", "--dropout=0.0", f"--max_iters={10 * interval}",
+            f"--lr_decay_iters={10 * interval}", f"--eval_interval={interval}", f"--eval_iters={eval_iters}",
+            "--log_interval=1", "--always_save_checkpoint=True", "--out_dir=out"]
+
+
+def run_upstream_for(checkout: Path, *, flags: list[str], deadline_s: float, threads: int, work: Path,
+                     fixed_blocks: dict) -> dict:
+    """nanoGPT's ``train.py`` with ``flags`` in ``work``, stopped ``deadline_s`` after its start if it runs that long.
+
+    nanoGPT has no time limit, so its output is read as it comes and each line is stamped with the seconds since
+    the process started; at the deadline the process is killed (between a checkpoint's start and the next line it
+    is given the time to finish writing). Its last saved model is scored on ``fixed_blocks``.
+
+    Returns:
+        ``process_s`` (start to exit or kill), ``stopped`` (killed at the deadline), ``steps`` (training steps
+        done), ``evals`` (``[seconds, step, its val loss]`` per "step N: train loss X, val loss Y" line),
+        ``val_loss_fixed``, ``scored_iter``, ``model_args``, ``batch_size``.
+    """
+    env = {**prepare(checkout, work=work, threads=threads), "PYTHONUNBUFFERED": "1"}
+    lines, process_s, stopped, rc = follow([sys.executable, "train.py", *flags], cwd=work, env=env,
+                                            deadline_s=deadline_s)
+    if not stopped and rc != 0:
+        raise SystemExit(f"nanoGPT: train.py failed in {work}:\n" + "\n".join(line for _, line in lines[-40:]))
+    evals = [[t, int(m[1]), float(m[3])] for t, line in lines if (m := EVAL_LINE.match(line))]
+    if not (work / "out/ckpt.pt").is_file():
+        raise SystemExit(f"nanoGPT saved no checkpoint in {deadline_s:.0f} s (its first is after its first "
+                         "evaluation past step 0): give it a longer budget or fewer iterations")
+    fixed = score(work, env=env, fixed_blocks=fixed_blocks)
+    return {"process_s": process_s, "stopped": stopped, "steps": _train_steps([line for _, line in lines]),
+            "evals": evals, "val_loss_fixed": fixed["val_loss_fixed"], "scored_iter": fixed["iter"],
+            "model_args": fixed["model_args"], "batch_size": fixed["batch_size"]}
+
+
+def prepare(checkout: Path, *, work: Path, threads: int) -> dict:
+    """Copy nanoGPT's files into ``work``, write our ``input.txt`` and run its ``prepare.py`` there; the
+    environment its processes run in (``threads`` OpenMP/MKL threads, our sources importable for scoring)."""
     from attnlab.data.datasets import load_text
 
     checkout = check_checkout(checkout)
@@ -72,24 +142,57 @@ def run_upstream(checkout: Path, *, threads: int, work: Path, steps: int = 2000,
         (work / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(checkout / name, work / name)
     (work / "data/shakespeare_char/input.txt").write_text(load_text("tinyshakespeare"), encoding="utf-8")
+    src = str(Path(__file__).resolve().parents[1] / "src")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+           "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
     _run([sys.executable, "prepare.py"], cwd=work / "data/shakespeare_char", env=env)
-    flags = [f if not f.startswith(("--max_iters", "--lr_decay_iters")) else f"{f.split('=')[0]}={steps}"
-             for f in CPU_FLAGS] + ([f"--eval_interval={steps}"] if steps < 250 else [])  # a short smoke run
-    t0 = time.perf_counter()
-    log = _run([sys.executable, "train.py", *flags, "--always_save_checkpoint=True", "--out_dir=out"],
-               cwd=work, env=env)
-    process_s = time.perf_counter() - t0
-    evals = re.findall(r"step (\d+): train loss ([\d.]+), val loss ([\d.]+)", log)
-    if not evals:
-        raise SystemExit(f"nanoGPT's train.py printed no evaluation:\n{log[-2000:]}")
+    return env
+
+
+def score(work: Path, *, env: dict, fixed_blocks: dict) -> dict:
+    """nanoGPT's saved ``out/ckpt.pt`` on our fixed validation blocks (see :data:`SCORE`)."""
     scored = _run([sys.executable, "-c", SCORE, json.dumps(fixed_blocks)], cwd=work, env=env)
+    return json.loads(scored.strip().splitlines()[-1])
 
-    fixed = json.loads(scored.strip().splitlines()[-1])
-    return {"process_s": process_s, "steps": int(evals[-1][0]), "val_loss_own": float(evals[-1][2]),
-            "val_loss_fixed": fixed["val_loss_fixed"], "scored_iter": fixed["iter"]}
 
+def _train_steps(lines: list[str]) -> int:
+    """Training steps done: nanoGPT logs "iter N: loss …" after step N (0-based; ``--log_interval=1``)."""
+    done = [int(m[1]) for line in lines if (m := ITER_LINE.match(line))]
+    return done[-1] + 1 if done else 0
+
+
+def may_be_saving(last_line: str) -> bool:
+    """Whether nanoGPT may be writing ``ckpt.pt`` after printing ``last_line``: an evaluation line is followed by
+    "saving checkpoint to …" and then the write, with no line until the next iteration's."""
+    return last_line.startswith(("step ", "saving checkpoint"))
+
+
+def follow(cmd: list[str], *, cwd: Path, env: dict, deadline_s: float) -> tuple[list, float, bool, int]:
+    """Run ``cmd``, stamping each output line with the seconds since its start; kill it at ``deadline_s``
+    (not while a checkpoint is being written). Returns (lines, seconds run, killed, exit status)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[tuple[float, str]] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append((time.perf_counter() - t0, line.rstrip("\n")))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    stopped = False
+    try:
+        proc.wait(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        grace = time.perf_counter() + 60.0
+        while lines and may_be_saving(lines[-1][1]) and proc.poll() is None and time.perf_counter() < grace:
+            time.sleep(0.02)
+        proc.kill()
+        proc.wait()
+        stopped = True
+    process_s = time.perf_counter() - t0
+    reader.join(timeout=30)
+    return lines, process_s, stopped, proc.returncode
 
 def _run(cmd: list[str], *, cwd: Path, env: dict) -> str:
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False)

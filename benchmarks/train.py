@@ -19,13 +19,23 @@ same-machine peer where there is one. With ``--ablate`` each recipe also runs wi
 (``benchmarks/nanogpt_upstream.py``). Issue #16's target: our whole process in **≤ 0.5×** its wall time, at a val
 loss ≤ its val loss on the same blocks (``vs_upstream`` = our process_s / its process_s).
 
+``mfu`` (every row run here): matrix-product FLOPs per second of the whole process ÷ this machine's peak for the row's
+dtype, measured in the same run and printed (``benchmarks/_mfu.py`` states the formula: ``tokens · (6·N_mm +
+12·L·T·d)``, training tokens only, the same for ours and nanoGPT's).
+
+``--compare-budget --nanogpt-dir DIR`` is issue #16's wall-clock race instead (``benchmarks/_compare_budget.py``): our
+``default`` preset and nanoGPT's own ``train.py`` at the same model size, each for ``--budget-s`` seconds (600), in
+this one invocation; a PNG of both val-loss-vs-seconds curves and the table ours, nanoGPT, difference, target
+(ours <= theirs - 0.08), met.
+
 | recipe | target |
 |---|---|
 | ``nanogpt-cpu`` | val loss <= 1.88 and run_s <= 30 (nanoGPT: 1.874 in 59 s) |
 | ``default`` | best val loss <= 1.50 and run_s <= 600 (nanoGPT 4x256: 1.554 in 9 m 20 s) |
 
 Run: ``python benchmarks/train.py [--recipe nanogpt-cpu|default|all] [--threads 2] [--ablate] [--no-peer]
-[--nanogpt-dir DIR] [--set key=value ...] [--quick] [--out PATH]`` (``--quick``: the ``tiny`` preset, a smoke run).
+[--nanogpt-dir DIR] [--set key=value ...] [--quick] [--out PATH]`` (``--quick``: the ``tiny`` preset, a smoke run);
+``python benchmarks/train.py --compare-budget --nanogpt-dir DIR [--budget-s 600] [--nanogpt-iters N] [--set ...]``.
 """
 from __future__ import annotations
 
@@ -39,6 +49,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import parser, print_table, setup, write_json  # noqa: E402
+from _compare_budget import add_arguments as add_budget_arguments, compare_budget  # noqa: E402
+from _mfu import mfu, nanogpt_flops, peak_gflops, settings_flops, shown  # noqa: E402
 from nanogpt_upstream import check_checkout, run_upstream  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,13 +86,24 @@ def run_preset(preset: str, *, threads: int, overrides: list[str], out: Path) ->
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     m = json.loads((out / "metrics.json").read_text())
+    settings = resolve_saved(out)
+    flops = settings_flops(settings, vocab_size=m["vocab_size"], tokens=m["train_tokens"])
     key, limit, budget = TARGETS[preset]
     met = m[key] is not None and m[key] <= limit and m["total_wall_s"] <= budget
     return {"run": "", "preset": preset, "run_s": m["total_wall_s"], "process_s": process_s, "steps": m["steps"],
             "tokens_per_s": m["train_tokens_per_s"], "val_loss": m["val_loss"], "best_val_loss": m["best_val_loss"],
             "target": f"{key} <= {limit} in <= {budget:.0f} s", "met": "yes" if met else "no",
             "parameters": m.get("parameters"), "overrides": overrides, "dtype": m.get("dtype"),
-            "dtype_reason": m.get("dtype_reason")}
+            "dtype_reason": m.get("dtype_reason"), "wall_s": m["wall_s"], "train_tokens": m["train_tokens"],
+            "flops": flops, "mfu": mfu(flops, process_s, m["dtype"])}
+
+
+def resolve_saved(out: Path):
+    """The settings a finished run in ``out`` was made with (its ``config.json``)."""
+    from attnlab.training.recipes import get_recipe, resolve_settings
+
+    saved = json.loads((out / "config.json").read_text())
+    return resolve_settings(get_recipe(saved["recipe"]), base=saved["settings"])
 
 
 def run_peer(*, threads: int) -> dict:
@@ -93,10 +116,12 @@ def run_peer(*, threads: int) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"nanogpt_peer.py failed:\n{proc.stderr[-3000:]}")
     m = json.loads(proc.stdout.strip().splitlines()[-1])
+    flops = nanogpt_flops(m["model_args"], steps=m["steps"], batch_size=m["batch_size"])
     return {"run": "nanoGPT-equivalent (this machine)", "preset": "nanogpt-cpu", "run_s": m["wall_s"],
             "process_s": process_s, "steps": m["steps"], "tokens_per_s": m["tokens_per_s"],
             "val_loss": m["val_loss_fixed"], "best_val_loss": m["val_loss_fixed"],
-            "target": f"nanoGPT's own estimate {m['val_loss']:.3f}", "met": "", "dtype": "fp32"}
+            "target": f"nanoGPT's own estimate {m['val_loss']:.3f}", "met": "", "dtype": "fp32",
+            "flops": flops, "mfu": mfu(flops, process_s, "fp32")}
 
 
 def main() -> None:
@@ -107,12 +132,24 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra setting for every run")
     p.add_argument("--nanogpt-dir", type=Path, default=None,
                    help="an upstream nanoGPT checkout: its own train.py is the nanogpt-cpu peer")
+    add_budget_arguments(p)
     args = p.parse_args()
+    if args.compare_budget and args.nanogpt_dir is None:
+        raise SystemExit("--compare-budget needs --nanogpt-dir DIR (an upstream nanoGPT checkout: "
+                         "git clone https://github.com/karpathy/nanoGPT)")
     if args.nanogpt_dir is not None:
         args.nanogpt_dir = check_checkout(args.nanogpt_dir)  # before any run: a wrong folder fails at once
     setup(args)
     if not os.environ.get("ATTNLAB_DATA_DIR"):
         print("note: ATTNLAB_DATA_DIR is not set; the data comes from ~/.cache/attnlab (or a download)")
+    print(f"peak (measured now, attnlab._runtime probe: 512² products, {args.threads} threads): "
+          f"fp32 {peak_gflops('fp32'):.1f}, bf16 {peak_gflops('bf16'):.1f} GFLOP/s; mfu = matrix-product FLOP/s of "
+          "the whole process / the peak of the row's dtype", flush=True)
+    if args.compare_budget:
+        if args.out == p.get_default("out"):
+            args.out = str(Path(args.out).with_name("train_budget.json"))
+        compare_budget(args, run_preset=run_preset)
+        return
     presets = ["tiny"] if args.quick else (["nanogpt-cpu", "default"] if args.recipe == "all" else [args.recipe])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -130,7 +167,9 @@ def main() -> None:
                 s = get_settings(preset)
                 up = run_upstream(args.nanogpt_dir, threads=args.threads, work=work, fixed_blocks=dict(
                     block=s.block_size, batch=s.eval_batch_size, batches=s.eval_batches, seed=s.seed + 1))
+                flops = nanogpt_flops(up["model_args"], steps=up["steps"], batch_size=up["batch_size"])
                 upstream = {"run": "nanoGPT train.py (upstream, this machine)", "preset": preset, "run_s": "",
+                            "flops": flops, "mfu": mfu(flops, up["process_s"], "fp32"),
                             "process_s": up["process_s"], "steps": up["steps"], "val_loss": up["val_loss_fixed"],
                             "best_val_loss": "", "dtype": "fp32", "met": "",
                             "target": f"its own val estimate {up['val_loss_own']:.4f} (step {up['scored_iter']})"}
@@ -157,8 +196,8 @@ def main() -> None:
                              "steps": ref["steps"], "tokens_per_s": ref["tokens_per_s"], "val_loss": ref["val_loss"],
                              "best_val_loss": ref["val_loss"], "target": ref["config"], "met": ""})
     print()
-    print_table(rows, ["run", "preset", "dtype", "run_s", "process_s", "steps", "tokens_per_s", "val_loss",
-                       "best_val_loss", "speedup", "vs_upstream", "upstream_met", "target", "met"])
+    print_table(shown(rows), ["run", "preset", "dtype", "run_s", "process_s", "steps", "tokens_per_s", "val_loss",
+                              "best_val_loss", "mfu", "speedup", "vs_upstream", "upstream_met", "target", "met"])
     ours = [r for r in rows if r["run"] == "attnlab"]
     print(f"\ntargets met: {sum(r['met'] == 'yes' for r in ours)}/{len(ours)}  "
           "(recorded rows: BASELINES.md, another CPU, not re-run; speedup against the same-machine peer where run)")
@@ -166,6 +205,7 @@ def main() -> None:
         print(f"vs_upstream: our process wall / nanoGPT's own train.py wall; target <= {UPSTREAM_RATIO} at a val loss "
               "<= its val loss on the same fixed blocks (upstream_met)")
     write_json(args.out, rows, quick=args.quick, threads=args.threads, nanogpt_recorded=NANOGPT,
+               peak_gflops={d: peak_gflops(d) for d in ("fp32", "bf16")},
                nanogpt_dir=None if args.nanogpt_dir is None else str(args.nanogpt_dir))
     print(f"wrote {args.out}")
 

@@ -62,8 +62,8 @@ from attnlab.training.losses import causal_lm_loss, distillation_loss
 from attnlab.training.recipes import Built, Recipe, _read_config, get_recipe, register, resolve_settings
 from attnlab.training.trainer import TrainConfig
 
-__all__ = ["ShakespeareSettings", "PRESETS", "ARCHS", "evaluate_lm", "build", "make_model", "parse_lora_spec",
-           "load_run_model", "load_init"]
+__all__ = ["ShakespeareSettings", "PRESETS", "ARCHS", "evaluate_lm", "build", "make_model", "ffn_width",
+           "parse_lora_spec", "load_run_model", "load_init"]
 
 LM_METRICS = ("val_loss", "val_ppl", "val_accuracy", "val_ece")
 ARCHS = ("gpt2", "llama")
@@ -248,8 +248,7 @@ def make_model(s: ShakespeareSettings, *, vocab_size: int) -> nn.Module:
                             embd_pdrop=s.dropout, resid_pdrop=s.dropout, attn_pdrop=s.attn_dropout,
                             bias=True if s.bias is None else s.bias, bos_token_id=None, eos_token_id=None)
         return GPT2LMHeadModel(config)  # initialised as GPT-2
-    ffn_dim = s.ffn_dim or -(-8 * s.n_embd // (3 * 32)) * 32  # 8/3 · n_embd rounded up to a multiple of 32
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=s.n_embd, intermediate_size=ffn_dim,
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=s.n_embd, intermediate_size=ffn_width(s),
                          num_hidden_layers=s.n_layer, num_attention_heads=s.n_head,
                          max_position_embeddings=s.block_size, tie_word_embeddings=True, rms_norm_eps=1e-5,
                          bos_token_id=None, eos_token_id=None)
@@ -258,6 +257,14 @@ def make_model(s: ShakespeareSettings, *, vocab_size: int) -> nn.Module:
         for proj in (layer.self_attn.out_proj, layer.ffn.w2):
             nn.init.normal_(proj.weight, std=0.02 / (2 * s.n_layer) ** 0.5)
     return model
+
+
+def ffn_width(s: ShakespeareSettings) -> int:
+    """The MLP hidden width: ``ffn_dim`` when set, else ``4 · n_embd`` (``gpt2``) or ``8/3 · n_embd`` rounded up
+    to a multiple of 32 (``llama``'s SwiGLU, so that its three matrices hold about ``gpt2``'s two)."""
+    if s.ffn_dim:
+        return s.ffn_dim
+    return 4 * s.n_embd if s.arch == "gpt2" else -(-8 * s.n_embd // (3 * 32)) * 32
 
 
 def _adapt(model: nn.Module, s: ShakespeareSettings, *, out: Path, tokenizer: CharTokenizer,

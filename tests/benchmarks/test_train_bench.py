@@ -1,0 +1,144 @@
+"""``benchmarks/train.py``: the MFU column (its FLOP count against torch's own counter, its value from the printed
+peak), the ``--compare-budget`` race at a tiny size, and the live reader that stops nanoGPT at a deadline.
+
+The race needs an upstream nanoGPT checkout (``git clone https://github.com/karpathy/nanoGPT``), which the tests do
+not ship: its test runs when ``ATTNLAB_NANOGPT_DIR`` names one and says why it skips otherwise. No timing
+assertions: only that the numbers are there, consistent with each other and with the formula."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+SCRIPT = BENCH / "train.py"
+NANOGPT = os.environ.get("ATTNLAB_NANOGPT_DIR")
+sys.path.insert(0, str(BENCH))
+
+from _mfu import matmul_params, settings_flops, train_flops  # noqa: E402
+from nanogpt_upstream import follow, may_be_saving  # noqa: E402
+
+
+def _settings(**overrides):
+    from attnlab.training.recipes import get_recipe, resolve_settings
+
+    return resolve_settings(get_recipe("shakespeare-char"), preset="tiny", overrides=overrides)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_flop_formula_equals_torchs_flop_counter(arch):
+    """One forward + backward of the recipe's model: torch's FlopCounterMode counts exactly 6·N_mm + 12·L·T·d per
+    token (every matrix product, attention's over the full T × T), the formula the MFU column uses."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from attnlab.training.losses import causal_lm_loss
+    from attnlab.training.recipes.shakespeare import make_model
+
+    s = _settings(arch=arch)
+    torch.manual_seed(0)
+    model = make_model(s, vocab_size=65)
+    x = torch.randint(0, 65, (s.batch_size, s.block_size))
+    with FlopCounterMode(display=False) as counter:
+        loss, _ = causal_lm_loss(model, (x, torch.roll(x, -1, 1)))
+        loss.backward()
+    assert counter.get_total_flops() == settings_flops(s, vocab_size=65, tokens=x.numel())
+
+
+def test_matmul_params_by_hand():
+    # gpt2 2 x 32, vocab 65: 2 · (4·32² + 2·32·128) + 32·65; llama adds a third MLP matrix
+    assert matmul_params(n_layer=2, n_embd=32, ffn_dim=128, vocab_size=65, gated=False) == 26_656
+    assert matmul_params(n_layer=2, n_embd=32, ffn_dim=96, vocab_size=65, gated=True) == 2 * (4096 + 3 * 32 * 96) + 2080
+    assert (train_flops(tokens=10, n_layer=2, n_embd=32, block_size=32, n_mm=26_656)
+            == 10 * (6 * 26_656 + 12 * 2 * 32 * 32))
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("train") / "train.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--no-peer", "--threads", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
+def test_quick_run_has_an_mfu_column_from_the_printed_peak(quick):
+    stdout, data = quick
+    header = next(line.split() for line in stdout.splitlines() if line.split()[:2] == ["run", "preset"])
+    assert "peak (measured now" in stdout and "mfu" in header
+    peak = data["peak_gflops"]
+    assert peak["fp32"] > 0 and peak["bf16"] > 0
+    (row,) = data["rows"]
+    assert row["preset"] == "tiny" and row["steps"] == 20 and row["dtype"] == "fp32"
+    assert row["train_tokens"] == 20 * 8 * 32  # steps x batch x block
+    assert row["flops"] == 20 * 8 * 32 * (6 * 26_656 + 12 * 2 * 32 * 32)  # tiny: gpt2 2 x 32, vocab 65
+    assert row["mfu"] == pytest.approx(row["flops"] / row["process_s"] / (peak["fp32"] * 1e9))
+    assert 0 < row["mfu"] < 1
+    assert f"{100 * row['mfu']:.2f}%" in stdout
+
+
+def test_compare_budget_needs_a_nanogpt_checkout():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--compare-budget"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1 and "machine:" not in proc.stdout  # refused before the header and any run
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "--compare-budget needs --nanogpt-dir DIR (an upstream nanoGPT checkout: "
+        "git clone https://github.com/karpathy/nanoGPT)")
+
+
+def test_follow_stamps_lines_and_stops_at_the_deadline(tmp_path):
+    """A process that would run forever is killed at the deadline; one that ends is read to its end."""
+    forever = "import time\nprint('step 0: train loss 4.0, val loss 4.1', flush=True)\nprint('iter 0: loss 4.0')\n" \
+              "time.sleep(600)\n"
+    lines, seconds, stopped, rc = follow([sys.executable, "-c", forever], cwd=tmp_path, env=dict(os.environ),
+                                         deadline_s=3.0)
+    assert stopped and rc != 0 and seconds >= 3.0
+    ends = "for i in range(3):\n    print(f'iter {i}: loss 1.0')\n"
+    lines, seconds, stopped, rc = follow([sys.executable, "-c", ends], cwd=tmp_path, env=dict(os.environ),
+                                         deadline_s=120.0)
+    assert not stopped and rc == 0
+    assert [line for _, line in lines] == ["iter 0: loss 1.0", "iter 1: loss 1.0", "iter 2: loss 1.0"]
+    assert [t for t, _ in lines] == sorted(t for t, _ in lines) and 0 < lines[0][0] <= seconds
+
+
+def test_a_checkpoint_being_written_is_not_cut():
+    assert may_be_saving("step 250: train loss 1.5, val loss 1.6")
+    assert may_be_saving("saving checkpoint to out")
+    assert not may_be_saving("iter 251: loss 1.4, time 300.00ms, mfu 0.01%")
+
+
+@pytest.mark.skipif(not NANOGPT, reason="ATTNLAB_NANOGPT_DIR names no nanoGPT checkout (git clone "
+                    "https://github.com/karpathy/nanoGPT)")
+def test_compare_budget_at_a_tiny_size(tmp_path):
+    """The race at 1 x 32 for 10 s: both curves, both scored on our fixed blocks, the table's arithmetic, a PNG."""
+    out = tmp_path / "budget.json"
+    tiny = ["n_layer=1", "n_head=2", "n_embd=32", "block_size=32", "batch_size=8", "eval_batches=2",
+            "eval_batch_size=16", "eval_every=200"]
+    cmd = [sys.executable, str(SCRIPT), "--compare-budget", "--nanogpt-dir", NANOGPT, "--budget-s", "10",
+           "--nanogpt-iters", "10", "--nanogpt-eval-iters", "2", "--threads", "1", "--out", str(out)]
+    proc = subprocess.run(cmd + [a for kv in tiny for a in ("--set", kv)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    ours, theirs = data["rows"]
+    s = data["summary"]
+    assert s["ours"] == ours["val_loss"] and s["nanogpt"] == theirs["val_loss"]
+    assert s["difference"] == pytest.approx(theirs["val_loss"] - ours["val_loss"])
+    assert s["met"] == (ours["val_loss"] <= theirs["val_loss"] - 0.08)
+    assert "--n_layer=1" in data["nanogpt_flags"] and "--n_embd=32" in data["nanogpt_flags"]
+    assert ours["flops"] == settings_flops(_settings(arch="llama", n_layer=1, n_head=2, n_embd=32, block_size=32,
+                                                     batch_size=8), vocab_size=65, tokens=ours["train_tokens"])
+    n_mm = matmul_params(n_layer=1, n_embd=32, ffn_dim=128, vocab_size=65, gated=False)
+    assert theirs["flops"] == train_flops(tokens=theirs["steps"] * 8 * 32, n_layer=1, n_embd=32, block_size=32,
+                                          n_mm=n_mm)
+    for row in (ours, theirs):
+        assert 0 < row["mfu"] < 1 and 0 < row["val_loss"] < 5
+    for curve in data["curves"].values():
+        assert curve and [p[0] for p in curve] == sorted(p[0] for p in curve)
+    assert data["curves"]["nanogpt"][0][1] == 0  # nanoGPT evaluates at step 0
+    assert Path(data["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "target ours <= theirs - 0.08" in proc.stdout
