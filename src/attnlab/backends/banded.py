@@ -309,10 +309,13 @@ def _keys_grad(rows: Tensor, L: _Layout, dtype) -> Tensor:
     """Buffer-row gradients -> ``(B, Hkv, Lk, D)``: summed over the query heads of each group."""
     D = rows.shape[-1]
     heads = rows.view(-1, D)[: L.B * L.H * L.rows].view(L.B, L.Hkv, L.H // L.Hkv, L.rows, D)
-    out = rows.new_zeros(L.B, L.Hkv, L.Lk, D)
+    out = rows.new_empty(L.B, L.Hkv, L.Lk, D)
     lo, hi = L.key_rows()
+    out[:, :, :max(lo - L.P, 0)].zero_()   # keys no query sees (a window shorter than Lk - Lq)
     if hi > lo:
-        out[:, :, lo - L.P:hi - L.P] = heads[:, :, :, lo:hi].sum(dim=2)
+        torch.sum(heads[:, :, :, lo:hi], dim=2, out=out[:, :, lo - L.P:hi - L.P]) if L.H > L.Hkv \
+            else out[:, :, lo - L.P:hi - L.P].copy_(heads[:, :, 0, lo:hi])
+    out[:, :, max(hi - L.P, lo - L.P, 0):].zero_()
     return out.to(dtype)
 
 
