@@ -10,22 +10,8 @@ Suite ``basic`` (writes ``results/attention.json``):
    E=512, H=8, ``need_weights=False``: (a) eval + no_grad self-attention, where torch may take its
    fused fast path; (b) training forward + backward.
 
-Suite ``efficient`` (writes ``results/attention_efficient.json``): the ``tiled`` backend's
-targets, B=1, H=8, D=64, fwd+bwd unless said otherwise:
-
-1. causal sliding window w=256, ``attnlab.attention(q, k, v, causal=True, window=256)`` (auto
-   picks ``tiled``) against SDPA with the dense boolean causal-window mask: forward at N=4096,
-   8192, 16384; fwd+bwd at N=8192 (target ≥ 5× faster, peak memory ≤ ¼ of SDPA's); ours at
-   N=16384 against ours at N=8192 (time ratio ≤ 2.3: linear in N).
-2. causal full attention through ``backend="tiled"`` against SDPA ``is_causal=True``, N=4096
-   (within 2×).
-3. ALiBi ``score_mod``, causal, N=16384, ours only (peak memory ≤ 512 MiB; the naive
-   materialised path's 3-4 × B·H·N²·4 bytes is printed, computed, not run).
-4. ``attention_weights`` for 4 rows of one head at N=16384 from the saved log-sum-exp (tiny).
-
-Peak memory is the rise of the peak RSS during one step in a fresh process, inputs (and SDPA's
-mask) allocated before and one small warm-up step of the same case run first
-(``_common.peak_rss_rise_mib``).
+Suite ``efficient`` (writes ``results/attention_efficient.json``): the ``tiled`` backend's targets
+(issue #18), in ``attention_efficient.py`` (its docstring has the table of rows and targets).
 
 Each pair is timed round-robin (see ``_common.compare``) after checking that both compute the same
 output (and, for fwd+bwd, the same input gradients). Run:
@@ -36,14 +22,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (RESULTS, auto_repeat, compare, parser, peak_rss_rise_mib, print_table,  # noqa: E402
-                     setup, write_json)
+from _common import RESULTS, auto_repeat, compare, parser, print_table, setup, write_json  # noqa: E402
+from attention_efficient import run_efficient  # noqa: E402
 
 import attnlab  # noqa: E402
 from attnlab.modules.multihead import MultiheadAttention  # noqa: E402
@@ -144,221 +129,6 @@ def run_basic(args) -> None:
     write_json(args.out, functional + module, max_overhead=overhead, within_5_percent=overhead <= 0.05,
                torch_mha_fast_path=fast)
     print(f"wrote {args.out}\n")
-
-
-# ---- suite "efficient": the tiled backend's targets ------------------------------------------
-
-WINDOW = 256
-HEADS, HEAD_DIM = 8, 64
-SIZES = {  # full / --quick
-    False: dict(window_fwd=[4096, 8192, 16384], window=8192, window_long=16384, causal=4096, alibi=16384,
-                weights=16384),
-    True: dict(window_fwd=[256, 512], window=512, window_long=1024, causal=256, alibi=512, weights=512),
-}
-REPEAT = 3
-EFF_COLUMNS = ["case", "N", "ours_ms", "peer_ms", "ratio", "ours_mib", "peer_mib", "target", "met", "repeat"]
-
-
-def make_inputs(n: int, *, grad: bool) -> tuple[torch.Tensor, ...]:
-    """``q, k, v`` of shape ``(1, 8, n, 64)``."""
-    return tuple(torch.randn(1, HEADS, n, HEAD_DIM, requires_grad=grad) for _ in range(3))
-
-
-def window_mask(n: int, w: int = WINDOW) -> torch.Tensor:
-    """``(n, n)`` bool, True where ``0 <= i - j < w`` (built in place: no N² temporaries)."""
-    return torch.ones(n, n, dtype=torch.bool).tril_().triu_(1 - w)
-
-
-def alibi():
-    return attnlab.alibi_score_mod(attnlab.alibi_slopes(HEADS))
-
-
-def make_step(case: str, qkv, *, grad: bool) -> Callable[[], tuple]:
-    """One step of ``case`` on ``qkv``, its extra inputs (SDPA's mask, the saved LSE) allocated now.
-
-    The step returns what is checked: ``(out,)``, or ``(out, dq, dk, dv)`` with ``grad`` (it
-    runs ``out.sum().backward()``).
-    """
-    q, k, v = qkv
-    n = q.shape[2]
-    if case == "window":
-        fwd = lambda: attnlab.attention(q, k, v, causal=True, window=WINDOW)  # noqa: E731
-    elif case == "window_sdpa":
-        mask = window_mask(n)
-        fwd = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # noqa: E731
-    elif case == "causal_tiled":
-        fwd = lambda: attnlab.attention(q, k, v, causal=True, backend="tiled")  # noqa: E731
-    elif case == "causal_sdpa":
-        fwd = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
-    elif case == "alibi":
-        mod = alibi()
-        fwd = lambda: attnlab.attention(q, k, v, causal=True, score_mod=mod)  # noqa: E731
-    elif case == "weights":  # 4 rows of head 0, from the LSE a forward pass saved
-        mod = alibi()
-        with torch.no_grad():
-            _, lse = attnlab.attention(q, k, v, causal=True, score_mod=mod, return_lse=True)
-        rows = weight_rows(n)
-        return lambda: (attnlab.attention_weights(q, k, lse=lse, heads=0, rows=rows, causal=True, score_mod=mod),)
-    else:
-        raise ValueError(f"unknown case {case!r}")
-
-    def step():
-        if not grad:
-            with torch.no_grad():
-                return (fwd(),)
-        for t in qkv:
-            t.grad = None
-        out = fwd()
-        out.sum().backward()
-        return (out.detach(), q.grad, k.grad, v.grad)
-    return step
-
-
-def weight_rows(n: int) -> list[int]:
-    return [0, n // 3, n // 2, n - 1]
-
-
-def rise_mib(case: str, n: int, *, grad: bool, threads: int) -> float:
-    """Peak RSS rise of one step of ``case`` in a fresh process (inputs allocated before).
-
-    One small step of the same case (N/4, at most 512) runs first, so one-time library scratch
-    (oneDNN/MKL buffers, thread pools) is not charged to the measured step, as in any long-running
-    process; it is smaller than the measured one, so its freed pages cannot hide the whole rise.
-    """
-    warm = max(64, min(512, n // 4))
-    setup_code = (f"import runpy\nns = runpy.run_path({str(Path(__file__).resolve())!r})\n"
-                  f"ns['make_step']({case!r}, ns['make_inputs']({warm}, grad={grad}), grad={grad})()\n"
-                  f"step = ns['make_step']({case!r}, ns['make_inputs']({n}, grad={grad}), grad={grad})")
-    return peak_rss_rise_mib(setup_code, "step()", threads=threads)
-
-
-def check_all(ours: tuple, peer: tuple, what: str) -> None:
-    for name, a, b in zip(["out", "dq", "dk", "dv"], ours, peer):
-        where = f"{what} {name}"
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5, msg=lambda m, where=where: f"{where}: {m}")
-
-
-def timed_pair(ours: Callable, peer: Callable, what: str, *, repeat: int = REPEAT) -> dict[str, float]:
-    """Check ``ours`` against ``peer`` on the warm-up call, then ``repeat`` interleaved runs."""
-    check_all(ours(), peer(), what)
-    return compare({"ours": ours, "peer": peer}, repeat=repeat, warmup=0)
-
-
-def eff_row(case: str, n: int, ours_ms: float, peer_ms: float | None = None, *, target: str, met,
-            repeat: int = REPEAT, ours_mib: float | None = None, peer_mib: float | None = None,
-            **extra) -> dict:
-    return {"case": case, "N": n, "ours_ms": ours_ms, "peer_ms": peer_ms,
-            "ratio": None if peer_ms is None else ours_ms / peer_ms, "ours_mib": ours_mib,
-            "peer_mib": peer_mib, "target": target, "met": None if met is None else ("yes" if met else "no"),
-            "repeat": repeat, **extra}
-
-
-def alibi_dense_bias(n: int) -> torch.Tensor:
-    """``(H, n, n)`` float: ``m_h (j - i)`` where ``j <= i``, ``-inf`` above the diagonal."""
-    d = (torch.arange(n).view(1, -1) - torch.arange(n).view(-1, 1)).float()   # j - i
-    bias = attnlab.alibi_slopes(HEADS).view(-1, 1, 1) * d
-    return bias.masked_fill(d > 0, float("-inf"))
-
-
-def bench_efficient(sizes: dict, threads: int) -> dict[str, list[dict]]:
-    tables: dict[str, list[dict]] = {}
-    say = lambda msg: print(f"  [{msg}]", file=sys.stderr, flush=True)  # noqa: E731
-
-    # 1. sliding window, forward only
-    rows = []
-    for n in sizes["window_fwd"]:
-        qkv = make_inputs(n, grad=False)
-        t = timed_pair(make_step("window", qkv, grad=False), make_step("window_sdpa", qkv, grad=False),
-                       f"window fwd N={n}")
-        rows.append(eff_row("window fwd", n, t["ours"], t["peer"], target="-", met=None))
-        say(f"window fwd N={n}")
-    tables["window fwd (no grad)"] = rows
-
-    # 2. sliding window, fwd+bwd: time and memory against SDPA; then ours at 2N against ours at N
-    n, n2 = sizes["window"], sizes["window_long"]
-    qkv = make_inputs(n, grad=True)
-    ours = make_step("window", qkv, grad=True)
-    t = timed_pair(ours, make_step("window_sdpa", qkv, grad=True), f"window fwd+bwd N={n}")
-    mem = {c: rise_mib(c, n, grad=True, threads=threads) for c in ("window", "window_sdpa")}
-    speed = t["ours"] / t["peer"]
-    mem_ratio = mem["window"] / mem["window_sdpa"] if mem["window_sdpa"] > 0 else None
-    tables["window fwd+bwd"] = [eff_row(
-        "window fwd+bwd", n, t["ours"], t["peer"], ours_mib=mem["window"], peer_mib=mem["window_sdpa"],
-        mem_ratio=mem_ratio, target="ratio<=0.2, mem<=1/4", met=speed <= 0.2 and (mem_ratio or 1.0) <= 0.25)]
-    say(f"window fwd+bwd N={n}")
-    long = make_step("window", make_inputs(n2, grad=True), grad=True)
-    long()  # warm-up
-    t = compare({"long": long, "short": ours}, repeat=REPEAT, warmup=0)
-    tables[f"window fwd+bwd, ours at N={n2} vs ours at N={n}"] = [eff_row(
-        "window 2N/N", n2, t["long"], t["short"], ours_mib=rise_mib("window", n2, grad=True, threads=threads),
-        peer_mib=mem["window"], target="ratio<=2.3", met=t["long"] / t["short"] <= 2.3)]
-    say(f"window fwd+bwd N={n2}")
-
-    # 3. full causal attention through the tiled backend
-    n = sizes["causal"]
-    qkv = make_inputs(n, grad=True)
-    t = timed_pair(make_step("causal_tiled", qkv, grad=True), make_step("causal_sdpa", qkv, grad=True),
-                   f"causal tiled N={n}")
-    tables["causal fwd+bwd, backend='tiled' vs SDPA is_causal"] = [eff_row(
-        "causal tiled", n, t["ours"], t["peer"], ours_mib=rise_mib("causal_tiled", n, grad=True, threads=threads),
-        peer_mib=rise_mib("causal_sdpa", n, grad=True, threads=threads), target="ratio<=2",
-        met=t["ours"] / t["peer"] <= 2)]
-    say(f"causal N={n}")
-
-    # 4. ALiBi score_mod at long N: ours only; checked first against SDPA with the dense bias, small N
-    small = make_inputs(512, grad=False)
-    check_all(make_step("alibi", small, grad=False)(),
-              (F.scaled_dot_product_attention(*small, attn_mask=alibi_dense_bias(512)),), "alibi N=512")
-    n = sizes["alibi"]
-    step = make_step("alibi", make_inputs(n, grad=True), grad=True)
-    repeat = 2 if n >= 16384 else REPEAT  # ~10-25 s a step on 2 cores
-    step()  # warm-up
-    ms = compare({"ours": step}, repeat=repeat, warmup=0)["ours"]
-    naive = [c * HEADS * n * n * 4 / 2**20 for c in (3, 4)]  # B = 1
-    mib = rise_mib("alibi", n, grad=True, threads=threads)
-    tables["ALiBi score_mod, causal, fwd+bwd (ours only)"] = [eff_row(
-        "alibi causal", n, ms, ours_mib=mib, naive_mib=naive, target="mem<=512", met=mib <= 512, repeat=repeat)]
-    say(f"alibi N={n}")
-
-    # 5. a few rows of the weights, recovered from the saved LSE
-    n = sizes["weights"]
-    q, k, _ = qkv = make_inputs(n, grad=False)
-    step = make_step("weights", qkv, grad=False)
-    (w,) = step()
-    rows = weight_rows(n)
-    d = (torch.arange(n).view(1, -1) - torch.tensor(rows).view(-1, 1)).float()  # j - i, (4, N)
-    s = q[0, 0, rows] @ k[0, 0].T / HEAD_DIM ** 0.5 + attnlab.alibi_slopes(HEADS)[0] * d
-    s = s.masked_fill(d > 0, float("-inf"))
-    torch.testing.assert_close(w[0, 0], torch.softmax(s, dim=-1), rtol=1e-4, atol=1e-6)
-    repeat = max(REPEAT, auto_repeat(step, budget_s=0.5))
-    ms = compare({"ours": step}, repeat=repeat, warmup=0)["ours"]
-    mib = rise_mib("weights", n, grad=False, threads=threads)
-    tables["attention_weights: 4 rows of head 0 from the LSE (ALiBi, causal)"] = [eff_row(
-        "weights 4 rows", n, ms, ours_mib=mib, target="ms<100, mem<16", met=ms < 100 and mib < 16,
-        repeat=repeat)]
-    say(f"weights N={n}")
-    return tables
-
-
-def run_efficient(args) -> None:
-    tables = bench_efficient(SIZES[args.quick], args.threads)
-    print(f"efficient attention (tiled backend): fp32, B=1, H={HEADS}, D={HEAD_DIM}, window={WINDOW}, "
-          f"{args.threads} threads; ms = median of `repeat` interleaved runs after 1 warm-up; ratio = "
-          f"ours_ms / peer_ms; MiB = peak RSS rise of one step in a fresh process"
-          + (" (--quick: sizes too small for the targets)" if args.quick else ""))
-    for title, rows in tables.items():
-        print(f"\n{title}")
-        print_table([{c: "-" if r.get(c) is None else r[c] for c in EFF_COLUMNS} for r in rows], EFF_COLUMNS)
-        for r in rows:
-            if "naive_mib" in r:
-                lo, hi = r["naive_mib"]
-                print(f"naive materialised path (3-4 x B*H*N^2*4 bytes, computed, not run): "
-                      f"{lo:.0f}-{hi:.0f} MiB, {lo / r['ours_mib']:.1f}-{hi / r['ours_mib']:.1f}x ours")
-    rows = [r for rs in tables.values() for r in rs]
-    met = [r["met"] for r in rows if r["met"] is not None]
-    print(f"\ntargets met: {met.count('yes')}/{len(met)}")
-    write_json(args.out_efficient, rows, window=WINDOW, heads=HEADS, head_dim=HEAD_DIM, quick=args.quick)
-    print(f"wrote {args.out_efficient}")
 
 
 def main(argv=None) -> None:

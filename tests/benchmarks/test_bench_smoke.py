@@ -3,6 +3,7 @@ the documented shape. No timing assertions: only that every number is there and 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +43,8 @@ def test_efficient_suite(results):
     assert data["quick"] is True and data["window"] == 256
     rows = {r["case"]: r for r in data["rows"] if r["case"] != "window fwd"}
     assert [r["N"] for r in data["rows"] if r["case"] == "window fwd"] == [256, 512]
-    assert set(rows) == {"window fwd+bwd", "window 2N/N", "causal tiled", "alibi causal", "weights 4 rows"}
+    assert set(rows) == {"window fwd+bwd", "window 2N/N", "causal tiled", "under load", "alibi causal", "document",
+                         "bigbird", "weights 4 rows"}
     keys = {"case", "N", "ours_ms", "peer_ms", "ratio", "ours_mib", "peer_mib", "target", "met", "repeat"}
     for r in data["rows"]:
         assert keys <= r.keys()
@@ -59,6 +61,20 @@ def test_efficient_suite(results):
     if w["peer_mib"] > 0:
         assert w["mem_ratio"] == pytest.approx(w["ours_mib"] / w["peer_mib"])
     assert rows["alibi causal"]["ours_mib"] >= 0
-    # the naive estimate is 3 and 4 x B*H*N^2*4 bytes, B=1, H=8, N=512: 24 and 32 MiB
+    # the naive estimate is 3 and 4 x B*H*N^2*4 bytes at the memory row's N (512 here), B=1, H=8: 24 and 32 MiB
     assert rows["alibi causal"]["naive_mib"] == pytest.approx([24.0, 32.0])
     assert rows["weights 4 rows"]["ours_mib"] >= 0
+    # the window row against its FLOPs: the exact band (pairs x H x 2D x 7) at the measured rate
+    w = rows["window fwd+bwd"]
+    pairs = sum(min(i + 1, 256) for i in range(512))
+    assert w["gflop"] == pytest.approx(pairs * 8 * 2 * 64 * 7 / 1e9)
+    assert w["flop_ratio"] == pytest.approx(w["ours_ms"] / (w["gflop"] / w["peak_gflops"] * 1e3))
+    # under load: both slowdowns measured, and the busy process the benchmark started is gone
+    ld = rows["under load"]
+    assert ld["slowdown_ours"] == pytest.approx(ld["ours_ms"] / ld["quiet_ours_ms"])
+    assert ld["slowdown_peer"] == pytest.approx(ld["peer_ms"] / ld["quiet_peer_ms"])
+    with pytest.raises(ProcessLookupError):
+        os.kill(ld["busy_pid"], 0)
+    # block-sparse rows: the empty-block fraction is the mask's (documents skip some blocks; BigBird at
+    # N=512 with 64-wide blocks leaves no 128x128 tile empty)
+    assert 0 < rows["document"]["skipped"] < 1 and rows["bigbird"]["skipped"] == 0.0
