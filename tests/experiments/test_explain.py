@@ -15,7 +15,7 @@ from _explain import check_files as _files  # tests/_explain.py: the three files
 def test_registry_entries_import_and_share_the_signature():
     assert set(EXPERIMENTS) == {"scaling", "heads", "position", "linear", "receptive-field", "redundancy",
                                 "ensemble", "cross-lengths", "more-heads", "addressing",
-                                "parallel", "limits"}
+                                "parallel", "limits", "long-context"}
     for name, (description, target) in EXPERIMENTS.items():
         module, func = target.split(":")
         fn = getattr(__import__(module, fromlist=[func]), func)

@@ -37,6 +37,8 @@ EXPERIMENTS = {
                  "attnlab.experiments.explain.parallel:run"),
     "limits": ("what attention cannot express: parity vs length (one layer vs a GRU); order without positions",
                "attnlab.experiments.explain.limits:run"),
+    "long-context": ("long context on a CPU: char models at contexts up to 2048, sliding window vs full attention",
+                     "attnlab.experiments.explain.long_context:run"),
 }
 
 

@@ -1,0 +1,62 @@
+"""`attnlab explain long-context`: char models at growing contexts, dense and with a sliding window."""
+import pytest
+import torch
+
+from attnlab.backends import banded
+from attnlab.experiments.explain import run_experiment
+from attnlab.experiments.explain.long_context import _visible, make_model
+
+from _explain import check_files
+
+
+def test_long_context_quick(tmp_path):
+    r = run_experiment("long-context", tmp_path, quick=True)
+    check_files(r, tmp_path, "long-context")
+    rows = r["rows"]
+    assert [(row["context"], row["window"]) for row in rows] == [(64, "dense"), (256, "dense"), (64, 16), (256, 16)]
+    for row in rows:
+        assert 0 < row["val loss"] < 6 and 0 < row["val loss (late positions)"] < 6 and row["ms per step"] > 0
+        L, w = row["context"], row["window"]
+        assert row["keys per query"] == pytest.approx(_visible(L, L if w == "dense" else w))
+        assert ("val loss at 2L (late)" in row) == (w != "dense")
+    assert rows[3]["keys per query"] < 16 < rows[1]["keys per query"]
+
+
+def test_windowed_model_attends_through_the_window(monkeypatch):
+    """The windowed model's layers compute windowed attention (the banded path at a long context), equal to
+    the float64 reference backend with the window mask."""
+    torch.manual_seed(0)
+    calls = []
+    orig = banded._BandedAttention.forward
+
+    def spy(ctx, *a):
+        calls.append(a[0].window)
+        return orig(ctx, *a)
+
+    monkeypatch.setattr(banded._BandedAttention, "forward", staticmethod(spy))
+    model = make_model(65, 1024, 32).double()
+    x = torch.randint(0, 65, (1, 1024))
+    got = model(x).logits
+    assert calls == [32, 32]  # both layers, through the banded path
+
+    for layer in model.layers:  # the same model, every attention through the reference backend
+        layer.self_attn.backend = "reference"
+    calls.clear()
+    want = model(x).logits
+    assert calls == []
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+def test_visible_keys():
+    assert _visible(4, 4) == pytest.approx((1 + 2 + 3 + 4) / 4)
+    assert _visible(8, 2) == pytest.approx((1 + 2 * 7) / 8)
+
+
+@pytest.mark.slow
+def test_long_context_claim(tmp_path):
+    """At the longest context the 256-wide window matches the dense model (late positions) within 0.05 nats."""
+    rows = run_experiment("long-context", tmp_path)["rows"]
+    get = {(r["context"], r["window"]): r for r in rows}
+    dense, win = get[(2048, "dense")], get[(2048, 256)]
+    assert abs(win["val loss (late positions)"] - dense["val loss (late positions)"]) <= 0.05
+    assert win["keys per query"] < dense["keys per query"] / 6
