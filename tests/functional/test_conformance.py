@@ -340,14 +340,26 @@ def test_auto_uses_reference_for_weights_and_other_normalizers(kw):
     assert chosen.name == "reference" and not chosen.unsupported(*QKV, **request)
 
 
-SPARSE = [dict(score_mod=SCORE_MODS["alibi"]), dict(window=3), dict(causal=True, window=3),
+SPARSE = [dict(score_mod=SCORE_MODS["alibi"]), dict(mask=torch.rand(8, 8) > 0.5, window=3),
           dict(mask_mod=lambda b, h, q_idx, kv_idx: (q_idx // 4) == (kv_idx // 4))]
 
 
-@pytest.mark.parametrize("kw", SPARSE, ids=["score_mod", "window", "causal_window", "mask_mod"])
+@pytest.mark.parametrize("kw", SPARSE, ids=["score_mod", "mask_window", "mask_mod"])
 def test_auto_uses_tiled_for_block_sparse_masks_and_score_mods(kw):
     """Tiled skips the blocks such masks empty (SDPA would compute them under a dense mask)."""
     assert select_backend(*QKV, **_request(**kw)).name == "tiled"
+
+
+@pytest.mark.parametrize("L, window, causal, want", [
+    (8, 3, True, "sdpa"),         # short: a dense mask is small and SDPA's fused kernel is faster
+    (512, 256, True, "sdpa"),     # the band would do about the work of dense causal attention
+    (2048, 256, True, "tiled"),   # the band does well under half: the banded path
+    (512, 64, False, "tiled"),
+    (4096, 2048, True, "tiled"),  # a wide window on a long sequence: no N² mask
+])
+def test_auto_for_a_plain_window_weighs_work_and_mask_size(L, window, causal, want):
+    q = torch.randn(1, 2, L, 8)
+    assert select_backend(q, q, q, **_request(window=window, causal=causal)).name == want
 
 
 @pytest.mark.parametrize("shape", [(6,), ()])

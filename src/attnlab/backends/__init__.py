@@ -19,7 +19,7 @@ BACKENDS: dict[str, Backend] = {
     "sdpa": Backend("sdpa", sdpa.attention, sdpa.unsupported, lse=sdpa.attention_lse),
     # CPU training on short sequences: explicit products beat the fused kernel's backward there
     "short": Backend("short", short.attention, short.unsupported, auto_when=short.auto_when),
-    "tiled": Backend("tiled", tiled.attention, tiled.unsupported, lse=tiled.attention_lse),
+    "tiled": Backend("tiled", tiled.attention, tiled.unsupported, lse=tiled.attention_lse, auto_when=tiled.auto_when),
     # explicit only: compiling costs seconds per shape on first use, and CPU has no flex backward
     "flex": Backend("flex", flex.attention, flex.unsupported, unavailable=flex.unavailable, fallback="tiled"),
 }

@@ -52,6 +52,14 @@ def applies(Lq: int, Lk: int, window: Optional[int], causal: bool, block: int = 
     return math.ceil(Lq / block) >= 2 * (m - 1)
 
 
+def saves_work(Lq: int, Lk: int, window: Optional[int], causal: bool, block: int = BLOCK) -> bool:
+    """Whether the banded path does at most half the work of dense attention (a span of ``S`` keys per row
+    against ``Lk / 2`` on average if causal, else ``Lk``): where it does not, a fused dense kernel with a mask
+    is faster."""
+    dense = Lk / 2 if causal else Lk
+    return applies(Lq, Lk, window, causal, block) and 2 * _span_blocks(window, causal, block) * block <= dense
+
+
 def _span_blocks(window: int, causal: bool, block: int) -> int:
     return math.ceil((block + (window - 1) * (1 if causal else 2)) / block)
 

@@ -47,6 +47,19 @@ def unsupported(q, k, v, *, normalize, dropout_p, return_weights, **_) -> str:
     return ""
 
 
+DENSE_WINDOW_LIMIT = 2048 * 2048  # Lq·Lk up to which a wide window goes to SDPA with a dense mask under auto
+
+
+def auto_when(q, k, v, *, window=None, causal=False, mask=None, mask_mod=None, score_mod=None, **_) -> bool:
+    """``auto`` takes ``tiled`` for every sparse request except a window too wide to save work (see
+    :func:`~attnlab.backends.banded.saves_work`) on a sequence short enough for a dense mask
+    (``Lq·Lk ≤ DENSE_WINDOW_LIMIT``): measured, SDPA's fused kernel with the mask is faster there."""
+    if window is None or mask is not None or mask_mod is not None or score_mod is not None:
+        return True
+    Lq, Lk = q.shape[-2], k.shape[-2]
+    return banded.saves_work(Lq, Lk, window, causal) or Lq * Lk > DENSE_WINDOW_LIMIT
+
+
 def attention(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, dropout_p, normalize,
               top_k, return_weights):
     out, _ = tiled_attention(q, k, v, mask=mask, causal=causal, window=window, scale=scale,
