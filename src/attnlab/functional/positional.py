@@ -181,6 +181,9 @@ def alibi_score_mod(slopes: Tensor, *, causal: bool = True) -> ScoreMod:
 
     def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         distance = kv_idx - q_idx
+        if score.dtype == slopes.dtype:  # one pass over the scores: score + m_h · d (d exact in float below 2²⁴)
+            d = distance.to(score.dtype) if causal else distance.abs().to(score.dtype).neg_()
+            return torch.addcmul(score, slopes[h], d)
         bias = slopes[h] * distance if causal else -slopes[h] * distance.abs()
         return score + bias.to(score.dtype)
 
