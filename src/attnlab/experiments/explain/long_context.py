@@ -156,7 +156,7 @@ def _findings(rows: list[dict], contexts: list[int], windows: list[int], steps: 
                 f"With the same {steps} x {tokens} training tokens, a longer context does not lower the dense models' "
                 "late loss here: a longer context means fewer sequences per step, and a model this small, trained "
                 "this briefly, uses little of a long history.")
-               + (f" Windows of {', '.join(map(str, close))} stay within 0.05 nats of the dense model at L = {L}, "
-                  "for a cost linear in L." if close else
-                  f" No window stays within 0.05 nats of the dense model at L = {L}."))
+               + (f" Windows of {', '.join(map(str, close))} do no worse than the dense model at L = {L} (late loss at "
+                  "most 0.05 above it), for a cost linear in L." if close else
+                  f" Every window loses more than 0.05 nats against the dense model at L = {L}."))
     return out
