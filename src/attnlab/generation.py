@@ -17,7 +17,8 @@ step, ``early_stopping=False`` heuristic), so on the same weights it returns the
 The decoder protocol (what the decoding loops need) is small, so any decoder can adopt it:
 
 - ``model(input_ids (B, T), attention_mask=None | (B, past + T), past_key_values=cache,
-  use_cache=True)`` returns an object with ``.logits (B, T, V)``, updating ``cache`` in place;
+  use_cache=True)`` returns an object with ``.logits (B, T, V)``, updating ``cache`` in place (a model whose
+  ``accepts_logits_to_keep`` is true is also given ``logits_to_keep=1`` and may return the last position only);
 - ``model.new_cache(max_length=None)`` returns the empty cache: a list of
   :class:`attnlab.nn.block.LayerCache` (or of :class:`attnlab.modules.cache.KVCache`), or an
   :class:`EncoderDecoderCache`; beams are reordered by :func:`reorder_cache`.
@@ -277,6 +278,12 @@ class EncoderDecoderAsDecoder:
                                                         cache=s.layers))
 
 
+def _next_logits(model, ids: Tensor, mask: Optional[Tensor], past) -> Tensor:
+    """The logits ``(B, V)`` of the position after ``ids``, continuing the cached prefix ``past`` (updated)."""
+    keep = {"logits_to_keep": 1} if getattr(model, "accepts_logits_to_keep", False) else {}
+    return model(ids, attention_mask=mask, past_key_values=past, use_cache=True, **keep).logits[:, -1]
+
+
 def _decode(model, input_ids, mask, past, config: GenerationConfig, generator, streamer=None) -> Tensor:
     """Greedy or sampled decoding, one token per step."""
     B, T0 = input_ids.shape
@@ -284,7 +291,7 @@ def _decode(model, input_ids, mask, past, config: GenerationConfig, generator, s
     out = input_ids.new_full((B, T0 + max_new_tokens), 0 if pad is None else pad)
     out[:, :T0] = input_ids
     unfinished = torch.ones(B, dtype=torch.bool, device=input_ids.device)
-    logits = model(input_ids, attention_mask=mask, past_key_values=past, use_cache=True).logits[:, -1]
+    logits = _next_logits(model, input_ids, mask, past)
     for t in range(T0, T0 + max_new_tokens):
         logits = logits.float()  # (B, V)
         if config.do_sample:
@@ -303,7 +310,7 @@ def _decode(model, input_ids, mask, past, config: GenerationConfig, generator, s
             return out[:, :t + 1]
         if mask is not None:
             mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
-        logits = model(out[:, t:t + 1], attention_mask=mask, past_key_values=past, use_cache=True).logits[:, -1]
+        logits = _next_logits(model, out[:, t:t + 1], mask, past)
     return out
 
 
@@ -349,7 +356,7 @@ def _beam_search(model, input_ids, mask, past, config: GenerationConfig) -> Tens
     improvable = torch.ones(B, 1, dtype=torch.bool, device=dev)
 
     # prefill the B prompts once, then copy each row's cache to its beams
-    logits = model(input_ids, attention_mask=mask, past_key_values=past, use_cache=True).logits[:, -1]
+    logits = _next_logits(model, input_ids, mask, past)
     expand = torch.arange(B, device=dev).repeat_interleave(nb)
     reorder_cache(past, expand)
     logits = logits.index_select(0, expand)
@@ -394,7 +401,7 @@ def _beam_search(model, input_ids, mask, past, config: GenerationConfig) -> Tens
         if mask is not None:
             mask = torch.cat([mask, mask.new_ones(B * nb, 1)], dim=1)
         step_ids = running[:, :, cur - 1].reshape(B * nb, 1)
-        logits = model(step_ids, attention_mask=mask, past_key_values=past, use_cache=True).logits[:, -1]
+        logits = _next_logits(model, step_ids, mask, past)
     return done[:, 0, :T0 + int(done_lens[:, 0].max())]
 
 

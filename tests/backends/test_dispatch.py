@@ -168,8 +168,9 @@ def test_no_module_outside_backends_calls_a_kernel_or_picks_a_backend():
     assert offenders == []
 
 
-def test_a_kv_cache_remembers_finiteness_and_a_decode_step_reads_only_q_for_the_check(monkeypatch):
+def test_a_kv_cache_remembers_finiteness_and_a_decode_step_checks_its_projection_once(monkeypatch):
     from attnlab import KVCache
+    from attnlab.modules import multihead
 
     torch.manual_seed(0)
     m = MultiheadAttention(16, 2).eval()
@@ -179,10 +180,18 @@ def test_a_kv_cache_remembers_finiteness_and_a_decode_step_reads_only_q_for_the_
         m(x, is_causal=True, need_weights=False, cache=cache)
         assert cache.finite
         seen = []
-        real = dispatch._all_finite
-        monkeypatch.setattr(dispatch, "_all_finite", lambda *t: seen.append([tuple(a.shape) for a in t]) or real(*t))
+        real = dispatch.all_finite
+
+        def spy(*t):
+            seen.append([tuple(a.shape) for a in t])
+            return real(*t)
+
+        monkeypatch.setattr(dispatch, "all_finite", spy)
+        monkeypatch.setattr(multihead, "all_finite", spy)
         m(torch.randn(1, 1, 16), is_causal=True, need_weights=False, cache=cache)
-        assert seen[0] == [(1, 2, 1, 8)]  # q only: the cache vouched for its 5 keys and values
+        # the packed q|k|v projection of the new token, once (for the cache's new entries and for q; the cache
+        # vouched for its 4 older keys and values), then the output's overflow check: nothing else is read
+        assert seen == [[(1, 1, 48)], [(1, 2, 1, 8)]]
         bad = torch.randn(1, 1, 16)
         bad[0, 0, 3] = float("nan")
         out, _ = m(bad, is_causal=True, need_weights=False, cache=cache)  # the NaN token's own row is NaN

@@ -3,6 +3,8 @@
 Tolerances: logits max abs difference <= 1e-4 (float32, eval); the cache test compares our
 incremental logits with our full forward at 1e-5.
 """
+import copy
+
 import pytest
 import torch
 import transformers
@@ -238,3 +240,56 @@ def test_dropout_sites_are_hf_gpt2s():
     layer = model.layers[0]
     assert model.drop.p == 0.1 and layer.dropout1.p == 0.2 and layer.dropout2.p == 0.2
     assert layer.self_attn.dropout == 0.3 and layer.ffn.dropout.p == 0.0
+
+
+@torch.no_grad()
+def test_optimized_decode_writes_the_cache_in_place_and_keeps_transformers_tokens():
+    """After optimize_for_inference, greedy decoding with either cache gives transformers' tokens, and no
+    decode step concatenates (the growing cache writes in place; the head runs on the last position only)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    theirs, ours = _pair()
+    ours.optimize_for_inference(dtype=torch.float32)
+    prompt = torch.randint(0, V, (1, 6))
+    expected = theirs.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+    for cache in ("dynamic", "static"):
+        counted = Count()
+        with counted:
+            got = ours.generate(prompt, max_new_tokens=24, cache=cache)
+        assert torch.equal(got, expected), cache
+        assert "cat" not in counted.ops, cache
+        # k and v buffers per layer: allocated once (static), or doubled from 6 to 12, 24, 48 positions (dynamic)
+        assert counted.ops.count("new_empty") == (3 if cache == "dynamic" else 1) * 2 * len(ours.layers), cache
+    full = ours(prompt).logits
+    last = ours(prompt, logits_to_keep=1).logits
+    assert last.shape == (1, 1, V) and (last[:, 0] - full[:, -1]).abs().max() <= TOL
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        ours(prompt, logits_to_keep=-1)
+
+
+@torch.no_grad()
+def test_optimized_model_follows_to_and_holds_the_tied_table_once():
+    """The tied head reads the embedding's table (one copy; decode_weight_bytes unchanged), and ``.to(float64)``
+    after optimize_for_inference gives float64 logits equal to the unoptimised float64 model's."""
+    from attnlab.nn.inference import decode_weight_bytes
+
+    _, ours = _pair()
+    ids = torch.randint(0, V, (2, 9))
+    ref64 = copy.deepcopy(ours).double()(ids).logits
+    before = decode_weight_bytes(ours)
+    ours.optimize_for_inference(dtype=torch.float32)
+    assert ours.lm_head.weight_.data_ptr() == ours.wte.weight.data_ptr()  # no second V × E copy
+    assert decode_weight_bytes(ours) == before
+    ours.to(torch.float64)
+    got = ours(ids).logits
+    assert got.dtype == torch.float64 and (got - ref64).abs().max() <= 1e-10

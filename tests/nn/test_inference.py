@@ -134,3 +134,43 @@ def test_inference_layout_mixin_packs_for_its_rows():
     m = Model().train()
     assert m.optimize_for_inference(dtype=torch.bfloat16) is m and not m.training
     assert m.proj.rows == 1 and m.proj.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_linear_follows_module_to(bias):
+    """``.to(float64)`` casts the dense weight and keeps it plain (float64 products, the float64 oracle to
+    rounding); ``.to("cpu")`` on a CPU layer repacks the same weight (the same outputs)."""
+    lin = _linear(bias=bias)
+    p = PackedLinear(lin, rows=1)
+    x = torch.randn(3, 48)
+    before = p(x)
+    assert p.to("cpu") is p and p.packed == HAS_ONEDNN[torch.float32] and torch.equal(p(x), before)
+    p.to(torch.float64)
+    assert p.dtype == torch.float64 and not p.packed and p.weight.dtype == torch.float64
+    y = p(x.double())
+    ref = F.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())
+    assert y.dtype == torch.float64 and (y - ref).abs().max() <= 1e3 * torch.finfo(torch.float64).eps
+    p.float()
+    assert p.dtype == torch.float32 and p.packed == HAS_ONEDNN[torch.float32]
+    assert (p(x) - before).abs().max() <= 1e-5
+
+
+def test_a_tied_linear_shares_the_embedding_table():
+    """``share_tied`` (float32): the tied layer reads the embedding's table in place, stored column-major,
+    so the weights are held once; lookups and products keep their values."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(50, 16)
+    head = nn.Linear(16, 50, bias=False)
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": emb, "head": head})
+    ids, x = torch.tensor([[3, 7, 49]]), torch.randn(2, 16)
+    ref_rows, ref_logits = emb(ids), F.linear(x, emb.weight)
+    optimize_linears_(model, rows=1)
+    p = model["head"]
+    assert not p.packed and p.weight_.data_ptr() == emb.weight.data_ptr() and emb.weight.t().is_contiguous()
+    assert torch.equal(emb(ids), ref_rows) and (p(x) - ref_logits).abs().max() <= 1e-5
+    assert inference.decode_weight_bytes(model) == 50 * 16 * 4  # one table: the head reads it whole
+    other = nn.ModuleDict({"emb": nn.Embedding(50, 16), "head": nn.Linear(16, 50, bias=False)})
+    other["head"].weight = other["emb"].weight
+    optimize_linears_(other, rows=1, share_tied=False)
+    assert other["head"].packed == HAS_ONEDNN[torch.float32] and other["emb"].weight.is_contiguous()

@@ -101,14 +101,15 @@ def attention(
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, request: dict, *, backend: str = "auto", return_lse: bool = False,
-           kv_finite: Optional[bool] = None):
+           kv_finite: Optional[bool] = None, q_finite: Optional[bool] = None):
     """The pipeline after the checks, for callers inside attnlab that built ``request`` with
     :func:`~attnlab.functional.request.prepare` (``MultiheadAttention``): choose the backend, run it, and keep
     the NaN/inf semantics of :func:`attention`.
 
     ``kv_finite=True`` says the caller knows ``k`` and ``v`` hold no NaN or ±inf (a :class:`KVCache` that
     checked each entry as it was written), so only ``q`` is read for the check: a decode step then does not
-    re-read the whole cache. ``None`` checks them.
+    re-read the whole cache. ``q_finite`` says the same of ``q`` (``MultiheadAttention`` checks the one packed
+    projection that q, k and v are cut from once per step). ``None`` checks them.
     """
     impl = choose(backend, q, k, v, request, return_lse=return_lse)
     _check_scale_overflow(q, k, request["scale"])
@@ -117,9 +118,10 @@ def attend(q: Tensor, k: Tensor, v: Tensor, request: dict, *, backend: str = "au
         return _call(impl, q, k, v, request, return_lse)
 
     # the common case: one reduction per tensor (or q only, with kv_finite), then the backend as it is
-    if _all_finite(q) and (kv_finite if kv_finite is not None else _all_finite(k, v)):
+    if (q_finite if q_finite is not None else all_finite(q)) and (kv_finite if kv_finite is not None
+                                                                   else all_finite(k, v)):
         out, extra = run(q, k, v)
-        if not _all_finite(out):  # finite inputs, non-finite output: the scores overflowed the dtype
+        if not all_finite(out):  # finite inputs, non-finite output: the scores overflowed the dtype
             _check_scale_overflow(q, k, request["scale"], always=True)
     else:
         out, extra = _guarded(run, q, k, v, request)
@@ -204,11 +206,11 @@ def position_bias_terms(position_bias, *, backend: str, heads: int, q_len: int, 
     return bias.to(dtype), None
 
 
-def _all_finite(*tensors: Tensor) -> bool:
+def all_finite(*tensors: Tensor) -> bool:
     """True when no entry is NaN or ±inf: ``sum`` is finite iff every term is (or, rarely, finite terms
     overflow it, which only sends the request down the guarded path, still exact)."""
-    with torch.no_grad():  # one Python float per tensor: 2-3x cheaper than bool(torch.isfinite(...)) on a 0-d tensor
-        return math.isfinite(sum(float(t.sum()) for t in tensors))
+    # one Python float per tensor (2-3x cheaper than bool(torch.isfinite(...)) on a 0-d tensor); detach: no graph
+    return math.isfinite(sum(float(t.detach().sum()) for t in tensors))
 
 
 def _guarded(run, q: Tensor, k: Tensor, v: Tensor, request: dict):

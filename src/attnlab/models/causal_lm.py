@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from attnlab._checks import non_negative_int
 from attnlab.models.hub import PreTrainedMixin, check_token_inputs
 from attnlab.nn.block import LayerCache
 from attnlab.nn.inference import InferenceLayoutMixin
@@ -36,6 +37,7 @@ class DecoderOnlyLM(InferenceLayoutMixin, PreTrainedMixin, nn.Module):
     """
 
     packed_rows = 1  # a decode step multiplies one row per sequence
+    accepts_logits_to_keep = True  # generate() asks for the last position's logits only
 
     max_positions: Optional[int] = None
     positions_field = "max_position_embeddings"  # the config field named in the too-long error
@@ -61,7 +63,7 @@ class DecoderOnlyLM(InferenceLayoutMixin, PreTrainedMixin, nn.Module):
 
     def forward(self, input_ids: Tensor, *, attention_mask: Optional[Tensor] = None,
                 past_key_values: Optional[list[LayerCache]] = None, use_cache: bool = False,
-                output_attentions: bool = False) -> CausalLMOutput:
+                output_attentions: bool = False, logits_to_keep: int = 0) -> CausalLMOutput:
         """Logits of ``input_ids (B, T)`` continuing the cached prefix (if any).
 
         Args:
@@ -69,6 +71,9 @@ class DecoderOnlyLM(InferenceLayoutMixin, PreTrainedMixin, nn.Module):
             past_key_values: caches from :meth:`new_cache` or a previous call; updated in place.
             use_cache: return the caches (new ones are made when ``past_key_values`` is None).
             output_attentions: also return each layer's weights ``(B, H, T, past + T)``.
+            logits_to_keep: the head runs on the last this many positions only, ``logits (B, n, V)``
+                (``transformers``' name; 0: all ``T``). Decoding needs the last one: a prompt's prefill then
+                costs one row of the head, not ``T``.
 
         Raises:
             ValueError: ``input_ids`` is not a non-empty integer ``(B, T)`` tensor or an id is outside
@@ -78,6 +83,7 @@ class DecoderOnlyLM(InferenceLayoutMixin, PreTrainedMixin, nn.Module):
         if past_key_values is None and use_cache:
             past_key_values = self.new_cache()
         past = 0 if past_key_values is None else past_key_values[0].self_attn.length
+        non_negative_int("logits_to_keep", logits_to_keep)
         B, T = check_token_inputs(input_ids, attention_mask, vocab_size=self.config.vocab_size,
                                   max_positions=self.max_positions, past=past, positions_name=self.positions_field)
         padding = None
@@ -99,6 +105,8 @@ class DecoderOnlyLM(InferenceLayoutMixin, PreTrainedMixin, nn.Module):
                 weights.append(w.self_attn)
             else:
                 x = out
+        if 0 < logits_to_keep < T:
+            x = x[:, T - logits_to_keep:]
         return CausalLMOutput(self.head(x), past_key_values if use_cache else None,
                               tuple(weights) if output_attentions else None)
 

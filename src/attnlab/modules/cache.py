@@ -2,9 +2,11 @@
 
 Decoding token ``t`` needs the keys and values of tokens ``0..t``; recomputing them every step
 costs O(t) projections per token. The cache keeps the projected, heads-first keys and values
-``(B, Hkv, L, D)`` and appends the new ones. It also remembers whether every entry written so far is finite
-(``finite``, from the new entries only), so the pipeline's NaN/inf check need not re-read the whole cache
-at every step.
+``(B, Hkv, L, D)`` and writes the new ones in place: a growing cache doubles its room when full
+(``capacity = max(2 · capacity, L + L_new)``), so a decode step copies only its own entries, never the whole
+prefix (no concatenation per step; amortised O(1) copies per entry). It also remembers whether every entry
+written so far is finite (``finite``, from the new entries only), so the pipeline's NaN/inf check need not
+re-read the whole cache at every step.
 
 With a sliding window ``w`` (Mistral-style: the query at position ``p`` sees the keys ``p - w < j ≤ p``) the cache
 is a ring buffer that holds O(w) entries however long the generation runs. Position ``p`` is written twice, at
@@ -23,12 +25,17 @@ from torch import Tensor
 from attnlab._checks import positive_int
 
 
+def _tracing() -> bool:
+    """Whether a graph is being recorded (``torch.jit`` tracing, as the ONNX exporter does)."""
+    return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+
+
 class KVCache:
     """Cached keys and values of one attention layer.
 
     Args:
         max_length: preallocate room for this many positions (a *static* cache: no
-            reallocation per step, so memory is known up front); ``None`` grows by concatenation.
+            reallocation at all, so memory is known up front); ``None`` grows, doubling its room when full.
         static: cross-attention mode: the first :meth:`update` stores the projected memory and
             every later call returns it unchanged (the encoder output does not change while
             decoding).
@@ -60,36 +67,49 @@ class KVCache:
     def filled(self) -> bool:
         return self.length > 0
 
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append ``k, v (B, Hkv, L_new, D)``; return all cached ``(k, v)`` up to now."""
+    def update(self, k: Tensor, v: Tensor, *, finite: Optional[bool] = None) -> tuple[Tensor, Tensor]:
+        """Append ``k, v (B, Hkv, L_new, D)``; return all cached ``(k, v)`` up to now (views of the buffers).
+
+        ``finite``: the caller already knows whether ``k`` and ``v`` are free of NaN and ±inf (e.g. from one
+        check of the projection they were cut from); None reads them here.
+        """
         if self.static and self.filled:
             return self.k, self.v
         if self.finite:
-            with torch.no_grad():
-                self.finite = math.isfinite(float(k.sum()) + float(v.sum()))
+            if finite is None:
+                with torch.no_grad():
+                    finite = math.isfinite(float(k.sum()) + float(v.sum()))
+            self.finite = finite
         n = k.shape[2]
         if self.window is not None:
             return self._update_ring(k, v, n)
-        if self.max_length is None:
-            if self.k is None:
-                self.k, self.v = k, v
-            else:
-                self.k = torch.cat([self.k, k], dim=2)
-                self.v = torch.cat([self.v, v], dim=2)
-            self.length += n
-            return self.k, self.v
-        if self.length + n > self.max_length:
+        if self.max_length is not None and self.length + n > self.max_length:
             raise ValueError(
                 f"KVCache overflow: {self.length} cached + {n} new > max_length={self.max_length}"
             )
-        if self.k is None:
-            B, Hkv, _, D = k.shape
-            self.k = k.new_empty(B, Hkv, self.max_length, D)
-            self.v = v.new_empty(B, Hkv, self.max_length, v.shape[-1])
-        self.k[:, :, self.length:self.length + n] = k
-        self.v[:, :, self.length:self.length + n] = v
+        if self.max_length is None and (self.k is None or _tracing()):
+            # the first entries of a growing cache are kept as they are; while a graph is recorded (ONNX export)
+            # it concatenates, a data flow that dynamic shapes follow (the buffers then hold no spare room)
+            self.k, self.v = (k, v) if self.k is None else (torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2))
+            self.length += n
+            return self.k, self.v
+        room = self.max_length or max(2 * self.k.shape[2], self.length + n)
+        if self.k is None or self.length + n > self.k.shape[2]:
+            self._resize(k, v, room)
+        self.k.narrow(2, self.length, n).copy_(k)
+        self.v.narrow(2, self.length, n).copy_(v)
         self.length += n
-        return self.k[:, :, :self.length], self.v[:, :, :self.length]
+        return self.k.narrow(2, 0, self.length), self.v.narrow(2, 0, self.length)
+
+    def _resize(self, k: Tensor, v: Tensor, room: int) -> None:
+        """New buffers of ``room`` positions (shaped as ``k``, ``v``), holding the entries written so far."""
+        B, Hkv, _, D = k.shape
+        old_k, old_v = self.k, self.v
+        self.k = k.new_empty(B, Hkv, room, D)
+        self.v = v.new_empty(B, Hkv, room, v.shape[-1])
+        if old_k is not None and self.length:
+            self.k.narrow(2, 0, self.length).copy_(old_k.narrow(2, 0, self.length))
+            self.v.narrow(2, 0, self.length).copy_(old_v.narrow(2, 0, self.length))
 
     def _update_ring(self, k: Tensor, v: Tensor, n: int) -> tuple[Tensor, Tensor]:
         w = self.window
@@ -120,8 +140,9 @@ class KVCache:
         if self.k is None:
             raise ValueError("the cache is empty")
         if self.window is None:
-            end = self.length if self.max_length is not None else self.k.shape[2]
-            return self.k[:, :, :end], self.v[:, :, :end]
+            if self.max_length is None and _tracing():  # no spare room while tracing (see update)
+                return self.k, self.v
+            return self.k[:, :, :self.length], self.v[:, :, :self.length]
         w = self.window
         if self.length <= w:
             return self.k[:, :, :self.length], self.v[:, :, :self.length]
