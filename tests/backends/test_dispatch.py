@@ -200,3 +200,17 @@ def test_a_kv_cache_remembers_finiteness_and_a_decode_step_checks_its_projection
         assert later.isnan().all()  # a later query sees the bad key: NaN, as the formula says, never hidden
     cache.reset()
     assert cache.finite
+
+
+@pytest.mark.parametrize("request_", [dict(causal=True, window=64), dict(causal=True, mask_mod=lambda b, h, i, j: i >= j),
+                                      dict(score_mod=lambda s, b, h, i, j: s * 0.5)], ids=["window", "mask_mod", "mod"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_auto_never_takes_flex_on_the_cpu(request_, grad):
+    """flex comes first in SPARSE_ORDER for CUDA (its auto_when); on the CPU tiled is the fast path and flex has no
+    backward, so auto must skip it with or without gradients."""
+    q, k, v = (t.requires_grad_(grad) for t in _qkv(L=512, D=16))
+    base = {"mask": None, "causal": False, "window": None, "scale": None, "score_mod": None, "mask_mod": None,
+            "dropout_p": 0.0, "normalize": "softmax", "top_k": None, "return_weights": False}
+    assert dispatch.SPARSE_ORDER[0] == "flex"
+    assert not flex.auto_when(q, k, v, **{**base, **request_})
+    assert dispatch.select_backend(q, k, v, **{**base, **request_}).name == "tiled"

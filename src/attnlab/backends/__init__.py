@@ -20,15 +20,16 @@ BACKENDS: dict[str, Backend] = {
     # CPU training on short sequences: explicit products beat the fused kernel's backward there
     "short": Backend("short", short.attention, short.unsupported, auto_when=short.auto_when),
     "tiled": Backend("tiled", tiled.attention, tiled.unsupported, lse=tiled.attention_lse, auto_when=tiled.auto_when),
-    # explicit only: compiling costs seconds per shape on first use, and CPU has no flex backward
-    "flex": Backend("flex", flex.attention, flex.unsupported, unavailable=flex.unavailable, fallback="tiled"),
+    # auto on CUDA only (flex.auto_when): compiling costs seconds per shape on first use, and CPU has no flex backward
+    "flex": Backend("flex", flex.attention, flex.unsupported, unavailable=flex.unavailable, fallback="tiled",
+                    auto_when=flex.auto_when),
 }
 
 # Fastest first for dense requests; `reference` computes everything and ends the list.
 AUTO_ORDER: list[str] = ["short", "sdpa", "tiled", "reference"]
-# For block-sparse masks (window, mask_mod) and score_mods: `tiled` skips the empty blocks
-# (SDPA would compute them under a dense mask) and keeps memory O(N).
-SPARSE_ORDER: list[str] = ["tiled", "short", "sdpa", "reference"]
+# For block-sparse masks (window, mask_mod) and score_mods: `flex` on CUDA (its auto_when), else `tiled`:
+# both skip the empty blocks (SDPA would compute them under a dense mask) and keep memory O(N).
+SPARSE_ORDER: list[str] = ["flex", "tiled", "short", "sdpa", "reference"]
 
 
 def register_backend(name: str, fn: Callable, unsupported: Callable[..., str], *, auto_rank: Optional[int] = None,

@@ -74,7 +74,7 @@ class GeneratorState:
         """Restore :meth:`state_dict`'s state. Raises ValueError for anything else."""
         if not isinstance(state, dict) or not isinstance(state.get("generator"), Tensor):
             raise ValueError(f"state must be a dict with a 'generator' tensor (from {type(self).__name__}.state_dict)")
-        self.generator.set_state(state["generator"].clone())
+        self.generator.set_state(state["generator"].cpu().clone())  # a CPU ByteTensor, whatever map_location
 
 
 class LMBatches:
@@ -127,7 +127,7 @@ class LMBatches:
         gen = state["generator"]
         if not isinstance(gen, Tensor) or gen.dtype != torch.uint8:
             raise ValueError("state['generator'] must be a torch.uint8 tensor (torch.Generator.get_state())")
-        self.generator.set_state(gen.clone())
+        self.generator.set_state(gen.cpu().clone())  # a CPU ByteTensor, whatever map_location
         self.step = _check_int("state['step']", state["step"], 0)
 
     def __repr__(self) -> str:

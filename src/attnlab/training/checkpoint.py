@@ -183,11 +183,15 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    """Restore :func:`rng_state`. Raises ValueError if ``state`` lacks the torch or python entry."""
+    """Restore :func:`rng_state`. Raises ValueError if ``state`` lacks the torch or python entry.
+
+    The generator states are byte tensors that must live on the CPU whatever device a checkpoint was loaded onto
+    (``map_location="cuda"`` moves them too), so each is brought back with ``.cpu()``.
+    """
     if not isinstance(state, dict) or not {"torch", "python"} <= state.keys():
         raise ValueError("rng state must be a dict with 'torch' and 'python' entries (from rng_state())")
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
