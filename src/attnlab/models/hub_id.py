@@ -54,7 +54,8 @@ def resolve_pretrained(name_or_path: PathLike, *, revision: Optional[str] = None
         raise FileNotFoundError(f"no such model directory: {str(path)!r}")
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (EntryNotFoundError, HfHubHTTPError, HFValidationError,
-                                        LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError)
+                                        LocalEntryNotFoundError, OfflineModeIsEnabled, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
     from huggingface_hub.utils import validate_repo_id
 
     name = name_or_path
@@ -64,10 +65,13 @@ def resolve_pretrained(name_or_path: PathLike, *, revision: Optional[str] = None
         raise FileNotFoundError(f"no such model directory: {name!r}, and it is not a Hugging Face Hub id either "
                                 f"('name' or 'org/name': {_first_line(e)})") from None
     where = f"Hub id {name!r}" + (f" at revision {revision!r}" if revision is not None else "")
-    kw = dict(repo_id=name, revision=revision, cache_dir=cache_dir, local_files_only=bool(local_files_only))
+    # offline is local-only: said explicitly, since some huggingface_hub versions (1.x) still list the tree of a
+    # commit-hash revision online under HF_HUB_OFFLINE and fail instead of reading the cache
+    kw = dict(repo_id=name, revision=revision, cache_dir=cache_dir,
+              local_files_only=bool(local_files_only) or bool(constants.HF_HUB_OFFLINE))
     try:
         folder = Path(snapshot_download(allow_patterns=list(HUB_ALLOW_PATTERNS), **kw))
-    except LocalEntryNotFoundError as e:
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:  # which one offline depends on the hub's version
         cache = cache_dir if cache_dir is not None else constants.HF_HUB_CACHE
         if constants.HF_HUB_OFFLINE:
             why = "HF_HUB_OFFLINE is set, so nothing is downloaded"
