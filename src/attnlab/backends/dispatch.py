@@ -118,8 +118,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, request: dict, *, backend: str = "au
         return _call(impl, q, k, v, request, return_lse)
 
     # the common case: one reduction per tensor (or q only, with kv_finite), then the backend as it is
-    if (q_finite if q_finite is not None else all_finite(q)) and (kv_finite if kv_finite is not None
-                                                                   else all_finite(k, v)):
+    unknown = ([q] if q_finite is None else []) + ([k, v] if kv_finite is None else [])
+    if q_finite is not False and kv_finite is not False and (not unknown or all_finite(*unknown)):
         out, extra = run(q, k, v)
         if not all_finite(out):  # finite inputs, non-finite output: the scores overflowed the dtype
             _check_scale_overflow(q, k, request["scale"], always=True)
@@ -208,9 +208,13 @@ def position_bias_terms(position_bias, *, backend: str, heads: int, q_len: int, 
 
 def all_finite(*tensors: Tensor) -> bool:
     """True when no entry is NaN or ±inf: ``sum`` is finite iff every term is (or, rarely, finite terms
-    overflow it, which only sends the request down the guarded path, still exact)."""
-    # one Python float per tensor (2-3x cheaper than bool(torch.isfinite(...)) on a 0-d tensor); detach: no graph
-    return math.isfinite(sum(float(t.detach().sum()) for t in tensors))
+    overflow it, which only sends the request down the guarded path, still exact). fp16 is summed in fp32, whose
+    range its sums cannot overflow as easily (65504 would send ordinary inputs down the guarded path)."""
+    sums = [t.detach().sum(dtype=torch.float32 if t.dtype == torch.float16 else None) for t in tensors]
+    if sums and sums[0].device.type != "cpu":  # one device synchronisation for all of them, not one each
+        return math.isfinite(float(torch.stack([s.float() for s in sums]).sum()))
+    # on the CPU one Python float per tensor (2-3x cheaper than bool(torch.isfinite(...)) on a 0-d tensor)
+    return math.isfinite(sum(float(s) for s in sums))
 
 
 def _guarded(run, q: Tensor, k: Tensor, v: Tensor, request: dict):
