@@ -16,7 +16,8 @@ Suite ``efficient`` (writes ``results/attention_efficient.json``): the ``tiled``
 Each pair is timed round-robin (see ``_common.compare``) after checking that both compute the same
 output (and, for fwd+bwd, the same input gradients). Run:
 ``python benchmarks/attention.py [--suite basic|efficient|all] [--quick] [--threads 2] [--out PATH]
-[--out-efficient PATH]``.
+[--out-efficient PATH] [--only SECTION ...]``; ``--only`` runs some sections of the efficient suite (e.g. ``--only
+window causal`` to fit a time limit).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, auto_repeat, compare, parser, print_table, setup, write_json  # noqa: E402
-from attention_efficient import run_efficient  # noqa: E402
+from attention_efficient import SECTIONS, run_efficient  # noqa: E402
 
 import attnlab  # noqa: E402
 from attnlab.modules.multihead import MultiheadAttention  # noqa: E402
@@ -136,6 +137,8 @@ def main(argv=None) -> None:
     p.add_argument("--suite", choices=["basic", "efficient", "all"], default="all", help="which suite (default all)")
     p.add_argument("--out-efficient", default=str(RESULTS / "attention_efficient.json"),
                    help="where the efficient suite writes its JSON results")
+    p.add_argument("--only", nargs="+", choices=SECTIONS, metavar="SECTION",
+                   help=f"run only these sections of the efficient suite ({', '.join(SECTIONS)}; default all)")
     args = p.parse_args(argv)
     setup(args)
     if args.suite in ("basic", "all"):

@@ -40,6 +40,9 @@ from attnlab.functional.masks import bigbird_mod, document_mod, evaluate_mask_mo
 
 WINDOW = 256
 HEADS, HEAD_DIM = 8, 64
+# the sections of the suite, in order (``--only`` picks some: a run that must fit a time limit)
+SECTIONS = ("window-fwd", "window", "causal", "load", "alibi", "sparse", "weights")
+
 SIZES = {  # full / --quick
     False: dict(window_fwd=[4096, 8192, 16384], window=8192, window_long=16384, causal=4096, alibi=16384,
                 alibi_mem=32768, weights=16384, load=8192, sparse=8192),
@@ -209,114 +212,124 @@ def under_load(ours: Callable, peer: Callable, *, repeat: int) -> dict:
     return {"quiet": quiet, "loaded": loaded, "busy_pid": busy.pid}
 
 
-def bench_efficient(sizes: dict, threads: int) -> dict[str, list[dict]]:
+def bench_efficient(sizes: dict, threads: int, only: tuple = SECTIONS) -> dict[str, list[dict]]:
+    """The tables of the sections in ``only`` (default: all of :data:`SECTIONS`)."""
     tables: dict[str, list[dict]] = {}
+    want = lambda section: section in only  # noqa: E731
     say = lambda msg: print(f"  [{msg}]", file=sys.stderr, flush=True)  # noqa: E731
     peak = probe(measure=True).fp32_gflops
 
     # 1. sliding window, forward only
-    rows = []
-    for n in sizes["window_fwd"]:
-        qkv = make_inputs(n, grad=False)
-        t = timed_pair(make_step("window", qkv, grad=False), make_step("window_sdpa", qkv, grad=False),
-                       f"window fwd N={n}")
-        rows.append(eff_row("window fwd", n, t["ours"], t["peer"], target="-", met=None))
-        say(f"window fwd N={n}")
-    tables["window fwd (no grad)"] = rows
+    if want("window-fwd"):
+        rows = []
+        for n in sizes["window_fwd"]:
+            qkv = make_inputs(n, grad=False)
+            t = timed_pair(make_step("window", qkv, grad=False), make_step("window_sdpa", qkv, grad=False),
+                           f"window fwd N={n}")
+            rows.append(eff_row("window fwd", n, t["ours"], t["peer"], target="-", met=None))
+            say(f"window fwd N={n}")
+        tables["window fwd (no grad)"] = rows
 
     # 2. sliding window, fwd+bwd: time against SDPA and against the FLOPs; memory; then ours at 2N against N
-    n, n2 = sizes["window"], sizes["window_long"]
-    qkv = make_inputs(n, grad=True)
-    ours = make_step("window", qkv, grad=True)
-    t = timed_pair(ours, make_step("window_sdpa", qkv, grad=True), f"window fwd+bwd N={n}")
-    mem = {c: rise_mib(c, n, grad=True, threads=threads) for c in ("window", "window_sdpa")}
-    speed = t["ours"] / t["peer"]
-    flop_ms = band_gflop(n) / peak * 1e3
-    tables["window fwd+bwd"] = [eff_row(
-        "window fwd+bwd", n, t["ours"], t["peer"], ours_mib=mem["window"], peer_mib=mem["window_sdpa"],
-        mem_ratio=mem["window"] / mem["window_sdpa"] if mem["window_sdpa"] > 0 else None,
-        gflop=band_gflop(n), peak_gflops=peak, flop_ms=flop_ms, flop_ratio=t["ours"] / flop_ms,
-        target="ratio<=0.05, flop_ratio<=2", met=speed <= 0.05 and t["ours"] / flop_ms <= 2)]
-    say(f"window fwd+bwd N={n}")
-    long = make_step("window", make_inputs(n2, grad=True), grad=True)
-    long()  # warm-up
-    t = compare({"long": long, "short": ours}, repeat=REPEAT, warmup=0)
-    tables[f"window fwd+bwd, ours at N={n2} vs ours at N={n}"] = [eff_row(
-        "window 2N/N", n2, t["long"], t["short"], ours_mib=rise_mib("window", n2, grad=True, threads=threads),
-        peer_mib=mem["window"], target="ratio<=2.3", met=t["long"] / t["short"] <= 2.3)]
-    say(f"window fwd+bwd N={n2}")
+    if want("window"):
+        n, n2 = sizes["window"], sizes["window_long"]
+        qkv = make_inputs(n, grad=True)
+        ours = make_step("window", qkv, grad=True)
+        t = timed_pair(ours, make_step("window_sdpa", qkv, grad=True), f"window fwd+bwd N={n}")
+        mem = {c: rise_mib(c, n, grad=True, threads=threads) for c in ("window", "window_sdpa")}
+        speed = t["ours"] / t["peer"]
+        flop_ms = band_gflop(n) / peak * 1e3
+        tables["window fwd+bwd"] = [eff_row(
+            "window fwd+bwd", n, t["ours"], t["peer"], ours_mib=mem["window"], peer_mib=mem["window_sdpa"],
+            mem_ratio=mem["window"] / mem["window_sdpa"] if mem["window_sdpa"] > 0 else None,
+            gflop=band_gflop(n), peak_gflops=peak, flop_ms=flop_ms, flop_ratio=t["ours"] / flop_ms,
+            target="ratio<=0.05, flop_ratio<=2", met=speed <= 0.05 and t["ours"] / flop_ms <= 2)]
+        say(f"window fwd+bwd N={n}")
+        long = make_step("window", make_inputs(n2, grad=True), grad=True)
+        long()  # warm-up
+        t = compare({"long": long, "short": ours}, repeat=REPEAT, warmup=0)
+        tables[f"window fwd+bwd, ours at N={n2} vs ours at N={n}"] = [eff_row(
+            "window 2N/N", n2, t["long"], t["short"], ours_mib=rise_mib("window", n2, grad=True, threads=threads),
+            peer_mib=mem["window"], target="ratio<=2.3", met=t["long"] / t["short"] <= 2.3)]
+        say(f"window fwd+bwd N={n2}")
 
     # 3. full causal attention through the tiled backend
-    n = sizes["causal"]
-    qkv = make_inputs(n, grad=True)
-    t = timed_pair(make_step("causal_tiled", qkv, grad=True), make_step("causal_sdpa", qkv, grad=True),
-                   f"causal tiled N={n}")
-    tables["causal fwd+bwd, backend='tiled' vs SDPA is_causal"] = [eff_row(
-        "causal tiled", n, t["ours"], t["peer"], ours_mib=rise_mib("causal_tiled", n, grad=True, threads=threads),
-        peer_mib=rise_mib("causal_sdpa", n, grad=True, threads=threads), target="ratio<=1.1",
-        met=t["ours"] / t["peer"] <= 1.1)]
-    say(f"causal N={n}")
+    if want("causal"):
+        n = sizes["causal"]
+        qkv = make_inputs(n, grad=True)
+        t = timed_pair(make_step("causal_tiled", qkv, grad=True), make_step("causal_sdpa", qkv, grad=True),
+                       f"causal tiled N={n}")
+        tables["causal fwd+bwd, backend='tiled' vs SDPA is_causal"] = [eff_row(
+            "causal tiled", n, t["ours"], t["peer"], ours_mib=rise_mib("causal_tiled", n, grad=True, threads=threads),
+            peer_mib=rise_mib("causal_sdpa", n, grad=True, threads=threads), target="ratio<=1.1",
+            met=t["ours"] / t["peer"] <= 1.1)]
+        say(f"causal N={n}")
 
     # 4. the window row again, quiet and with one core taken by another process
-    n = sizes["load"]
-    qkv = make_inputs(n, grad=True)
-    ld = under_load(make_step("window", qkv, grad=True), make_step("window_sdpa", qkv, grad=True), repeat=REPEAT)
-    slow = {s: ld["loaded"][s] / ld["quiet"][s] for s in ("ours", "peer")}
-    tables["window fwd+bwd under load (a second process busy on one core)"] = [eff_row(
-        "under load", n, ld["loaded"]["ours"], ld["loaded"]["peer"], quiet_ours_ms=ld["quiet"]["ours"],
-        quiet_peer_ms=ld["quiet"]["peer"], slowdown_ours=slow["ours"], slowdown_peer=slow["peer"],
-        busy_pid=ld["busy_pid"], target="slowdown_ours<=2*slowdown_peer", met=slow["ours"] <= 2 * slow["peer"])]
-    say(f"under load N={n}")
+    if want("load"):
+        n = sizes["load"]
+        qkv = make_inputs(n, grad=True)
+        ld = under_load(make_step("window", qkv, grad=True), make_step("window_sdpa", qkv, grad=True), repeat=REPEAT)
+        slow = {s: ld["loaded"][s] / ld["quiet"][s] for s in ("ours", "peer")}
+        tables["window fwd+bwd under load (a second process busy on one core)"] = [eff_row(
+            "under load", n, ld["loaded"]["ours"], ld["loaded"]["peer"], quiet_ours_ms=ld["quiet"]["ours"],
+            quiet_peer_ms=ld["quiet"]["peer"], slowdown_ours=slow["ours"], slowdown_peer=slow["peer"],
+            busy_pid=ld["busy_pid"], target="slowdown_ours<=2*slowdown_peer", met=slow["ours"] <= 2 * slow["peer"])]
+        say(f"under load N={n}")
 
     # 5. ALiBi score_mod: checked against SDPA with the dense bias (small N), timed at N, memory at the long N
-    small = make_inputs(512, grad=False)
-    check_all(make_step("alibi", small, grad=False)(),
-              (F.scaled_dot_product_attention(*small, attn_mask=alibi_dense_bias(512)),), "alibi N=512")
-    n, n_mem = sizes["alibi"], sizes["alibi_mem"]
-    step = make_step("alibi", make_inputs(n, grad=True), grad=True)
-    repeat = 2 if n >= 16384 else REPEAT  # ~10-25 s a step on 2 cores
-    step()  # warm-up
-    ms = compare({"ours": step}, repeat=repeat, warmup=0)["ours"]
-    naive = [c * HEADS * n_mem * n_mem * 4 / 2**20 for c in (3, 4)]  # B = 1
-    mib = rise_mib("alibi", n_mem, grad=True, threads=threads)
-    tables[f"ALiBi score_mod, causal, fwd+bwd (ours only; time at N={n}, memory at N={n_mem})"] = [eff_row(
-        "alibi causal", n, ms, ours_mib=mib, naive_mib=naive, mem_n=n_mem, target="mem<=1024 at mem_n",
-        met=mib <= 1024, repeat=repeat)]
-    say(f"alibi N={n}, memory N={n_mem}")
+    if want("alibi"):
+        small = make_inputs(512, grad=False)
+        check_all(make_step("alibi", small, grad=False)(),
+                  (F.scaled_dot_product_attention(*small, attn_mask=alibi_dense_bias(512)),), "alibi N=512")
+        n, n_mem = sizes["alibi"], sizes["alibi_mem"]
+        step = make_step("alibi", make_inputs(n, grad=True), grad=True)
+        repeat = 2 if n >= 16384 else REPEAT  # ~10-25 s a step on 2 cores
+        step()  # warm-up
+        ms = compare({"ours": step}, repeat=repeat, warmup=0)["ours"]
+        naive = [c * HEADS * n_mem * n_mem * 4 / 2**20 for c in (3, 4)]  # B = 1
+        mib = rise_mib("alibi", n_mem, grad=True, threads=threads)
+        tables[f"ALiBi score_mod, causal, fwd+bwd (ours only; time at N={n}, memory at N={n_mem})"] = [eff_row(
+            "alibi causal", n, ms, ours_mib=mib, naive_mib=naive, mem_n=n_mem, target="mem<=1024 at mem_n",
+            met=mib <= 1024, repeat=repeat)]
+        say(f"alibi N={n}, memory N={n_mem}")
 
     # 6. block-sparse masks in a training step: packed documents and BigBird
-    n = sizes["sparse"]
-    rows = []
-    for case in ("document", "bigbird"):
-        qkv = make_inputs(n, grad=True)
-        t = timed_pair(make_step(case, qkv, grad=True), make_step(f"{case}_sdpa", qkv, grad=True), f"{case} N={n}")
-        rows.append(eff_row(case, n, t["ours"], t["peer"], skipped=skipped_blocks(dense_mask(case, n)),
-                            target="-", met=None))
-        say(f"{case} N={n}")
-    tables["block-sparse masks, fwd+bwd, vs SDPA with the dense mask (skipped = empty 128x128 blocks)"] = rows
+    if want("sparse"):
+        n = sizes["sparse"]
+        rows = []
+        for case in ("document", "bigbird"):
+            qkv = make_inputs(n, grad=True)
+            t = timed_pair(make_step(case, qkv, grad=True), make_step(f"{case}_sdpa", qkv, grad=True), f"{case} N={n}")
+            rows.append(eff_row(case, n, t["ours"], t["peer"], skipped=skipped_blocks(dense_mask(case, n)),
+                                target="-", met=None))
+            say(f"{case} N={n}")
+        tables["block-sparse masks, fwd+bwd, vs SDPA with the dense mask (skipped = empty 128x128 blocks)"] = rows
 
     # 7. a few rows of the weights, recovered from the saved LSE
-    n = sizes["weights"]
-    q, k, _ = qkv = make_inputs(n, grad=False)
-    step = make_step("weights", qkv, grad=False)
-    (w,) = step()
-    rows = weight_rows(n)
-    d = (torch.arange(n).view(1, -1) - torch.tensor(rows).view(-1, 1)).float()  # j - i, (4, N)
-    s = q[0, 0, rows] @ k[0, 0].T / HEAD_DIM ** 0.5 + attnlab.alibi_slopes(HEADS)[0] * d
-    s = s.masked_fill(d > 0, float("-inf"))
-    torch.testing.assert_close(w[0, 0], torch.softmax(s, dim=-1), rtol=1e-4, atol=1e-6)
-    repeat = max(REPEAT, auto_repeat(step, budget_s=0.5))
-    ms = compare({"ours": step}, repeat=repeat, warmup=0)["ours"]
-    mib = rise_mib("weights", n, grad=False, threads=threads)
-    tables["attention_weights: 4 rows of head 0 from the LSE (ALiBi, causal)"] = [eff_row(
-        "weights 4 rows", n, ms, ours_mib=mib, target="ms<100, mem<16", met=ms < 100 and mib < 16,
-        repeat=repeat)]
-    say(f"weights N={n}")
+    if want("weights"):
+        n = sizes["weights"]
+        q, k, _ = qkv = make_inputs(n, grad=False)
+        step = make_step("weights", qkv, grad=False)
+        (w,) = step()
+        rows = weight_rows(n)
+        d = (torch.arange(n).view(1, -1) - torch.tensor(rows).view(-1, 1)).float()  # j - i, (4, N)
+        s = q[0, 0, rows] @ k[0, 0].T / HEAD_DIM ** 0.5 + attnlab.alibi_slopes(HEADS)[0] * d
+        s = s.masked_fill(d > 0, float("-inf"))
+        torch.testing.assert_close(w[0, 0], torch.softmax(s, dim=-1), rtol=1e-4, atol=1e-6)
+        repeat = max(REPEAT, auto_repeat(step, budget_s=0.5))
+        ms = compare({"ours": step}, repeat=repeat, warmup=0)["ours"]
+        mib = rise_mib("weights", n, grad=False, threads=threads)
+        tables["attention_weights: 4 rows of head 0 from the LSE (ALiBi, causal)"] = [eff_row(
+            "weights 4 rows", n, ms, ours_mib=mib, target="ms<100, mem<16", met=ms < 100 and mib < 16,
+            repeat=repeat)]
+        say(f"weights N={n}")
     return tables
 
 
 def run_efficient(args) -> None:
-    tables = bench_efficient(SIZES[args.quick], args.threads)
+    only = tuple(args.only) if getattr(args, "only", None) else SECTIONS
+    tables = bench_efficient(SIZES[args.quick], args.threads, only)
     print(f"efficient attention (tiled backend): fp32, B=1, H={HEADS}, D={HEAD_DIM}, window={WINDOW}, "
           f"{args.threads} threads; ms = median of `repeat` interleaved runs after 1 warm-up; ratio = "
           f"ours_ms / peer_ms; MiB = peak RSS rise of one step in a fresh process"

@@ -78,3 +78,14 @@ def test_efficient_suite(results):
     # block-sparse rows: the empty-block fraction is the mask's (documents skip some blocks; BigBird at
     # N=512 with 64-wide blocks leaves no 128x128 tile empty)
     assert 0 < rows["document"]["skipped"] < 1 and rows["bigbird"]["skipped"] == 0.0
+
+
+def test_only_runs_the_named_sections_of_the_efficient_suite(tmp_path):
+    out = tmp_path / "efficient.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--suite", "efficient", "--quick", "--threads", "1",
+                           "--only", "causal", "--out-efficient", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["case"] for r in json.loads(out.read_text())["rows"]] == ["causal tiled"]
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--suite", "efficient", "--only", "nope"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--only" in bad.stderr and "nope" in bad.stderr
