@@ -11,9 +11,11 @@ is already time-limited: ``time_budget`` plans its steps, ``max_seconds`` is its
    plus the process's time outside the trainer (``process_s - wall_s``, start-up before the trainer counted in
    full: the curve is never earlier than it was).
 2. nanoGPT: its own ``train.py`` (an upstream checkout, :func:`nanogpt_upstream.budget_flags`) at our resolved
-   ``n_layer``, ``n_head``, ``n_embd``, ``block_size``, ``batch_size``, for ``--nanogpt-iters`` iterations (default
-   1500 × budget / 600: the length of the recorded 10-minute nanoGPT run of this size on 2 cores) with its cosine
-   over them; stopped ``max(budget_s, our process_s)`` after its start, so it never gets less time than ours took.
+   ``n_layer``, ``n_head``, ``n_embd``, ``block_size``, ``batch_size``, for ``--nanogpt-iters`` iterations with its
+   cosine over them; by default as many as fit its time on this machine (:func:`nanogpt_upstream.fitted_iters`: a
+   60 s probe of its own ``train.py`` times an iteration and an evaluation), so that its schedule ends within the
+   budget rather than being cut off midway; stopped ``max(budget_s, our process_s)`` after its start, so it never
+   gets less time than ours took.
    Its curve: its own "val loss" estimates (``--nanogpt-eval-iters`` batches), stamped when read; its score: the
    last checkpoint it saved, on our fixed validation blocks.
 3. The table: ours, nanoGPT, difference (theirs − ours), target (ours <= theirs − MARGIN), met; ``mfu`` of both.
@@ -28,10 +30,9 @@ from pathlib import Path
 
 from _common import print_table, write_json
 from _mfu import mfu, nanogpt_flops, shown
-from nanogpt_upstream import budget_flags, run_upstream_for
+from nanogpt_upstream import budget_flags, fitted_iters, run_upstream_for
 
 MARGIN = 0.08  # issue #16: ours <= nanoGPT's - 0.08 at the same model size and wall
-RECORDED_ITERS = 1500  # BASELINES.md: nanoGPT 4 x 256, block 128, batch 32, 1500 iters in 9 min 20 s on 2 cores
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,8 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "needs --nanogpt-dir); writes a PNG of both val-loss-vs-seconds curves beside --out")
     p.add_argument("--budget-s", type=float, default=600.0, help="the wall budget of --compare-budget (default 600)")
     p.add_argument("--nanogpt-iters", type=int, default=None,
-                   help=f"nanoGPT's max_iters = lr_decay_iters in --compare-budget (default {RECORDED_ITERS} "
-                        "x budget / 600)")
+                   help="nanoGPT's max_iters = lr_decay_iters in --compare-budget (default: as many as fit the "
+                        "budget on this machine, timed by a 60 s probe of its train.py)")
     p.add_argument("--nanogpt-eval-iters", type=int, default=10,
                    help="batches per split of each of nanoGPT's 10 evaluations in --compare-budget (default 10)")
 
@@ -59,8 +60,7 @@ def compare_budget(args: argparse.Namespace, *, run_preset) -> dict:
     scale = args.budget_s / 600.0
     ours_sets = [f"time_budget={preset.time_budget * scale}", f"max_seconds={preset.max_seconds * scale}", *args.set]
     s = resolve_settings(recipe, overrides=parse_set(ours_sets))
-    iters = args.nanogpt_iters if args.nanogpt_iters is not None else max(10, round(RECORDED_ITERS * scale))
-    if iters < 1 or args.nanogpt_eval_iters < 1:
+    if (args.nanogpt_iters is not None and args.nanogpt_iters < 1) or args.nanogpt_eval_iters < 1:
         raise SystemExit("--nanogpt-iters and --nanogpt-eval-iters must be >= 1")
     with tempfile.TemporaryDirectory() as tmp:
         ours = run_preset("default", threads=args.threads, overrides=ours_sets, out=Path(tmp) / "ours")
@@ -71,8 +71,16 @@ def compare_budget(args: argparse.Namespace, *, run_preset) -> dict:
                       if r.get("kind") == "eval"]
         print(f"attnlab default: {ours['process_s']:.1f} s, {ours['steps']} steps, val loss {ours['val_loss']:.4f}",
               flush=True)
-        flags = budget_flags(s, iters=iters, eval_iters=args.nanogpt_eval_iters)
         deadline = max(args.budget_s, ours["process_s"])
+        iters, fitted = args.nanogpt_iters, None
+        if iters is None:
+            fitted = fitted_iters(args.nanogpt_dir, s, budget_s=deadline, eval_iters=args.nanogpt_eval_iters,
+                                  threads=args.threads, work=Path(tmp) / "probe")
+            iters = fitted["iters"]
+            print(f"nanoGPT probe: {fitted['s_per_iter']:.3f} s per iteration, {fitted['eval_s']:.1f} s per "
+                  f"evaluation, start-up {fitted['start_s']:.1f} s: {iters} iterations fit {deadline:.0f} s",
+                  flush=True)
+        flags = budget_flags(s, iters=iters, eval_iters=args.nanogpt_eval_iters)
         up = run_upstream_for(args.nanogpt_dir, flags=flags, deadline_s=deadline, threads=args.threads,
                               work=Path(tmp) / "nanogpt", fixed_blocks=dict(
                                   block=s.block_size, batch=s.eval_batch_size, batches=s.eval_batches,
@@ -106,7 +114,7 @@ def compare_budget(args: argparse.Namespace, *, run_preset) -> dict:
     summary = {"ours": ours["val_loss"], "nanogpt": theirs["val_loss"], "difference": difference,
                "target": f"ours <= nanogpt - {MARGIN}", "met": met}
     write_json(args.out, [ours, theirs], mode="compare-budget", budget_s=args.budget_s, threads=args.threads,
-               nanogpt_dir=str(args.nanogpt_dir), nanogpt_flags=flags, summary=summary,
+               nanogpt_dir=str(args.nanogpt_dir), nanogpt_flags=flags, nanogpt_fitted=fitted, summary=summary,
                curves={"ours": ours_curve, "nanogpt": up["evals"]}, png=str(png))
     print(f"wrote {args.out} and {png}")
     return summary

@@ -132,6 +132,42 @@ def run_upstream_for(checkout: Path, *, flags: list[str], deadline_s: float, thr
             "model_args": fixed["model_args"], "batch_size": fixed["batch_size"]}
 
 
+PROBE_EVAL = 50  # the probe's second evaluation (and checkpoint) comes after this many iterations
+
+
+def fitted_iters(checkout: Path, settings, *, budget_s: float, eval_iters: int, threads: int, work: Path,
+                 probe_s: float = 60.0) -> dict:
+    """nanoGPT's iterations that fit ``budget_s`` on this machine, timed by a ``probe_s`` run of its own ``train.py``.
+
+    The probe runs :func:`budget_flags` evaluating at steps 0 and :data:`PROBE_EVAL` and reads the stamped lines:
+    seconds per iteration ``r`` (the median gap between "iter N" lines), one evaluation with its checkpoint ``e``
+    (the gap across step ``PROBE_EVAL``'s, less ``r``) and start-up ``t0`` (step 0's line less ``e``). A budget run
+    evaluates 11 times, so ``iters = (budget_s - t0 - 11 · e) / r``, rounded down to a multiple of 10: its cosine
+    then ends within the budget instead of being cut off midway. Without a second evaluation within ``probe_s``
+    ``e`` is taken as ``2 · eval_iters`` forward passes at a third of ``r`` each.
+    """
+    names = ("--max_iters", "--lr_decay_iters", "--eval_interval")
+    flags = [f for f in budget_flags(settings, iters=10, eval_iters=eval_iters) if not f.startswith(names)]
+    flags += ["--max_iters=1000000", "--lr_decay_iters=1000000", f"--eval_interval={PROBE_EVAL}"]
+    env = {**prepare(checkout, work=work, threads=threads), "PYTHONUNBUFFERED": "1"}
+    lines, _, _, _ = follow([sys.executable, "train.py", *flags], cwd=work, env=env, deadline_s=probe_s)
+    evals = [t for t, line in lines if EVAL_LINE.match(line)]
+    iters = {int(m[1]): t for t, line in lines if (m := ITER_LINE.match(line))}
+    steps = sorted(n for n in iters if n >= 2 and n - 1 in iters and n != PROBE_EVAL)
+    if not evals or len(steps) < 10:
+        raise SystemExit(f"nanoGPT: a {probe_s:.0f} s probe logged {len(iters)} iterations, too few to time it "
+                         "(give --nanogpt-iters)")
+    gaps = sorted(iters[n] - iters[n - 1] for n in steps)
+    per_iter = gaps[len(gaps) // 2]
+    if PROBE_EVAL in iters and PROBE_EVAL - 1 in iters:
+        eval_s = iters[PROBE_EVAL] - iters[PROBE_EVAL - 1] - per_iter
+    else:
+        eval_s = 2 * eval_iters * per_iter / 3
+    start_s = max(0.0, evals[0] - eval_s)
+    fit = int((budget_s - start_s - 11 * eval_s) / per_iter) // 10 * 10
+    return {"iters": max(10, fit), "s_per_iter": per_iter, "eval_s": eval_s, "start_s": start_s}
+
+
 def prepare(checkout: Path, *, work: Path, threads: int) -> dict:
     """Copy nanoGPT's files into ``work``, write our ``input.txt`` and run its ``prepare.py`` there; the
     environment its processes run in (``threads`` OpenMP/MKL threads, our sources importable for scoring)."""

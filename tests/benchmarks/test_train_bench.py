@@ -21,7 +21,7 @@ NANOGPT = os.environ.get("ATTNLAB_NANOGPT_DIR")
 sys.path.insert(0, str(BENCH))
 
 from _mfu import matmul_params, settings_flops, train_flops  # noqa: E402
-from nanogpt_upstream import follow, may_be_saving  # noqa: E402
+from nanogpt_upstream import PROBE_EVAL, fitted_iters, follow, may_be_saving  # noqa: E402
 
 
 def _settings(**overrides):
@@ -142,3 +142,16 @@ def test_compare_budget_at_a_tiny_size(tmp_path):
     assert data["curves"]["nanogpt"][0][1] == 0  # nanoGPT evaluates at step 0
     assert Path(data["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "target ours <= theirs - 0.08" in proc.stdout
+
+
+@pytest.mark.skipif(not NANOGPT, reason="ATTNLAB_NANOGPT_DIR names no nanoGPT checkout (git clone "
+                    "https://github.com/karpathy/nanoGPT)")
+def test_nanogpts_iterations_are_fitted_to_the_budget_by_a_probe(tmp_path):
+    """The probe times nanoGPT's own iterations and one evaluation (after PROBE_EVAL steps); the fitted run
+    (start-up, 11 evaluations, the iterations) fills the budget without running past it."""
+    s = _settings(arch="gpt2", n_layer=1, n_head=2, n_embd=32, block_size=32, batch_size=8)
+    fit = fitted_iters(Path(NANOGPT), s, budget_s=60.0, eval_iters=2, threads=1, work=tmp_path, probe_s=30.0)
+    assert fit["s_per_iter"] > 0 and fit["eval_s"] >= 0 and fit["start_s"] >= 0
+    assert fit["iters"] % 10 == 0 and fit["iters"] > PROBE_EVAL
+    planned = fit["start_s"] + 11 * fit["eval_s"] + fit["iters"] * fit["s_per_iter"]
+    assert 60.0 - 10 * fit["s_per_iter"] < planned <= 60.0
