@@ -9,7 +9,7 @@ from attnlab.backends import BACKENDS
 from attnlab.backends.dispatch import attention, attention_weights
 from attnlab.functional.linear import favor_projection, linear_attention
 from attnlab.functional.masks import (and_masks, bigbird_layout, bigbird_mod, causal_mod, document_mod, fixed_mod,
-                                      or_masks, prefix_lm_mod, sliding_window_mod, strided_mod)
+                                      or_masks, prefix_lm_mod, sliding_window_mod, softcap_score_mod, strided_mod)
 from attnlab.functional.positional import (alibi_score_mod, alibi_slopes, apply_rope, rope_frequencies,
                                            sinusoidal_table, t5_relative_buckets)
 from attnlab.modules.cache import KVCache
@@ -26,7 +26,7 @@ __all__ = [
     "t5_relative_buckets", "SinusoidalPositionalEmbedding", "LearnedPositionalEmbedding",
     "RotaryEmbedding", "ALiBi", "T5RelativeBias",
     "causal_mod", "sliding_window_mod", "prefix_lm_mod", "document_mod", "and_masks", "or_masks",
-    "strided_mod", "fixed_mod", "bigbird_mod", "bigbird_layout",
+    "strided_mod", "fixed_mod", "bigbird_mod", "bigbird_layout", "softcap_score_mod",
 ]
 
 # blocks and models (after the attention imports: attnlab.nn.block imports MultiheadAttention)

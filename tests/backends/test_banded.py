@@ -144,13 +144,25 @@ def test_long_sequence_float32_matches_sdpa_with_dense_mask():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+CLOSED_FORM_MODS = {  # mods whose backward is computed without autograd: (mod, query scale, what marks it)
+    "alibi": (lambda: attnlab.alibi_score_mod(attnlab.alibi_slopes(4, dtype=F64)), 1.0, "additive"),
+    # scores of a few units, so that the cap (2.0) bends them: d(c·tanh(s/c))/ds = 1 - (s'/c)²
+    "softcap": (lambda: attnlab.softcap_score_mod(2.0), 4.0, "grad_from_output"),
+}
+
+
 @pytest.mark.parametrize("window", [None, 6])
-def test_additive_score_mod_backward_needs_no_autograd(monkeypatch, window):
-    """ALiBi with fixed slopes is marked additive: both paths (block loop, banded) pass dS through in closed
-    form, without autograd inside the blocks, and still equal the reference."""
+@pytest.mark.parametrize("name", sorted(CLOSED_FORM_MODS))
+def test_closed_form_score_mod_backward_needs_no_autograd(monkeypatch, name, window):
+    """ALiBi with fixed slopes (marked additive: dS passes through) and softcap (its derivative in its output
+    scales dS): both paths (block loop, banded) compute the backward without autograd inside the blocks, and
+    still equal the reference (autograd through the mod) in float64."""
+    make, q_scale, mark = CLOSED_FORM_MODS[name]
     q, k, v = _qkv(1, 4, 2, 40, 40, 4, 3)
-    mod = attnlab.alibi_score_mod(attnlab.alibi_slopes(4, dtype=F64))
-    assert mod.additive
+    with torch.no_grad():
+        q.mul_(q_scale)
+    mod = make()
+    assert getattr(mod, mark)
     ref = attention(q, k, v, backend="reference", causal=True, window=window, score_mod=mod)
     g = torch.randn_like(ref)
     want = torch.autograd.grad(ref, (q, k, v), g)
@@ -164,3 +176,14 @@ def test_additive_score_mod_backward_needs_no_autograd(monkeypatch, window):
     torch.testing.assert_close(out, ref, **TOL)
     for t, w in zip((q, k, v), want):
         torch.testing.assert_close(t.grad, w, **TOL)
+
+
+def test_softcap_is_the_formula_and_refuses_a_bad_cap():
+    q, k, v = _qkv(2, 3, 3, 7, 9, 5, 4)
+    s = q @ k.transpose(-1, -2) / 5 ** 0.5 * 10
+    want = torch.softmax(3.0 * torch.tanh(s / 3.0), dim=-1) @ v
+    got = attention(q * 10, k, v, score_mod=attnlab.softcap_score_mod(3.0))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for bad in (0, -1.0, float("inf"), float("nan"), "2", True):
+        with pytest.raises(ValueError, match="cap must be a finite number > 0"):
+            attnlab.softcap_score_mod(bad)

@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from attnlab.functional.masks import additive_without_grads, call_mask_mod, call_score_mod
+from attnlab.functional.masks import additive_without_grads, call_mask_mod, call_score_mod, derivative_without_grads
 
 BLOCK = 32                  # query rows per block (measured: 32 beats 64 and 128 at w = 256)
 GROUP_ELEMENTS = 1 << 20    # scores per group of blocks (4 MiB in float32)
@@ -195,9 +195,11 @@ class _Group:
             self.blocked = self.blocked | ~call_mask_mod(mask_mod, *self.grids)
             self.rects = [(0, r1 - r0, 0, L.S)]
 
-    def scores(self, qb: Tensor, kbuf: Tensor, L: _Layout, score_mod, *, keep_graph: bool = False, out=None):
+    def scores(self, qb: Tensor, kbuf: Tensor, L: _Layout, score_mod, *, keep_graph: bool = False, out=None,
+               derivative=None):
         """``(leaf, modded, S)``: ``S`` masked, as ``(J1 - J0, b, S)`` (in ``out`` when given);
-        ``leaf``/``modded`` carry score_mod's graph for its gradient."""
+        ``leaf``/``modded`` carry score_mod's graph for its gradient; with ``derivative`` (a closed-form
+        ``grad_from_output``), ``modded`` is instead its value on the modded scores, taken before the mask."""
         raw = torch.bmm(qb[self.J0:self.J1], _spans(kbuf, L, self.J0, self.J1).transpose(1, 2), out=out)
         leaf = modded = None
         s = raw
@@ -206,6 +208,8 @@ class _Group:
                 leaf = raw.view(self.shape).detach().requires_grad_(keep_graph)
                 modded = call_score_mod(score_mod, leaf, *self.grids)
             s = (modded.detach().clone() if keep_graph else modded).reshape(raw.shape)
+            if derivative is not None:
+                modded = derivative(s)
             if out is not None:
                 s = out.copy_(s)
         s4 = s.view(self.shape)
@@ -261,7 +265,8 @@ class _BandedAttention(torch.autograd.Function):
             torch.add(mx, l.log_(), out=lse[J0:J1])                # log 0 = -inf on an empty row
         out = _unblock(ob, L).to(q.dtype)
         ctx.layout, ctx.score_mod, ctx.mask_mod, ctx.cdt = L, score_mod, mask_mod, cdt
-        ctx.autograd_mod = not plain
+        ctx.derivative = None if plain else derivative_without_grads(score_mod, captured)
+        ctx.autograd_mod = not plain and ctx.derivative is None
         ctx.q_dtype, ctx.k_dtype, ctx.v_dtype = q.dtype, k.dtype, v.dtype
         ctx.keep = keep
         kept = (p_all, inv_l) if keep else (lse,)
@@ -294,12 +299,15 @@ class _BandedAttention(torch.autograd.Function):
                 p = p_all[J0:J1]
             else:
                 g = _Group(L, pos, J0, J1, ctx.mask_mod)
-                leaf, modded, s = g.scores(qb, kbuf, L, ctx.score_mod, keep_graph=ctx.autograd_mod)
+                leaf, modded, s = g.scores(qb, kbuf, L, ctx.score_mod, keep_graph=ctx.autograd_mod,
+                                           derivative=ctx.derivative)
                 p = s.sub_(lse_safe[J0:J1]).exp_()                                # P = e^(S - LSE)
             do = dob[J0:J1]
             _shift_add(dv_rows, torch.bmm(p.transpose(1, 2), do), L, J0)
             ds = torch.bmm(do, _spans(vbuf, L, J0, J1).transpose(1, 2)).sub_(delta[J0:J1]).mul_(p)
-            if ctx.autograd_mod:
+            if ctx.derivative is not None:  # closed form: dS_raw = dS ∘ mod'(s) (softcap: 1 - (s'/c)²)
+                ds.mul_(modded)
+            elif ctx.autograd_mod:
                 grads = torch.autograd.grad(modded, [leaf, *captured], ds.view(g.shape), allow_unused=True)
                 ds = grads[0].view_as(ds)
                 for acc, gr in zip(dcaptured, grads[1:]):

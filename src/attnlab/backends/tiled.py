@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from attnlab._runtime import reuse_large_blocks
 from attnlab.backends import banded
-from attnlab.functional.masks import additive_without_grads, call_mask_mod, call_score_mod
+from attnlab.functional.masks import additive_without_grads, call_mask_mod, call_score_mod, derivative_without_grads
 
 BLOCK_Q = 128     # query rows per block
 BLOCK_K = 128     # key chunk when an element-wise mask must be evaluated to find empty chunks
@@ -309,7 +309,8 @@ class _TiledAttention(torch.autograd.Function):
         dbias = torch.zeros(bias.shape, dtype=cdt, device=q.device) if want_bias else None
         dcaptured = [torch.zeros_like(t) for t in captured]
         lse_safe = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse).unsqueeze(-1)
-        closed_form = additive_without_grads(cfg.score_mod, captured)
+        derivative = derivative_without_grads(cfg.score_mod, captured)  # dS_raw = dS ∘ mod'(s), e.g. softcap
+        closed_form = derivative is not None or additive_without_grads(cfg.score_mod, captured)
         for qs, qe, chunks in cfg.plan:
             q_blk, do_blk = qc[:, :, qs:qe], do[:, :, qs:qe]
             delta = (do_blk * out[:, :, qs:qe].to(cdt)).sum(dim=-1, keepdim=True)  # D_i = rowsum(dO ∘ O)
@@ -318,8 +319,10 @@ class _TiledAttention(torch.autograd.Function):
                 grids = _block_grids(B, H, qs, qe, ks, ke, Lk - Lq, q.device)
                 allowed = _allowed(cfg, grids, _bool_block(cfg, qs, qe, ks, ke)) if needs_mask else None
                 raw = _raw_scores(q_blk, kc[:, :, ks:ke], cfg.scale)
-                if closed_form:  # score + bias: dS passes through unchanged, no graph needed
+                scale_ds = None
+                if closed_form:  # score + bias: dS passes through unchanged; else scaled by the mod's derivative
                     s = call_score_mod(cfg.score_mod, raw, *grids)
+                    scale_ds = None if derivative is None else derivative(s)  # before the mask: finite
                 elif cfg.score_mod is not None:
                     with torch.enable_grad():
                         leaf = raw.detach().requires_grad_()
@@ -334,7 +337,9 @@ class _TiledAttention(torch.autograd.Function):
                 ds = dp.sub_(delta).mul_(p)  # dS = P ∘ (dP - D_i), w.r.t. modded scores
                 if dbias is not None:
                     _accumulate_block(dbias, ds, qs, qe, ks, ke)
-                if cfg.score_mod is not None and not closed_form:
+                if scale_ds is not None:
+                    ds.mul_(scale_ds)
+                elif cfg.score_mod is not None and not closed_form:
                     grads = torch.autograd.grad(modded, [leaf, *captured], ds, allow_unused=True)
                     ds = grads[0]
                     for acc, g in zip(dcaptured, grads[1:]):

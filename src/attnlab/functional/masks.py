@@ -132,6 +132,40 @@ def additive_without_grads(score_mod, captured) -> bool:
     return score_mod is not None and bool(getattr(score_mod, "additive", False)) and not captured
 
 
+def derivative_without_grads(score_mod, captured) -> Optional[Callable[[Tensor], Tensor]]:
+    """``score_mod.grad_from_output`` — ``d mod(s) / ds`` written in the mod's output ``y = mod(s)`` (softcap:
+    ``1 - (y / c)²``; it must not modify ``y``) — when the mod declares one and reads no tensor needing a gradient;
+    else None. The ``tiled`` backend's backward then scales ``dS`` by it, element-wise, instead of running autograd
+    per block."""
+    if score_mod is None or captured:
+        return None
+    return getattr(score_mod, "grad_from_output", None)
+
+
+def softcap_score_mod(cap: float) -> Callable:
+    """Logit soft-capping (Gemma 2's ``attn_logit_softcapping``, Grok-1): ``score' = c · tanh(score / c)``.
+
+    Scores stay inside ``(-c, c)``, smoothly: a FlexAttention-style ``score_mod``. It carries its derivative
+    ``d score' / d score = 1 - (score' / c)²`` as ``grad_from_output``, so the ``tiled`` backend (and its banded
+    window path) computes the backward in closed form, with no autograd inside the blocks.
+
+    Raises:
+        ValueError: ``cap`` is not a finite number > 0.
+    """
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < float("inf"):
+        raise ValueError(f"cap must be a finite number > 0, got {cap!r}")
+    cap = float(cap)
+
+    def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return torch.tanh(score / cap) * cap
+
+    def grad_from_output(y: Tensor) -> Tensor:
+        return (y / cap).square_().neg_().add_(1.0)
+
+    score_mod.grad_from_output = grad_from_output
+    return score_mod
+
+
 def split_mask(mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """Split a user mask into ``(bool_mask, float_bias)``; exactly one of them is set."""
     if mask is None:
