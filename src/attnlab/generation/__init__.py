@@ -1,18 +1,9 @@
-"""Autoregressive decoding on the KV cache: greedy, sampling (temperature, top-k, top-p), beam search.
-
-Each step feeds only the newest token; the per-layer caches hold the keys and values of the prefix::
-
-    greedy:  y_t = argmax_v p(v | y_<t)
-    sample:  y_t ~ softmax(z_t / T), restricted to the top-k logits and then to the smallest set
-             of tokens whose probability mass reaches top_p (nucleus, Holtzman et al. 2020)
-    beam:    keep the num_beams prefixes of highest Σ log p; a finished hypothesis scores
-             Σ log p / len^α (α = length_penalty = 1), len = number of generated tokens
+"""Autoregressive decoding on the KV cache: greedy, sampling (temperature, top-k, top-p), beam search (the loops
+and their formulas: ``search.py``). Each step feeds only the newest token; the per-layer caches hold the keys and
+values of the prefix.
 
 The settings of a call form one :class:`GenerationConfig` (checked once, when built); ``generate`` takes
 them as keywords, as ``config=``, or both (keywords win), and the loops read that one record.
-
-The beam search follows Hugging Face ``transformers`` step for step (2·num_beams candidates per
-step, ``early_stopping=False`` heuristic), so on the same weights it returns the same tokens.
 
 The decoder protocol (what the decoding loops need) is small, so any decoder can adopt it:
 
@@ -34,21 +25,26 @@ An encoder–decoder (``is_encoder_decoder = True``: T5, BART, ``Seq2SeqTransfor
 and the decoding state (:class:`EncoderDecoderCache`) carries the encoder output and the source mask
 beside the self- and cross-attention caches, so all of them expand to the beams and reorder with them.
 The one greedy/sampling loop and the one beam search serve both kinds of model.
+
+Files: this one holds the settings (:class:`GenerationConfig`) and the entry :func:`generate` with its input
+checks; ``search.py`` the two decoding loops and the sampling filter; ``state.py`` the decoding state (beam
+reordering of every cache kind, the encoder–decoder adapter).
 """
 from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, replace
-from types import SimpleNamespace
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab._checks import (boolean, int_at_least, is_real, non_negative_int, one_of, positive_int,
                              positive_number, real)
-from attnlab.nn.block import LayerCache
-from attnlab.modules.cache import KVCache
+from attnlab.generation.state import EncoderDecoderAsDecoder, EncoderDecoderCache, reorder_cache
+from attnlab.generation.search import beam_search, decode, filter_logits
+
+__all__ = ["GenerationConfig", "generate", "filter_logits", "reorder_cache", "EncoderDecoderCache",
+           "EncoderDecoderAsDecoder", "CACHES"]
 
 CACHES = ("dynamic", "static", "window")
 
@@ -211,8 +207,8 @@ def generate(model, input_ids: Tensor, *, attention_mask: Optional[Tensor] = Non
             if streamer is not None:
                 raise ValueError("streamer is for greedy decoding and sampling: beam search knows its tokens only "
                                  "at the end (num_beams must be 1)")
-            return _beam_search(model, input_ids, attention_mask, past, config)
-        return _decode(model, input_ids, attention_mask, past, config, generator, streamer)
+            return beam_search(model, input_ids, attention_mask, past, config)
+        return decode(model, input_ids, attention_mask, past, config, generator, streamer)
 
 
 def _new_cache(model, total: int, kind: str):
@@ -240,186 +236,6 @@ def _settings(config: Optional[GenerationConfig], keywords: dict) -> GenerationC
     if not isinstance(config, GenerationConfig):
         raise TypeError(f"config must be a GenerationConfig or None, got {type(config).__name__}")
     return replace(config, **given) if given else config
-
-
-@dataclass
-class EncoderDecoderCache:
-    """An encoder–decoder's decoding state: per-layer caches, the encoder output ``memory (B, S, E)`` and
-    the source mask ``(B, S)`` (or None). :meth:`reorder` selects the same rows of all of them."""
-
-    layers: list
-    memory: Tensor
-    memory_mask: Optional[Tensor] = None
-
-    def reorder(self, index: Tensor) -> None:
-        reorder_cache(self.layers, index)
-        self.memory = self.memory.index_select(0, index)
-        if self.memory_mask is not None:
-            self.memory_mask = self.memory_mask.index_select(0, index)
-
-
-class EncoderDecoderAsDecoder:
-    """An encoder–decoder seen through the decoder protocol: ``input_ids (B, S)`` is encoded once,
-    then each call decodes the new target tokens on the memory its :class:`EncoderDecoderCache` carries."""
-
-    def __init__(self, model, input_ids: Tensor, attention_mask: Optional[Tensor]) -> None:
-        self.model = model
-        self.memory, self.memory_mask = model.encode(input_ids, attention_mask), attention_mask  # (B, S, E)
-
-    def new_cache(self, *, max_length: Optional[int] = None) -> EncoderDecoderCache:
-        return EncoderDecoderCache(self.model.new_cache(max_length=max_length), self.memory, self.memory_mask)
-
-    def __call__(self, input_ids: Tensor, *, attention_mask: Optional[Tensor] = None,
-                 past_key_values: EncoderDecoderCache, use_cache: bool = True) -> SimpleNamespace:
-        """Logits ``(B, T, V)`` of the target tokens ``input_ids`` continuing the cached prefix
-        (``attention_mask`` would be the target's: encoder–decoder prompts are unpadded)."""
-        s = past_key_values
-        return SimpleNamespace(logits=self.model.decode(input_ids, s.memory, attention_mask=s.memory_mask,
-                                                        cache=s.layers))
-
-
-def _next_logits(model, ids: Tensor, mask: Optional[Tensor], past) -> Tensor:
-    """The logits ``(B, V)`` of the position after ``ids``, continuing the cached prefix ``past`` (updated)."""
-    keep = {"logits_to_keep": 1} if getattr(model, "accepts_logits_to_keep", False) else {}
-    return model(ids, attention_mask=mask, past_key_values=past, use_cache=True, **keep).logits[:, -1]
-
-
-def _decode(model, input_ids, mask, past, config: GenerationConfig, generator, streamer=None) -> Tensor:
-    """Greedy or sampled decoding, one token per step."""
-    B, T0 = input_ids.shape
-    max_new_tokens, eos, pad = config.max_new_tokens, config.eos_token_id, config.pad_token_id
-    out = input_ids.new_full((B, T0 + max_new_tokens), 0 if pad is None else pad)
-    out[:, :T0] = input_ids
-    unfinished = torch.ones(B, dtype=torch.bool, device=input_ids.device)
-    logits = _next_logits(model, input_ids, mask, past)
-    for t in range(T0, T0 + max_new_tokens):
-        logits = logits.float()  # (B, V)
-        if config.do_sample:
-            probs = F.softmax(filter_logits(logits, temperature=config.temperature, top_k=config.top_k,
-                                            top_p=config.top_p), dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-        else:
-            nxt = logits.argmax(dim=-1)
-        if eos is not None:
-            nxt = torch.where(unfinished, nxt, pad)
-            unfinished &= nxt != eos
-        out[:, t] = nxt
-        if streamer is not None:
-            streamer(nxt)
-        if t + 1 == T0 + max_new_tokens or (eos is not None and not bool(unfinished.any())):
-            return out[:, :t + 1]
-        if mask is not None:
-            mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
-        logits = _next_logits(model, out[:, t:t + 1], mask, past)
-    return out
-
-
-def filter_logits(logits: Tensor, *, temperature: float = 1.0, top_k: Optional[int] = None,
-                  top_p: Optional[float] = None) -> Tensor:
-    """``z / T``, then -inf outside the ``top_k`` largest, then outside the nucleus of mass ``top_p``.
-
-    The nucleus keeps the most probable tokens whose cumulative probability reaches ``top_p``
-    (always at least one), as ``transformers``' ``TopPLogitsWarper``.
-    """
-    logits = logits / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1)  # ascending
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum <= 1 - top_p
-        drop[..., -1] = False  # keep the most probable token
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return logits
-
-
-def _beam_search(model, input_ids, mask, past, config: GenerationConfig) -> Tensor:
-    """Beam search with ``transformers``' vectorised bookkeeping (finished hypotheses kept per item)."""
-    B, T0 = input_ids.shape
-    max_new_tokens, nb, length_penalty = config.max_new_tokens, config.num_beams, config.length_penalty
-    eos, pad = config.eos_token_id, config.pad_token_id
-    dev = input_ids.device
-    max_len = T0 + max_new_tokens
-    K = 2 * nb  # candidates kept per step: max(2, 1 + #eos) · num_beams, as transformers
-    is_top = torch.arange(K, device=dev) < nb  # only the top num_beams candidates may finish
-    batch_offset = torch.arange(B, device=dev).unsqueeze(1) * nb  # (B, 1)
-
-    running = input_ids.new_full((B, nb, max_len), pad if pad is not None else 0)
-    running[:, :, :T0] = input_ids.unsqueeze(1)
-    running_scores = torch.zeros(B, nb, device=dev)
-    running_scores[:, 1:] = -1e9  # the beams start identical: expand only the first
-    done = running.clone()  # finished hypotheses
-    done_scores = torch.full((B, nb), -1e9, device=dev)
-    done_lens = torch.zeros(B, nb, dtype=torch.long, device=dev)
-    done_flag = torch.zeros(B, nb, dtype=torch.bool, device=dev)
-    improvable = torch.ones(B, 1, dtype=torch.bool, device=dev)
-
-    # prefill the B prompts once, then copy each row's cache to its beams
-    logits = _next_logits(model, input_ids, mask, past)
-    expand = torch.arange(B, device=dev).repeat_interleave(nb)
-    reorder_cache(past, expand)
-    logits = logits.index_select(0, expand)
-    if mask is not None:
-        mask = mask.index_select(0, expand)
-    cur = T0
-    while True:
-        V = logits.shape[-1]
-        logp = F.log_softmax(logits.float(), dim=-1).view(B, nb, V) + running_scores.unsqueeze(-1)
-        top_logp, top_idx = torch.topk(logp.view(B, nb * V), K)  # (B, K)
-        src, tok = top_idx // V, top_idx % V
-        cand = torch.take_along_dim(running, src.unsqueeze(-1), dim=1)  # (B, K, max_len)
-        cand[:, :, cur] = tok
-        ends = torch.full_like(tok, cur + 1 >= max_len, dtype=torch.bool)
-        if eos is not None:
-            ends |= tok == eos
-        # the best num_beams unfinished candidates run on
-        run_logp = top_logp + ends.float() * -1e9
-        keep = torch.topk(run_logp, nb)[1]  # (B, nb)
-        running = torch.take_along_dim(cand, keep.unsqueeze(-1), dim=1)
-        running_scores = torch.take_along_dim(run_logp, keep, dim=1)
-        parent = torch.take_along_dim(src, keep, dim=1)
-        # finished candidates among the top num_beams compete with the kept hypotheses
-        fin = ends & is_top
-        fin_scores = top_logp / ((cur + 1 - T0) ** length_penalty)
-        fin_scores = fin_scores + (~improvable).float() * -1e9
-        fin_scores = fin_scores + (~fin) * -1e9
-        merged = torch.topk(torch.cat([done_scores, fin_scores], dim=1), nb)[1]
-        done = torch.take_along_dim(torch.cat([done, cand], dim=1), merged.unsqueeze(-1), dim=1)
-        done_scores = torch.take_along_dim(torch.cat([done_scores, fin_scores], dim=1), merged, dim=1)
-        done_lens = torch.take_along_dim(torch.cat([done_lens, torch.full_like(tok, cur + 1 - T0)], dim=1),
-                                         merged, dim=1)
-        done_flag = torch.take_along_dim(torch.cat([done_flag, fin], dim=1), merged, dim=1)
-        cur += 1
-        # early_stopping=False heuristic: can the best running beam still beat the worst finished one?
-        best_running = running_scores[:, :1] / ((cur - T0) ** length_penalty)
-        worst_done = torch.where(done_flag, done_scores.min(dim=1, keepdim=True).values, -1e9)
-        improvable = improvable & (best_running > worst_done).any(dim=-1, keepdim=True)
-        if not bool(improvable.any()) or bool(ends.all()):
-            break
-        reorder_cache(past, (parent + batch_offset).flatten())
-        if mask is not None:
-            mask = torch.cat([mask, mask.new_ones(B * nb, 1)], dim=1)
-        step_ids = running[:, :, cur - 1].reshape(B * nb, 1)
-        logits = _next_logits(model, step_ids, mask, past)
-    return done[:, 0, :T0 + int(done_lens[:, 0].max())]
-
-
-def reorder_cache(cache, index: Tensor) -> None:
-    """Select batch rows of every :class:`KVCache` in ``cache`` (a KVCache, LayerCache, list of them or
-    :class:`EncoderDecoderCache`, whose memory and source mask follow)."""
-    if isinstance(cache, (KVCache, EncoderDecoderCache)):
-        cache.reorder(index)
-    elif isinstance(cache, LayerCache):
-        for c in (cache.self_attn, cache.cross_attn):
-            if c is not None:
-                c.reorder(index)
-    elif isinstance(cache, (list, tuple)):
-        for c in cache:
-            reorder_cache(c, index)
-    else:
-        raise TypeError("cache must be a KVCache, LayerCache, a list of them or an EncoderDecoderCache, "
-                        f"got {type(cache).__name__}")
 
 
 def _check_decoder_prompt(model, input_ids: Tensor, attention_mask: Optional[Tensor], max_new_tokens: int) -> None:
