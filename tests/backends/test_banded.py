@@ -185,5 +185,5 @@ def test_softcap_is_the_formula_and_refuses_a_bad_cap():
     got = attention(q * 10, k, v, score_mod=attnlab.softcap_score_mod(3.0))
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     for bad in (0, -1.0, float("inf"), float("nan"), "2", True):
-        with pytest.raises(ValueError, match="cap must be a finite number > 0"):
+        with pytest.raises(ValueError, match="cap must be a positive finite number"):
             attnlab.softcap_score_mod(bad)

@@ -214,3 +214,11 @@ def test_auto_never_takes_flex_on_the_cpu(request_, grad):
     assert dispatch.SPARSE_ORDER[0] == "flex"
     assert not flex.auto_when(q, k, v, **{**base, **request_})
     assert dispatch.select_backend(q, k, v, **{**base, **request_}).name == "tiled"
+
+
+def test_finite_fp16_inputs_whose_sum_exceeds_fp16_stay_on_the_fast_path():
+    """all_finite sums fp16 in fp32: 100,000 ones sum past fp16's 65504, yet hold no NaN or inf."""
+    ones = torch.ones(100_000, dtype=torch.float16)
+    assert dispatch.all_finite(ones, ones)
+    assert not dispatch.all_finite(ones, torch.tensor([float("nan")], dtype=torch.float16))
+    assert not dispatch.all_finite(torch.tensor([float("inf")], dtype=torch.float16))

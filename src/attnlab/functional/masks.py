@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from attnlab._checks import boolean, non_negative_int, positive_int
+from attnlab._checks import boolean, non_negative_int, positive_int, positive_number
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -150,10 +150,9 @@ def softcap_score_mod(cap: float) -> Callable:
     window path) computes the backward in closed form, with no autograd inside the blocks.
 
     Raises:
-        ValueError: ``cap`` is not a finite number > 0.
+        ValueError: ``cap`` is not a positive finite number.
     """
-    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < float("inf"):
-        raise ValueError(f"cap must be a finite number > 0, got {cap!r}")
+    positive_number("cap", cap, finite=True)
     cap = float(cap)
 
     def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:

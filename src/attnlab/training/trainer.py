@@ -233,8 +233,7 @@ class Trainer:
             raise ValueError(f"{self.out_dir} already holds checkpoints (latest {latest.name}): "
                              "resume to continue, or choose a new output folder")
         if latest is not None:  # the newest checkpoint that reads (a torn or empty newer one is skipped, warned)
-            # read onto the CPU: load_state_dict moves weights and optimizer state to their parameters' device, and
-            # the RNG states must stay CPU byte tensors
+            # read onto the CPU: load_state_dict moves weights and optimizer state to their parameters' device
             latest, state = latest_intact_checkpoint(self.out_dir, map_location="cpu",
                                                      warn=None if main else (lambda line: None))
             self.load_state_dict(state)
