@@ -151,6 +151,11 @@ def fitted_iters(checkout: Path, settings, *, budget_s: float, eval_iters: int, 
     flags += ["--max_iters=1000000", "--lr_decay_iters=1000000", f"--eval_interval={PROBE_EVAL}"]
     env = {**prepare(checkout, work=work, threads=threads), "PYTHONUNBUFFERED": "1"}
     lines, _, _, _ = follow([sys.executable, "train.py", *flags], cwd=work, env=env, deadline_s=probe_s)
+    return fit_budget(lines, budget_s=budget_s, eval_iters=eval_iters, probe_s=probe_s)
+
+
+def fit_budget(lines: list[tuple[float, str]], *, budget_s: float, eval_iters: int, probe_s: float) -> dict:
+    """:func:`fitted_iters`' arithmetic on the probe's stamped ``(seconds, line)`` output."""
     evals = [t for t, line in lines if EVAL_LINE.match(line)]
     iters = {int(m[1]): t for t, line in lines if (m := ITER_LINE.match(line))}
     steps = sorted(n for n in iters if n >= 2 and n - 1 in iters and n != PROBE_EVAL)

@@ -21,7 +21,7 @@ NANOGPT = os.environ.get("ATTNLAB_NANOGPT_DIR")
 sys.path.insert(0, str(BENCH))
 
 from _mfu import matmul_params, settings_flops, train_flops  # noqa: E402
-from nanogpt_upstream import PROBE_EVAL, fitted_iters, follow, may_be_saving  # noqa: E402
+from nanogpt_upstream import PROBE_EVAL, fit_budget, fitted_iters, follow, may_be_saving  # noqa: E402
 
 
 def _settings(**overrides):
@@ -155,3 +155,24 @@ def test_nanogpts_iterations_are_fitted_to_the_budget_by_a_probe(tmp_path):
     assert fit["iters"] % 10 == 0 and fit["iters"] > PROBE_EVAL
     planned = fit["start_s"] + 11 * fit["eval_s"] + fit["iters"] * fit["s_per_iter"]
     assert 60.0 - 10 * fit["s_per_iter"] < planned <= 60.0
+
+
+def test_the_budget_fit_reads_iteration_and_evaluation_times_from_the_stamped_lines():
+    """Synthetic probe output: start-up 2 s, evaluation 3 s (step 0's line at 5 s), 0.5 s per iteration, and a 3 s
+    evaluation with its checkpoint before iteration PROBE_EVAL. 600 s then hold 2 + 11·3 + n·0.5: n = 1130."""
+    lines, t = [(5.0, "step 0: train loss 4.1000, val loss 4.1000")], 5.0
+    for n in range(PROBE_EVAL + 20):
+        if n == PROBE_EVAL:
+            lines.append((t + 3.0, f"step {n}: train loss 2.0000, val loss 2.1000"))
+            lines.append((t + 3.0, "saving checkpoint to out"))
+            t += 3.0
+        t += 0.5
+        lines.append((t, f"iter {n}: loss 2.0000, time 500.00ms, mfu 1.00%"))
+    fit = fit_budget(lines, budget_s=600.0, eval_iters=10, probe_s=60.0)
+    assert fit["s_per_iter"] == pytest.approx(0.5) and fit["eval_s"] == pytest.approx(3.0)
+    assert fit["start_s"] == pytest.approx(2.0) and fit["iters"] == 1130
+    # no second evaluation seen: e = 2 · eval_iters forwards at r / 3 each
+    short = fit_budget(lines[:30], budget_s=600.0, eval_iters=10, probe_s=60.0)
+    assert short["eval_s"] == pytest.approx(2 * 10 * 0.5 / 3)
+    with pytest.raises(SystemExit, match="too few to time it"):
+        fit_budget(lines[:5], budget_s=600.0, eval_iters=10, probe_s=60.0)
