@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	$(PY) -m attnlab._native  # attnlab's C++ kernels, built once (without a compiler: PyTorch's kernels, said here)
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -13,6 +13,7 @@ import json
 import os
 import platform
 
+from attnlab import _native
 from attnlab._runtime import probe, resolve_dtype
 
 
@@ -30,7 +31,7 @@ def report(*, measure: bool = True) -> dict:
         **cap.as_dict(), "mkldnn": torch.backends.mkldnn.is_available(),
         "overrides": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")
                       if k in os.environ},
-        "auto_dtype": dtype, "auto_dtype_reason": reason, "auto_device": device,
+        "auto_dtype": dtype, "auto_dtype_reason": reason, "auto_device": device, "native_kernels": _native.status(),
     }
 
 
@@ -69,6 +70,7 @@ def main(args: argparse.Namespace) -> int:
     for k, v in r["overrides"].items():
         rows.append((f"override {k}", v))
     rows.append(("dtype=auto", f"{r['auto_dtype']} ({r['auto_dtype_reason']})"))
+    rows.append(("attnlab C++ kernels", r["native_kernels"]))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

@@ -202,7 +202,11 @@ def test_optimize_for_inference_bfloat16_is_weight_only_bf16(tmp_path):
     cache = ours.new_cache(max_length=12)
     steps = [ours(ids[:, :5], past_key_values=cache, use_cache=True).logits]
     steps += [ours(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(5, 12)]
-    assert (torch.cat(steps, 1) - got).abs().max() <= 1e-5
+    # the one-row steps may run attnlab's matvec (fp32 activations, bf16 weights) where the full forward rounds
+    # activations and outputs to bf16 for its GEMM: the two agree to bf16 rounding, as each does with fp32
+    tol = 1e-5 if not ours.layers[0].ffn.w1.native else 0.03 * ref.abs().max()
+    assert (torch.cat(steps, 1) - got).abs().max() <= tol
+    assert (torch.cat(steps, 1) - ref).abs().max() <= 0.03 * ref.abs().max()
     ours.save_pretrained(tmp_path / "bf16")
     again = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "bf16", dtype=torch.float32).eval()
     assert (again(ids).logits - got).abs().max() <= 0.03 * ref.abs().max()

@@ -40,18 +40,26 @@ def _close(y, ref, dtype):
     return ((y - ref).abs() <= 2**-7 * ref.abs() + 1e-6).all()
 
 
+NATIVE = inference._native.available()
+
+
+def _native_off(monkeypatch):
+    monkeypatch.setattr(inference, "_native_rows", lambda w, rows: False)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("packed", [True, False], ids=["onednn", "plain"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("rows", [1, 7])
 def test_packed_linear_equals_the_product(dtype, packed, bias, rows, monkeypatch):
+    _native_off(monkeypatch)
     if packed and not HAS_ONEDNN[dtype]:
         pytest.skip(f"this torch build or CPU has no oneDNN {dtype} inner product")
     if not packed:
         monkeypatch.setattr(inference, "_packable", lambda w: False)
     lin = _linear(bias=bias)
     p = PackedLinear(lin, dtype=dtype)
-    assert p.packed is packed
+    assert p.packed is packed and not p.native
     x = torch.randn(2, rows, 48)
     y = p(x)
     assert y.dtype == torch.float32 and y.shape == (2, rows, 80)
@@ -59,6 +67,26 @@ def test_packed_linear_equals_the_product(dtype, packed, bias, rows, monkeypatch
     assert torch.equal(p.weight, lin.weight.detach().to(dtype))
     if not packed:  # the fallback keeps out >= in weights column-major, MKL's faster GEMV layout
         assert p.weight_.t().is_contiguous()
+
+
+@pytest.mark.skipif(not NATIVE, reason="attnlab's native kernels are not built here (attnlab env says why)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", [1, 3, 7])
+def test_native_rows_equal_the_product_of_the_rounded_weight(dtype, bias, rows):
+    """A layer packed for few rows keeps ``W`` plain for attnlab's matvec: ≤ MAX_ROWS rows run it (x stays
+    float32, only ``W`` and ``b`` are rounded to ``dtype``), more rows ``F.linear``. Oracle: float64 product of
+    x and the rounded weight and bias; float32 summation over 48 terms of size ≤ 4: ≤ 1e-5."""
+    lin = _linear(bias=bias)
+    p = PackedLinear(lin, dtype=dtype, rows=1)
+    assert p.native and not p.packed and p.weight_.is_contiguous() and p.weight_.dtype == dtype
+    x = torch.randn(rows, 48)
+    r = (lambda t: None if t is None else t.to(dtype).double())
+    ref = F.linear(x.double(), r(lin.weight), r(lin.bias))
+    y = p(x)
+    assert y.dtype == torch.float32 and (y.double() - ref).abs().max() <= 1e-5
+    many = torch.randn(2, 9, 48)  # 18 rows > MAX_ROWS: F.linear on the same plain weight
+    assert _close(p(many), _expected(many, lin, dtype), dtype)
 
 
 def test_packed_linear_state_dict_round_trip():
@@ -144,20 +172,28 @@ def test_packed_linear_follows_module_to(bias):
     p = PackedLinear(lin, rows=1)
     x = torch.randn(3, 48)
     before = p(x)
-    assert p.to("cpu") is p and p.packed == HAS_ONEDNN[torch.float32] and torch.equal(p(x), before)
+    layout = (p.native, p.packed)
+    assert layout == (True, False) if NATIVE else layout == (False, HAS_ONEDNN[torch.float32])
+    assert p.to("cpu") is p and (p.native, p.packed) == layout and torch.equal(p(x), before)
     p.to(torch.float64)
-    assert p.dtype == torch.float64 and not p.packed and p.weight.dtype == torch.float64
+    assert p.dtype == torch.float64 and not p.packed and not p.native and p.weight.dtype == torch.float64
     y = p(x.double())
     ref = F.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())
     assert y.dtype == torch.float64 and (y - ref).abs().max() <= 1e3 * torch.finfo(torch.float64).eps
     p.float()
-    assert p.dtype == torch.float32 and p.packed == HAS_ONEDNN[torch.float32]
+    assert p.dtype == torch.float32 and (p.native, p.packed) == layout
     assert (p(x) - before).abs().max() <= 1e-5
 
 
-def test_a_tied_linear_shares_the_embedding_table():
-    """``share_tied`` (float32): the tied layer reads the embedding's table in place, stored column-major,
-    so the weights are held once; lookups and products keep their values."""
+@pytest.mark.parametrize("native", [True, False], ids=["native", "mkl"])
+def test_a_tied_linear_shares_the_embedding_table(native, monkeypatch):
+    """``share_tied`` (float32): the tied layer reads the embedding's table in place — row-major for attnlab's
+    matvec, else stored column-major for MKL's GEMV — so the weights are held once; lookups and products keep
+    their values."""
+    if native and not NATIVE:
+        pytest.skip("attnlab's native kernels are not built here (attnlab env says why)")
+    if not native:
+        _native_off(monkeypatch)
     torch.manual_seed(0)
     emb = nn.Embedding(50, 16)
     head = nn.Linear(16, 50, bias=False)
@@ -167,10 +203,13 @@ def test_a_tied_linear_shares_the_embedding_table():
     ref_rows, ref_logits = emb(ids), F.linear(x, emb.weight)
     optimize_linears_(model, rows=1)
     p = model["head"]
-    assert not p.packed and p.weight_.data_ptr() == emb.weight.data_ptr() and emb.weight.t().is_contiguous()
+    assert not p.packed and p.native == native and p.weight_.data_ptr() == emb.weight.data_ptr()
+    assert emb.weight.is_contiguous() if native else emb.weight.t().is_contiguous()
     assert torch.equal(emb(ids), ref_rows) and (p(x) - ref_logits).abs().max() <= 1e-5
     assert inference.decode_weight_bytes(model) == 50 * 16 * 4  # one table: the head reads it whole
     other = nn.ModuleDict({"emb": nn.Embedding(50, 16), "head": nn.Linear(16, 50, bias=False)})
     other["head"].weight = other["emb"].weight
     optimize_linears_(other, rows=1, share_tied=False)
-    assert other["head"].packed == HAS_ONEDNN[torch.float32] and other["emb"].weight.is_contiguous()
+    head = other["head"]
+    assert head.native == native and head.packed == (HAS_ONEDNN[torch.float32] and not native)
+    assert other["emb"].weight.is_contiguous() and head.weight.data_ptr() != other["emb"].weight.data_ptr()

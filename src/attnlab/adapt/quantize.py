@@ -14,6 +14,12 @@ Two modes:
   ``compute_dtype`` (bfloat16 by default: the fast CPU kernel; float32 is exact but slow). Decoding one
   token reads every weight once, so 1-byte weights cut the memory traffic 4× against float32.
 
+A few rows at a time (a decoding step: at most :data:`attnlab._native.MAX_ROWS`), on a CPU where attnlab's
+native kernel is built, both modes run it instead: each row of ``x`` is rounded to 16-bit integers
+(``x ≈ s_x Q_x``, ``s_x = max|x| / 32767``, finer than either mode's own rounding of the activations) and
+``y = s_x s_i (Q_x Q_iᵀ) + b`` is summed in integers, reading the int8 weight once at memory speed
+(:func:`attnlab._native.matvec`).
+
 Embeddings are stored the same way (int8 rows + a scale per row) and dequantised row by row on
 lookup; an output head tied to the token embedding (GPT-2) shares its int8 matrix, so it is
 stored once. Quantised layers keep ``.weight`` (dequantised on access) and ``.bias``, so code that
@@ -30,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab import _native
 from attnlab._checks import one_of
 
 MODES = ("int8", "int8-weight")
@@ -86,6 +93,10 @@ class Int8Linear(nn.Module):
         return self._packed
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.device.type == "cpu" and x.numel() <= _native.MAX_ROWS * self.in_features and _native.available():
+            y = _native.matvec(x.reshape(-1, self.in_features).float().contiguous(), self.weight_int8,
+                               self.weight_scale, None if self.bias is None else self.bias.float())
+            return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         if self.mode == "int8":
             return torch.ops.quantized.linear_dynamic(x.float(), self._fbgemm(), True).to(x.dtype)
         shape = x.shape

@@ -15,6 +15,13 @@ CPU that depends on the layout:
   is rounded to bf16, the product accumulates in fp32 and the bf16 output is cast back, so norms,
   softmax, the residual stream and the KV cache keep fp32.
 
+- attnlab's own matrix–vector kernel (:func:`attnlab._native.matvec`, C++) streams a plain row-major ``W``
+  (float32, or bfloat16 widened in registers) over all threads at the speed of memory; where it is built
+  (``make setup``) a layer packed for few rows (``rows`` ≤ :data:`~attnlab._native.MAX_ROWS`, a decoder's
+  step) keeps ``W`` plain for it and multiplies more rows (a prompt's prefill) with ``F.linear``. In bf16 its
+  input and output stay float32 (only the weight is rounded), where the many-row bf16 product rounds them
+  too: a decoding step's logits and a full forward's then agree to bf16 rounding, not float32's.
+
 :class:`InferenceLayoutMixin` gives a model ``optimize_for_inference(dtype=...)``, which converts
 every linear layer at once.
 """
@@ -26,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab import _native
 from attnlab._checks import one_of, positive_int
 
 INFERENCE_DTYPES = (torch.float32, torch.bfloat16)
@@ -40,6 +48,12 @@ def _packable(weight: Tensor) -> bool:
     if weight.device.type != "cpu" or _ONEDNN_LINEAR is None or weight.dtype not in INFERENCE_DTYPES:
         return False
     return weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _native_rows(weight: Tensor, rows: Optional[int]) -> bool:
+    """attnlab's matrix–vector kernel serves a layer packed for a few rows on the CPU, where it is built."""
+    return (rows is not None and rows <= _native.MAX_ROWS and weight.device.type == "cpu"
+            and weight.dtype in INFERENCE_DTYPES and _native.available())
 
 
 class PackedLinear(nn.Module):
@@ -82,8 +96,12 @@ class PackedLinear(nn.Module):
     def _pack(self, weight: Tensor, bias: Optional[Tensor]) -> None:
         w = weight.to(self.dtype)  # (out, in); the same tensor when it already has the dtype
         self.bias_: Optional[Tensor] = None if bias is None else bias.to(self.dtype).contiguous()  # (out,)
-        self.packed = self.pack and _packable(w)
-        if self.packed:  # oneDNN's opaque blocked tensor
+        self.native = _native_rows(w, self.rows)
+        self.bias32 = None if bias is None or not self.native else self.bias_.float()  # the kernel's (rounded) bias
+        self.packed = self.pack and not self.native and _packable(w)
+        if self.native:  # plain rows for attnlab's matvec (F.linear for many rows): a copy, or shared without pack
+            self.weight_ = w.contiguous() if not self.pack else w.clone(memory_format=torch.contiguous_format)
+        elif self.packed:  # oneDNN's opaque blocked tensor
             self.weight_ = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), self.rows)
         else:  # column-major (no copy when it already is) for MKL's GEMV, else rows
             self.weight_ = w.t().contiguous().t() if self.out_features >= self.in_features else w.contiguous()
@@ -111,6 +129,9 @@ class PackedLinear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"PackedLinear expected last dim {self.in_features}, got shape {tuple(x.shape)}")
         xw = x.reshape(-1, self.in_features)  # (N, in)
+        if self.native and xw.shape[0] <= _native.MAX_ROWS:
+            y = _native.matvec(xw.float().contiguous(), self.weight_, None, self.bias32)
+            return y.to(x.dtype).view(x.shape[:-1] + (self.out_features,))
         if xw.dtype != self.dtype:
             xw = xw.to(self.dtype)
         if self.packed:
@@ -151,7 +172,7 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias_ is not None}, "
-                f"dtype={self.dtype}, packed={self.packed}, rows={self.rows}")
+                f"dtype={self.dtype}, packed={self.packed}, native={self.native}, rows={self.rows}")
 
 
 def optimize_linears_(module: nn.Module, *, dtype: torch.dtype = torch.float32, rows: Optional[int] = None,
@@ -173,7 +194,9 @@ def optimize_linears_(module: nn.Module, *, dtype: torch.dtype = torch.float32, 
                if isinstance(child, nn.Linear)]
     for parent, name, child in targets:
         table = tables.get(id(child.weight)) if share_tied and dtype == torch.float32 else None
-        if table is not None and table.dtype == dtype and not table.t().is_contiguous():
+        # attnlab's matvec reads the table's rows as they are; MKL's GEMV streams it column-major fastest
+        if table is not None and table.dtype == dtype and not table.t().is_contiguous() \
+                and not _native_rows(table, rows):
             with torch.no_grad():
                 table.data = table.data.t().contiguous().t()  # column-major, same values: one copy, now
         setattr(parent, name, PackedLinear(child, dtype=dtype, rows=rows, pack=table is None))

@@ -1,0 +1,109 @@
+"""attnlab's own C++ CPU kernels (``src/attnlab/csrc/``), built once per machine, with PyTorch's kernels as the fallback.
+
+:func:`matvec` is the few-row linear product of a decoding step, ``y = s ⊙ (x Wᵀ) + b`` with ``W`` in float32,
+bfloat16 or int8 (``s``: one scale per row), streamed at memory bandwidth (see ``csrc/matvec.cpp``).
+
+The library is compiled with :func:`torch.utils.cpp_extension.load` (a C++ compiler and ``ninja``) into
+``$ATTNLAB_NATIVE_DIR`` or ``~/.cache/attnlab/native/<torch version>-<source hash>``: ``make setup`` builds it
+(``python -m attnlab._native``), otherwise the first use does (~30 s, once per machine, logged). Where it cannot
+be built or loaded (no compiler, ``ATTNLAB_NATIVE=0``), :func:`available` is False, one log line says why, and
+callers use PyTorch's kernels: the same products up to float32 summation order.
+
+The instruction set follows torch's (:func:`torch.backends.cpu.get_cpu_capability`): AVX-512, AVX2 + FMA, or
+portable C++, so ``ATEN_CPU_CAPABILITY=avx2`` runs the AVX2 code here as it does in ATen.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "matvec.cpp",)  # compiled; it includes CSRC's headers
+MAX_ROWS = 8  # the kernel's regime: a decode step's rows (batch); more rows are a GEMM, better left to oneDNN/MKL
+_ISA_CODES = {"AVX512": 2, "AVX2": 1}
+_state: dict = {}  # "loaded": bool, "why": str, "isa": int
+
+
+def build_directory() -> Path:
+    """Where the library is built: ``$ATTNLAB_NATIVE_DIR``, else the user cache, keyed by torch, Python and the
+    source (a changed source builds anew)."""
+    if os.environ.get("ATTNLAB_NATIVE_DIR"):
+        return Path(os.environ["ATTNLAB_NATIVE_DIR"])
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(CSRC.iterdir()) if p.is_file())).hexdigest()[:12]
+    tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}-{digest}"
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "attnlab" / "native" / tag
+
+
+def _load() -> None:
+    if os.environ.get("ATTNLAB_NATIVE", "1") == "0":
+        _state.update(loaded=False, why="disabled by ATTNLAB_NATIVE=0")
+        return
+    try:
+        from torch.utils import cpp_extension
+
+        venv_bin = Path(sys.executable).parent  # the ninja of attnlab's dependencies, in an unactivated venv
+        if shutil.which("ninja") is None and (venv_bin / "ninja").exists():
+            os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
+        where = build_directory()
+        where.mkdir(parents=True, exist_ok=True)
+        if not any(where.glob("attnlab_native*.so")):
+            log.warning("attnlab: building the native CPU kernels in %s (once per machine, ~30 s)", where)
+        cpp_extension.load(name="attnlab_native", sources=[str(p) for p in SOURCES], build_directory=str(where),
+                           extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        _state.update(loaded=True, why="")
+    except Exception as e:  # no compiler, no ninja, a failed build: PyTorch's kernels serve instead
+        why = " ".join(str(e).split())  # the compiler's message is at the end
+        why = why if len(why) <= 300 else "…" + why[-300:]
+        _state.update(loaded=False, why=f"{type(e).__name__}: {why}")
+        log.warning("attnlab: native CPU kernels unavailable, using PyTorch's (%s)", _state["why"])
+
+
+def available() -> bool:
+    """Whether the native kernels are loaded (building them on the first call if needed)."""
+    if "loaded" not in _state:
+        _load()
+    return _state["loaded"]
+
+
+def status() -> str:
+    """One line for ``attnlab env``: loaded (with the instruction set used) or why not."""
+    if available():
+        return f"loaded ({ {2: 'AVX-512', 1: 'AVX2 + FMA', 0: 'portable C++'}[isa()] }; {build_directory()})"
+    return f"unavailable: {_state['why']}"
+
+
+def isa() -> int:
+    """The instruction set the kernels use: 2 = AVX-512, 1 = AVX2 + FMA, 0 = portable (torch's capability)."""
+    if "isa" not in _state:
+        _state["isa"] = _ISA_CODES.get(torch.backends.cpu.get_cpu_capability(), 0)
+    return _state["isa"]
+
+
+def matvec(x: Tensor, w: Tensor, scale: Optional[Tensor] = None, bias: Optional[Tensor] = None) -> Tensor:
+    """``y[m, n] = s[n] · Σ_k W[n, k] x[m, k] + b[n]``: ``x (M, K)`` float32, ``w (N, K)`` float32 / bfloat16 /
+    int8 (then ``scale (N,)`` float32 is required), ``bias (N,)`` float32; returns ``(M, N)`` float32.
+
+    The inputs must be contiguous CPU tensors (the op checks).
+
+    Raises:
+        RuntimeError: the native kernels are not :func:`available` (callers check that first).
+    """
+    if not _state.get("loaded") and not available():
+        raise RuntimeError(f"attnlab's native kernels are unavailable here: {_state['why']}")
+    return torch.ops.attnlab.matvec(x, w, scale, bias, isa())
+
+
+if __name__ == "__main__":  # ``python -m attnlab._native``: build now (make setup), say the outcome
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(f"attnlab native kernels: {status()}")

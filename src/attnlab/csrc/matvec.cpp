@@ -1,0 +1,230 @@
+// attnlab::matvec — the few-row linear product of a decoding step, streamed at memory bandwidth.
+//
+//     y[m, n] = s[n] · Σ_k W[n, k] · x[m, k] + b[n]        (s = 1 without a scale, b = 0 without a bias)
+//
+// x: (M, K) float32, W: (N, K) row-major in float32, bfloat16 or int8 (with s: one float32 scale per row),
+// y: (M, N) float32. Decoding one token reads every weight once and does 2 flops per weight, so the
+// product runs at the speed W streams from memory: the kernel reads each row of W in order, in vectors
+// (U of them in flight), converts them to float32 in registers (bf16: a 16-bit shift or a mask) and
+// multiplies them into every row of x (2 at a time), accumulating in float32; the rows are split over
+// torch's intra-op threads. With float32 and bf16 weights x stays float32 (the weight is the only thing
+// rounded); with int8 weights each row of x is rounded to 16-bit integers (relative error ≤ 2⁻¹⁶ of the
+// row's largest |x|, finer than bf16) and the products run in integer arithmetic (madd), scaled at the end.
+//
+// The instruction set is chosen by the caller (`isa`: 2 = AVX-512, 1 = AVX2 + FMA, 0 = portable C++),
+// from torch.backends.cpu.get_cpu_capability(), so ATEN_CPU_CAPABILITY=avx2 selects the AVX2 code here too.
+// The vector code is written once (matvec_rows.h) and compiled for each instruction set in its own
+// `#pragma GCC target` region, with that set's vector operations (struct V).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define ATTNLAB_X86 1
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+namespace {
+
+enum Kind { F32, BF16, I8 };
+constexpr int U = 4;  // vectors of a row in flight (independent accumulators)
+constexpr int64_t FLUSH = 2048;  // int8: int32 sums moved to float32 this often (|sum| < 2048 · 127 · 32767 < 2³¹)
+
+struct Job {
+  const void* w;
+  const float* x;
+  const float* xd;     // bf16 only: each row of x as its even then its odd columns (K/2 each, K even)
+  const int16_t* xq;   // int8 only: each row of x rounded to 16-bit integers, x ≈ xs[m] · xq[m]
+  const float* xs;
+  const float* scale;  // nullptr: 1
+  const float* bias;   // nullptr: 0
+  float* y;
+  int64_t M, N, K;
+};
+
+template <int KIND>
+inline float load1(const void* w, int64_t i) {
+  if constexpr (KIND == F32) {
+    return static_cast<const float*>(w)[i];
+  } else if constexpr (KIND == BF16) {
+    uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(w)[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  } else {
+    return static_cast<float>(static_cast<const int8_t*>(w)[i]);
+  }
+}
+
+inline void finish(const Job& j, int64_t m, int64_t n, float acc) {
+  if (j.scale) acc *= j.scale[n];
+  if (j.bias) acc += j.bias[n];
+  j.y[m * j.N + n] = acc;
+}
+
+// Columns [k0, K) of row n, one x row at a time (the vector loops' remainder, and the portable kernel).
+template <int KIND>
+inline float dot_tail(const Job& j, int64_t n, const float* x, int64_t k0) {
+  float acc = 0.f;
+  for (int64_t k = k0; k < j.K; ++k) acc += load1<KIND>(j.w, n * j.K + k) * x[k];
+  return acc;
+}
+
+template <int KIND>
+void rows_portable(const Job& j, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < j.M; ++m) finish(j, m, n, dot_tail<KIND>(j, n, j.x + m * j.K, 0));
+}
+
+#ifdef ATTNLAB_X86
+// ---- AVX-512: 16 floats per vector ------------------------------------------------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw")  // what torch's AVX512 capability requires (and more)
+namespace avx512 {
+struct V {
+  using F = __m512;
+  using I = __m512i;
+  static constexpr int64_t L = 16;
+  static inline F zero() { return _mm512_setzero_ps(); }
+  static inline I izero() { return _mm512_setzero_si512(); }
+  static inline F load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static inline F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static inline I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
+  static inline F to_float(I a) { return _mm512_cvtepi32_ps(a); }
+  static inline float sum(F a) { return _mm512_reduce_add_ps(a); }
+  // L pairs of bf16 (2L weights): a 32-bit lane holding (w[2i], w[2i+1]) is w[2i+1] as a float once its low
+  // 16 bits are cleared, and w[2i] once shifted left by 16 (two cheap integer ops, no conversion)
+  static inline void bf16_pairs(const uint16_t* w, F& even, F& odd) {
+    I v = _mm512_loadu_si512(w);
+    even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  // 2L int8 weights times 2L int16 x, adjacent pairs summed: L int32
+  static inline I madd_i8(const int8_t* w, const int16_t* x) {
+    return _mm512_madd_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))),
+                             _mm512_loadu_si512(x));
+  }
+};
+#include "matvec_rows.h"
+}  // namespace avx512
+#pragma GCC pop_options
+
+// ---- AVX2 + FMA: 8 floats per vector ----------------------------------------------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+struct V {
+  using F = __m256;
+  using I = __m256i;
+  static constexpr int64_t L = 8;
+  static inline F zero() { return _mm256_setzero_ps(); }
+  static inline I izero() { return _mm256_setzero_si256(); }
+  static inline F load(const float* p) { return _mm256_loadu_ps(p); }
+  static inline F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static inline F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static inline I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
+  static inline F to_float(I a) { return _mm256_cvtepi32_ps(a); }
+  static inline float sum(F v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  static inline void bf16_pairs(const uint16_t* w, F& even, F& odd) {
+    I v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  static inline I madd_i8(const int8_t* w, const int16_t* x) {
+    return _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))),
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  }
+};
+#include "matvec_rows.h"
+}  // namespace avx2
+#pragma GCC pop_options
+#endif  // ATTNLAB_X86
+
+// ---- the op ----------------------------------------------------------------------------------------------
+using RowsFn = void (*)(const Job&, int64_t, int64_t);
+
+template <int KIND>
+RowsFn pick(int64_t isa) {
+#ifdef ATTNLAB_X86
+  if (isa >= 2) return avx512::rows<KIND>;
+  if (isa == 1) return avx2::rows<KIND>;
+#endif
+  return rows_portable<KIND>;
+}
+
+at::Tensor matvec(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale,
+                  const std::optional<at::Tensor>& bias, int64_t isa) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "attnlab::matvec: x and w must be CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "attnlab::matvec: x must be a contiguous float32 (M, K) tensor, got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
+              "attnlab::matvec: w must be a contiguous (N, K) tensor with K = ", x.size(1), ", got ", w.sizes());
+  const auto wt = w.scalar_type();
+  TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kChar,
+              "attnlab::matvec: w must be float32, bfloat16 or int8, got ", wt);
+  TORCH_CHECK(wt != at::kChar || scale.has_value(), "attnlab::matvec: an int8 w needs its per-row scale");
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  for (const auto* t : {&scale, &bias}) {
+    if (t->has_value()) {
+      const at::Tensor& v = **t;
+      TORCH_CHECK(v.device().is_cpu() && v.dim() == 1 && v.size(0) == N && v.scalar_type() == at::kFloat &&
+                      v.is_contiguous(),
+                  "attnlab::matvec: scale and bias must be contiguous float32 (N,) = (", N, ",) tensors, got ",
+                  v.sizes(), " ", v.scalar_type());
+    }
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor xd;  // bf16 (vector kernels, K even): x's even then odd columns, row by row
+  if (wt == at::kBFloat16 && isa > 0 && K % 2 == 0) {  // (K odd: the portable kernel)
+    xd = at::empty({M, K}, x.options());
+    const float* src = x.data_ptr<float>();
+    float* dst = xd.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) dst[m * K + (k % 2) * (K / 2) + k / 2] = src[m * K + k];
+  }
+  at::Tensor xq, xs;  // int8 (vector kernels): x ≈ xs[m] · xq[m], xq = round(x / xs), xs = max|x[m]| / 32767
+  if (wt == at::kChar && isa > 0) {
+    xq = at::empty({M, K}, x.options().dtype(at::kShort));
+    xs = at::empty({M}, x.options());
+    const float* src = x.data_ptr<float>();
+    int16_t* q = xq.data_ptr<int16_t>();
+    float* sc = xs.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) {
+      float amax = 0.f;
+      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::abs(src[m * K + k]));
+      sc[m] = amax > 0.f ? amax / 32767.f : 1.f;
+      const float inv = 1.f / sc[m];
+      for (int64_t k = 0; k < K; ++k) q[m * K + k] = static_cast<int16_t>(std::nearbyint(src[m * K + k] * inv));
+    }
+  }
+  Job j{w.data_ptr(), x.data_ptr<float>(), xd.defined() ? xd.data_ptr<float>() : nullptr,
+        xq.defined() ? xq.data_ptr<int16_t>() : nullptr, xs.defined() ? xs.data_ptr<float>() : nullptr, scale ? scale->data_ptr<float>() : nullptr,
+        bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, N, K};
+  RowsFn fn = wt == at::kFloat      ? pick<F32>(isa)
+              : wt == at::kBFloat16 ? pick<BF16>(xd.defined() ? isa : 0)
+                                    : pick<I8>(isa);
+  // ~256 KiB of weight per task at least: small matrices stay on one thread
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, K * w.element_size()));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { fn(j, n0, n1); });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(attnlab, m) {
+  m.def("matvec(Tensor x, Tensor w, Tensor? scale, Tensor? bias, int isa) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(attnlab, CPU, m) { m.impl("matvec", &matvec); }

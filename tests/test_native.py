@@ -1,0 +1,158 @@
+"""attnlab's C++ kernels (attnlab._native): the matvec op against a float64 oracle on every instruction set this
+CPU runs, its errors, the loader's fallback, and the layers that call it.
+
+Tolerances follow from the arithmetic: a float32 sum of K products is within ``K · 2⁻²⁴ · Σ_k |x_k w_k|`` of
+the exact sum (the standard bound, γ_K), and the row scale and the bias add one rounding each; int8 weights multiply x rounded to 16-bit integers per row, which
+adds at most ``s_x / 2 · Σ_k |s_n q_nk|`` (``s_x = max|x| / 32767``).
+"""
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnlab import _native
+
+pytestmark = pytest.mark.skipif(not _native.available(), reason="attnlab's native kernels are not built here "
+                                "(a C++ compiler and ninja are needed; `attnlab env` says why)")
+
+CAP = _native._ISA_CODES.get(torch.backends.cpu.get_cpu_capability(), 0)
+ISAS = [i for i in (2, 1, 0) if i <= CAP]  # the instruction sets this CPU runs
+EPS32 = 2.0**-24
+
+
+@pytest.fixture
+def isa(request, monkeypatch):
+    monkeypatch.setitem(_native._state, "isa", request.param)
+    return request.param
+
+
+def _weights(kind, N, K, gen):
+    if kind == "int8":
+        return torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=gen), torch.rand(N, generator=gen) + 0.1
+    w = torch.randn(N, K, generator=gen) * 3
+    return w.to(torch.bfloat16 if kind == "bf16" else torch.float32), None
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=lambda i: {2: "avx512", 1: "avx2", 0: "portable"}[i])
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("M,N,K", [(1, 300, 768), (2, 65, 256), (3, 17, 50), (5, 9, 33), (8, 4, 7), (1, 3, 1),
+                                   (2, 6, 4500)])
+def test_matvec_equals_the_float64_product(isa, kind, M, N, K):
+    """Shapes cover every path: whole vector groups, single vectors, scalar tails (K % 16, K odd, K < 8),
+    rows in pairs and alone (M odd), and an int8 row longer than the integer flush interval (K = 4500)."""
+    gen = torch.Generator().manual_seed(M * 1000 + K)
+    x = torch.randn(M, K, generator=gen) * 2
+    w, s = _weights(kind, N, K, gen)
+    b = torch.randn(N, generator=gen)
+    y = _native.matvec(x, w, s, b)
+    wd = w.double() * (1 if s is None else s.double()[:, None])
+    ref = x.double() @ wd.T + b.double()
+    # γ_K for the sum, plus one rounding each for the row scale and the bias
+    bound = (K + 2) * EPS32 * (x.double().abs() @ wd.abs().T) + EPS32 * (b.double().abs() + ref.abs()) + 1e-12
+    if kind == "int8" and isa > 0:  # x rounded to int16 per row
+        sx = x.abs().amax(dim=1, keepdim=True).double() / 32767
+        bound = bound + sx / 2 * wd.abs().sum(dim=1)
+    assert y.shape == (M, N) and y.dtype == torch.float32
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_matvec_without_scale_or_bias_and_with_zero_rows(isa):
+    x = torch.zeros(2, 40)
+    w = torch.randn(5, 40)
+    assert torch.equal(_native.matvec(x, w), torch.zeros(2, 5))
+    q = torch.ones(5, 40, dtype=torch.int8)
+    assert torch.equal(_native.matvec(x, q, torch.ones(5)), torch.zeros(2, 5))  # max|x| = 0: scale 1, no NaN
+
+
+def test_matvec_propagates_nan_and_inf():
+    x = torch.randn(2, 64)
+    x[0, 3] = float("nan")
+    y = _native.matvec(x, torch.randn(4, 64))
+    assert y[0].isnan().all() and y[1].isfinite().all()
+    x[0, 3] = float("inf")
+    assert not _native.matvec(x, torch.randn(4, 64))[0].isfinite().any()
+
+
+def test_matvec_errors_name_the_argument():
+    x, w = torch.randn(2, 8), torch.randn(3, 8)
+    for args, what in [((x.double(), w), "x must be a contiguous float32"), ((x.t(), torch.randn(3, 2)), "x must"),
+                       ((x, torch.randn(3, 7)), "w must be a contiguous"), ((x, w.half()), "w must be float32"),
+                       ((x, w.to(torch.int8)), "per-row scale"), ((x, w, torch.ones(4)), "scale and bias")]:
+        with pytest.raises(RuntimeError, match=what):
+            _native.matvec(*args)
+
+
+def _run(code, **env):
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, **env})
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_the_instruction_set_follows_aten_cpu_capability():
+    code = "import attnlab._native as n; print(n.isa(), n.available(), n.status())"
+    assert _run(code, ATEN_CPU_CAPABILITY="default").startswith("0 True loaded (portable C++")
+    if CAP >= 1:
+        assert _run(code, ATEN_CPU_CAPABILITY="avx2").startswith("1 True loaded (AVX2 + FMA")
+
+
+def test_disabled_kernels_fall_back_to_pytorch_with_the_same_products():
+    code = ("import torch, attnlab._native as n; from attnlab.nn.inference import PackedLinear\n"
+            "torch.manual_seed(0); lin = torch.nn.Linear(32, 16); p = PackedLinear(lin, rows=1)\n"
+            "x = torch.randn(1, 32); print(n.available(), p.native, float((p(x) - lin(x)).abs().max()) <= 1e-5)\n"
+            "print(n.status())")
+    first, status = _run(code, ATTNLAB_NATIVE="0").splitlines()
+    assert first == "False False True" and status == "unavailable: disabled by ATTNLAB_NATIVE=0"
+
+
+def test_a_failed_build_logs_one_line_and_falls_back(monkeypatch, caplog, tmp_path):
+    from torch.utils import cpp_extension
+
+    def no_compiler(**kwargs):
+        raise RuntimeError("Error building extension 'attnlab_native': c++: not found")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setenv("ATTNLAB_NATIVE_DIR", str(tmp_path))
+    monkeypatch.setattr(_native, "_state", {})
+    with caplog.at_level(logging.WARNING, logger="attnlab._native"):
+        assert not _native.available() and not _native.available()  # tried once
+    assert "c++: not found" in _native.status()
+    assert [r.message for r in caplog.records if "unavailable" in r.message] == \
+        ["attnlab: native CPU kernels unavailable, using PyTorch's (RuntimeError: Error building extension "
+         "'attnlab_native': c++: not found)"]
+    with pytest.raises(RuntimeError, match="unavailable here"):
+        _native.matvec(torch.randn(1, 4), torch.randn(2, 4))
+
+
+def test_build_directory_is_keyed_by_torch_and_the_sources(monkeypatch, tmp_path):
+    monkeypatch.delenv("ATTNLAB_NATIVE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    d = _native.build_directory()
+    assert d.parent == tmp_path / "attnlab" / "native" and torch.__version__ in d.name
+    monkeypatch.setenv("ATTNLAB_NATIVE_DIR", str(tmp_path / "mine"))
+    assert _native.build_directory() == tmp_path / "mine"
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8-weight"])
+def test_int8_layers_run_it_for_few_rows(mode):
+    """Few rows of an Int8Linear (both modes) go through matvec: the int8 product of x's int16 rounding, within
+    the bound above of the float64 product of x and the dequantised weight; many rows keep their own kernels."""
+    from attnlab.adapt.quantize import Int8Linear
+
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 40)
+    q = Int8Linear.from_linear(lin, mode=mode)
+    x = torch.randn(3, 96)
+    wd = q.weight.double()
+    ref = x.double() @ wd.T + lin.bias.double()
+    sx = x.abs().amax(dim=1, keepdim=True).double() / 32767
+    bound = sx / 2 * wd.abs().sum(dim=1) + 96 * EPS32 * (x.double().abs() @ wd.abs().T) + 1e-6
+    assert ((q(x).double() - ref).abs() <= bound).all()
+    many = torch.randn(20, 96)  # > MAX_ROWS rows: fbgemm / _weight_int8pack_mm, int8 / bf16 activations
+    assert (q(many) - F.linear(many, q.weight, lin.bias)).abs().max() <= 0.05 * F.linear(many, q.weight).abs().max()
