@@ -31,7 +31,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "matvec.cpp",)  # compiled; it includes CSRC's headers
 MAX_ROWS = 8  # the kernel's regime: a decode step's rows (batch); more rows are a GEMM, better left to oneDNN/MKL
 _ISA_CODES = {"AVX512": 2, "AVX2": 1}
-_state: dict = {}  # "loaded": bool, "why": str, "isa": int
+_state: dict = {}  # "loaded": bool, "why": str, "isa": int, "op": the loaded op
 
 
 def build_directory() -> Path:
@@ -61,7 +61,8 @@ def _load() -> None:
             log.warning("attnlab: building the native CPU kernels in %s (once per machine, ~30 s)", where)
         cpp_extension.load(name="attnlab_native", sources=[str(p) for p in SOURCES], build_directory=str(where),
                            extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-        _state.update(loaded=True, why="")
+        _state.update(loaded=True, why="", op=torch.ops.attnlab.matvec.default)  # the overload: no resolution per call
+        isa()
     except Exception as e:  # no compiler, no ninja, a failed build: PyTorch's kernels serve instead
         why = " ".join(str(e).split())  # the compiler's message is at the end
         why = why if len(why) <= 300 else "…" + why[-300:]
@@ -99,9 +100,12 @@ def matvec(x: Tensor, w: Tensor, scale: Optional[Tensor] = None, bias: Optional[
     Raises:
         RuntimeError: the native kernels are not :func:`available` (callers check that first).
     """
-    if not _state.get("loaded") and not available():
-        raise RuntimeError(f"attnlab's native kernels are unavailable here: {_state['why']}")
-    return torch.ops.attnlab.matvec(x, w, scale, bias, isa())
+    op = _state.get("op")  # lean on purpose: a decode step calls this ~50 times
+    if op is None:
+        if not available():
+            raise RuntimeError(f"attnlab's native kernels are unavailable here: {_state['why']}")
+        op = _state["op"]
+    return op(x, w, scale, bias, _state["isa"])
 
 
 if __name__ == "__main__":  # ``python -m attnlab._native``: build now (make setup), say the outcome

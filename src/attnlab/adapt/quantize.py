@@ -68,6 +68,7 @@ class Int8Linear(nn.Module):
         self.mode, self.compute_dtype = mode, compute_dtype
         self.in_features, self.out_features = weight_int8.shape[1], weight_int8.shape[0]
         self._packed = None  # fbgemm's packed weight ("int8" mode), built on first use
+        self._native = None  # attnlab's matvec arguments, or False where it cannot run (_matvec_args)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, mode: str, compute_dtype: torch.dtype = torch.bfloat16,
@@ -92,11 +93,21 @@ class Int8Linear(nn.Module):
                 self._packed = torch.ops.quantized.linear_prepack(q, self.bias)
         return self._packed
 
+    def _matvec_args(self):
+        """``(Q, s, float32 bias)`` for attnlab's matvec where it can run (CPU, built), else False; kept until the
+        buffers change (``_apply``, ``load_state_dict``)."""
+        if self._native is None:
+            ok = self.weight_int8.device.type == "cpu" and _native.available()
+            self._native = ok and (self.weight_int8.contiguous(), self.weight_scale.float().contiguous(),
+                                   None if self.bias is None else self.bias.float().contiguous())
+        return self._native
+
     def forward(self, x: Tensor) -> Tensor:
-        if x.device.type == "cpu" and x.numel() <= _native.MAX_ROWS * self.in_features and _native.available():
-            y = _native.matvec(x.reshape(-1, self.in_features).float().contiguous(), self.weight_int8,
-                               self.weight_scale, None if self.bias is None else self.bias.float())
-            return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        args = self._matvec_args() if x.numel() <= _native.MAX_ROWS * self.in_features else False
+        if args and x.device.type == "cpu":  # a decoding step: attnlab's int8 matvec (module docstring)
+            y = _native.matvec(x.reshape(-1, self.in_features).float().contiguous(), *args)
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y if y.dtype == x.dtype else y.to(x.dtype)
         if self.mode == "int8":
             return torch.ops.quantized.linear_dynamic(x.float(), self._fbgemm(), True).to(x.dtype)
         shape = x.shape
@@ -107,11 +118,11 @@ class Int8Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self._packed = None
+        self._packed = self._native = None
         super()._load_from_state_dict(*args, **kwargs)
 
     def _apply(self, fn, recurse=True):
-        self._packed = None
+        self._packed = self._native = None
         return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:

@@ -128,6 +128,16 @@ def attend(q: Tensor, k: Tensor, v: Tensor, request: dict, *, backend: str = "au
     return (out, extra) if request["return_weights"] or return_lse else out
 
 
+def attend_step(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float]) -> Tensor:
+    """A decoding step's attention, ``softmax(κ q Kᵀ) V``: one query per sequence ``q (B, H, 1, D)`` over every
+    cached key ``k, v (B, Hkv, S, D)`` (no mask: the last position sees them all), through the ``sdpa`` backend —
+    what ``auto`` takes for it — without :func:`attend`'s per-call checks. The caller vouches for what they
+    would establish: q, k, v finite, ``|scale| ≤ 1e3`` (:meth:`MultiheadAttention.step` checks the one
+    projection q, k, v come from; the :class:`KVCache` checked each entry as it was written)."""
+    return BACKENDS["sdpa"].fn(q, k, v, mask=None, causal=False, window=None, scale=scale, score_mod=None,
+                               mask_mod=None, dropout_p=0.0, normalize="softmax", top_k=None, return_weights=False)[0]
+
+
 def select_backend(q, k, v, **request) -> Backend:
     """The backend ``auto`` takes: the first in :data:`SPARSE_ORDER` when the request has a window, a
     mask_mod or a score_mod (else :data:`AUTO_ORDER`) whose ``auto_when`` holds (if it has one) and whose

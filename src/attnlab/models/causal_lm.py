@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab._checks import non_negative_int
+from attnlab.backends.dispatch import all_finite
 from attnlab.models.hub import PreTrainedMixin, check_token_inputs
 from attnlab.nn.block import LayerCache
 from attnlab.nn.inference import InferenceLayoutMixin
@@ -93,6 +94,11 @@ class DecoderOnlyLM(InferenceLayoutMixin, PreTrainedMixin, nn.Module):
             pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]  # (B, T)
             if not bool(attention_mask.all()):
                 padding = attention_mask == 0  # (B, S), True = blocked
+        if T == 1 and past_key_values is not None and padding is None and not output_attentions \
+                and not self.training and not torch.is_grad_enabled():
+            logits = self._step(input_ids, pos, past_key_values)
+            if logits is not None:
+                return CausalLMOutput(logits, past_key_values if use_cache else None)
         x = self.embed(input_ids, pos)  # (B, T, E)
         weights = []
         for i, layer in enumerate(self.layers):
@@ -109,6 +115,22 @@ class DecoderOnlyLM(InferenceLayoutMixin, PreTrainedMixin, nn.Module):
             x = x[:, T - logits_to_keep:]
         return CausalLMOutput(self.head(x), past_key_values if use_cache else None,
                               tuple(weights) if output_attentions else None)
+
+    def _step(self, input_ids: Tensor, pos: Tensor, caches: list[LayerCache]) -> Optional[Tensor]:
+        """A decoding step (one new token per sequence, no padding, no gradients) through each layer's
+        :meth:`~attnlab.nn.block.DecoderLayer.step`: logits ``(B, 1, V)``; None, with the caches as they were,
+        when the logits are not finite (an overflow, a NaN weight), so that :meth:`forward`'s pipeline recomputes
+        the step with its NaN/inf semantics and errors — one check per step instead of two per layer."""
+        before = [(c.self_attn.length, c.self_attn.finite) for c in caches]
+        x = self.embed(input_ids, pos)  # (B, 1, E)
+        for layer, cache in zip(self.layers, caches):
+            x = layer.step(x, cache)
+        logits = self.head(x)
+        if all_finite(logits):
+            return logits
+        for c, (length, finite) in zip(caches, before):  # entries past `length` are overwritten by the rerun
+            c.self_attn.length, c.self_attn.finite = length, finite
+        return None
 
     def generate(self, input_ids: Tensor, **kwargs) -> Tensor:
         """:func:`attnlab.generation.generate` on this model (same arguments)."""

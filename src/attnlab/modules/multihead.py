@@ -18,7 +18,8 @@ from torch import Tensor, nn
 
 from attnlab._checks import is_int, positive_int
 from attnlab.modules.cache import KVCache
-from attnlab.backends.dispatch import all_finite, attend, attention_weights, keeps_lse, position_bias_terms
+from attnlab.backends.dispatch import (all_finite, attend, attend_step, attention_weights, keeps_lse,
+                                       position_bias_terms)
 from attnlab.functional.request import prepare
 
 
@@ -184,6 +185,34 @@ class MultiheadAttention(nn.Module):
         if weights is not None and average_attn_weights:
             weights = weights.mean(dim=1)
         return out, weights
+
+    def step(self, query: Tensor, cache: KVCache) -> Tensor:
+        """``forward(query, cache=cache, need_weights=False)[0]`` for one new position per sequence, ``query (B, 1,
+        E)``, self-attention with no masks: a decoding step, in the fewest operations.
+
+        The pipeline's general machinery (input checks, mask building, backend choice, one NaN/inf reduction per
+        tensor) is what a decoding step pays per layer per token; here the one packed projection is checked once
+        and, finite, goes straight to ``F.scaled_dot_product_attention`` over the cache (which holds only finite
+        entries, :attr:`KVCache.finite`) by :func:`~attnlab.backends.dispatch.attend_step`: the backend ``auto`` takes. Anything else — non-finite
+        entries, a window, a position bias, another normalisation or backend, an unusual scale — runs
+        :meth:`forward`, so the semantics are the pipeline's. The caller checks the step's final output
+        (``DecoderOnlyLM`` does: non-finite logits rerun the step through the pipeline, which says why).
+        """
+        if (not self.packed or self.position_bias is not None or self.window is not None or self.normalize != "softmax"
+                or self.backend not in ("auto", "sdpa") or cache.static or cache.window is not None
+                or not cache.finite or (self.scale is not None and abs(self.scale) > 1e3) or query.shape[1] != 1):
+            return self.forward(query, cache=cache, need_weights=False)[0]
+        qkv = self.in_proj(query)  # (B, 1, nq + 2 nkv)
+        if not all_finite(qkv):
+            return self.forward(query, cache=cache, need_weights=False)[0]
+        B, H, Hkv, Dh = query.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = qkv.view(B, H + 2 * Hkv, Dh).unsqueeze(2).split([H, Hkv, Hkv], dim=1)  # (B, ·, 1, Dh) each
+        if self.rotary is not None:
+            pos = torch.arange(cache.length, cache.length + 1, device=q.device)
+            q, k = self.rotary(q, pos), self.rotary(k, pos)
+        k, v = cache.update(k, v, finite=True)
+        out = attend_step(q, k, v, scale=self.scale)  # (B, H, 1, Dh)
+        return self.out_proj(out.reshape(B, 1, H * Dh))
 
     def _weights_from_lse(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
         """Weights can come from the log-sum-exp: softmax, no dropout, nothing needs their gradient."""

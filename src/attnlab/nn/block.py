@@ -304,6 +304,15 @@ class DecoderLayer(_ResidualLayer):
         _is_spec(spec)
         return cls(spec.dim, spec.num_heads, cross_attention=cross_attention, **spec.options())
 
+    def step(self, x: Tensor, cache: LayerCache) -> Tensor:
+        """``forward(x, cache=cache)`` for one new position per sequence of a decoder-only layer, ``x (B, 1, E)``, no
+        masks: pre-norm residual branches around :meth:`MultiheadAttention.step` and the FFN, in the fewest
+        operations (eval mode; otherwise, or for a post-norm or cross-attention layer, it is :meth:`forward`)."""
+        if self.cross_attn is not None or not self.norm_first or self.training:
+            return self.forward(x, cache=cache, is_causal=False)
+        x = x + self.self_attn.step(self.norm1(x), cache.self_attn)
+        return x + self.ffn(self.norm2(x))
+
     def forward(self, x: Tensor, memory: Optional[Tensor] = None, *, tgt_key_padding_mask: Optional[Tensor] = None,
                 memory_key_padding_mask: Optional[Tensor] = None, tgt_mask: Optional[Tensor] = None,
                 memory_mask: Optional[Tensor] = None, is_causal: bool = True, cache: Optional[LayerCache] = None,
