@@ -14,15 +14,22 @@ timed for 1 new token (its "prefill": the prompt's forward pass and one argmax):
 prompt / that time; decode tokens/s = batch · 127 / (whole call − prefill). Ours uses the preallocated
 (static) KV cache and :meth:`~attnlab.models.causal_lm.DecoderOnlyLM.optimize_for_inference`:
 
-- ``float32``: the same weights, linear layers pre-packed for oneDNN;
+- ``float32``: the same weights; decoding steps multiply by attnlab's C++ matvec (:mod:`attnlab._native`,
+  where it is built; oneDNN's packed inner product otherwise), prefill by ``F.linear``;
 - ``bfloat16`` (only where the CPU computes it natively): weight-only bf16, compared with transformers **fp32**;
-- ``int8``: :func:`attnlab.adapt.quantize` ``"int8"`` (dynamic: int8 weights and activations).
+- ``int8``: :func:`attnlab.adapt.quantize` ``"int8"``: int8 weights; decoding steps in attnlab's int8 matvec
+  (activations rounded to int16 per row), prefill in fbgemm's dynamic int8 (activations uint8).
+
+``ATTNLAB_NATIVE=0`` runs ours without attnlab's C++ kernels (PyTorch's only), for the same table before them.
 
 **CTranslate2** (``pip install ctranslate2``; skipped with a note when absent or with ``--no-ct2``) converts the
 same checkpoint by its ``TransformersConverter`` to float32 and int8, decodes greedily with ``min_length =
 max_length``, all prompts in one ``generate_batch``, with the same thread count; its columns sit in our row
 of the same dtype. Every function of a scenario (ours, transformers, CTranslate2, whole calls and prefills, and a
-copy) is timed round-robin in one loop (``_common.compare``), so all see the same machine load.
+copy) is timed round-robin in one loop (``_common.compare``), so all see the same machine load. CTranslate2 runs
+in a child process of its own (``_generate_peers.CT2Process``): its OpenMP runtime beside torch's in one process
+slowed both (our int8 step 7.8 → 11 ms once it had run), which no user running either library meets; where torch
+runs AVX2 kernels it is held to AVX2 too (``CT2_FORCE_CPU_ISA=AVX2``).
 
 A decoding step reads every weight once, so its **bandwidth bound** is ``t_min = weight bytes / copy
 bandwidth`` (weight bytes: :func:`~attnlab.nn.inference.decode_weight_bytes`; bandwidth: a 256 MB ``copy_``

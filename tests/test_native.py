@@ -156,3 +156,11 @@ def test_int8_layers_run_it_for_few_rows(mode):
     assert ((q(x).double() - ref).abs() <= bound).all()
     many = torch.randn(20, 96)  # > MAX_ROWS rows: fbgemm / _weight_int8pack_mm, int8 / bf16 activations
     assert (q(many) - F.linear(many, q.weight, lin.bias)).abs().max() <= 0.05 * F.linear(many, q.weight).abs().max()
+
+
+def test_matvec_takes_leading_dims_and_empty_inputs():
+    x, w, b = torch.randn(2, 3, 40), torch.randn(5, 40), torch.randn(5)
+    y = _native.matvec(x, w, None, b)
+    assert y.shape == (2, 3, 5) and torch.equal(y, _native.matvec(x.reshape(6, 40), w, None, b).view(2, 3, 5))
+    assert _native.matvec(torch.randn(0, 40), w).shape == (0, 5)
+    assert torch.equal(_native.matvec(torch.randn(2, 0), torch.randn(5, 0)), torch.zeros(2, 5))

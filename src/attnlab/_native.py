@@ -92,8 +92,8 @@ def isa() -> int:
 
 
 def matvec(x: Tensor, w: Tensor, scale: Optional[Tensor] = None, bias: Optional[Tensor] = None) -> Tensor:
-    """``y[m, n] = s[n] · Σ_k W[n, k] x[m, k] + b[n]``: ``x (M, K)`` float32, ``w (N, K)`` float32 / bfloat16 /
-    int8 (then ``scale (N,)`` float32 is required), ``bias (N,)`` float32; returns ``(M, N)`` float32.
+    """``y[m, n] = s[n] · Σ_k W[n, k] x[m, k] + b[n]``: ``x (..., K)`` float32 (its rows m), ``w (N, K)`` float32 /
+    bfloat16 / int8 (then ``scale (N,)`` float32 is required), ``bias (N,)`` float32; returns ``(..., N)`` float32.
 
     The inputs must be contiguous CPU tensors (the op checks).
 

@@ -105,9 +105,9 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         args = self._matvec_args() if x.numel() <= _native.MAX_ROWS * self.in_features else False
         if args and x.device.type == "cpu":  # a decoding step: attnlab's int8 matvec (module docstring)
-            y = _native.matvec(x.reshape(-1, self.in_features).float().contiguous(), *args)
-            y = y.view(*x.shape[:-1], self.out_features)
-            return y if y.dtype == x.dtype else y.to(x.dtype)
+            if x.dtype == torch.float32 and x.is_contiguous():
+                return _native.matvec(x, *args)
+            return _native.matvec(x.float().contiguous(), *args).to(x.dtype)
         if self.mode == "int8":
             return torch.ops.quantized.linear_dynamic(x.float(), self._fbgemm(), True).to(x.dtype)
         shape = x.shape

@@ -2,8 +2,8 @@
 //
 //     y[m, n] = s[n] · Σ_k W[n, k] · x[m, k] + b[n]        (s = 1 without a scale, b = 0 without a bias)
 //
-// x: (M, K) float32, W: (N, K) row-major in float32, bfloat16 or int8 (with s: one float32 scale per row),
-// y: (M, N) float32. Decoding one token reads every weight once and does 2 flops per weight, so the
+// x: (..., K) float32 (M rows), W: (N, K) row-major in float32, bfloat16 or int8 (with s: one float32 scale per row),
+// y: (..., N) float32. Decoding one token reads every weight once and does 2 flops per weight, so the
 // product runs at the speed W streams from memory: the kernel reads each row of W in order, in vectors
 // (U of them in flight), converts them to float32 in registers (bf16: a 16-bit shift or a mask) and
 // multiplies them into every row of x (2 at a time), accumulating in float32; the rows are split over
@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 namespace {
 
@@ -167,15 +168,15 @@ RowsFn pick(int64_t isa) {
 at::Tensor matvec(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale,
                   const std::optional<at::Tensor>& bias, int64_t isa) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "attnlab::matvec: x and w must be CPU tensors");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "attnlab::matvec: x must be a contiguous float32 (M, K) tensor, got ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
-              "attnlab::matvec: w must be a contiguous (N, K) tensor with K = ", x.size(1), ", got ", w.sizes());
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "attnlab::matvec: x must be a contiguous float32 (..., K) tensor, got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(-1),
+              "attnlab::matvec: w must be a contiguous (N, K) tensor with K = ", x.size(-1), ", got ", w.sizes());
   const auto wt = w.scalar_type();
   TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kChar,
               "attnlab::matvec: w must be float32, bfloat16 or int8, got ", wt);
   TORCH_CHECK(wt != at::kChar || scale.has_value(), "attnlab::matvec: an int8 w needs its per-row scale");
-  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  const int64_t N = w.size(0), K = x.size(-1), M = K ? x.numel() / K : 0;  // x's leading dims flattened
   for (const auto* t : {&scale, &bias}) {
     if (t->has_value()) {
       const at::Tensor& v = **t;
@@ -185,7 +186,10 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& w, const std::optional<
                   v.sizes(), " ", v.scalar_type());
     }
   }
-  at::Tensor y = at::empty({M, N}, x.options());
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());  // y: (..., N)
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());
+  if (M == 0 || N == 0) return y.zero_();
   at::Tensor xd;  // bf16 (vector kernels, K even): x's even then odd columns, row by row
   if (wt == at::kBFloat16 && isa > 0 && K % 2 == 0) {  // (K odd: the portable kernel)
     xd = at::empty({M, K}, x.options());
