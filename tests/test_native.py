@@ -17,8 +17,8 @@ from torch import nn
 
 from attnlab import _native
 
-pytestmark = pytest.mark.skipif(not _native.available(), reason="attnlab's native kernels are not built here "
-                                "(a C++ compiler and ninja are needed; `attnlab env` says why)")
+needs_native = pytest.mark.skipif(not _native.available(), reason="attnlab's native kernels are not built here "
+                                  "(a C++ compiler and ninja are needed; `attnlab env` says why)")
 
 CAP = _native._ISA_CODES.get(torch.backends.cpu.get_cpu_capability(), 0)
 ISAS = [i for i in (2, 1, 0) if i <= CAP]  # the instruction sets this CPU runs
@@ -38,6 +38,7 @@ def _weights(kind, N, K, gen):
     return w.to(torch.bfloat16 if kind == "bf16" else torch.float32), None
 
 
+@needs_native
 @pytest.mark.parametrize("isa", ISAS, indirect=True, ids=lambda i: {2: "avx512", 1: "avx2", 0: "portable"}[i])
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("M,N,K", [(1, 300, 768), (2, 65, 256), (3, 17, 50), (5, 9, 33), (8, 4, 7), (1, 3, 1),
@@ -61,6 +62,7 @@ def test_matvec_equals_the_float64_product(isa, kind, M, N, K):
     assert ((y.double() - ref).abs() <= bound).all()
 
 
+@needs_native
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 def test_matvec_without_scale_or_bias_and_with_zero_rows(isa):
     x = torch.zeros(2, 40)
@@ -70,6 +72,7 @@ def test_matvec_without_scale_or_bias_and_with_zero_rows(isa):
     assert torch.equal(_native.matvec(x, q, torch.ones(5)), torch.zeros(2, 5))  # max|x| = 0: scale 1, no NaN
 
 
+@needs_native
 def test_matvec_propagates_nan_and_inf():
     x = torch.randn(2, 64)
     x[0, 3] = float("nan")
@@ -79,6 +82,7 @@ def test_matvec_propagates_nan_and_inf():
     assert not _native.matvec(x, torch.randn(4, 64))[0].isfinite().any()
 
 
+@needs_native
 def test_matvec_errors_name_the_argument():
     x, w = torch.randn(2, 8), torch.randn(3, 8)
     for args, what in [((x.double(), w), "x must be a contiguous float32"), ((x.t(), torch.randn(3, 2)), "x must"),
@@ -95,6 +99,7 @@ def _run(code, **env):
     return out.stdout.strip()
 
 
+@needs_native
 def test_the_instruction_set_follows_aten_cpu_capability():
     code = "import attnlab._native as n; print(n.isa(), n.available(), n.status())"
     assert _run(code, ATEN_CPU_CAPABILITY="default").startswith("0 True loaded (portable C++")
@@ -139,6 +144,7 @@ def test_build_directory_is_keyed_by_torch_and_the_sources(monkeypatch, tmp_path
     assert _native.build_directory() == tmp_path / "mine"
 
 
+@needs_native
 @pytest.mark.parametrize("mode", ["int8", "int8-weight"])
 def test_int8_layers_run_it_for_few_rows(mode):
     """Few rows of an Int8Linear (both modes) go through matvec: the int8 product of x's int16 rounding, within
@@ -158,6 +164,7 @@ def test_int8_layers_run_it_for_few_rows(mode):
     assert (q(many) - F.linear(many, q.weight, lin.bias)).abs().max() <= 0.05 * F.linear(many, q.weight).abs().max()
 
 
+@needs_native
 def test_matvec_takes_leading_dims_and_empty_inputs():
     x, w, b = torch.randn(2, 3, 40), torch.randn(5, 40), torch.randn(5)
     y = _native.matvec(x, w, None, b)

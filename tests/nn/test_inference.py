@@ -72,7 +72,7 @@ def test_packed_linear_equals_the_product(dtype, packed, bias, rows, monkeypatch
 @pytest.mark.skipif(not NATIVE, reason="attnlab's native kernels are not built here (attnlab env says why)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("rows", [1, 3, 7])
+@pytest.mark.parametrize("rows", [1, 3, inference._native.MAX_ROWS])
 def test_native_rows_equal_the_product_of_the_rounded_weight(dtype, bias, rows):
     """A layer packed for few rows keeps ``W`` plain for attnlab's matvec: ≤ MAX_ROWS rows run it (x stays
     float32, only ``W`` and ``b`` are rounded to ``dtype``), more rows ``F.linear``. Oracle: float64 product of
@@ -85,7 +85,7 @@ def test_native_rows_equal_the_product_of_the_rounded_weight(dtype, bias, rows):
     ref = F.linear(x.double(), r(lin.weight), r(lin.bias))
     y = p(x)
     assert y.dtype == torch.float32 and (y.double() - ref).abs().max() <= 1e-5
-    many = torch.randn(2, 9, 48)  # 18 rows > MAX_ROWS: F.linear on the same plain weight
+    many = torch.randn(2, 9, 48)  # 18 rows > MAX_ROWS: oneDNN (or F.linear) on the same plain weight
     assert _close(p(many), _expected(many, lin, dtype), dtype)
 
 

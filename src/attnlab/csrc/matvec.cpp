@@ -6,7 +6,7 @@
 // y: (..., N) float32. Decoding one token reads every weight once and does 2 flops per weight, so the
 // product runs at the speed W streams from memory: the kernel reads each row of W in order, in vectors
 // (U of them in flight), converts them to float32 in registers (bf16: a 16-bit shift or a mask) and
-// multiplies them into every row of x (2 at a time), accumulating in float32; the rows are split over
+// multiplies them into every row of x (4, 2 or 1 at a time), accumulating in float32; the rows are split over
 // torch's intra-op threads. With float32 and bf16 weights x stays float32 (the weight is the only thing
 // rounded); with int8 weights each row of x is rounded to 16-bit integers (relative error ≤ 2⁻¹⁶ of the
 // row's largest |x|, finer than bf16) and the products run in integer arithmetic (madd), scaled at the end.
@@ -108,11 +108,11 @@ struct V {
     even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
     odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
   }
-  // 2L int8 weights times 2L int16 x, adjacent pairs summed: L int32
-  static inline I madd_i8(const int8_t* w, const int16_t* x) {
-    return _mm512_madd_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))),
-                             _mm512_loadu_si512(x));
+  // 2L int8 weights widened to int16; times 2L int16 x, adjacent pairs summed: L int32
+  static inline I widen_i8(const int8_t* w) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
   }
+  static inline I madd(I w16, const int16_t* x) { return _mm512_madd_epi16(w16, _mm512_loadu_si512(x)); }
 };
 #include "matvec_rows.h"
 }  // namespace avx512
@@ -143,9 +143,11 @@ struct V {
     even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
     odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
   }
-  static inline I madd_i8(const int8_t* w, const int16_t* x) {
-    return _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))),
-                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  static inline I widen_i8(const int8_t* w) {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  }
+  static inline I madd(I w16, const int16_t* x) {
+    return _mm256_madd_epi16(w16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
   }
 };
 #include "matvec_rows.h"
