@@ -185,9 +185,10 @@ def optimize_linears_(module: nn.Module, *, dtype: torch.dtype = torch.float32, 
     place; returns ``module``.
 
     A linear layer whose weight *is* an ``nn.Embedding``'s table (a tied LM head) keeps one copy with
-    ``share_tied`` in float32: the table is stored column-major (the embedding's lookups read it as well, and
-    MKL's GEMV streams that layout fastest) and the layer reads it in place, unpacked. Otherwise, and for
-    other shared weights, each layer gets its own packed copy.
+    ``share_tied`` in float32 and reads the table in place: as it is (row-major) where attnlab's matvec serves
+    the layer (``rows`` ≤ ``MAX_ROWS``, the kernel built: every thread), else stored column-major (MKL's GEMV
+    streams that layout fastest; the embedding's lookups read it as well). Otherwise, and for other shared
+    weights, each layer gets its own copy.
 
     Raises:
         ValueError: ``dtype`` is not one of :data:`INFERENCE_DTYPES`.
@@ -216,9 +217,10 @@ class InferenceLayoutMixin:
     def optimize_for_inference(self, *, dtype: Union[torch.dtype, str] = "auto", share_tied: bool = True):
         """Give every linear layer its fast inference layout, in place, and switch to eval; returns ``self``.
 
-        Each ``nn.Linear`` becomes a :class:`PackedLinear`: its weight pre-packed for oneDNN, whose
-        inner product uses every thread at batch 1 (MKL's GEMV, behind ``F.linear``, uses one) and
-        whose fp32 GEMM is faster than MKL's on AVX-512 CPUs.
+        Each ``nn.Linear`` becomes a :class:`PackedLinear`: for a decoder (``packed_rows`` = 1) its weight kept
+        plain for attnlab's C++ matvec where that is built (the module docstring), else pre-packed for oneDNN,
+        whose inner product uses every thread at batch 1 (MKL's GEMV, behind ``F.linear``, uses one) and whose
+        fp32 GEMM is faster than MKL's on AVX-512 CPUs.
 
         - ``"auto"`` (default): bfloat16 where this machine computes it natively and faster, else
           float32 (:func:`attnlab._runtime.resolve_dtype`; ``attnlab env`` shows the choice).
@@ -229,9 +231,10 @@ class InferenceLayoutMixin:
 
         Inference only: the packed layers have no trainable parameters. A tied output layer (GPT-2's head)
         shares the embedding's table in float32 (``share_tied``, :func:`optimize_linears_`): one copy of the
-        ``V × E`` weights instead of two; ``share_tied=False`` packs it a copy of its own, which oneDNN
-        multiplies on every thread (MKL's GEMV on the shared table uses one: measured ~1.2 ms slower per token
-        for GPT-2's 154 MB head on a 2-core AVX2 machine). Call it after loading weights.
+        ``V × E`` weights instead of two, multiplied on every thread by attnlab's matvec where it is built.
+        Without it, MKL's GEMV on the shared table uses one thread (measured ~1.2 ms slower per token for GPT-2's
+        154 MB head on a 2-core AVX2 machine) and ``share_tied=False`` gives the head a packed copy of its own,
+        which oneDNN multiplies on every thread. Call it after loading weights.
 
         Raises:
             ValueError: ``dtype`` is not "auto", float32 or bfloat16.
