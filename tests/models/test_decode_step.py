@@ -116,3 +116,15 @@ def test_what_the_step_does_not_cover_goes_through_the_pipeline(monkeypatch):
     mask[0, 0] = 0
     model(torch.tensor([[6]]), attention_mask=mask, past_key_values=cache, use_cache=True)
     assert len(calls) == 1  # padding: not tried
+
+
+@torch.no_grad()
+def test_rotary_at_one_position_equals_forward():
+    from attnlab.nn.positional import RotaryEmbedding
+
+    for interleaved, rotary_dim in ((False, None), (True, None), (False, 8)):
+        rope = RotaryEmbedding(16, rotary_dim=rotary_dim, interleaved=interleaved, max_positions=8)
+        x = torch.randn(2, 3, 1, 16)
+        for p in (0, 5, 30):  # 30: past the cache, through forward (which grows it)
+            assert torch.equal(rope.at(x, p), rope(x, torch.tensor([p])))
+        assert torch.equal(rope.at(x.double(), 3), rope(x.double(), torch.tensor([3])))

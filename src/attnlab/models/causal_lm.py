@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from attnlab._checks import non_negative_int
 from attnlab.backends.dispatch import all_finite
+from attnlab.modules.cache import _tracing
 from attnlab.models.hub import PreTrainedMixin, check_token_inputs
 from attnlab.nn.block import LayerCache
 from attnlab.nn.inference import InferenceLayoutMixin
@@ -95,7 +96,7 @@ class DecoderOnlyLM(InferenceLayoutMixin, PreTrainedMixin, nn.Module):
             if not bool(attention_mask.all()):
                 padding = attention_mask == 0  # (B, S), True = blocked
         if T == 1 and past_key_values is not None and padding is None and not output_attentions \
-                and not self.training and not torch.is_grad_enabled():
+                and not self.training and not torch.is_grad_enabled() and not _tracing():  # (ONNX export: the pipeline)
             logits = self._step(input_ids, pos, past_key_values)
             if logits is not None:
                 return CausalLMOutput(logits, past_key_values if use_cache else None)

@@ -206,8 +206,11 @@ class MultiheadAttention(nn.Module):
         if not all_finite(qkv):
             return self.forward(query, cache=cache, need_weights=False)[0]
         B, H, Hkv, Dh = query.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = qkv.view(B, H + 2 * Hkv, Dh).unsqueeze(2).split([H, Hkv, Hkv], dim=1)  # (B, ·, 1, Dh) each
-        if self.rotary is not None:
+        heads = qkv.view(B, H + 2 * Hkv, 1, Dh)  # q's heads, then k's, then v's
+        q, k, v = heads.split([H, Hkv, Hkv], dim=1)  # (B, ·, 1, Dh) each
+        if self.rotary is not None and hasattr(self.rotary, "at"):  # RotaryEmbedding: q and k (adjacent heads at
+            q, k = self.rotary.at(heads[:, :H + Hkv], cache.length).split([H, Hkv], dim=1)  # one position) at once
+        elif self.rotary is not None:  # any other rotary(x, positions) module
             pos = torch.arange(cache.length, cache.length + 1, device=q.device)
             q, k = self.rotary(q, pos), self.rotary(k, pos)
         k, v = cache.update(k, v, finite=True)

@@ -174,6 +174,16 @@ class RotaryEmbedding(nn.Module):
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return apply_rope(x, cos, sin, interleaved=self.interleaved)
 
+    def at(self, x: Tensor, position: int) -> Tensor:
+        """``forward(x, torch.tensor([position]))`` for ``x (B, H, 1, D)`` at one position a caller knows is valid (a
+        decoding step's, from its cache): the cached cos/sin row taken by a view, no tensor checks. float64, a
+        position past the cache, or cos/sin on another device go through :meth:`forward`."""
+        cos = self.cos_cached
+        if x.dtype == torch.float64 or position >= cos.shape[0] or cos.device != x.device:
+            return self.forward(x, torch.arange(position, position + 1, device=x.device))
+        return apply_rope(x, cos.narrow(0, position, 1), self.sin_cached.narrow(0, position, 1),
+                          interleaved=self.interleaved)
+
     def extra_repr(self) -> str:
         return (f"{self.head_dim}, rotary_dim={self.rotary_dim}, base={self.base}, interleaved={self.interleaved}, "
                 f"cached_positions={self.cached_positions}")
