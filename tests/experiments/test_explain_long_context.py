@@ -55,9 +55,11 @@ def test_visible_keys():
 @pytest.mark.slow
 def test_long_context_claim(tmp_path):
     """At the longest context the 256-wide window does no worse than the dense model (late positions, 0.05 nats
-    of slack) while each query reads under a sixth of the keys. (Measured: 2.164 against 2.255.)"""
+    of slack) while each query reads under a quarter of the keys: ~240 of a causal query's 1024.5 on average at
+    L = 2048 (w − w(w−1)/2L against (L+1)/2; "a sixth" was asserted before, which that arithmetic never allowed).
+    (Measured: 2.164 against 2.255.)"""
     rows = run_experiment("long-context", tmp_path)["rows"]
     get = {(r["context"], r["window"]): r for r in rows}
     dense, win = get[(2048, "dense")], get[(2048, 256)]
     assert win["val loss (late positions)"] <= dense["val loss (late positions)"] + 0.05
-    assert win["keys per query"] < dense["keys per query"] / 6
+    assert win["keys per query"] < dense["keys per query"] / 4
