@@ -34,6 +34,7 @@ SOURCES = (CSRC / "matvec.cpp",)  # compiled; it includes CSRC's headers
 # 13.2 / 9.4 against 11.1 / 8.0 (and oneDNN's packed layout 7.1 / 4.8): from 8 rows a GEMM kernel wins
 MAX_ROWS = 4
 _ISA_CODES = {"AVX512": 2, "AVX2": 1}
+_ISA_NAMES = {2: "AVX-512", 1: "AVX2 + FMA", 0: "portable C++"}
 _state: dict = {}  # "loaded": bool, "why": str, "isa": int, "op": the loaded op
 
 
@@ -83,7 +84,7 @@ def available() -> bool:
 def status() -> str:
     """One line for ``attnlab env``: loaded (with the instruction set used) or why not."""
     if available():
-        return f"loaded ({ {2: 'AVX-512', 1: 'AVX2 + FMA', 0: 'portable C++'}[isa()] }; {build_directory()})"
+        return f"loaded ({_ISA_NAMES[isa()]}; {build_directory()})"
     return f"unavailable: {_state['why']}"
 
 

@@ -128,3 +128,22 @@ def test_rotary_at_one_position_equals_forward():
         for p in (0, 5, 30):  # 30: past the cache, through forward (which grows it)
             assert torch.equal(rope.at(x, p), rope(x, torch.tensor([p])))
         assert torch.equal(rope.at(x.double(), 3), rope(x.double(), torch.tensor([3])))
+
+
+def test_a_cache_rewinds_to_its_mark_and_a_ring_refuses():
+    from attnlab import KVCache
+
+    cache = KVCache(max_length=8)
+    k = torch.randn(1, 2, 3, 4)
+    cache.update(k, k)
+    mark = cache.mark()
+    cache.update(torch.full((1, 2, 1, 4), float("nan")), k[:, :, :1])
+    assert cache.length == 4 and not cache.finite
+    cache.rewind(mark)
+    assert cache.length == 3 and cache.finite
+    nxt = torch.randn(1, 2, 1, 4)
+    keys, _ = cache.update(nxt, nxt)
+    assert torch.equal(keys[:, :, :3], k) and torch.equal(keys[:, :, 3:], nxt)  # the forgotten entry overwritten
+    ring = KVCache(window=4)
+    with pytest.raises(ValueError, match="ring"):
+        ring.rewind(ring.mark())

@@ -122,15 +122,17 @@ class DecoderOnlyLM(InferenceLayoutMixin, PreTrainedMixin, nn.Module):
         :meth:`~attnlab.nn.block.DecoderLayer.step`: logits ``(B, 1, V)``; None, with the caches as they were,
         when the logits are not finite (an overflow, a NaN weight), so that :meth:`forward`'s pipeline recomputes
         the step with its NaN/inf semantics and errors — one check per step instead of two per layer."""
-        before = [(c.self_attn.length, c.self_attn.finite) for c in caches]
+        marks = [c.self_attn.mark() for c in caches]
         x = self.embed(input_ids, pos)  # (B, 1, E)
         for layer, cache in zip(self.layers, caches):
             x = layer.step(x, cache)
         logits = self.head(x)
         if all_finite(logits):
             return logits
-        for c, (length, finite) in zip(caches, before):  # entries past `length` are overwritten by the rerun
-            c.self_attn.length, c.self_attn.finite = length, finite
+        if any(c.self_attn.window is not None for c in caches):  # a ring cannot be rewound: report what it holds
+            return logits
+        for c, mark in zip(caches, marks):
+            c.self_attn.rewind(mark)
         return None
 
     def generate(self, input_ids: Tensor, **kwargs) -> Tensor:

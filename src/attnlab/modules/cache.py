@@ -67,6 +67,17 @@ class KVCache:
     def filled(self) -> bool:
         return self.length > 0
 
+    def mark(self) -> tuple[int, bool]:
+        """What :meth:`rewind` needs to forget every update made after this call."""
+        return self.length, self.finite
+
+    def rewind(self, mark: tuple[int, bool]) -> None:
+        """Forget the updates since :meth:`mark` (their entries are overwritten by the next ones; a growing or
+        preallocated cache only: a ring's slots are not restored)."""
+        if self.window is not None:
+            raise ValueError("a windowed (ring) cache cannot be rewound")
+        self.length, self.finite = mark
+
     def update(self, k: Tensor, v: Tensor, *, finite: Optional[bool] = None) -> tuple[Tensor, Tensor]:
         """Append ``k, v (B, Hkv, L_new, D)``; return all cached ``(k, v)`` up to now (views of the buffers).
 

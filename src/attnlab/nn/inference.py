@@ -103,7 +103,8 @@ class PackedLinear(nn.Module):
         self.packed = self.pack and not self.native and _packable(w)
         self.onednn = self.packed or (self.native and _packable(w))  # many rows: oneDNN (on plain rows too)
         if self.native:  # plain rows for attnlab's matvec (F.linear for many rows): a copy, or shared without pack
-            self.weight_ = w.contiguous() if not self.pack else w.clone(memory_format=torch.contiguous_format)
+            copied = w is not weight  # .to() made a new tensor already (another dtype)
+            self.weight_ = w.contiguous() if not self.pack or copied else w.clone(memory_format=torch.contiguous_format)
         elif self.packed:  # oneDNN's opaque blocked tensor
             self.weight_ = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), self.rows)
         else:  # column-major (no copy when it already is) for MKL's GEMV, else rows
