@@ -1,7 +1,10 @@
 """attnlab's own C++ CPU kernels (``src/attnlab/csrc/``), built once per machine, with PyTorch's kernels as the fallback.
 
 :func:`matvec` is the few-row linear product of a decoding step, ``y = s ⊙ (x Wᵀ) + b`` with ``W`` in float32,
-bfloat16 or int8 (``s``: one scale per row), streamed at memory bandwidth (see ``csrc/matvec.cpp``).
+bfloat16 or int8 (``s``: one scale per row), streamed at memory bandwidth (see ``csrc/matvec.cpp``), and
+:func:`gated_matvec` a gated FFN's two products and gate in one pass. :func:`rms_norm` and :func:`attend_decode`
+(``csrc/decode.cpp``) are the rest of a decoding step's layer in two calls: RMSNorm, and RoPE + the KV-cache
+write + the attention over the cache.
 
 The library is compiled with :func:`torch.utils.cpp_extension.load` (a C++ compiler and ``ninja``) into
 ``$ATTNLAB_NATIVE_DIR`` or ``~/.cache/attnlab/native/<torch version>-<source hash>``: ``make setup`` builds it
@@ -28,7 +31,7 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "matvec.cpp",)  # compiled; it includes CSRC's headers
+SOURCES = (CSRC / "matvec.cpp", CSRC / "decode.cpp")  # compiled; they include CSRC's headers
 # the kernel's regime: a decode step's rows (batch). Measured on 2 AVX-512 cores, 24 GPT-2 matrices, ms (fp32 /
 # bf16): 1 row 6.5 / 1.9 against oneDNN on the plain rows 6.8 / 6.2; 4 rows 7.3 / 4.6 against 9.6 / 6.8; 8 rows
 # 13.2 / 9.4 against 11.1 / 8.0 (and oneDNN's packed layout 7.1 / 4.8): from 8 rows a GEMM kernel wins
@@ -65,7 +68,10 @@ def _load() -> None:
             log.warning("attnlab: building the native CPU kernels in %s (once per machine, ~30 s)", where)
         cpp_extension.load(name="attnlab_native", sources=[str(p) for p in SOURCES], build_directory=str(where),
                            extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-        _state.update(loaded=True, why="", op=torch.ops.attnlab.matvec.default)  # the overload: no resolution per call
+        ops = torch.ops.attnlab  # the overloads: no resolution per call
+        _state.update(loaded=True, why="", op=ops.matvec.default, gated=ops.gated_matvec.default,
+                      rms_norm=ops.rms_norm.default,
+                      attend_decode=ops.attend_decode.default)
         isa()
     except Exception as e:  # no compiler, no ninja, a failed build: PyTorch's kernels serve instead
         why = " ".join(str(e).split())  # the compiler's message is at the end
@@ -110,6 +116,62 @@ def matvec(x: Tensor, w: Tensor, scale: Optional[Tensor] = None, bias: Optional[
             raise RuntimeError(f"attnlab's native kernels are unavailable here: {_state['why']}")
         op = _state["op"]
     return op(x, w, scale, bias, _state["isa"])
+
+
+GATES = {"glu": 0, "geglu": 1, "geglu_tanh": 2, "swiglu": 3}  # FeedForward's gated activations -> the op's code
+
+
+def gated_matvec(x: Tensor, first: tuple, second: tuple, activation: str) -> Tensor:
+    """A gated FFN's hidden activation ``act(x W₁ᵀ ⊙ s₁ + b₁) ⊙ (x W₃ᵀ ⊙ s₃ + b₃)`` in one call: ``first`` and
+    ``second`` are :func:`matvec`'s ``(w, scale, bias)`` for ``W₁`` and ``W₃`` (same shape and dtype), ``activation``
+    one of :data:`GATES` (GLU's sigmoid, GELU, GELU-tanh, SiLU). ``x (..., K)`` float32 -> ``(..., N)`` float32.
+
+    Raises:
+        RuntimeError: the native kernels are not :func:`available` (callers check that first).
+    """
+    _need()
+    return _state["gated"](x, *first, *second, GATES[activation], _state["isa"])
+
+
+def usable(x: Tensor) -> bool:
+    """Whether a native kernel may take ``x``: float32 on the CPU, in eager mode (no graph being traced — as
+    ``torch.onnx.export``'s TorchScript exporter does — or compiled or exported by dynamo: those record PyTorch's
+    operations), and the kernels :func:`available`."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and available() and not torch.jit.is_tracing()
+            and not torch.compiler.is_compiling())
+
+
+def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """``y = x / sqrt(mean(x²) + ε) · w`` row by row: ``x (..., E)`` and ``w (E,)`` contiguous float32 CPU tensors (the op
+    checks), forward only (no autograd). :class:`attnlab.nn.RMSNorm` calls it in inference.
+
+    Raises:
+        RuntimeError: the native kernels are not :func:`available` (callers check that first).
+    """
+    _need()
+    return _state["rms_norm"](x, w, eps, _state["isa"])
+
+
+def attend_decode(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, position: int, heads: int, kv_heads: int,
+                  cos: Optional[Tensor], sin: Optional[Tensor], interleaved: bool, scale: float) -> Tensor:
+    """One decoding step's attention from its packed projection: ``qkv (B, 1, (H + 2 Hkv) · D)`` (q's heads, then
+    k's, then v's) is rotated at ``position`` (RoPE with the angles' ``cos``, ``sin`` ``(R/2,)`` rows, pairs laid out
+    as :func:`~attnlab.functional.positional.apply_rope`'s ``interleaved``; none without them), k and v are written
+    into the cache buffers ``k_cache, v_cache (B, Hkv, capacity, D)`` at ``position``, and each query head ``h``
+    attends to key/value head ``h // (H / Hkv)`` over positions ``0 .. position``:
+    ``softmax(scale · q Kᵀ) V`` -> ``(B, 1, H · D)``. float32 contiguous CPU tensors (the op checks).
+
+    Raises:
+        RuntimeError: the native kernels are not :func:`available` (callers check that first).
+    """
+    _need()
+    return _state["attend_decode"](qkv, k_cache, v_cache, position, heads, kv_heads, cos, sin, interleaved, scale,
+                                   _state["isa"])
+
+
+def _need() -> None:
+    if not available():
+        raise RuntimeError(f"attnlab's native kernels are unavailable here: {_state['why']}")
 
 
 if __name__ == "__main__":  # ``python -m attnlab._native``: build now (make setup), say the outcome

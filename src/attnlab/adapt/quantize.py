@@ -102,6 +102,12 @@ class Int8Linear(nn.Module):
                                    None if self.bias is None else self.bias.float().contiguous())
         return self._native
 
+    def matvec_args(self, x: Tensor) -> Optional[tuple]:
+        """``(Q, s, bias)`` for :func:`attnlab._native.matvec` where it serves ``x`` (few rows, on the CPU), else None."""
+        if x.numel() <= _native.MAX_ROWS * self.in_features and x.device.type == "cpu":
+            return self._matvec_args() or None
+        return None
+
     def forward(self, x: Tensor) -> Tensor:
         args = self._matvec_args() if x.numel() <= _native.MAX_ROWS * self.in_features else False
         if args and x.device.type == "cpu":  # a decoding step: attnlab's int8 matvec (module docstring)

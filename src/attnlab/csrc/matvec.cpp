@@ -11,6 +11,9 @@
 // rounded); with int8 weights each row of x is rounded to 16-bit integers (relative error ≤ 2⁻¹⁶ of the
 // row's largest |x|, finer than bf16) and the products run in integer arithmetic (madd), scaled at the end.
 //
+// attnlab::gated_matvec is a gated FFN's first half in one call: h = act(x W₁ᵀ ⊙ s₁ + b₁) ⊙ (x W₃ᵀ ⊙ s₃ + b₃), the
+// two products split over the threads together and each task gating the rows it computed.
+//
 // The instruction set is chosen by the caller (`isa`: 2 = AVX-512, 1 = AVX2 + FMA, 0 = portable C++),
 // from torch.backends.cpu.get_cpu_capability(), so ATEN_CPU_CAPABILITY=avx2 selects the AVX2 code here too.
 // The vector code is written once (matvec_rows.h) and compiled for each instruction set in its own
@@ -167,46 +170,28 @@ RowsFn pick(int64_t isa) {
   return rows_portable<KIND>;
 }
 
-at::Tensor matvec(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale,
-                  const std::optional<at::Tensor>& bias, int64_t isa) {
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "attnlab::matvec: x and w must be CPU tensors");
-  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "attnlab::matvec: x must be a contiguous float32 (..., K) tensor, got ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(-1),
-              "attnlab::matvec: w must be a contiguous (N, K) tensor with K = ", x.size(-1), ", got ", w.sizes());
-  const auto wt = w.scalar_type();
-  TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kChar,
-              "attnlab::matvec: w must be float32, bfloat16 or int8, got ", wt);
-  TORCH_CHECK(wt != at::kChar || scale.has_value(), "attnlab::matvec: an int8 w needs its per-row scale");
-  const int64_t N = w.size(0), K = x.size(-1), M = K ? x.numel() / K : 0;  // x's leading dims flattened
-  for (const auto* t : {&scale, &bias}) {
-    if (t->has_value()) {
-      const at::Tensor& v = **t;
-      TORCH_CHECK(v.device().is_cpu() && v.dim() == 1 && v.size(0) == N && v.scalar_type() == at::kFloat &&
-                      v.is_contiguous(),
-                  "attnlab::matvec: scale and bias must be contiguous float32 (N,) = (", N, ",) tensors, got ",
-                  v.sizes(), " ", v.scalar_type());
-    }
-  }
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());  // y: (..., N)
-  shape.back() = N;
-  at::Tensor y = at::empty(shape, x.options());
-  if (M == 0 || N == 0) return y.zero_();
-  at::Tensor xd;  // bf16 (vector kernels, K even): x's even then odd columns, row by row
+// x's per-call copies that a weight kind's vector kernel reads (bf16: even/odd columns; int8: int16 rows and
+// their scales), and the row function for that kind and instruction set
+struct Prepared {
+  at::Tensor xd, xq, xs;
+  RowsFn fn;
+};
+
+Prepared prepare(const at::Tensor& x, at::ScalarType wt, int64_t M, int64_t K, int64_t isa) {
+  Prepared p;
   if (wt == at::kBFloat16 && isa > 0 && K % 2 == 0) {  // (K odd: the portable kernel)
-    xd = at::empty({M, K}, x.options());
+    p.xd = at::empty({M, K}, x.options());
     const float* src = x.data_ptr<float>();
-    float* dst = xd.data_ptr<float>();
+    float* dst = p.xd.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m)
       for (int64_t k = 0; k < K; ++k) dst[m * K + (k % 2) * (K / 2) + k / 2] = src[m * K + k];
   }
-  at::Tensor xq, xs;  // int8 (vector kernels): x ≈ xs[m] · xq[m], xq = round(x / xs), xs = max|x[m]| / 32767
-  if (wt == at::kChar && isa > 0) {
-    xq = at::empty({M, K}, x.options().dtype(at::kShort));
-    xs = at::empty({M}, x.options());
+  if (wt == at::kChar && isa > 0) {  // x ≈ xs[m] · xq[m], xq = round(x / xs), xs = max|x[m]| / 32767
+    p.xq = at::empty({M, K}, x.options().dtype(at::kShort));
+    p.xs = at::empty({M}, x.options());
     const float* src = x.data_ptr<float>();
-    int16_t* q = xq.data_ptr<int16_t>();
-    float* sc = xs.data_ptr<float>();
+    int16_t* q = p.xq.data_ptr<int16_t>();
+    float* sc = p.xs.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m) {
       float amax = 0.f;
       for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::abs(src[m * K + k]));
@@ -215,15 +200,101 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& w, const std::optional<
       for (int64_t k = 0; k < K; ++k) q[m * K + k] = static_cast<int16_t>(std::nearbyint(src[m * K + k] * inv));
     }
   }
-  Job j{w.data_ptr(), x.data_ptr<float>(), xd.defined() ? xd.data_ptr<float>() : nullptr,
-        xq.defined() ? xq.data_ptr<int16_t>() : nullptr, xs.defined() ? xs.data_ptr<float>() : nullptr, scale ? scale->data_ptr<float>() : nullptr,
-        bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, N, K};
-  RowsFn fn = wt == at::kFloat      ? pick<F32>(isa)
-              : wt == at::kBFloat16 ? pick<BF16>(xd.defined() ? isa : 0)
-                                    : pick<I8>(isa);
-  // ~256 KiB of weight per task at least: small matrices stay on one thread
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, K * w.element_size()));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { fn(j, n0, n1); });
+  p.fn = wt == at::kFloat      ? pick<F32>(isa)
+         : wt == at::kBFloat16 ? pick<BF16>(p.xd.defined() ? isa : 0)
+                               : pick<I8>(isa);
+  return p;
+}
+
+Job job(const Prepared& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale,
+        const std::optional<at::Tensor>& bias, float* y, int64_t M, int64_t N, int64_t K) {
+  return Job{w.data_ptr(), x.data_ptr<float>(), p.xd.defined() ? p.xd.data_ptr<float>() : nullptr,
+             p.xq.defined() ? p.xq.data_ptr<int16_t>() : nullptr, p.xs.defined() ? p.xs.data_ptr<float>() : nullptr,
+             scale ? scale->data_ptr<float>() : nullptr, bias ? bias->data_ptr<float>() : nullptr, y, M, N, K};
+}
+
+// the checks of matvec's arguments; returns M (x's rows)
+int64_t check(const char* op, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale,
+              const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "attnlab::", op, ": x and w must be CPU tensors");
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat && x.is_contiguous(), "attnlab::", op,
+              ": x must be a contiguous float32 (..., K) tensor, got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(-1), "attnlab::", op,
+              ": w must be a contiguous (N, K) tensor with K = ", x.size(-1), ", got ", w.sizes());
+  const auto wt = w.scalar_type();
+  TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kChar, "attnlab::", op,
+              ": w must be float32, bfloat16 or int8, got ", wt);
+  TORCH_CHECK(wt != at::kChar || scale.has_value(), "attnlab::", op, ": an int8 w needs its per-row scale");
+  const int64_t N = w.size(0), K = x.size(-1);
+  for (const auto* t : {&scale, &bias}) {
+    if (t->has_value()) {
+      const at::Tensor& v = **t;
+      TORCH_CHECK(v.device().is_cpu() && v.dim() == 1 && v.size(0) == N && v.scalar_type() == at::kFloat &&
+                      v.is_contiguous(),
+                  "attnlab::", op, ": scale and bias must be contiguous float32 (N,) = (", N, ",) tensors, got ",
+                  v.sizes(), " ", v.scalar_type());
+    }
+  }
+  return K ? x.numel() / K : 0;  // x's leading dims flattened
+}
+
+at::Tensor output(const at::Tensor& x, int64_t N) {  // y: (..., N)
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return at::empty(shape, x.options());
+}
+
+// ~256 KiB of weight per task at least: small matrices stay on one thread
+int64_t grain(int64_t K, int64_t bytes) { return std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, K * bytes)); }
+
+at::Tensor matvec(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale,
+                  const std::optional<at::Tensor>& bias, int64_t isa) {
+  const int64_t M = check("matvec", x, w, scale, bias), N = w.size(0), K = x.size(-1);
+  at::Tensor y = output(x, N);
+  if (M == 0 || N == 0) return y.zero_();
+  const Prepared p = prepare(x, w.scalar_type(), M, K, isa);
+  const Job j = job(p, x, w, scale, bias, y.data_ptr<float>(), M, N, K);
+  at::parallel_for(0, N, grain(K, w.element_size()), [&](int64_t n0, int64_t n1) { p.fn(j, n0, n1); });
+  return y;
+}
+
+// the gate of a gated FFN: 0 sigmoid (GLU), 1 GELU (erf), 2 GELU (tanh), 3 SiLU (SwiGLU) — torch's formulas
+float gate(int64_t act, float a) {
+  switch (act) {
+    case 0: return 1.f / (1.f + std::exp(-a));
+    case 1: return 0.5f * a * (1.f + std::erf(a * static_cast<float>(M_SQRT1_2)));
+    case 2: {
+      const float inner = static_cast<float>(M_2_SQRTPI * M_SQRT1_2) * (a + 0.044715f * a * a * a);
+      return 0.5f * a * (1.f + std::tanh(inner));
+    }
+    default: return a / (1.f + std::exp(-a));
+  }
+}
+
+// h = act(x W₁ᵀ ⊙ s₁ + b₁) ⊙ (x W₃ᵀ ⊙ s₃ + b₃): a gated FFN's two products and its gate in one pass over the
+// rows (each task reads row n of W₁, then of W₃, and gates its own rows)
+at::Tensor gated_matvec(const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& s1,
+                        const std::optional<at::Tensor>& b1, const at::Tensor& w3, const std::optional<at::Tensor>& s3,
+                        const std::optional<at::Tensor>& b3, int64_t act, int64_t isa) {
+  const int64_t M = check("gated_matvec", x, w1, s1, b1), N = w1.size(0), K = x.size(-1);
+  check("gated_matvec", x, w3, s3, b3);
+  TORCH_CHECK(w3.sizes() == w1.sizes() && w3.scalar_type() == w1.scalar_type(),
+              "attnlab::gated_matvec: w1 and w3 must have the same shape and dtype, got ", w1.sizes(), " ",
+              w1.scalar_type(), " and ", w3.sizes(), " ", w3.scalar_type());
+  TORCH_CHECK(0 <= act && act <= 3, "attnlab::gated_matvec: act must be 0 (sigmoid), 1 (gelu), 2 (gelu_tanh) or 3 "
+              "(silu), got ", act);
+  at::Tensor y = output(x, N);
+  if (M == 0 || N == 0) return y.zero_();
+  at::Tensor y3 = at::empty({M, N}, x.options());
+  const Prepared p = prepare(x, w1.scalar_type(), M, K, isa);
+  const Job j1 = job(p, x, w1, s1, b1, y.data_ptr<float>(), M, N, K);
+  const Job j3 = job(p, x, w3, s3, b3, y3.data_ptr<float>(), M, N, K);
+  at::parallel_for(0, N, grain(2 * K, w1.element_size()), [&](int64_t n0, int64_t n1) {
+    p.fn(j1, n0, n1);
+    p.fn(j3, n0, n1);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = n0; n < n1; ++n) j1.y[m * N + n] = gate(act, j1.y[m * N + n]) * j3.y[m * N + n];
+  });
   return y;
 }
 
@@ -231,6 +302,11 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& w, const std::optional<
 
 TORCH_LIBRARY(attnlab, m) {
   m.def("matvec(Tensor x, Tensor w, Tensor? scale, Tensor? bias, int isa) -> Tensor");
+  m.def("gated_matvec(Tensor x, Tensor w1, Tensor? s1, Tensor? b1, Tensor w3, Tensor? s3, Tensor? b3, int act, "
+        "int isa) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(attnlab, CPU, m) { m.impl("matvec", &matvec); }
+TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
+  m.impl("matvec", &matvec);
+  m.impl("gated_matvec", &gated_matvec);
+}

@@ -112,6 +112,31 @@ class KVCache:
         self.length += n
         return self.k.narrow(2, 0, self.length), self.v.narrow(2, 0, self.length)
 
+    def room_for(self, n: int) -> Optional[tuple[Tensor, Tensor]]:
+        """The whole buffers ``(B, Hkv, capacity, D)``, grown (as :meth:`update` grows them) so that ``n`` more entries
+        fit after :attr:`length`, for a caller that writes the entries there itself and then calls
+        :meth:`advance`; None where a caller cannot (nothing cached yet, cross-attention, a ring, buffers that are
+        not contiguous, a graph being recorded).
+
+        Raises:
+            ValueError: ``n`` more entries would overflow ``max_length``.
+        """
+        if self.k is None or self.static or self.window is not None or _tracing():
+            return None
+        if self.max_length is not None and self.length + n > self.max_length:
+            raise ValueError(f"KVCache overflow: {self.length} cached + {n} new > max_length={self.max_length}")
+        if self.length + n > self.k.shape[2]:
+            self._resize(self.k, self.v, self.max_length or max(2 * self.k.shape[2], self.length + n))
+        if not (self.k.is_contiguous() and self.v.is_contiguous()):
+            return None
+        return self.k, self.v
+
+    def advance(self, n: int, *, finite: bool) -> None:
+        """Count ``n`` entries written after :attr:`length` into the buffers :meth:`room_for` returned; ``finite``:
+        whether they are all free of NaN and ±inf (the caller checked)."""
+        self.length += n
+        self.finite = self.finite and finite
+
     def _resize(self, k: Tensor, v: Tensor, room: int) -> None:
         """New buffers of ``room`` positions (shaped as ``k``, ``v``), holding the entries written so far."""
         B, Hkv, _, D = k.shape

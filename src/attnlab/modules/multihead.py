@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab._checks import is_int, positive_int
+from attnlab import _native
 from attnlab.modules.cache import KVCache
 from attnlab.backends.dispatch import (all_finite, attend, attend_step, attention_weights, keeps_lse,
                                        position_bias_terms)
@@ -206,6 +207,9 @@ class MultiheadAttention(nn.Module):
         if not all_finite(qkv):
             return self.forward(query, cache=cache, need_weights=False)[0]
         B, H, Hkv, Dh = query.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        out = self._step_native(qkv, cache)
+        if out is not None:
+            return self.out_proj(out)
         heads = qkv.view(B, H + 2 * Hkv, 1, Dh)  # q's heads, then k's, then v's
         q, k, v = heads.split([H, Hkv, Hkv], dim=1)  # (B, ·, 1, Dh) each
         if self.rotary is not None and hasattr(self.rotary, "at"):  # RotaryEmbedding: q and k (adjacent heads at
@@ -216,6 +220,30 @@ class MultiheadAttention(nn.Module):
         k, v = cache.update(k, v, finite=True)
         out = attend_step(q, k, v, scale=self.scale)  # (B, H, 1, Dh)
         return self.out_proj(out.reshape(B, 1, H * Dh))
+
+    def _step_native(self, qkv: Tensor, cache: KVCache) -> Optional[Tensor]:
+        """:meth:`step`'s RoPE, cache write and attention in one C++ call (:func:`attnlab._native.attend_decode`):
+        ``(B, 1, H · Dh)``, or None where that call does not apply (no native kernels, not float32 on the CPU, a
+        rotary module without ``angles_at`` (:class:`~attnlab.nn.positional.RotaryEmbedding` has it), a cache it
+        cannot write in place, a graph being traced or compiled)."""
+        if not _native.usable(qkv):
+            return None
+        rotary, position = self.rotary, cache.length
+        cos = sin = None
+        if rotary is not None:
+            angles = getattr(rotary, "angles_at", None)
+            cos_sin = None if angles is None else angles(position)
+            if cos_sin is None or cos_sin[0].dtype != torch.float32 or cos_sin[0].device.type != "cpu":
+                return None
+            cos, sin = cos_sin
+        buffers = cache.room_for(1)
+        if buffers is None or buffers[0].dtype != torch.float32:
+            return None
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
+        out = _native.attend_decode(qkv.contiguous(), *buffers, position, self.num_heads, self.num_kv_heads, cos, sin,
+                                    bool(rotary is not None and rotary.interleaved), scale)
+        cache.advance(1, finite=True)
+        return out
 
     def _weights_from_lse(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
         """Weights can come from the log-sum-exp: softmax, no dropout, nothing needs their gradient."""

@@ -20,12 +20,13 @@ variants, ``w3``. Mapping from other checkpoints:
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab import _native
 from attnlab._checks import one_of, positive_int, rate
 from attnlab.nn.dropout import Dropout
 
@@ -91,10 +92,27 @@ class FeedForward(nn.Module):
         self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.w3 is not None and not self.training:
+            h = self._gated_native(x)
+            if h is not None:
+                return self.w2(h)
         h = self.act(self.w1(x))  # (B, L, hidden)
         if self.w3 is not None:
             h = h * self.w3(x)
         return self.w2(self.dropout(h) if self.training else h)  # (B, L, dim)
+
+    def _gated_native(self, x: Tensor) -> Optional[Tensor]:
+        """``act(W₁ x) ⊙ W₃ x`` in one C++ call (:func:`attnlab._native.gated_matvec`) where both layers are served by
+        attnlab's matrix–vector kernel (inference layouts, ``optimize_for_inference`` or int8, a decoding step's
+        few rows) with the same weight dtype; else None."""
+        first = getattr(self.w1, "matvec_args", None)
+        second = getattr(self.w3, "matvec_args", None)
+        if first is None or second is None or not _native.usable(x):
+            return None
+        first, second = first(x), second(x)
+        if first is None or second is None or first[0].dtype != second[0].dtype or first[0].shape != second[0].shape:
+            return None
+        return _native.gated_matvec(x.contiguous(), first, second, self.activation)
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"

@@ -128,6 +128,13 @@ class PackedLinear(nn.Module):
     def bias(self) -> Optional[Tensor]:
         return self.bias_
 
+    def matvec_args(self, x: Tensor) -> Optional[tuple]:
+        """``(w, scale, bias)`` for :func:`attnlab._native.matvec` where it serves ``x`` (few rows, this layer packed
+        for them), else None: for a caller that fuses this product with another (``FeedForward``)."""
+        if self.native and x.numel() <= _native.MAX_ROWS * self.in_features:
+            return self.weight_, None, self.bias32
+        return None
+
     def forward(self, x: Tensor) -> Tensor:
         # lean on purpose: a decode step calls this ~50 times, so each avoidable op shows
         if x.shape[-1] != self.in_features:

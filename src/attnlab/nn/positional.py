@@ -184,6 +184,14 @@ class RotaryEmbedding(nn.Module):
         return apply_rope(x, cos.narrow(0, position, 1), self.sin_cached.narrow(0, position, 1),
                           interleaved=self.interleaved)
 
+    def angles_at(self, position: int) -> tuple[Tensor, Tensor]:
+        """``cos(position · θ)``, ``sin(position · θ)``: the cached rows ``(R/2,)`` (views; the cache grows to hold
+        ``position``), as :meth:`forward` uses them — for a fused kernel that rotates by itself
+        (:func:`attnlab._native.attend_decode`)."""
+        if position >= self.cached_positions:
+            self._grow(position + 1)
+        return self.cos_cached[position], self.sin_cached[position]
+
     def extra_repr(self) -> str:
         return (f"{self.head_dim}, rotary_dim={self.rotary_dim}, base={self.base}, interleaved={self.interleaved}, "
                 f"cached_positions={self.cached_positions}")

@@ -1,0 +1,193 @@
+// The small operations of a decoding step, each in one call instead of several PyTorch operations.
+//
+// A decoding step (one new token per sequence) spends its time in two places: the weight products (matvec.cpp,
+// which stream the weights at memory speed) and everything between them — per layer ~40 small PyTorch
+// operations for RMSNorm, RoPE, the cache write and the attention over the cache, each a dispatch, an output
+// allocation and, after a product has swept the caches, cold instructions and data. Here they are two calls:
+//
+//   attnlab::rms_norm(x, w, eps)           y = x / sqrt(mean(x²) + ε) · w               (row by row)
+//   attnlab::attend_decode(qkv, K, V, t, …)  one query per sequence and head, at position t:
+//       q, k ← RoPE_t(q), RoPE_t(k)          (when cos/sin are given: a' = a cos φ − b sin φ, b' = b cos φ + a sin φ)
+//       K[:, :, t], V[:, :, t] ← k, v        (the cache buffers, written in place)
+//       out = softmax(scale · q K[:, :, :t+1]ᵀ) V[:, :, :t+1]     (query head h reads key/value head h / (H / Hkv))
+//
+// float32 throughout, the same formulas as the PyTorch path (nn/norms.py, functional/positional.py, SDPA), up
+// to float32 summation order; the softmax's exponential is a polynomial within ~1 ulp (decode_body.h). The
+// instruction set is the caller's (`isa`: 2 = AVX-512, 1 = AVX2 + FMA, 0 = portable), as in matvec.cpp.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+namespace {
+
+#if defined(__x86_64__) || defined(_M_X64)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw")
+namespace avx512 {
+constexpr int L = 16;
+#include "decode_body.h"
+}  // namespace avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+constexpr int L = 8;
+#include "decode_body.h"
+}  // namespace avx2
+#pragma GCC pop_options
+#define ATTNLAB_ISAS 1
+#endif
+
+namespace portable {
+constexpr int L = 4;
+#include "decode_body.h"
+}  // namespace portable
+
+using RmsFn = void (*)(const float*, const float*, float*, int64_t, float);
+using AttendFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, float, float*, float*);
+
+template <class T>
+T pick(int64_t isa, T avx512_fn, T avx2_fn, T portable_fn) {
+#ifdef ATTNLAB_ISAS
+  if (isa >= 2) return avx512_fn;
+  if (isa == 1) return avx2_fn;
+#endif
+  (void)avx512_fn, (void)avx2_fn;
+  return portable_fn;
+}
+
+void check_f32(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), "attnlab::", op, ": ", name,
+              " must be a contiguous float32 CPU tensor, got ", t.scalar_type(), " ", t.sizes(),
+              t.is_contiguous() ? "" : " (not contiguous)");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, int64_t isa) {
+  check_f32(x, "rms_norm", "x");
+  check_f32(w, "rms_norm", "w");
+  TORCH_CHECK(x.dim() >= 1 && w.dim() == 1 && w.size(0) == x.size(-1),
+              "attnlab::rms_norm: w must be (E,) with E = x.size(-1); got x ", x.sizes(), ", w ", w.sizes());
+  at::Tensor y = at::empty_like(x);
+  const int64_t E = x.size(-1), rows = E ? x.numel() / E : 0;
+  const RmsFn fn = pick<RmsFn>(isa,
+#ifdef ATTNLAB_ISAS
+                               avx512::rms_norm_row, avx2::rms_norm_row,
+#else
+                               nullptr, nullptr,
+#endif
+                               portable::rms_norm_row);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, E));
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) fn(xp + r * E, wp, yp + r * E, E, static_cast<float>(eps));
+  });
+  return y;
+}
+
+// dst[0 .. D) = src rotated at one position: pairs (i, i + R/2) (half-split) or (2i, 2i + 1) (interleaved) for
+// i < R/2 = n_rot, the last D − R dims copied
+void rope_copy(const float* src, float* dst, int64_t D, const float* c, const float* s, int64_t n_rot,
+               bool interleaved) {
+  for (int64_t i = 0; i < n_rot; ++i) {
+    const int64_t ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + n_rot;
+    const float a = src[ia], b = src[ib];
+    dst[ia] = a * c[i] - b * s[i];
+    dst[ib] = b * c[i] + a * s[i];
+  }
+  std::memcpy(dst + 2 * n_rot, src + 2 * n_rot, sizeof(float) * (D - 2 * n_rot));
+}
+
+at::Tensor attend_decode(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t length,
+                         int64_t heads, int64_t kv_heads, const std::optional<at::Tensor>& cos,
+                         const std::optional<at::Tensor>& sin, bool interleaved, double scale, int64_t isa) {
+  check_f32(qkv, "attend_decode", "qkv");
+  check_f32(k_cache, "attend_decode", "k_cache");
+  check_f32(v_cache, "attend_decode", "v_cache");
+  TORCH_CHECK(heads >= 1 && kv_heads >= 1 && heads % kv_heads == 0,
+              "attnlab::attend_decode: heads must be a multiple of kv_heads, got ", heads, " and ", kv_heads);
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "attnlab::attend_decode: k_cache and v_cache must be equal (B, Hkv, capacity, D), got ", k_cache.sizes(),
+              " and ", v_cache.sizes());
+  const int64_t B = k_cache.size(0), cap = k_cache.size(2), D = k_cache.size(3);
+  const int64_t width = (heads + 2 * kv_heads) * D;
+  TORCH_CHECK(k_cache.size(1) == kv_heads && qkv.numel() == B * width && qkv.size(-1) == width,
+              "attnlab::attend_decode: qkv must be (B, 1, (H + 2 Hkv) · D) = (", B, ", 1, ", width,
+              ") for a cache of ", k_cache.sizes(), " and ", heads, "/", kv_heads, " heads, got ", qkv.sizes());
+  TORCH_CHECK(0 <= length && length < cap, "attnlab::attend_decode: position ", length,
+              " is outside the cache's room of ", cap);
+  TORCH_CHECK(cos.has_value() == sin.has_value(), "attnlab::attend_decode: give both cos and sin, or neither");
+  int64_t n_rot = 0;
+  if (cos) {
+    check_f32(*cos, "attend_decode", "cos");
+    check_f32(*sin, "attend_decode", "sin");
+    n_rot = cos->numel();
+    TORCH_CHECK(sin->numel() == n_rot && 2 * n_rot <= D, "attnlab::attend_decode: cos and sin must hold R/2 ≤ D/2 = ",
+                D / 2, " angles each, got ", cos->numel(), " and ", sin->numel());
+  }
+  const float* c = cos ? cos->data_ptr<float>() : nullptr;
+  const float* s = sin ? sin->data_ptr<float>() : nullptr;
+  const float* in = qkv.data_ptr<float>();
+  float* kp = k_cache.data_ptr<float>();
+  float* vp = v_cache.data_ptr<float>();
+  at::Tensor q = at::empty({B, heads, D}, qkv.options());  // the rotated queries
+  float* qp = q.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    const float* row = in + b * width;  // q's heads, then k's, then v's
+    for (int64_t h = 0; h < heads + kv_heads; ++h) {
+      float* dst = h < heads ? qp + (b * heads + h) * D : kp + ((b * kv_heads + h - heads) * cap + length) * D;
+      if (n_rot) {
+        rope_copy(row + h * D, dst, D, c, s, n_rot, interleaved);
+      } else {
+        std::memcpy(dst, row + h * D, sizeof(float) * D);
+      }
+    }
+    for (int64_t g = 0; g < kv_heads; ++g)
+      std::memcpy(vp + ((b * kv_heads + g) * cap + length) * D, row + (heads + kv_heads + g) * D, sizeof(float) * D);
+  }
+  at::Tensor out = at::empty({B, 1, heads * D}, qkv.options());
+  float* op = out.data_ptr<float>();
+  const int64_t S = length + 1, group = heads / kv_heads;
+  const AttendFn fn = pick<AttendFn>(isa,
+#ifdef ATTNLAB_ISAS
+                                     avx512::attend_one, avx2::attend_one,
+#else
+                                     nullptr, nullptr,
+#endif
+                                     portable::attend_one);
+  // ~64 K multiply-adds per task at least: a short cache stays on one thread (waking another costs more)
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, S * D));
+  at::parallel_for(0, B * heads, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scratch(S);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / heads, h = i % heads, g = b * kv_heads + h / group;
+      fn(qp + i * D, kp + g * cap * D, vp + g * cap * D, S, D, static_cast<float>(scale), scratch.data(),
+         op + i * D);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(attnlab, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps, int isa) -> Tensor");
+  m.def("attend_decode(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, int length, int heads, int kv_heads, "
+        "Tensor? cos, Tensor? sin, bool interleaved, float scale, int isa) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("attend_decode", &attend_decode);
+}

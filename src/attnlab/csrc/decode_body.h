@@ -1,0 +1,103 @@
+// The vector code of decode.cpp, written once with GCC's vector extensions (`VF`: L floats) and included in each
+// instruction set's `#pragma GCC target` region and namespace, where `L` is that set's width (16 AVX-512, 8 AVX2,
+// 4 SSE / portable): the compiler emits that set's instructions for the same source.
+
+using VF = float __attribute__((vector_size(4 * L)));
+using VI = int32_t __attribute__((vector_size(4 * L)));
+
+inline VF load(const float* p) {
+  VF v;
+  std::memcpy(&v, p, sizeof v);  // unaligned load
+  return v;
+}
+inline void store(float* p, VF v) { std::memcpy(p, &v, sizeof v); }
+inline VF splat(float a) { return VF{} + a; }
+inline float hsum(VF v) {
+  float s = 0.f;
+  for (int i = 0; i < L; ++i) s += v[i];
+  return s;
+}
+
+// e^x, lane by lane, for x ≤ 0 (softmax's shifted scores; NaN stays NaN): e^x = 2ⁿ · e^r with n = round(x log₂e),
+// r = x − n ln 2 (ln 2 in two parts, exact products), e^r ≈ 1 + r + r² p(r) on |r| ≤ ln2/2 (Cephes expf's
+// polynomial: relative error ~1e-7, about an ulp of float32), 2ⁿ built in the exponent bits; x < −87.3 → 0.
+inline VF exp_nonpositive(VF x) {
+  const VF magic = splat(12582912.f);  // 1.5 · 2²³: t + magic − magic rounds t to an integer (|t| < 2²²)
+  const VF n = (x * splat(1.44269504088896341f) + magic) - magic;
+  const VF r = (x - n * splat(0.693359375f)) - n * splat(-2.12194440e-4f);
+  VF p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  const VF er = p * (r * r) + r + splat(1.f);
+  const VI clamped = __builtin_convertvector(n < splat(-126.f) ? splat(-126.f) : n, VI);  // NaN: any (NaN stays)
+  const VI bits = (clamped + 127) << 23;
+  VF two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return x < splat(-87.3f) ? splat(0.f) : er * two_n;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  VF acc = splat(0.f);
+  int64_t i = 0;
+  for (; i + L <= n; i += L) acc += load(a + i) * load(b + i);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y[i] = x[i] · r · w[i], r = (Σ x² / n + ε)^(-1/2)
+inline void rms_norm_row(const float* x, const float* w, float* y, int64_t n, float eps) {
+  VF acc = splat(0.f);
+  int64_t i = 0;
+  for (; i + L <= n; i += L) {
+    const VF v = load(x + i);
+    acc += v * v;
+  }
+  float ss = hsum(acc);
+  for (; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  i = 0;
+  for (; i + L <= n; i += L) store(y + i, (load(x + i) * splat(r)) * load(w + i));
+  for (; i < n; ++i) y[i] = (x[i] * r) * w[i];
+}
+
+// out (D) = Σ_j softmax(scale · q·K_j)_j V_j over the S rows of K and V (row stride D); s: S floats of scratch
+inline void attend_one(const float* q, const float* K, const float* Vv, int64_t S, int64_t D, float scale,
+                       float* s, float* out) {
+  float m = -INFINITY;
+  for (int64_t j = 0; j < S; ++j) {
+    s[j] = dot(q, K + j * D, D) * scale;
+    m = std::max(m, s[j]);
+  }
+  if (!std::isfinite(m)) {  // a NaN or an overflowed score: NaN out, as softmax's arithmetic gives (the caller checks)
+    for (int64_t d = 0; d < D; ++d) out[d] = NAN;
+    return;
+  }
+  VF total = splat(0.f);
+  int64_t j = 0;
+  for (; j + L <= S; j += L) {
+    const VF p = exp_nonpositive(load(s + j) - splat(m));
+    store(s + j, p);
+    total += p;
+  }
+  float sum = hsum(total);
+  for (; j < S; ++j) {
+    VF one = splat(0.f);
+    one[0] = s[j] - m;
+    s[j] = exp_nonpositive(one)[0];
+    sum += s[j];
+  }
+  for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
+  for (j = 0; j < S; ++j) {
+    const float p = s[j];
+    const float* v = Vv + j * D;
+    int64_t d = 0;
+    for (; d + L <= D; d += L) store(out + d, load(out + d) + splat(p) * load(v + d));
+    for (; d < D; ++d) out[d] += p * v[d];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+}

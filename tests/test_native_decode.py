@@ -1,0 +1,269 @@
+"""attnlab's C++ decoding-step kernels (csrc/decode.cpp, and gated_matvec in csrc/matvec.cpp) against independent
+oracles on every instruction set this CPU runs, and the layers that call them.
+
+Oracles and tolerances (float32, ε = 2⁻²⁴ per rounding):
+- ``rms_norm``: the float64 formula; a sum of E squares (γ_E relative), a square root, a reciprocal and two
+  products: ≤ (E / 2 + 6) ε relative to each output (the half: the sum's error enters under the square root).
+- ``attend_decode``: float64 SDPA over the cache with the float64 RoPE of the same angles. Each score is a D-term
+  dot product (γ_D of Σ|q_d k_d| · scale), each exponential is within ~2 ulps, the weighted sum a further S-term
+  sum of non-negative weights: ≤ (D · scale · max Σ|q k| + S + 8) ε · max|v| absolute.
+- ``gated_matvec``: its two products are matvec's (the same kernel, the same order: equal bit for bit to
+  ``matvec``'s outputs) and the gate is torch's formula in float32: ≤ 8 ε (|a| + 1) |c| of ``act(a) · c``.
+"""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnlab import _native
+from attnlab.functional.positional import apply_rope, rope_frequencies
+from attnlab.modules.cache import KVCache
+
+needs_native = pytest.mark.skipif(not _native.available(), reason="attnlab's native kernels are not built here "
+                                  "(a C++ compiler and ninja are needed; `attnlab env` says why)")
+CAP = _native._ISA_CODES.get(torch.backends.cpu.get_cpu_capability(), 0)
+ISAS = [i for i in (2, 1, 0) if i <= CAP]
+ISA_IDS = {2: "avx512", 1: "avx2", 0: "portable"}
+EPS32 = 2.0**-24
+GATE_FNS = {"glu": torch.sigmoid, "geglu": F.gelu, "geglu_tanh": lambda a: F.gelu(a, approximate="tanh"),
+            "swiglu": F.silu}
+
+
+@pytest.fixture
+def isa(request, monkeypatch):
+    monkeypatch.setitem(_native._state, "isa", request.param)
+    return request.param
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
+@pytest.mark.parametrize("E", [1, 7, 64, 1000, 4096])
+def test_rms_norm_equals_the_float64_formula(isa, E):
+    gen = torch.Generator().manual_seed(E)
+    x, w = torch.randn(3, 5, E, generator=gen) * 4, torch.randn(E, generator=gen)
+    y = _native.rms_norm(x, w, 1e-6)
+    xd = x.double()
+    ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    assert y.shape == x.shape and y.dtype == torch.float32
+    assert ((y.double() - ref).abs() <= (E / 2 + 6) * EPS32 * ref.abs() + 1e-30).all()
+
+
+def _case(B, H, Hkv, D, R, interleaved, position, gen):
+    cap = position + 5
+    qkv = torch.randn(B, 1, (H + 2 * Hkv) * D, generator=gen) * 2
+    k_cache, v_cache = torch.randn(B, Hkv, cap, D, generator=gen), torch.randn(B, Hkv, cap, D, generator=gen)
+    cos = sin = None
+    if R:
+        cos, sin = (t[position].contiguous() for t in rope_frequencies(R, torch.arange(position + 1)))
+    return qkv, k_cache, v_cache, cos, sin
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
+@pytest.mark.parametrize("B,H,Hkv,D,R,interleaved,position", [
+    (1, 16, 4, 64, 64, False, 40),     # Llama: grouped-query heads, half-split RoPE
+    (2, 12, 12, 64, None, False, 0),   # GPT-2: no RoPE, the first position (one key)
+    (3, 4, 2, 8, 4, True, 17),         # interleaved pairs, partial rotary (R < D)
+    (1, 2, 1, 5, 2, False, 3),         # odd head size: scalar tails everywhere
+    (2, 8, 8, 128, 128, True, 600),    # a long cache: several threads' worth
+])
+def test_attend_decode_equals_float64_rope_and_sdpa(isa, B, H, Hkv, D, R, interleaved, position):
+    gen = torch.Generator().manual_seed(position + D)
+    qkv, k_cache, v_cache, cos, sin = _case(B, H, Hkv, D, R, interleaved, position, gen)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    scale = 1 / math.sqrt(D)
+    out = _native.attend_decode(qkv, k_cache, v_cache, position, H, Hkv, cos, sin, interleaved, scale)
+
+    q, k, v = qkv.double().view(B, H + 2 * Hkv, 1, D).split([H, Hkv, Hkv], dim=1)
+    if R:
+        q, k = (apply_rope(t, cos.double().view(1, -1), sin.double().view(1, -1), interleaved=interleaved)
+                for t in (q, k))
+    # the new entries went to slot `position`, the rest of the buffers untouched
+    assert (k_cache[:, :, position:position + 1].double() - k).abs().max() <= 4 * EPS32 * k.abs().max()
+    assert torch.equal(v_cache[:, :, position:position + 1].double(), v)
+    for new, old in ((k_cache, k0), (v_cache, v0)):
+        assert torch.equal(new[:, :, :position], old[:, :, :position])
+        assert torch.equal(new[:, :, position + 1:], old[:, :, position + 1:])
+    keys = torch.cat([k0[:, :, :position].double(), k], 2)
+    values = torch.cat([v0[:, :, :position].double(), v], 2)
+    ref = F.scaled_dot_product_attention(q, keys, values, scale=scale, enable_gqa=True)  # (B, H, 1, D)
+    assert out.shape == (B, 1, H * D)
+    S = position + 1
+    qk = (q.abs() * scale).sum(-1).max() * keys.abs().max()
+    bound = (D * qk + S + 8) * EPS32 * values.abs().max()
+    assert (out.view(B, H, 1, D).double() - ref).abs().max() <= bound
+
+
+@needs_native
+def test_attend_decode_propagates_nan_and_overflow_and_checks_its_arguments():
+    gen = torch.Generator().manual_seed(0)
+    qkv, k_cache, v_cache, _, _ = _case(1, 2, 2, 8, None, False, 2, gen)
+    qkv[0, 0, 0] = float("nan")  # head 0's query
+    out = _native.attend_decode(qkv, k_cache, v_cache, 2, 2, 2, None, None, False, 0.3)
+    assert out[0, 0, :8].isnan().all() and out[0, 0, 8:].isfinite().all()
+    big = torch.full_like(qkv, 1e30)  # scores overflow to inf: NaN out, as softmax's own arithmetic gives
+    assert _native.attend_decode(big, k_cache, v_cache, 2, 2, 2, None, None, False, 1.0).isnan().all()
+    for args, what in [((qkv, k_cache, v_cache, 7, 2, 2), "outside the cache.s room"),
+                       ((qkv, k_cache, v_cache, 2, 3, 2), "multiple of kv_heads"),
+                       ((qkv[..., :-1], k_cache, v_cache, 2, 2, 2), "qkv must be"),
+                       ((qkv, k_cache.double(), v_cache, 2, 2, 2), "k_cache must be a contiguous float32"),
+                       ((qkv, k_cache.transpose(2, 3), v_cache, 2, 2, 2), "k_cache")]:
+        with pytest.raises(RuntimeError, match=what):
+            _native.attend_decode(*args, None, None, False, 1.0)
+    with pytest.raises(RuntimeError, match="both cos and sin"):
+        _native.attend_decode(qkv, k_cache, v_cache, 2, 2, 2, torch.ones(4), None, False, 1.0)
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("activation", list(GATE_FNS))
+@pytest.mark.parametrize("M,K,N", [(1, 64, 176), (3, 33, 7), (4, 256, 700)])
+def test_gated_matvec_equals_its_two_products_and_torchs_gate(isa, kind, activation, M, K, N):
+    gen = torch.Generator().manual_seed(M * K + N)
+    x = torch.randn(M, K, generator=gen)
+    args = []
+    for _ in range(2):
+        if kind == "int8":
+            w, s = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=gen), torch.rand(N, generator=gen) / 50
+        else:
+            w, s = (torch.randn(N, K, generator=gen) / 4).to(torch.bfloat16 if kind == "bf16" else torch.float32), None
+        args.append((w, s, torch.randn(N, generator=gen)))
+    y = _native.gated_matvec(x, args[0], args[1], activation)
+    a, c = (_native.matvec(x, *t) for t in args)
+    ref = GATE_FNS[activation](a) * c
+    assert y.shape == (M, N)
+    assert ((y - ref).abs() <= 8 * EPS32 * (a.abs() + 1) * c.abs()).all()
+
+
+@needs_native
+def test_gated_matvec_checks_its_arguments():
+    x, w = torch.randn(1, 8), torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="same shape and dtype"):
+        _native.gated_matvec(x, (w, None, None), (torch.randn(5, 8), None, None), "swiglu")
+    with pytest.raises(RuntimeError, match="w must be a contiguous"):
+        _native.gated_matvec(x, (torch.randn(4, 7), None, None), (w, None, None), "swiglu")
+
+
+# ---- the layers that call them ---------------------------------------------------------------------------------
+
+@needs_native
+@pytest.mark.parametrize("activation", list(GATE_FNS))
+@pytest.mark.parametrize("mode", ["fp32", "int8"])
+def test_a_gated_ffn_fuses_its_products_for_few_rows(activation, mode, monkeypatch):
+    """FeedForward in inference layouts: few rows take the one fused call, which equals the same layers called one
+    by one (the fused path switched off) to the gate's rounding; many rows and training keep the plain forward."""
+    from attnlab.adapt.quantize import quantize
+    from attnlab.nn.feedforward import FeedForward
+
+    torch.manual_seed(0)
+    wrapper = torch.nn.Sequential(FeedForward(48, 96, activation=activation)).eval()
+    if mode == "int8":
+        wrapper = quantize(wrapper, "int8")
+    else:
+        from attnlab.nn.inference import optimize_linears_
+        optimize_linears_(wrapper, dtype=torch.float32, rows=1)
+    ffn = wrapper[0]
+    calls = []
+    real = _native.gated_matvec
+    monkeypatch.setattr(_native, "gated_matvec", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(2, 1, 48)
+    with torch.no_grad():
+        fused = ffn(x)
+        assert calls == [1]
+        monkeypatch.setattr(type(ffn), "_gated_native", lambda self, x: None)
+        plain = ffn(x)
+    assert (fused - plain).abs().max() <= 64 * EPS32 * max(1.0, float(plain.abs().max()))
+    monkeypatch.undo()
+    calls.clear()
+    monkeypatch.setattr(_native, "gated_matvec", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        ffn(torch.randn(3, 8, 48))  # 24 rows: not a decoding step's
+    assert calls == []
+
+
+@needs_native
+def test_rms_norm_layer_runs_the_kernel_in_inference_and_keeps_autograd_in_training():
+    from attnlab.nn.norms import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(40)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 40, requires_grad=True)
+    y = norm(x)  # autograd wants x and g: the Function
+    y.sum().backward()
+    assert x.grad is not None and norm.weight.grad is not None
+    with torch.no_grad():
+        fast = norm(x)
+    assert fast.grad_fn is None
+    assert (fast - y.detach()).abs().max() <= (20 + 6) * EPS32 * y.abs().max()
+
+
+def test_a_cache_gives_room_in_place_and_counts_what_was_written():
+    cache = KVCache()
+    assert cache.room_for(1) is None  # nothing cached: shapes unknown
+    k = torch.randn(2, 3, 5, 4)
+    cache.update(k, k.clone())
+    kb, vb = cache.room_for(1)  # grown (doubled) and contiguous, the 5 entries kept
+    assert kb.shape == (2, 3, 10, 4) and kb.is_contiguous() and torch.equal(kb[:, :, :5], k)
+    kb[:, :, 5] = 7.0
+    cache.advance(1, finite=True)
+    assert cache.length == 6 and cache.finite
+    assert torch.equal(cache.update(k[:, :, :1], k[:, :, :1])[0][:, :, 5], torch.full((2, 3, 4), 7.0))
+    cache.advance(0, finite=False)
+    assert not cache.finite
+    static = KVCache(max_length=6)
+    static.update(k, k)
+    assert static.room_for(1)[0].shape[2] == 6
+    with pytest.raises(ValueError, match="overflow"):
+        static.room_for(2)
+    ring = KVCache(window=4)
+    ring.update(k, k)
+    assert ring.room_for(1) is None
+
+
+@needs_native
+def test_a_decode_without_the_native_kernels_gives_the_same_tokens():
+    """A Llama (RMSNorm, RoPE, grouped-query heads, SwiGLU) greedy decode with the kernels and with
+    ATTNLAB_NATIVE=0 (PyTorch's operations throughout): the same tokens."""
+    code = ("import torch\nfrom attnlab.models.llama import LlamaConfig, LlamaForCausalLM\n"
+            "torch.manual_seed(0)\n"
+            "m = LlamaForCausalLM(LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128, "
+            "num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)).eval()\n"
+            "m.optimize_for_inference(dtype=torch.float32)\n"
+            "ids = torch.randint(0, 101, (2, 7), generator=torch.Generator().manual_seed(1))\n"
+            "print(m.generate(ids, max_new_tokens=24).tolist())\n")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "ATTNLAB_NATIVE": flag}) for flag in ("1", "0")]
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+    assert runs[0].stdout == runs[1].stdout and len(runs[0].stdout) > 100
+
+
+@needs_native
+def test_a_llama_step_takes_the_fused_calls(monkeypatch):
+    """One decoding step of a 2-layer Llama in inference layouts: per layer one attend_decode, two RMSNorm kernels
+    and one gated FFN call (plus the final norm), and the step's tokens are those of the pipeline."""
+    from attnlab.models.llama import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)).eval()
+    m.optimize_for_inference(dtype=torch.float32)
+    counts = {"attend_decode": 0, "rms_norm": 0, "gated_matvec": 0}
+    for name in counts:
+        real = getattr(_native, name)
+        monkeypatch.setattr(_native, name, lambda *a, _n=name, _r=real: counts.__setitem__(_n, counts[_n] + 1) or _r(*a))
+    ids = torch.randint(0, 101, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        cache = m.new_cache()
+        m(ids, past_key_values=cache, use_cache=True)
+        for name in counts:
+            counts[name] = 0
+        m(ids[:, :1], past_key_values=cache, use_cache=True)
+    assert counts == {"attend_decode": 2, "rms_norm": 5, "gated_matvec": 2}
