@@ -245,25 +245,96 @@ def test_a_decode_without_the_native_kernels_gives_the_same_tokens():
     assert runs[0].stdout == runs[1].stdout and len(runs[0].stdout) > 100
 
 
-@needs_native
-def test_a_llama_step_takes_the_fused_calls(monkeypatch):
-    """One decoding step of a 2-layer Llama in inference layouts: per layer one attend_decode, two RMSNorm kernels
-    and one gated FFN call (plus the final norm), and the step's tokens are those of the pipeline."""
+def _small(family):
+    from attnlab.models.gpt import GPT2Config, GPT2LMHeadModel
     from attnlab.models.llama import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    m = LlamaForCausalLM(LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)).eval()
-    m.optimize_for_inference(dtype=torch.float32)
-    counts = {"attend_decode": 0, "rms_norm": 0, "gated_matvec": 0}
-    for name in counts:
+    if family == "gpt2":  # LayerNorm, biases, GELU-tanh, learned positions, a tied head
+        return GPT2LMHeadModel(GPT2Config(vocab_size=101, n_positions=128, n_embd=64, n_layer=2, n_head=4)).eval()
+    return LlamaForCausalLM(LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)).eval()
+
+
+def _count(monkeypatch, names):
+    counts = dict.fromkeys(names, 0)
+    for name in names:
         real = getattr(_native, name)
-        monkeypatch.setattr(_native, name, lambda *a, _n=name, _r=real: counts.__setitem__(_n, counts[_n] + 1) or _r(*a))
+        monkeypatch.setattr(_native, name, lambda *a, _n=name, _r=real, **k: counts.__setitem__(_n, counts[_n] + 1)
+                            or _r(*a, **k))
+    return counts
+
+
+@needs_native
+def test_a_llama_step_takes_one_call_per_layer(monkeypatch):
+    """One decoding step of a 2-layer Llama in inference layouts: one decoder_step per layer (plus the final
+    RMSNorm); with the whole-layer call refused, per layer one attend_decode, two RMSNorms and one gated FFN."""
+    from attnlab.nn.block import DecoderLayer
+
+    m = _small("llama").optimize_for_inference(dtype=torch.float32)
     ids = torch.randint(0, 101, (1, 5), generator=torch.Generator().manual_seed(1))
+    for fused, expected in ((True, {"decoder_step": 2, "attend_decode": 0, "rms_norm": 1, "gated_matvec": 0}),
+                            (False, {"decoder_step": 0, "attend_decode": 2, "rms_norm": 5, "gated_matvec": 2})):
+        if not fused:
+            monkeypatch.setattr(DecoderLayer, "_step_native", lambda self, x, cache: None)
+        with torch.no_grad():
+            cache = m.new_cache()
+            m(ids, past_key_values=cache, use_cache=True)
+            counts = _count(monkeypatch, list(expected))
+            m(ids[:, :1], past_key_values=cache, use_cache=True)
+        assert counts == expected
+        monkeypatch.undo()
+
+
+@needs_native
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8"])
+def test_the_one_call_layer_step_equals_the_step_in_parts(family, weights, monkeypatch):
+    """decoder_step against the same step computed by the layer's parts (DecoderLayer._step_native refused: the
+    same kernels called one by one), 12 greedy steps at batch 2: logits to float32 rounding, the same tokens,
+    the same cache length; GPT-2 covers LayerNorm, biases and a plain FFN, Llama RMSNorm, RoPE, GQA and SwiGLU."""
+    from attnlab.adapt.quantize import quantize
+    from _tolerance import tolerance
+    from attnlab.nn.block import DecoderLayer
+
+    m = _small(family)
+    if weights == "int8":
+        m = quantize(m, "int8")
+    else:
+        m.optimize_for_inference(dtype=torch.float32 if weights == "fp32" else torch.bfloat16)
+    ids = torch.randint(0, 101, (2, 6), generator=torch.Generator().manual_seed(2))
+
+    def decode(fused):
+        if not fused:
+            monkeypatch.setattr(DecoderLayer, "_step_native", lambda self, x, cache: None)
+        counts = _count(monkeypatch, ["decoder_step"])
+        with torch.no_grad():
+            cache = m.new_cache()
+            logits = [m(ids, past_key_values=cache, use_cache=True).logits[:, -1:]]
+            for _ in range(12):
+                logits.append(m(logits[-1].argmax(-1), past_key_values=cache, use_cache=True).logits)
+        monkeypatch.undo()
+        assert counts["decoder_step"] == (24 if fused else 0)  # 2 layers × 12 steps
+        return torch.cat(logits, 1), cache
+
+    fused, cache = decode(True)
+    parts, cache2 = decode(False)
+    assert (fused - parts).abs().max() <= tolerance(parts, n=128, depth=2)
+    assert torch.equal(fused.argmax(-1), parts.argmax(-1))
+    assert cache[0].self_attn.length == cache2[0].self_attn.length == 18
+
+
+@needs_native
+def test_the_one_call_layer_step_writes_nothing_for_a_non_finite_projection():
+    m = _small("llama").optimize_for_inference(dtype=torch.float32)
+    layer = m.layers[0]
+    ids = torch.randint(0, 101, (1, 4), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         cache = m.new_cache()
         m(ids, past_key_values=cache, use_cache=True)
-        for name in counts:
-            counts[name] = 0
-        m(ids[:, :1], past_key_values=cache, use_cache=True)
-    assert counts == {"attend_decode": 2, "rms_norm": 5, "gated_matvec": 2}
+        c = cache[0].self_attn
+        x = torch.full((1, 1, 64), float("nan"))
+        assert layer._step_native(x, c) is None and c.length == 4  # the caller's step takes it from here
+        x = torch.randn(1, 1, 64)
+        out = layer._step_native(x, c)
+        assert out.shape == (1, 1, 64) and out.isfinite().all() and c.length == 5

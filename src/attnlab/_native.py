@@ -70,7 +70,7 @@ def _load() -> None:
                            extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         ops = torch.ops.attnlab  # the overloads: no resolution per call
         _state.update(loaded=True, why="", op=ops.matvec.default, gated=ops.gated_matvec.default,
-                      rms_norm=ops.rms_norm.default,
+                      rms_norm=ops.rms_norm.default, decoder_step=ops.decoder_step.default,
                       attend_decode=ops.attend_decode.default)
         isa()
     except Exception as e:  # no compiler, no ninja, a failed build: PyTorch's kernels serve instead
@@ -119,6 +119,7 @@ def matvec(x: Tensor, w: Tensor, scale: Optional[Tensor] = None, bias: Optional[
 
 
 GATES = {"glu": 0, "geglu": 1, "geglu_tanh": 2, "swiglu": 3}  # FeedForward's gated activations -> the op's code
+ACTIVATIONS = {"relu": 4, "gelu": 1, "gelu_tanh": 2, "quick_gelu": 5}  # its plain ones (csrc/native.h: Act)
 
 
 def gated_matvec(x: Tensor, first: tuple, second: tuple, activation: str) -> Tensor:
@@ -167,6 +168,28 @@ def attend_decode(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, position: int, 
     _need()
     return _state["attend_decode"](qkv, k_cache, v_cache, position, heads, kv_heads, cos, sin, interleaved, scale,
                                    _state["isa"])
+
+
+def decoder_step(x: Tensor, tensors: list, *, rms: bool, eps: tuple[float, float], heads: int, kv_heads: int,
+                 position: int, interleaved: bool, scale: float, activation: str) -> Tensor:
+    """A pre-norm decoder-only layer's decoding step in one call, ``x (B, 1, E)`` -> ``(B, 1, E)``::
+
+        x₁ = x + W_o attend_decode(W_qkv norm₁(x))          (RoPE, the cache write and the attention at ``position``)
+        x₂ = x₁ + W₂ f(norm₂(x₁)),  f = act(W₁ ·) ⊙ W₃ ·  (gated ``activation``, :data:`GATES`) or act(W₁ ·)
+
+    with RMSNorm (``rms``) or LayerNorm and every product as :func:`matvec` computes it. ``tensors``, 23 in this
+    order (None where absent): norm₁ weight, bias; then ``(w, scale, bias)`` of W_qkv and W_o; norm₂ weight, bias;
+    ``(w, scale, bias)`` of W₁, W₃ (None ×3 unless gated), W₂; the K and V cache buffers (:func:`attend_decode`);
+    cos, sin. Returns an empty tensor, with nothing written, where W_qkv norm₁(x) holds a NaN or ±inf.
+
+    Raises:
+        RuntimeError: the native kernels are not :func:`available` (callers check that first).
+    """
+    _need()
+    gated = activation in GATES
+    act = GATES[activation] if gated else ACTIVATIONS[activation]
+    return _state["decoder_step"](x, tensors, rms, eps[0], eps[1], heads, kv_heads, position, interleaved, scale, act,
+                                  gated, _state["isa"])
 
 
 def _need() -> None:

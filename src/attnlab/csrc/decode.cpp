@@ -27,6 +27,8 @@
 #include <optional>
 #include <vector>
 
+#include "native.h"
+
 namespace {
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -179,15 +181,102 @@ at::Tensor attend_decode(const at::Tensor& qkv, const at::Tensor& k_cache, const
   return out;
 }
 
+using Opt = std::optional<at::Tensor>;
+using LnFn = void (*)(const float*, const float*, const float*, float*, int64_t, float);
+
+const float* ptr(const Opt& t) { return t ? t->data_ptr<float>() : nullptr; }
+
+// RMSNorm (w) or LayerNorm (w, b optional) of each row of x (B, 1, E) -> a new tensor
+at::Tensor norm(const at::Tensor& x, const Opt& w, const Opt& b, bool rms, double eps, int64_t isa) {
+  for (const Opt* t : {&w, &b})
+    if (*t) {
+      check_f32(**t, "decoder_step", "a norm's weight or bias");
+      TORCH_CHECK((*t)->numel() == x.size(-1), "attnlab::decoder_step: a norm's weight or bias must be (E,)");
+    }
+  TORCH_CHECK(!rms || w, "attnlab::decoder_step: RMSNorm needs its weight");
+  at::Tensor y = at::empty_like(x);
+  const int64_t E = x.size(-1), rows = x.numel() / E;
+  const RmsFn rms_fn = pick<RmsFn>(isa,
+#ifdef ATTNLAB_ISAS
+                                   avx512::rms_norm_row, avx2::rms_norm_row,
+#else
+                                   nullptr, nullptr,
+#endif
+                                   portable::rms_norm_row);
+  const LnFn ln_fn = pick<LnFn>(isa,
+#ifdef ATTNLAB_ISAS
+                                avx512::layer_norm_row, avx2::layer_norm_row,
+#else
+                                nullptr, nullptr,
+#endif
+                                portable::layer_norm_row);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x.data_ptr<float>() + r * E;
+    float* yr = y.data_ptr<float>() + r * E;
+    if (rms) {
+      rms_fn(xr, ptr(w), yr, E, static_cast<float>(eps));
+    } else {
+      ln_fn(xr, ptr(w), ptr(b), yr, E, static_cast<float>(eps));
+    }
+  }
+  return y;
+}
+
+void add_(at::Tensor& acc, const at::Tensor& y) {  // acc += y, both contiguous float32 of one size
+  float* a = acc.data_ptr<float>();
+  const float* b = y.data_ptr<float>();
+  for (int64_t i = 0, n = acc.numel(); i < n; ++i) a[i] += b[i];
+}
+
+// A pre-norm decoder-only layer's decoding step, x (B, 1, E) -> (B, 1, E), in one call:
+//     h = norm₁(x);  qkv = h W_qkvᵀ;  a = attend_decode(qkv, …);  x₁ = x + a W_oᵀ
+//     x₂ = x₁ + W₂ f(norm₂(x₁)),  f(h) = act(h W₁ᵀ) ⊙ h W₃ᵀ (gated) or act(h W₁ᵀ)
+// (every product with its optional row scale and bias, as matvec). t holds, in order: norm₁ w, b; W_qkv, s, b;
+// W_o, s, b; norm₂ w, b; W₁, s, b; W₃, s, b; W₂, s, b; the K and V cache buffers; cos, sin. A qkv with a NaN or
+// ±inf returns an empty tensor and writes nothing: the caller recomputes the layer with its own semantics.
+at::Tensor decoder_step(const at::Tensor& x, at::ArrayRef<Opt> t, bool rms, double eps1, double eps2, int64_t heads,
+                        int64_t kv_heads, int64_t position, bool interleaved, double scale, int64_t act, bool gated,
+                        int64_t isa) {
+  TORCH_CHECK(t.size() == 23, "attnlab::decoder_step: expected 23 tensors (see decode.cpp), got ", t.size());
+  check_f32(x, "decoder_step", "x");
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1, "attnlab::decoder_step: x must be (B, 1, E), got ", x.sizes());
+  for (int i : {2, 5, 10, 16, 19, 20})
+    TORCH_CHECK(t[i].has_value(), "attnlab::decoder_step: tensor ", i, " (a weight or a cache buffer) is missing");
+  TORCH_CHECK(!gated || t[13].has_value(), "attnlab::decoder_step: a gated FFN needs W₃");
+  at::Tensor h = norm(x, t[0], t[1], rms, eps1, isa);
+  at::Tensor qkv = attnlab_native::matvec(h, *t[2], t[3], t[4], isa);
+  const float* q = qkv.data_ptr<float>();
+  for (int64_t i = 0, n = qkv.numel(); i < n; ++i)
+    if (!std::isfinite(q[i])) return at::empty({0}, x.options());
+  at::Tensor a = attend_decode(qkv, *t[19], *t[20], position, heads, kv_heads, t[21], t[22], interleaved, scale, isa);
+  at::Tensor x1 = attnlab_native::matvec(a, *t[5], t[6], t[7], isa);
+  add_(x1, x);  // x₁ = x + a W_oᵀ
+  at::Tensor h2 = norm(x1, t[8], t[9], rms, eps2, isa);
+  at::Tensor f;
+  if (gated) {
+    f = attnlab_native::gated_matvec(h2, *t[10], t[11], t[12], *t[13], t[14], t[15], act, isa);
+  } else {
+    f = attnlab_native::matvec(h2, *t[10], t[11], t[12], isa);
+    float* fp = f.data_ptr<float>();
+    for (int64_t i = 0, n = f.numel(); i < n; ++i) fp[i] = attnlab_native::activate(act, fp[i]);
+  }
+  at::Tensor out = attnlab_native::matvec(f, *t[16], t[17], t[18], isa);
+  add_(out, x1);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps, int isa) -> Tensor");
   m.def("attend_decode(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, int length, int heads, int kv_heads, "
         "Tensor? cos, Tensor? sin, bool interleaved, float scale, int isa) -> Tensor");
+  m.def("decoder_step(Tensor x, Tensor?[] t, bool rms, float eps1, float eps2, int heads, int kv_heads, int position, "
+        "bool interleaved, float scale, int act, bool gated, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("attend_decode", &attend_decode);
+  m.impl("decoder_step", &decoder_step);
 }

@@ -64,6 +64,26 @@ inline void rms_norm_row(const float* x, const float* w, float* y, int64_t n, fl
   for (; i < n; ++i) y[i] = (x[i] * r) * w[i];
 }
 
+// y[i] = (x[i] − μ) · r · w[i] + b[i], μ = Σ x / n, r = (Σ (x − μ)² / n + ε)^(-1/2) (torch's LayerNorm: biased
+// variance; w, b may be null: 1 and 0)
+inline void layer_norm_row(const float* x, const float* w, const float* b, float* y, int64_t n, float eps) {
+  VF acc = splat(0.f);
+  int64_t i = 0;
+  for (; i + L <= n; i += L) acc += load(x + i);
+  float sum = hsum(acc);
+  for (; i < n; ++i) sum += x[i];
+  const float mu = sum / static_cast<float>(n);
+  acc = splat(0.f);
+  for (i = 0; i + L <= n; i += L) {
+    const VF d = load(x + i) - splat(mu);
+    acc += d * d;
+  }
+  float ss = hsum(acc);
+  for (; i < n; ++i) ss += (x[i] - mu) * (x[i] - mu);
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (i = 0; i < n; ++i) y[i] = (x[i] - mu) * r * (w ? w[i] : 1.f) + (b ? b[i] : 0.f);
+}
+
 // out (D) = Σ_j softmax(scale · q·K_j)_j V_j over the S rows of K and V (row stride D); s: S floats of scratch
 inline void attend_one(const float* q, const float* K, const float* Vv, int64_t S, int64_t D, float scale,
                        float* s, float* out) {

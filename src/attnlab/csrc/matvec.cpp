@@ -35,6 +35,8 @@
 #include <optional>
 #include <vector>
 
+#include "native.h"
+
 namespace {
 
 enum Kind { F32, BF16, I8 };
@@ -247,6 +249,10 @@ at::Tensor output(const at::Tensor& x, int64_t N) {  // y: (..., N)
 // ~256 KiB of weight per task at least: small matrices stay on one thread
 int64_t grain(int64_t K, int64_t bytes) { return std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, K * bytes)); }
 
+}  // namespace
+
+namespace attnlab_native {
+
 at::Tensor matvec(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale,
                   const std::optional<at::Tensor>& bias, int64_t isa) {
   const int64_t M = check("matvec", x, w, scale, bias), N = w.size(0), K = x.size(-1);
@@ -258,16 +264,17 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& w, const std::optional<
   return y;
 }
 
-// the gate of a gated FFN: 0 sigmoid (GLU), 1 GELU (erf), 2 GELU (tanh), 3 SiLU (SwiGLU) — torch's formulas
-float gate(int64_t act, float a) {
+float activate(int64_t act, float a) {
   switch (act) {
-    case 0: return 1.f / (1.f + std::exp(-a));
-    case 1: return 0.5f * a * (1.f + std::erf(a * static_cast<float>(M_SQRT1_2)));
-    case 2: {
+    case GLU: return 1.f / (1.f + std::exp(-a));
+    case GELU: return 0.5f * a * (1.f + std::erf(a * static_cast<float>(M_SQRT1_2)));
+    case GELU_TANH: {
       const float inner = static_cast<float>(M_2_SQRTPI * M_SQRT1_2) * (a + 0.044715f * a * a * a);
       return 0.5f * a * (1.f + std::tanh(inner));
     }
-    default: return a / (1.f + std::exp(-a));
+    case SILU: return a / (1.f + std::exp(-a));
+    case RELU: return a > 0.f ? a : (a == a ? 0.f : a);  // NaN stays NaN, as torch.relu
+    default: return a / (1.f + std::exp(-1.702f * a));  // QUICK_GELU: x · σ(1.702 x)
   }
 }
 
@@ -281,8 +288,8 @@ at::Tensor gated_matvec(const at::Tensor& x, const at::Tensor& w1, const std::op
   TORCH_CHECK(w3.sizes() == w1.sizes() && w3.scalar_type() == w1.scalar_type(),
               "attnlab::gated_matvec: w1 and w3 must have the same shape and dtype, got ", w1.sizes(), " ",
               w1.scalar_type(), " and ", w3.sizes(), " ", w3.scalar_type());
-  TORCH_CHECK(0 <= act && act <= 3, "attnlab::gated_matvec: act must be 0 (sigmoid), 1 (gelu), 2 (gelu_tanh) or 3 "
-              "(silu), got ", act);
+  TORCH_CHECK(GLU <= act && act <= SILU, "attnlab::gated_matvec: act must be 0 (sigmoid), 1 (gelu), 2 (gelu_tanh) "
+              "or 3 (silu), got ", act);
   at::Tensor y = output(x, N);
   if (M == 0 || N == 0) return y.zero_();
   at::Tensor y3 = at::empty({M, N}, x.options());
@@ -293,12 +300,12 @@ at::Tensor gated_matvec(const at::Tensor& x, const at::Tensor& w1, const std::op
     p.fn(j1, n0, n1);
     p.fn(j3, n0, n1);
     for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = n0; n < n1; ++n) j1.y[m * N + n] = gate(act, j1.y[m * N + n]) * j3.y[m * N + n];
+      for (int64_t n = n0; n < n1; ++n) j1.y[m * N + n] = activate(act, j1.y[m * N + n]) * j3.y[m * N + n];
   });
   return y;
 }
 
-}  // namespace
+}  // namespace attnlab_native
 
 TORCH_LIBRARY(attnlab, m) {
   m.def("matvec(Tensor x, Tensor w, Tensor? scale, Tensor? bias, int isa) -> Tensor");
@@ -307,6 +314,6 @@ TORCH_LIBRARY(attnlab, m) {
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
-  m.impl("matvec", &matvec);
-  m.impl("gated_matvec", &gated_matvec);
+  m.impl("matvec", &attnlab_native::matvec);
+  m.impl("gated_matvec", &attnlab_native::gated_matvec);
 }

@@ -199,9 +199,7 @@ class MultiheadAttention(nn.Module):
         :meth:`forward`, so the semantics are the pipeline's. The caller checks the step's final output
         (``DecoderOnlyLM`` does: non-finite logits rerun the step through the pipeline, which says why).
         """
-        if (not self.packed or self.position_bias is not None or self.window is not None or self.normalize != "softmax"
-                or self.backend not in ("auto", "sdpa") or cache.static or cache.window is not None
-                or not cache.finite or (self.scale is not None and abs(self.scale) > 1e3) or query.shape[1] != 1):
+        if not self.steps(query, cache):
             return self.forward(query, cache=cache, need_weights=False)[0]
         qkv = self.in_proj(query)  # (B, 1, nq + 2 nkv)
         if not all_finite(qkv):
@@ -221,13 +219,22 @@ class MultiheadAttention(nn.Module):
         out = attend_step(q, k, v, scale=self.scale)  # (B, H, 1, Dh)
         return self.out_proj(out.reshape(B, 1, H * Dh))
 
-    def _step_native(self, qkv: Tensor, cache: KVCache) -> Optional[Tensor]:
-        """:meth:`step`'s RoPE, cache write and attention in one C++ call (:func:`attnlab._native.attend_decode`):
-        ``(B, 1, H · Dh)``, or None where that call does not apply (no native kernels, not float32 on the CPU, a
-        rotary module without ``angles_at`` (:class:`~attnlab.nn.positional.RotaryEmbedding` has it), a cache it
-        cannot write in place, a graph being traced or compiled)."""
-        if not _native.usable(qkv):
-            return None
+    def steps(self, query: Tensor, cache: KVCache) -> bool:
+        """Whether :meth:`step` computes ``query`` itself (else it runs :meth:`forward`): one position, a packed
+        softmax self-attention with no window or position bias on the ``auto``/``sdpa`` backend, a moderate scale,
+        a plain cache holding only finite entries."""
+        return not (not self.packed or self.position_bias is not None or self.window is not None
+                    or self.normalize != "softmax" or self.backend not in ("auto", "sdpa") or cache.static
+                    or cache.window is not None or not cache.finite or (self.scale is not None and abs(self.scale) > 1e3)
+                    or query.shape[1] != 1)
+
+    def native_step(self, cache: KVCache) -> Optional[tuple]:
+        """What :func:`attnlab._native.attend_decode` needs for the next position of ``cache`` after its input:
+        ``(k_cache, v_cache, position, heads, kv_heads, cos, sin, interleaved, scale)``, the buffers grown to hold it;
+        None where that call does not apply (a rotary module without ``angles_at`` —
+        :class:`~attnlab.nn.positional.RotaryEmbedding` has it —, angles or a cache not float32 on the CPU, a cache it
+        cannot write in place). The caller has checked :meth:`steps` and :func:`attnlab._native.usable`, and calls
+        ``cache.advance(1, finite=True)`` once it has written the entries."""
         rotary, position = self.rotary, cache.length
         cos = sin = None
         if rotary is not None:
@@ -237,11 +244,20 @@ class MultiheadAttention(nn.Module):
                 return None
             cos, sin = cos_sin
         buffers = cache.room_for(1)
-        if buffers is None or buffers[0].dtype != torch.float32:
+        if buffers is None or buffers[0].dtype != torch.float32 or buffers[0].device.type != "cpu":
             return None
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
-        out = _native.attend_decode(qkv.contiguous(), *buffers, position, self.num_heads, self.num_kv_heads, cos, sin,
-                                    bool(rotary is not None and rotary.interleaved), scale)
+        return (*buffers, position, self.num_heads, self.num_kv_heads, cos, sin,
+                bool(rotary is not None and rotary.interleaved), scale)
+
+    def _step_native(self, qkv: Tensor, cache: KVCache) -> Optional[Tensor]:
+        """:meth:`step`'s RoPE, cache write and attention in one C++ call (:func:`attnlab._native.attend_decode`):
+        ``(B, 1, H · Dh)``, or None where that call does not apply (no native kernels, not float32 on the CPU, a
+        graph being traced or compiled, or see :meth:`native_step`)."""
+        args = self.native_step(cache) if _native.usable(qkv) else None
+        if args is None:
+            return None
+        out = _native.attend_decode(qkv.contiguous(), *args)
         cache.advance(1, finite=True)
         return out
 

@@ -24,12 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab import _native
 from attnlab._checks import boolean, one_of, positive_int, positive_number, rate
 from attnlab.modules.multihead import MultiheadAttention
 from attnlab.modules.cache import KVCache
 from attnlab.nn.dropout import Dropout
 from attnlab.nn.feedforward import FFN_ACTIVATIONS, FeedForward
-from attnlab.nn.norms import NORMS, make_norm
+from attnlab.nn.norms import NORMS, RMSNorm, make_norm
 
 
 class DropPath(nn.Module):
@@ -274,6 +275,20 @@ class EncoderLayer(_ResidualLayer):
         return ours
 
 
+def _native_norm(norm: nn.Module) -> Optional[tuple]:
+    """``(rms, weight, bias, eps)`` of an RMSNorm or a LayerNorm over the last dim with float32 CPU parameters, for
+    :func:`attnlab._native.decoder_step`; None for any other norm."""
+    if type(norm) is RMSNorm:
+        w, b, rms = norm.weight, None, True
+    elif type(norm) is nn.LayerNorm and len(norm.normalized_shape) == 1:
+        w, b, rms = norm.weight, norm.bias, False
+    else:
+        return None
+    if any(t is not None and (t.dtype != torch.float32 or t.device.type != "cpu") for t in (w, b)):
+        return None
+    return rms, None if w is None else w.detach().contiguous(), None if b is None else b.detach().contiguous(), norm.eps
+
+
 class DecoderLayer(_ResidualLayer):
     """Causal self-attention, cross-attention on the encoder memory, feed-forward; each residual.
 
@@ -310,8 +325,47 @@ class DecoderLayer(_ResidualLayer):
         operations (eval mode; otherwise, or for a post-norm or cross-attention layer, it is :meth:`forward`)."""
         if self.cross_attn is not None or not self.norm_first or self.training:
             return self.forward(x, cache=cache, is_causal=False)
+        out = self._step_native(x, cache.self_attn)
+        if out is not None:
+            return out
         x = x + self.self_attn.step(self.norm1(x), cache.self_attn)
         return x + self.ffn(self.norm2(x))
+
+    def _step_native(self, x: Tensor, cache: KVCache) -> Optional[Tensor]:
+        """:meth:`step` in one C++ call (:func:`attnlab._native.decoder_step`: both norms, the five products, RoPE,
+        the cache write and the attention) where every part is one it computes: float32 on the CPU with the kernels
+        built, the attention's :meth:`~attnlab.modules.multihead.MultiheadAttention.steps` and ``native_step``,
+        RMSNorm or LayerNorm, a :class:`FeedForward`, each linear layer served by attnlab's matvec (inference
+        layouts or int8: ``matvec_args``), no hooks on the modules the step calls. Else None (also where the
+        projection is not finite: the caller's step then reruns the layer through the pipeline)."""
+        attn, ffn = self.self_attn, self.ffn
+        if not (type(ffn) is FeedForward and _native.usable(x) and attn.steps(x, cache)):
+            return None
+        norms = _native_norm(self.norm1), _native_norm(self.norm2)
+        if norms[0] is None or norms[1] is None or norms[0][0] != norms[1][0]:
+            return None
+        modules = (self.norm1, self.norm2, ffn, attn.in_proj, attn.out_proj, ffn.w1, ffn.w3, ffn.w2)
+        if any(m is not None and (m._forward_hooks or m._forward_pre_hooks) for m in modules):
+            return None
+        products = []
+        for lin in (attn.in_proj, attn.out_proj, ffn.w1, ffn.w3, ffn.w2):
+            args = (None, None, None) if lin is None else getattr(lin, "matvec_args", lambda _: None)(x)
+            if args is None:
+                return None
+            products.append(args)
+        step = attn.native_step(cache)
+        if step is None:
+            return None
+        k_cache, v_cache, position, heads, kv_heads, cos, sin, interleaved, scale = step
+        (qkv, o, w1, w3, w2), (rms, w_1, b_1, eps1), (_, w_2, b_2, eps2) = products, *norms
+        tensors = [w_1, b_1, *qkv, *o, w_2, b_2, *w1, *w3, *w2, k_cache, v_cache, cos, sin]
+        out = _native.decoder_step(x.contiguous(), tensors, rms=rms, eps=(eps1, eps2), heads=heads,
+                                   kv_heads=kv_heads, position=position, interleaved=interleaved, scale=scale,
+                                   activation=ffn.activation)
+        if out.numel() == 0:
+            return None
+        cache.advance(1, finite=True)
+        return out
 
     def forward(self, x: Tensor, memory: Optional[Tensor] = None, *, tgt_key_padding_mask: Optional[Tensor] = None,
                 memory_key_padding_mask: Optional[Tensor] = None, tgt_mask: Optional[Tensor] = None,

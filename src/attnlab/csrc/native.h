@@ -1,0 +1,23 @@
+// What one of attnlab's C++ files calls in another (the ops themselves are registered as torch.ops.attnlab.*).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace attnlab_native {
+
+// activation codes, shared with attnlab._native.ACTIVATIONS: a gated FFN's gates (0-3), then plain ones
+enum Act : int64_t { GLU = 0, GELU = 1, GELU_TANH = 2, SILU = 3, RELU = 4, QUICK_GELU = 5 };
+
+float activate(int64_t act, float a);  // torch's formula of `act` (GLU: the sigmoid)
+
+// matvec.cpp: y = s ⊙ (x Wᵀ) + b, and act(x W₁ᵀ ⊙ s₁ + b₁) ⊙ (x W₃ᵀ ⊙ s₃ + b₃)
+at::Tensor matvec(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale,
+                  const std::optional<at::Tensor>& bias, int64_t isa);
+at::Tensor gated_matvec(const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& s1,
+                        const std::optional<at::Tensor>& b1, const at::Tensor& w3, const std::optional<at::Tensor>& s3,
+                        const std::optional<at::Tensor>& b3, int64_t act, int64_t isa);
+
+}  // namespace attnlab_native
