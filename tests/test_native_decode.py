@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from attnlab import _native
 from attnlab.functional.positional import apply_rope, rope_frequencies
 from attnlab.modules.cache import KVCache
+from _tolerance import tolerance  # tests/_tolerance.py: from the dtype and the magnitude
 
 needs_native = pytest.mark.skipif(not _native.available(), reason="attnlab's native kernels are not built here "
                                   "(a C++ compiler and ninja are needed; `attnlab env` says why)")
@@ -294,7 +295,6 @@ def test_the_one_call_layer_step_equals_the_step_in_parts(family, weights, monke
     same kernels called one by one), 12 greedy steps at batch 2: logits to float32 rounding, the same tokens,
     the same cache length; GPT-2 covers LayerNorm, biases and a plain FFN, Llama RMSNorm, RoPE, GQA and SwiGLU."""
     from attnlab.adapt.quantize import quantize
-    from _tolerance import tolerance
     from attnlab.nn.block import DecoderLayer
 
     m = _small(family)
@@ -338,3 +338,37 @@ def test_the_one_call_layer_step_writes_nothing_for_a_non_finite_projection():
         x = torch.randn(1, 1, 64)
         out = layer._step_native(x, c)
         assert out.shape == (1, 1, 64) and out.isfinite().all() and c.length == 5
+
+
+@needs_native
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "quick_gelu", "glu", "geglu", "geglu_tanh",
+                                        "swiglu"])
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_every_ffn_activation_and_norm_in_the_one_call_step(activation, norm):
+    """A pre-norm decoder-only layer with each FFN activation (the kernel's vectorised gates: e^x within ~1 ulp,
+    erf within 1.5e-7) and each norm: the one-call step against the same layer's step in parts (the unfused
+    path, PyTorch's activations and norms), from the same cache, to float32 rounding of the layer's output."""
+    from attnlab.nn.block import DecoderLayer
+    from attnlab.nn.inference import optimize_linears_
+
+    torch.manual_seed(0)
+    layer = DecoderLayer(64, 4, cross_attention=False, ffn_dim=96, activation=activation, norm_first=True,
+                         norm=norm, bias=norm == "layernorm").eval()
+    optimize_linears_(layer, dtype=torch.float32, rows=1)
+    ctx = torch.randn(2, 9, 64)
+    fused_cache, parts_cache = KVCache(), KVCache()
+    with torch.no_grad():
+        for c in (fused_cache, parts_cache):
+            layer(ctx, cache=_layer_cache(c), is_causal=True)
+        x = torch.randn(2, 1, 64) * 2
+        fused = layer._step_native(x, fused_cache)
+        h = x + layer.self_attn.step(layer.norm1(x), parts_cache)
+        parts = h + layer.ffn(layer.norm2(h))
+    assert fused is not None and fused_cache.length == parts_cache.length == 10
+    assert (fused - parts).abs().max() <= tolerance(parts, n=96, depth=2)
+
+
+def _layer_cache(kv):
+    from attnlab.nn.block import LayerCache
+
+    return LayerCache(kv)

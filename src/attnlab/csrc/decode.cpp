@@ -181,6 +181,22 @@ at::Tensor attend_decode(const at::Tensor& qkv, const at::Tensor& k_cache, const
   return out;
 }
 
+}  // namespace
+
+void attnlab_native::activate(int64_t act, float* y, const float* g, int64_t n, int64_t isa) {
+  using Fn = void (*)(int64_t, float*, const float*, int64_t);
+  const Fn fn = pick<Fn>(isa,
+#ifdef ATTNLAB_ISAS
+                         avx512::activate_row, avx2::activate_row,
+#else
+                         nullptr, nullptr,
+#endif
+                         portable::activate_row);
+  fn(act, y, g, n);
+}
+
+namespace {
+
 using Opt = std::optional<at::Tensor>;
 using LnFn = void (*)(const float*, const float*, const float*, float*, int64_t, float);
 
@@ -257,8 +273,7 @@ at::Tensor decoder_step(const at::Tensor& x, at::ArrayRef<Opt> t, bool rms, doub
     f = attnlab_native::gated_matvec(h2, *t[10], t[11], t[12], *t[13], t[14], t[15], act, isa);
   } else {
     f = attnlab_native::matvec(h2, *t[10], t[11], t[12], isa);
-    float* fp = f.data_ptr<float>();
-    for (int64_t i = 0, n = f.numel(); i < n; ++i) fp[i] = attnlab_native::activate(act, fp[i]);
+    attnlab_native::activate(act, f.data_ptr<float>(), nullptr, f.numel(), isa);
   }
   at::Tensor out = attnlab_native::matvec(f, *t[16], t[17], t[18], isa);
   add_(out, x1);

@@ -39,6 +39,73 @@ inline VF exp_nonpositive(VF x) {
   return x < splat(-87.3f) ? splat(0.f) : er * two_n;
 }
 
+// e^x for any x: exp_nonpositive's arithmetic with 2ⁿ up to 2¹²⁷ (x > 88.7 → +inf)
+inline VF exp_any(VF x) {
+  const VF big = splat(88.7f);
+  const VF c = x > big ? big : x;
+  const VF magic = splat(12582912.f);
+  const VF n = (c * splat(1.44269504088896341f) + magic) - magic;
+  const VF r = (c - n * splat(0.693359375f)) - n * splat(-2.12194440e-4f);
+  VF p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  const VF er = p * (r * r) + r + splat(1.f);
+  const VI clamped = __builtin_convertvector(n < splat(-126.f) ? splat(-126.f) : n, VI);
+  const VI bits = (clamped + 127) << 23;
+  VF two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  const VF e = x < splat(-87.3f) ? splat(0.f) : er * two_n;
+  return x > big ? splat(INFINITY) : e;
+}
+
+inline VF sigmoid(VF a) { return splat(1.f) / (splat(1.f) + exp_any(-a)); }
+
+// erf(x) = sign(x) (1 − t e^{−x²} P(t)), t = 1 / (1 + 0.3275911 |x|): Abramowitz & Stegun 7.1.26, |error| ≤ 1.5e-7
+inline VF erf_as(VF x) {
+  const VF ax = x < splat(0.f) ? -x : x;
+  const VF t = splat(1.f) / (splat(1.f) + splat(0.3275911f) * ax);
+  VF p = splat(1.061405429f);
+  p = p * t + splat(-1.453152027f);
+  p = p * t + splat(1.421413741f);
+  p = p * t + splat(-0.284496736f);
+  p = p * t + splat(0.254829592f);
+  const VF y = splat(1.f) - p * t * exp_any(-ax * ax);
+  return x < splat(0.f) ? -y : y;
+}
+
+// y[i] = act(y[i]) (⊙ g[i] when g is given), the codes of native.h's Act; NaN stays NaN
+inline VF act_vec(int64_t act, VF a) {
+  switch (act) {
+    case 0: return sigmoid(a);                                                       // GLU's gate
+    case 1: return splat(0.5f) * a * (splat(1.f) + erf_as(a * splat(0.70710678118654752f)));  // GELU
+    case 2: {                                                                        // GELU, tanh form
+      const VF u = splat(0.79788456080286536f) * (a + splat(0.044715f) * a * a * a);
+      const VF th = splat(1.f) - splat(2.f) / (splat(1.f) + exp_any(splat(2.f) * u));  // tanh u
+      return splat(0.5f) * a * (splat(1.f) + th);
+    }
+    case 3: return a * sigmoid(a);                                                   // SiLU
+    case 4: return a < splat(0.f) ? splat(0.f) : a;                                  // ReLU (NaN: a)
+    default: return a * sigmoid(splat(1.702f) * a);                                  // quick GELU
+  }
+}
+
+inline void activate_row(int64_t act, float* y, const float* g, int64_t n) {
+  int64_t i = 0;
+  for (; i + L <= n; i += L) {
+    VF v = act_vec(act, load(y + i));
+    if (g) v *= load(g + i);
+    store(y + i, v);
+  }
+  for (; i < n; ++i) {
+    VF one = splat(0.f);
+    one[0] = y[i];
+    y[i] = act_vec(act, one)[0] * (g ? g[i] : 1.f);
+  }
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {
   VF acc = splat(0.f);
   int64_t i = 0;

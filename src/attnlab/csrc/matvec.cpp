@@ -264,20 +264,6 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& w, const std::optional<
   return y;
 }
 
-float activate(int64_t act, float a) {
-  switch (act) {
-    case GLU: return 1.f / (1.f + std::exp(-a));
-    case GELU: return 0.5f * a * (1.f + std::erf(a * static_cast<float>(M_SQRT1_2)));
-    case GELU_TANH: {
-      const float inner = static_cast<float>(M_2_SQRTPI * M_SQRT1_2) * (a + 0.044715f * a * a * a);
-      return 0.5f * a * (1.f + std::tanh(inner));
-    }
-    case SILU: return a / (1.f + std::exp(-a));
-    case RELU: return a > 0.f ? a : (a == a ? 0.f : a);  // NaN stays NaN, as torch.relu
-    default: return a / (1.f + std::exp(-1.702f * a));  // QUICK_GELU: x · σ(1.702 x)
-  }
-}
-
 // h = act(x W₁ᵀ ⊙ s₁ + b₁) ⊙ (x W₃ᵀ ⊙ s₃ + b₃): a gated FFN's two products and its gate in one pass over the
 // rows (each task reads row n of W₁, then of W₃, and gates its own rows)
 at::Tensor gated_matvec(const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& s1,
@@ -299,8 +285,7 @@ at::Tensor gated_matvec(const at::Tensor& x, const at::Tensor& w1, const std::op
   at::parallel_for(0, N, grain(2 * K, w1.element_size()), [&](int64_t n0, int64_t n1) {
     p.fn(j1, n0, n1);
     p.fn(j3, n0, n1);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = n0; n < n1; ++n) j1.y[m * N + n] = activate(act, j1.y[m * N + n]) * j3.y[m * N + n];
+    for (int64_t m = 0; m < M; ++m) activate(act, j1.y + m * N + n0, j3.y + m * N + n0, n1 - n0, isa);
   });
   return y;
 }

@@ -11,7 +11,8 @@ namespace attnlab_native {
 // activation codes, shared with attnlab._native.ACTIVATIONS: a gated FFN's gates (0-3), then plain ones
 enum Act : int64_t { GLU = 0, GELU = 1, GELU_TANH = 2, SILU = 3, RELU = 4, QUICK_GELU = 5 };
 
-float activate(int64_t act, float a);  // torch's formula of `act` (GLU: the sigmoid)
+// y[i] = act(y[i]) ⊙ g[i] (g null: 1), vectorised (decode_body.h: e^x as exp_nonpositive, erf within 1.5e-7)
+void activate(int64_t act, float* y, const float* g, int64_t n, int64_t isa);
 
 // matvec.cpp: y = s ⊙ (x Wᵀ) + b, and act(x W₁ᵀ ⊙ s₁ + b₁) ⊙ (x W₃ᵀ ⊙ s₃ + b₃)
 at::Tensor matvec(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale,
