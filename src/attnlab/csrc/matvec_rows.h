@@ -6,6 +6,21 @@
 // each weight vector multiplied into NX rows of x (1, 2 or 4; UX · NX accumulators fit the registers); columns
 // past the last whole vector go through dot_tail.
 
+// Asks for the weight bytes [p + PREFETCH, p + PREFETCH + bytes) in L2 ahead of their use, a line at a time (ALL), or
+// only the lines that open a 4 KiB page: the hardware prefetcher stops at each page, and these requests keep the
+// stream going across it. Measured in one process, both fp32 decoders' matrices, 2 AVX-512 cores: fp32 22-29 ->
+// 27-32 GB/s with every line (only the pages' first lines: about half the gain), bf16 29-31 -> 31-32 GB/s with the
+// pages' first lines (every line: no gain); into L1, or further ahead, was slower. A prefetch past the end of the
+// weights does not fault.
+constexpr int64_t PREFETCH = 4096;
+template <bool ALL>
+inline void prefetch_ahead(const void* p, int64_t bytes) {
+  for (int64_t c = 0; c < bytes; c += 64) {
+    const char* t = static_cast<const char*>(p) + PREFETCH + c;
+    if (ALL || (reinterpret_cast<uintptr_t>(t) & 4095) < 512) __builtin_prefetch(t, 0, 2);  // locality 2: L2
+  }
+}
+
 template <int KIND, int NX>
 inline void row(const Job& j, int64_t n, int64_t m) {
   using F = typename V::F;
@@ -24,6 +39,7 @@ inline void row(const Job& j, int64_t n, int64_t m) {
       for (int u = 0; u < UX; ++u) a[i][u] = V::zero();
     int64_t k = 0;
     for (; k + UX * L <= kv; k += UX * L) {
+      prefetch_ahead<true>(w + k, UX * L * 4);
       for (int u = 0; u < UX; ++u) {
         const F wv = V::load(w + k + u * L);
         for (int i = 0; i < NX; ++i) a[i][u] = V::fma(wv, V::load(x + i * K + k + u * L), a[i][u]);
@@ -53,8 +69,10 @@ inline void row(const Job& j, int64_t n, int64_t m) {
         a[i][u] = V::fma(od, V::load(e + i * K + h + k / 2), V::fma(ev, V::load(e + i * K + k / 2), a[i][u]));
     };
     int64_t k = 0;
-    for (; k + UX * P <= kv; k += UX * P)
+    for (; k + UX * P <= kv; k += UX * P) {
+      prefetch_ahead<false>(w + k, UX * P * 2);
       for (int u = 0; u < UX; ++u) step(k + u * P, u);
+    }
     for (; k < kv; k += P) step(k, 0);
     for (int i = 0; i < NX; ++i) {
       for (int u = 1; u < UX; ++u) a[i][0] = V::add(a[i][0], a[i][u]);
@@ -74,6 +92,7 @@ inline void row(const Job& j, int64_t n, int64_t m) {
         for (int u = 0; u < UX; ++u) a[i][u] = V::izero();
       int64_t k = k0;
       for (; k + UX * P <= end; k += UX * P) {
+        prefetch_ahead<false>(w + k, UX * P);
         for (int u = 0; u < UX; ++u) {
           const I wv = V::widen_i8(w + k + u * P);
           for (int i = 0; i < NX; ++i) a[i][u] = V::iadd(a[i][u], V::madd(wv, q + i * K + k + u * P));
