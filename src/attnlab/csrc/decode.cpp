@@ -12,7 +12,7 @@
 //       out = softmax(scale · q K[:, :, :t+1]ᵀ) V[:, :, :t+1]     (query head h reads key/value head h / (H / Hkv))
 //
 // float32 throughout, the same formulas as the PyTorch path (nn/norms.py, functional/positional.py, SDPA), up
-// to float32 summation order; the softmax's exponential is a polynomial within ~1 ulp (decode_body.h). The
+// to float32 summation order; the exponential is a polynomial within ~1 ulp (decode_body.h). The
 // instruction set is the caller's (`isa`: 2 = AVX-512, 1 = AVX2 + FMA, 0 = portable), as in matvec.cpp.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -55,9 +55,6 @@ constexpr int L = 4;
 #include "decode_body.h"
 }  // namespace portable
 
-using RmsFn = void (*)(const float*, const float*, float*, int64_t, float);
-using AttendFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, float, float*, float*);
-
 template <class T>
 T pick(int64_t isa, T avx512_fn, T avx2_fn, T portable_fn) {
 #ifdef ATTNLAB_ISAS
@@ -67,6 +64,13 @@ T pick(int64_t isa, T avx512_fn, T avx2_fn, T portable_fn) {
   (void)avx512_fn, (void)avx2_fn;
   return portable_fn;
 }
+
+// the kernel `name` compiled for the caller's instruction set (isa: 2 AVX-512, 1 AVX2 + FMA, else portable)
+#ifdef ATTNLAB_ISAS
+#define ISA_FN(name) pick<decltype(&portable::name)>(isa, avx512::name, avx2::name, portable::name)
+#else
+#define ISA_FN(name) pick<decltype(&portable::name)>(isa, nullptr, nullptr, portable::name)
+#endif
 
 void check_f32(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), "attnlab::", op, ": ", name,
@@ -81,13 +85,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, int64_
               "attnlab::rms_norm: w must be (E,) with E = x.size(-1); got x ", x.sizes(), ", w ", w.sizes());
   at::Tensor y = at::empty_like(x);
   const int64_t E = x.size(-1), rows = E ? x.numel() / E : 0;
-  const RmsFn fn = pick<RmsFn>(isa,
-#ifdef ATTNLAB_ISAS
-                               avx512::rms_norm_row, avx2::rms_norm_row,
-#else
-                               nullptr, nullptr,
-#endif
-                               portable::rms_norm_row);
+  const auto fn = ISA_FN(rms_norm_row);
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -161,13 +159,7 @@ at::Tensor attend_decode(const at::Tensor& qkv, const at::Tensor& k_cache, const
   at::Tensor out = at::empty({B, 1, heads * D}, qkv.options());
   float* op = out.data_ptr<float>();
   const int64_t S = length + 1, group = heads / kv_heads;
-  const AttendFn fn = pick<AttendFn>(isa,
-#ifdef ATTNLAB_ISAS
-                                     avx512::attend_one, avx2::attend_one,
-#else
-                                     nullptr, nullptr,
-#endif
-                                     portable::attend_one);
+  const auto fn = ISA_FN(attend_one);
   // ~64 K multiply-adds per task at least: a short cache stays on one thread (waking another costs more)
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, S * D));
   at::parallel_for(0, B * heads, grain, [&](int64_t i0, int64_t i1) {
@@ -184,21 +176,13 @@ at::Tensor attend_decode(const at::Tensor& qkv, const at::Tensor& k_cache, const
 }  // namespace
 
 void attnlab_native::activate(int64_t act, float* y, const float* g, int64_t n, int64_t isa) {
-  using Fn = void (*)(int64_t, float*, const float*, int64_t);
-  const Fn fn = pick<Fn>(isa,
-#ifdef ATTNLAB_ISAS
-                         avx512::activate_row, avx2::activate_row,
-#else
-                         nullptr, nullptr,
-#endif
-                         portable::activate_row);
+  const auto fn = ISA_FN(activate_row);
   fn(act, y, g, n);
 }
 
 namespace {
 
 using Opt = std::optional<at::Tensor>;
-using LnFn = void (*)(const float*, const float*, const float*, float*, int64_t, float);
 
 const float* ptr(const Opt& t) { return t ? t->data_ptr<float>() : nullptr; }
 
@@ -212,20 +196,8 @@ at::Tensor norm(const at::Tensor& x, const Opt& w, const Opt& b, bool rms, doubl
   TORCH_CHECK(!rms || w, "attnlab::decoder_step: RMSNorm needs its weight");
   at::Tensor y = at::empty_like(x);
   const int64_t E = x.size(-1), rows = x.numel() / E;
-  const RmsFn rms_fn = pick<RmsFn>(isa,
-#ifdef ATTNLAB_ISAS
-                                   avx512::rms_norm_row, avx2::rms_norm_row,
-#else
-                                   nullptr, nullptr,
-#endif
-                                   portable::rms_norm_row);
-  const LnFn ln_fn = pick<LnFn>(isa,
-#ifdef ATTNLAB_ISAS
-                                avx512::layer_norm_row, avx2::layer_norm_row,
-#else
-                                nullptr, nullptr,
-#endif
-                                portable::layer_norm_row);
+  const auto rms_fn = ISA_FN(rms_norm_row);
+  const auto ln_fn = ISA_FN(layer_norm_row);
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x.data_ptr<float>() + r * E;
     float* yr = y.data_ptr<float>() + r * E;

@@ -18,28 +18,9 @@ inline float hsum(VF v) {
   return s;
 }
 
-// e^x, lane by lane, for x ≤ 0 (softmax's shifted scores; NaN stays NaN): e^x = 2ⁿ · e^r with n = round(x log₂e),
-// r = x − n ln 2 (ln 2 in two parts, exact products), e^r ≈ 1 + r + r² p(r) on |r| ≤ ln2/2 (Cephes expf's
-// polynomial: relative error ~1e-7, about an ulp of float32), 2ⁿ built in the exponent bits; x < −87.3 → 0.
-inline VF exp_nonpositive(VF x) {
-  const VF magic = splat(12582912.f);  // 1.5 · 2²³: t + magic − magic rounds t to an integer (|t| < 2²²)
-  const VF n = (x * splat(1.44269504088896341f) + magic) - magic;
-  const VF r = (x - n * splat(0.693359375f)) - n * splat(-2.12194440e-4f);
-  VF p = splat(1.9875691500e-4f);
-  p = p * r + splat(1.3981999507e-3f);
-  p = p * r + splat(8.3334519073e-3f);
-  p = p * r + splat(4.1665795894e-2f);
-  p = p * r + splat(1.6666665459e-1f);
-  p = p * r + splat(5.0000001201e-1f);
-  const VF er = p * (r * r) + r + splat(1.f);
-  const VI clamped = __builtin_convertvector(n < splat(-126.f) ? splat(-126.f) : n, VI);  // NaN: any (NaN stays)
-  const VI bits = (clamped + 127) << 23;
-  VF two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return x < splat(-87.3f) ? splat(0.f) : er * two_n;
-}
-
-// e^x for any x: exp_nonpositive's arithmetic with 2ⁿ up to 2¹²⁷ (x > 88.7 → +inf)
+// e^x, lane by lane (NaN stays NaN): e^x = 2ⁿ · e^r with n = round(x log₂e), r = x − n ln 2 (ln 2 in two parts,
+// exact products), e^r ≈ 1 + r + r² p(r) on |r| ≤ ln2/2 (Cephes expf's polynomial: relative error ~1e-7, about an
+// ulp of float32), 2ⁿ built in the exponent bits; x < −87.3 → 0, x > 88.7 → +inf.
 inline VF exp_any(VF x) {
   const VF big = splat(88.7f);
   const VF c = x > big ? big : x;
@@ -166,7 +147,7 @@ inline void attend_one(const float* q, const float* K, const float* Vv, int64_t 
   VF total = splat(0.f);
   int64_t j = 0;
   for (; j + L <= S; j += L) {
-    const VF p = exp_nonpositive(load(s + j) - splat(m));
+    const VF p = exp_any(load(s + j) - splat(m));
     store(s + j, p);
     total += p;
   }
@@ -174,7 +155,7 @@ inline void attend_one(const float* q, const float* K, const float* Vv, int64_t 
   for (; j < S; ++j) {
     VF one = splat(0.f);
     one[0] = s[j] - m;
-    s[j] = exp_nonpositive(one)[0];
+    s[j] = exp_any(one)[0];
     sum += s[j];
   }
   for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
