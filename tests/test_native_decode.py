@@ -372,3 +372,19 @@ def _layer_cache(kv):
     from attnlab.nn.block import LayerCache
 
     return LayerCache(kv)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype,batch,fused", [(torch.float32, 8, True), (torch.float32, 9, False),
+                                               (torch.bfloat16, 4, True), (torch.bfloat16, 8, False)])
+def test_batches_up_to_the_kernels_rows_take_the_one_call_step(dtype, batch, fused, monkeypatch):
+    """The kernel serves up to max_rows rows (fp32 weights 8, bf16 4: measured against oneDNN's GEMM), so a
+    decoding batch up to that takes decoder_step; a larger one the step in parts (oneDNN's products)."""
+    m = _small("llama").optimize_for_inference(dtype=dtype)
+    ids = torch.randint(0, 101, (batch, 4), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        cache = m.new_cache()
+        m(ids, past_key_values=cache, use_cache=True)
+        counts = _count(monkeypatch, ["decoder_step"])
+        m(ids[:, :1], past_key_values=cache, use_cache=True)
+    assert counts["decoder_step"] == (2 if fused else 0)

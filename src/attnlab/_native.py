@@ -32,10 +32,17 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "matvec.cpp", CSRC / "decode.cpp")  # compiled; they include CSRC's headers
-# the kernel's regime: a decode step's rows (batch). Measured on 2 AVX-512 cores, 24 GPT-2 matrices, ms (fp32 /
-# bf16): 1 row 6.5 / 1.9 against oneDNN on the plain rows 6.8 / 6.2; 4 rows 7.3 / 4.6 against 9.6 / 6.8; 8 rows
-# 13.2 / 9.4 against 11.1 / 8.0 (and oneDNN's packed layout 7.1 / 4.8): from 8 rows a GEMM kernel wins
+# the kernel's regime: a decode step's rows (batch), by weight dtype. Measured on 2 cores, GPT-2's 48 layer
+# matrices, ms (with the kernel's prefetch): fp32 8 rows 15.9 / 16.8 (AVX-512 / AVX2) against oneDNN on the plain
+# rows 23.2 / 24.1 and its packed layout 17.0 / 21.1, 16 rows 33 against 29-34 plain: fp32 up to 8; bf16 8 rows 19.6
+# against 15.1 plain, int8 4 rows 6.1 against fbgemm's 4.1 (its 1-row product is slower): bf16 and int8 up to 4
 MAX_ROWS = 4
+MAX_ROWS_FP32 = 8
+
+
+def max_rows(dtype: torch.dtype) -> int:
+    """How many rows of x the kernel takes for a weight of ``dtype`` before a GEMM kernel is faster."""
+    return MAX_ROWS_FP32 if dtype == torch.float32 else MAX_ROWS
 _ISA_CODES = {"AVX512": 2, "AVX2": 1}
 _ISA_NAMES = {2: "AVX-512", 1: "AVX2 + FMA", 0: "portable C++"}
 _state: dict = {}  # "loaded": bool, "why": str, "isa": int, "op": the loaded op

@@ -72,9 +72,9 @@ def test_packed_linear_equals_the_product(dtype, packed, bias, rows, monkeypatch
 @pytest.mark.skipif(not NATIVE, reason="attnlab's native kernels are not built here (attnlab env says why)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("rows", [1, 3, inference._native.MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 3, 4, 8])
 def test_native_rows_equal_the_product_of_the_rounded_weight(dtype, bias, rows):
-    """A layer packed for few rows keeps ``W`` plain for attnlab's matvec: ≤ MAX_ROWS rows run it (x stays
+    """A layer packed for few rows keeps ``W`` plain for attnlab's matvec: ≤ max_rows rows run it (x stays
     float32, only ``W`` and ``b`` are rounded to ``dtype``), more rows ``F.linear``. Oracle: float64 product of
     x and the rounded weight and bias; float32 summation over 48 terms of size ≤ 4: ≤ 1e-5."""
     lin = _linear(bias=bias)
@@ -83,9 +83,21 @@ def test_native_rows_equal_the_product_of_the_rounded_weight(dtype, bias, rows):
     x = torch.randn(rows, 48)
     r = (lambda t: None if t is None else t.to(dtype).double())
     ref = F.linear(x.double(), r(lin.weight), r(lin.bias))
-    y = p(x)
-    assert y.dtype == torch.float32 and (y.double() - ref).abs().max() <= 1e-5
-    many = torch.randn(2, 9, 48)  # 18 rows > MAX_ROWS: oneDNN (or F.linear) on the same plain weight
+    calls = []
+    real = inference._native.matvec
+    inference._native.matvec = lambda *a: calls.append(1) or real(*a)
+    try:
+        y = p(x)
+    finally:
+        inference._native.matvec = real
+    native = rows <= inference._native.max_rows(dtype)  # fp32: up to 8 rows, bf16: 4
+    assert calls == ([1] if native else [])
+    assert y.dtype == torch.float32
+    if native:
+        assert (y.double() - ref).abs().max() <= 1e-5
+    else:  # oneDNN's bf16 product: x rounded too
+        assert _close(y, _expected(x, lin, dtype), dtype)
+    many = torch.randn(2, 9, 48)  # 18 rows > max_rows: oneDNN (or F.linear) on the same plain weight
     assert _close(p(many), _expected(many, lin, dtype), dtype)
 
 

@@ -17,7 +17,7 @@ CPU that depends on the layout:
 
 - attnlab's own matrix–vector kernel (:func:`attnlab._native.matvec`, C++) streams a plain row-major ``W``
   (float32, or bfloat16 widened in registers) over all threads at the speed of memory; where it is built
-  (``make setup``) a layer packed for few rows (``rows`` ≤ :data:`~attnlab._native.MAX_ROWS`, a decoder's
+  (``make setup``) a layer packed for few rows (``rows`` ≤ :func:`~attnlab._native.max_rows`, a decoder's
   step) keeps ``W`` plain for it and multiplies more rows (a prompt's prefill) with oneDNN's inner product on
   the plain rows (measured faster than ``F.linear``'s MKL GEMM at 32 and 512 rows, within ~20 % of the packed
   layout), or ``F.linear`` without oneDNN. In bf16 its
@@ -54,7 +54,7 @@ def _packable(weight: Tensor) -> bool:
 
 def _native_rows(weight: Tensor, rows: Optional[int]) -> bool:
     """attnlab's matrix–vector kernel serves a layer packed for a few rows on the CPU, where it is built."""
-    return (rows is not None and rows <= _native.MAX_ROWS and weight.device.type == "cpu"
+    return (rows is not None and rows <= _native.max_rows(weight.dtype) and weight.device.type == "cpu"
             and weight.dtype in INFERENCE_DTYPES and _native.available())
 
 
@@ -99,6 +99,7 @@ class PackedLinear(nn.Module):
         w = weight.to(self.dtype)  # (out, in); the same tensor when it already has the dtype
         self.bias_: Optional[Tensor] = None if bias is None else bias.to(self.dtype).contiguous()  # (out,)
         self.native = _native_rows(w, self.rows)
+        self.max_rows = _native.max_rows(w.dtype)  # x's rows the native kernel takes (a decoding step's batch)
         self.bias32 = None if bias is None or not self.native else self.bias_.float()  # the kernel's (rounded) bias
         self.packed = self.pack and not self.native and _packable(w)
         self.onednn = self.packed or (self.native and _packable(w))  # many rows: oneDNN (on plain rows too)
@@ -131,7 +132,7 @@ class PackedLinear(nn.Module):
     def matvec_args(self, x: Tensor) -> Optional[tuple]:
         """``(w, scale, bias)`` for :func:`attnlab._native.matvec` where it serves ``x`` (few rows, this layer packed
         for them), else None: for a caller that fuses this product with another (``FeedForward``)."""
-        if self.native and x.numel() <= _native.MAX_ROWS * self.in_features:
+        if self.native and x.numel() <= self.max_rows * self.in_features:
             return self.weight_, None, self.bias32
         return None
 
@@ -139,7 +140,7 @@ class PackedLinear(nn.Module):
         # lean on purpose: a decode step calls this ~50 times, so each avoidable op shows
         if x.shape[-1] != self.in_features:
             raise ValueError(f"PackedLinear expected last dim {self.in_features}, got shape {tuple(x.shape)}")
-        if self.native and x.numel() <= _native.MAX_ROWS * self.in_features:  # a decoding step: (..., in) as it is
+        if self.native and x.numel() <= self.max_rows * self.in_features:  # a decoding step: (..., in) as it is
             if x.dtype == torch.float32 and x.is_contiguous():
                 return _native.matvec(x, self.weight_, None, self.bias32)
             return _native.matvec(x.float().contiguous(), self.weight_, None, self.bias32).to(x.dtype)
@@ -194,7 +195,7 @@ def optimize_linears_(module: nn.Module, *, dtype: torch.dtype = torch.float32, 
 
     A linear layer whose weight *is* an ``nn.Embedding``'s table (a tied LM head) keeps one copy with
     ``share_tied`` in float32 and reads the table in place: as it is (row-major) where attnlab's matvec serves
-    the layer (``rows`` ≤ ``MAX_ROWS``, the kernel built: every thread), else stored column-major (MKL's GEMV
+    the layer (``rows`` ≤ ``max_rows``, the kernel built: every thread), else stored column-major (MKL's GEMV
     streams that layout fastest; the embedding's lookups read it as well). Otherwise, and for other shared
     weights, each layer gets its own copy.
 
