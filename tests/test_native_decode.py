@@ -188,21 +188,51 @@ def test_a_gated_ffn_fuses_its_products_for_few_rows(activation, mode, monkeypat
 
 
 @needs_native
-def test_rms_norm_layer_runs_the_kernel_in_inference_and_keeps_autograd_in_training():
+def test_rms_norm_layer_runs_the_kernel_in_inference_and_keeps_autograd_in_training(monkeypatch):
     from attnlab.nn.norms import RMSNorm
 
     torch.manual_seed(0)
     norm = RMSNorm(40)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
+    counts = _count(monkeypatch, ["rms_norm"])
     x = torch.randn(3, 40, requires_grad=True)
     y = norm(x)  # autograd wants x and g: the Function
     y.sum().backward()
-    assert x.grad is not None and norm.weight.grad is not None
+    assert x.grad is not None and norm.weight.grad is not None and counts["rms_norm"] == 0
     with torch.no_grad():
         fast = norm(x)
-    assert fast.grad_fn is None
+    assert counts["rms_norm"] == 1 and fast.grad_fn is None
     assert (fast - y.detach()).abs().max() <= (20 + 6) * EPS32 * y.abs().max()
+    norm.weight.requires_grad_(False)
+    assert norm(x).grad_fn is not None and counts["rms_norm"] == 1  # x wants a gradient: the Function
+
+
+@needs_native
+def test_a_layer_step_with_gradients_on_keeps_autograd(monkeypatch):
+    """DecoderLayer.step called with gradients on (a user probing a step): the C++ calls have no backward, so the
+    step takes PyTorch's operations: the gradients of x and of norm₁'s gain equal those with the kernels off."""
+    from attnlab.nn.block import DecoderLayer
+
+    torch.manual_seed(0)
+    layer = DecoderLayer(32, 4, cross_attention=False, ffn_dim=64, activation="swiglu", norm_first=True,
+                         norm="rmsnorm").eval()
+    context, x0 = torch.randn(1, 5, 32), torch.randn(1, 1, 32)
+
+    def grads():
+        cache = _layer_cache(KVCache())
+        with torch.no_grad():
+            layer(context, cache=cache, is_causal=True)
+        x = x0.clone().requires_grad_(True)
+        layer.zero_grad()
+        layer.step(x, cache).pow(2).sum().backward()
+        return x.grad, layer.norm1.weight.grad
+
+    gx, gw = grads()
+    monkeypatch.setattr(_native, "available", lambda: False)
+    rx, rw = grads()
+    assert gw is not None and rw.abs().sum() > 0
+    assert (gx - rx).abs().max() <= tolerance(rx, n=64, depth=2) and (gw - rw).abs().max() <= tolerance(rw, n=64, depth=2)
 
 
 def test_a_cache_gives_room_in_place_and_counts_what_was_written():

@@ -38,14 +38,14 @@ SOURCES = (CSRC / "matvec.cpp", CSRC / "decode.cpp")  # compiled; they include C
 # against 15.1 plain, int8 4 rows 6.1 against fbgemm's 4.1 (its 1-row product is slower): bf16 and int8 up to 4
 MAX_ROWS = 4
 MAX_ROWS_FP32 = 8
+_ISA_CODES = {"AVX512": 2, "AVX2": 1}
+_ISA_NAMES = {2: "AVX-512", 1: "AVX2 + FMA", 0: "portable C++"}
+_state: dict = {}  # "loaded": bool, "why": str, "isa": int, and the loaded ops
 
 
 def max_rows(dtype: torch.dtype) -> int:
     """How many rows of x the kernel takes for a weight of ``dtype`` before a GEMM kernel is faster."""
     return MAX_ROWS_FP32 if dtype == torch.float32 else MAX_ROWS
-_ISA_CODES = {"AVX512": 2, "AVX2": 1}
-_ISA_NAMES = {2: "AVX-512", 1: "AVX2 + FMA", 0: "portable C++"}
-_state: dict = {}  # "loaded": bool, "why": str, "isa": int, "op": the loaded op
 
 
 def build_directory() -> Path:
@@ -142,11 +142,11 @@ def gated_matvec(x: Tensor, first: tuple, second: tuple, activation: str) -> Ten
 
 
 def usable(x: Tensor) -> bool:
-    """Whether a native kernel may take ``x``: float32 on the CPU, in eager mode (no graph being traced — as
-    ``torch.onnx.export``'s TorchScript exporter does — or compiled or exported by dynamo: those record PyTorch's
-    operations), and the kernels :func:`available`."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and available() and not torch.jit.is_tracing()
-            and not torch.compiler.is_compiling())
+    """Whether a native kernel may take ``x``: float32 on the CPU, no gradient wanted through it (the kernels have no
+    backward), in eager mode (no graph being traced — as ``torch.onnx.export``'s TorchScript exporter does — or
+    compiled or exported by dynamo: those record PyTorch's operations), and the kernels :func:`available`."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled())
+            and available() and not torch.jit.is_tracing() and not torch.compiler.is_compiling())
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:

@@ -333,14 +333,14 @@ class DecoderLayer(_ResidualLayer):
 
     def _step_native(self, x: Tensor, cache: KVCache) -> Optional[Tensor]:
         """:meth:`step` in one C++ call (:func:`attnlab._native.decoder_step`: both norms, the five products, RoPE,
-        the cache write and the attention) where every part is one it computes: float32 on the CPU with the kernels
-        built, the attention's :meth:`~attnlab.modules.multihead.MultiheadAttention.steps` and ``native_step``,
+        the cache write and the attention) where every part is one it computes: gradients off, float32 on the CPU
+        with the kernels built, the attention's :meth:`~attnlab.modules.multihead.MultiheadAttention.steps` and ``native_step``,
         RMSNorm or LayerNorm, a :class:`FeedForward`, each linear layer served by attnlab's matvec (inference
         layouts or int8: ``matvec_args``), no hooks on the modules the step calls. Else None (also where the
         projection is not finite: the caller's step then reruns the layer through the pipeline)."""
         attn, ffn = self.self_attn, self.ffn
-        if not (type(ffn) is FeedForward and _native.usable(x) and attn.steps(x, cache)):
-            return None
+        if torch.is_grad_enabled() or not (type(ffn) is FeedForward and _native.usable(x) and attn.steps(x, cache)):
+            return None  # (with gradients on, the norms' parameters would want theirs: no backward here)
         norms = _native_norm(self.norm1), _native_norm(self.norm2)
         if norms[0] is None or norms[1] is None or norms[0][0] != norms[1][0]:
             return None

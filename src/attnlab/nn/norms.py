@@ -47,8 +47,8 @@ class RMSNorm(nn.Module):
             xf = x.float()
             rms = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
             return (xf * rms).to(x.dtype) * self.weight
-        if (not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
-                and self.weight.dtype == torch.float32 and _native.usable(x)):  # inference: one C++ call
+        if (not (torch.is_grad_enabled() and self.weight.requires_grad) and self.weight.dtype == torch.float32
+                and _native.usable(x)):  # inference: one C++ call
             return _native.rms_norm(x.contiguous(), self.weight.contiguous(), self.eps)
         return _RMSNormFunction.apply(x, self.weight, self.eps)
 
