@@ -109,8 +109,8 @@ class Int8Linear(nn.Module):
         return None
 
     def forward(self, x: Tensor) -> Tensor:
-        args = self._matvec_args() if x.numel() <= _native.MAX_ROWS * self.in_features else False
-        if args and x.device.type == "cpu":  # a decoding step: attnlab's int8 matvec (module docstring)
+        args = self.matvec_args(x)
+        if args is not None:  # a decoding step: attnlab's int8 matvec (module docstring)
             if x.dtype == torch.float32 and x.is_contiguous():
                 return _native.matvec(x, *args)
             return _native.matvec(x.float().contiguous(), *args).to(x.dtype)

@@ -78,24 +78,6 @@ void check_f32(const at::Tensor& t, const char* op, const char* name) {
               t.is_contiguous() ? "" : " (not contiguous)");
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, int64_t isa) {
-  check_f32(x, "rms_norm", "x");
-  check_f32(w, "rms_norm", "w");
-  TORCH_CHECK(x.dim() >= 1 && w.dim() == 1 && w.size(0) == x.size(-1),
-              "attnlab::rms_norm: w must be (E,) with E = x.size(-1); got x ", x.sizes(), ", w ", w.sizes());
-  at::Tensor y = at::empty_like(x);
-  const int64_t E = x.size(-1), rows = E ? x.numel() / E : 0;
-  const auto fn = ISA_FN(rms_norm_row);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, E));
-  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) fn(xp + r * E, wp, yp + r * E, E, static_cast<float>(eps));
-  });
-  return y;
-}
-
 // dst[0 .. D) = src rotated at one position: pairs (i, i + R/2) (half-split) or (2i, 2i + 1) (interleaved) for
 // i < R/2 = n_rot, the last D − R dims copied
 void rope_copy(const float* src, float* dst, int64_t D, const float* c, const float* s, int64_t n_rot,
@@ -186,28 +168,39 @@ using Opt = std::optional<at::Tensor>;
 
 const float* ptr(const Opt& t) { return t ? t->data_ptr<float>() : nullptr; }
 
-// RMSNorm (w) or LayerNorm (w, b optional) of each row of x (B, 1, E) -> a new tensor
-at::Tensor norm(const at::Tensor& x, const Opt& w, const Opt& b, bool rms, double eps, int64_t isa) {
+// RMSNorm (w) or LayerNorm (w, b optional) of each row of x (..., E) -> a new tensor, the rows split over the threads
+// (~64 K elements per task at least); `op` names the caller in the errors
+at::Tensor norm(const char* op, const at::Tensor& x, const Opt& w, const Opt& b, bool rms, double eps, int64_t isa) {
+  check_f32(x, op, "x");
   for (const Opt* t : {&w, &b})
     if (*t) {
-      check_f32(**t, "decoder_step", "a norm's weight or bias");
-      TORCH_CHECK((*t)->numel() == x.size(-1), "attnlab::decoder_step: a norm's weight or bias must be (E,)");
+      check_f32(**t, op, "a norm's weight or bias");
+      TORCH_CHECK((*t)->dim() == 1 && (*t)->size(0) == x.size(-1), "attnlab::", op,
+                  ": a norm's weight or bias must be (E,) with E = x.size(-1); got x ", x.sizes(), ", ",
+                  (*t)->sizes());
     }
-  TORCH_CHECK(!rms || w, "attnlab::decoder_step: RMSNorm needs its weight");
+  TORCH_CHECK(x.dim() >= 1 && (!rms || w), "attnlab::", op, ": RMSNorm needs x (..., E) and its weight");
   at::Tensor y = at::empty_like(x);
-  const int64_t E = x.size(-1), rows = x.numel() / E;
+  const int64_t E = x.size(-1), rows = E ? x.numel() / E : 0;
   const auto rms_fn = ISA_FN(rms_norm_row);
   const auto ln_fn = ISA_FN(layer_norm_row);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x.data_ptr<float>() + r * E;
-    float* yr = y.data_ptr<float>() + r * E;
-    if (rms) {
-      rms_fn(xr, ptr(w), yr, E, static_cast<float>(eps));
-    } else {
-      ln_fn(xr, ptr(w), ptr(b), yr, E, static_cast<float>(eps));
+  const float *xp = x.data_ptr<float>(), *wp = ptr(w), *bp = ptr(b);
+  float* yp = y.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, E));
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      if (rms) {
+        rms_fn(xp + r * E, wp, yp + r * E, E, static_cast<float>(eps));
+      } else {
+        ln_fn(xp + r * E, wp, bp, yp + r * E, E, static_cast<float>(eps));
+      }
     }
-  }
+  });
   return y;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, int64_t isa) {
+  return norm("rms_norm", x, w, std::nullopt, true, eps, isa);
 }
 
 void add_(at::Tensor& acc, const at::Tensor& y) {  // acc += y, both contiguous float32 of one size
@@ -231,7 +224,9 @@ at::Tensor decoder_step(const at::Tensor& x, at::ArrayRef<Opt> t, bool rms, doub
   for (int i : {2, 5, 10, 16, 19, 20})
     TORCH_CHECK(t[i].has_value(), "attnlab::decoder_step: tensor ", i, " (a weight or a cache buffer) is missing");
   TORCH_CHECK(!gated || t[13].has_value(), "attnlab::decoder_step: a gated FFN needs W₃");
-  at::Tensor h = norm(x, t[0], t[1], rms, eps1, isa);
+  TORCH_CHECK(attnlab_native::GLU <= act && act <= (gated ? attnlab_native::SILU : attnlab_native::QUICK_GELU),
+              "attnlab::decoder_step: act must be an activation code of csrc/native.h, got ", act);
+  at::Tensor h = norm("decoder_step", x, t[0], t[1], rms, eps1, isa);
   at::Tensor qkv = attnlab_native::matvec(h, *t[2], t[3], t[4], isa);
   const float* q = qkv.data_ptr<float>();
   for (int64_t i = 0, n = qkv.numel(); i < n; ++i)
@@ -239,7 +234,7 @@ at::Tensor decoder_step(const at::Tensor& x, at::ArrayRef<Opt> t, bool rms, doub
   at::Tensor a = attend_decode(qkv, *t[19], *t[20], position, heads, kv_heads, t[21], t[22], interleaved, scale, isa);
   at::Tensor x1 = attnlab_native::matvec(a, *t[5], t[6], t[7], isa);
   add_(x1, x);  // x₁ = x + a W_oᵀ
-  at::Tensor h2 = norm(x1, t[8], t[9], rms, eps2, isa);
+  at::Tensor h2 = norm("decoder_step", x1, t[8], t[9], rms, eps2, isa);
   at::Tensor f;
   if (gated) {
     f = attnlab_native::gated_matvec(h2, *t[10], t[11], t[12], *t[13], t[14], t[15], act, isa);

@@ -94,19 +94,14 @@ class KVCache:
         n = k.shape[2]
         if self.window is not None:
             return self._update_ring(k, v, n)
-        if self.max_length is not None and self.length + n > self.max_length:
-            raise ValueError(
-                f"KVCache overflow: {self.length} cached + {n} new > max_length={self.max_length}"
-            )
+        self._check_room(n)
         if self.max_length is None and (self.k is None or _tracing()):
             # the first entries of a growing cache are kept as they are; while a graph is recorded (ONNX export)
             # it concatenates, a data flow that dynamic shapes follow (the buffers then hold no spare room)
             self.k, self.v = (k, v) if self.k is None else (torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2))
             self.length += n
             return self.k, self.v
-        room = self.max_length or max(2 * self.k.shape[2], self.length + n)
-        if self.k is None or self.length + n > self.k.shape[2]:
-            self._resize(k, v, room)
+        self._grow(k, v, n)
         self.k.narrow(2, self.length, n).copy_(k)
         self.v.narrow(2, self.length, n).copy_(v)
         self.length += n
@@ -123,10 +118,8 @@ class KVCache:
         """
         if self.k is None or self.static or self.window is not None or _tracing():
             return None
-        if self.max_length is not None and self.length + n > self.max_length:
-            raise ValueError(f"KVCache overflow: {self.length} cached + {n} new > max_length={self.max_length}")
-        if self.length + n > self.k.shape[2]:
-            self._resize(self.k, self.v, self.max_length or max(2 * self.k.shape[2], self.length + n))
+        self._check_room(n)
+        self._grow(self.k, self.v, n)
         if not (self.k.is_contiguous() and self.v.is_contiguous()):
             return None
         return self.k, self.v
@@ -136,6 +129,15 @@ class KVCache:
         whether they are all free of NaN and ±inf (the caller checked)."""
         self.length += n
         self.finite = self.finite and finite
+
+    def _check_room(self, n: int) -> None:
+        if self.max_length is not None and self.length + n > self.max_length:
+            raise ValueError(f"KVCache overflow: {self.length} cached + {n} new > max_length={self.max_length}")
+
+    def _grow(self, k: Tensor, v: Tensor, n: int) -> None:
+        """Buffers with room for ``n`` more entries: ``max_length`` positions (static), else double or enough."""
+        if self.k is None or self.length + n > self.k.shape[2]:
+            self._resize(k, v, self.max_length or max(2 * self.k.shape[2], self.length + n))
 
     def _resize(self, k: Tensor, v: Tensor, room: int) -> None:
         """New buffers of ``room`` positions (shaped as ``k``, ``v``), holding the entries written so far."""

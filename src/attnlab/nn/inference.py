@@ -140,10 +140,11 @@ class PackedLinear(nn.Module):
         # lean on purpose: a decode step calls this ~50 times, so each avoidable op shows
         if x.shape[-1] != self.in_features:
             raise ValueError(f"PackedLinear expected last dim {self.in_features}, got shape {tuple(x.shape)}")
-        if self.native and x.numel() <= self.max_rows * self.in_features:  # a decoding step: (..., in) as it is
+        args = self.matvec_args(x)
+        if args is not None:  # a decoding step: (..., in) as it is
             if x.dtype == torch.float32 and x.is_contiguous():
-                return _native.matvec(x, self.weight_, None, self.bias32)
-            return _native.matvec(x.float().contiguous(), self.weight_, None, self.bias32).to(x.dtype)
+                return _native.matvec(x, *args)
+            return _native.matvec(x.float().contiguous(), *args).to(x.dtype)
         xw = x.reshape(-1, self.in_features)  # (N, in)
         if xw.dtype != self.dtype:
             xw = xw.to(self.dtype)
