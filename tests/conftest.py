@@ -16,3 +16,12 @@ os.environ.setdefault("ATTNLAB_FLEX_COMPILE", "0")
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def python_tiled(monkeypatch):
+    """The tiled backend's PyTorch paths (its loop, the banded layout) for requests the C++ kernel would serve
+    (tests/test_native_flash.py tests that one)."""
+    from attnlab.backends import tiled
+
+    monkeypatch.setattr(tiled, "native_applies", lambda q: False)

@@ -16,19 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnlab import _native
-
-needs_native = pytest.mark.skipif(not _native.available(), reason="attnlab's native kernels are not built here "
-                                  "(a C++ compiler and ninja are needed; `attnlab env` says why)")
-
-CAP = _native._ISA_CODES.get(torch.backends.cpu.get_cpu_capability(), 0)
-ISAS = [i for i in (2, 1, 0) if i <= CAP]  # the instruction sets this CPU runs
-EPS32 = 2.0**-24
-
-
-@pytest.fixture
-def isa(request, monkeypatch):
-    monkeypatch.setitem(_native._state, "isa", request.param)
-    return request.param
+from _native_isas import CAP, EPS32, ISA_IDS, ISAS, isa, needs_native  # noqa: F401 (isa: a fixture)
 
 
 def _weights(kind, N, K, gen):
@@ -39,7 +27,7 @@ def _weights(kind, N, K, gen):
 
 
 @needs_native
-@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=lambda i: {2: "avx512", 1: "avx2", 0: "portable"}[i])
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("M,N,K", [(1, 300, 768), (2, 65, 256), (3, 17, 50), (5, 9, 33), (8, 4, 7), (1, 3, 1),
                                    (2, 6, 4500)])

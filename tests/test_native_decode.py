@@ -23,21 +23,10 @@ from attnlab import _native
 from attnlab.functional.positional import apply_rope, rope_frequencies
 from attnlab.modules.cache import KVCache
 from _tolerance import tolerance  # tests/_tolerance.py: from the dtype and the magnitude
+from _native_isas import EPS32, ISA_IDS, ISAS, isa, needs_native  # noqa: F401 (isa: a fixture)
 
-needs_native = pytest.mark.skipif(not _native.available(), reason="attnlab's native kernels are not built here "
-                                  "(a C++ compiler and ninja are needed; `attnlab env` says why)")
-CAP = _native._ISA_CODES.get(torch.backends.cpu.get_cpu_capability(), 0)
-ISAS = [i for i in (2, 1, 0) if i <= CAP]
-ISA_IDS = {2: "avx512", 1: "avx2", 0: "portable"}
-EPS32 = 2.0**-24
 GATE_FNS = {"glu": torch.sigmoid, "geglu": F.gelu, "geglu_tanh": lambda a: F.gelu(a, approximate="tanh"),
             "swiglu": F.silu}
-
-
-@pytest.fixture
-def isa(request, monkeypatch):
-    monkeypatch.setitem(_native._state, "isa", request.param)
-    return request.param
 
 
 @needs_native

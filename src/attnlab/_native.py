@@ -31,7 +31,7 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "matvec.cpp", CSRC / "decode.cpp")  # compiled; they include CSRC's headers
+SOURCES = (CSRC / "matvec.cpp", CSRC / "decode.cpp", CSRC / "flash.cpp")  # compiled; they include CSRC's headers
 # the kernel's regime: a decode step's rows (batch), by weight dtype. Measured on 2 cores, GPT-2's 48 layer
 # matrices, ms (with the kernel's prefetch): fp32 8 rows 15.9 / 16.8 (AVX-512 / AVX2) against oneDNN on the plain
 # rows 23.2 / 24.1 and its packed layout 17.0 / 21.1, 16 rows 33 against 29-34 plain: fp32 up to 8; bf16 8 rows 19.6
@@ -78,7 +78,8 @@ def _load() -> None:
         ops = torch.ops.attnlab  # the overloads: no resolution per call
         _state.update(loaded=True, why="", op=ops.matvec.default, gated=ops.gated_matvec.default,
                       rms_norm=ops.rms_norm.default, decoder_step=ops.decoder_step.default,
-                      attend_decode=ops.attend_decode.default)
+                      attend_decode=ops.attend_decode.default, flash_forward=ops.flash_forward.default,
+                      flash_backward=ops.flash_backward.default)
         isa()
     except Exception as e:  # no compiler, no ninja, a failed build: PyTorch's kernels serve instead
         why = " ".join(str(e).split())  # the compiler's message is at the end
@@ -197,6 +198,50 @@ def decoder_step(x: Tensor, tensors: list, *, rms: bool, eps: tuple[float, float
     act = GATES[activation] if gated else ACTIVATIONS[activation]
     return _state["decoder_step"](x, tensors, rms, eps[0], eps[1], heads, kv_heads, position, interleaved, scale, act,
                                   gated, _state["isa"])
+
+
+MODS = {None: 0, "alibi": 1, "alibi_symmetric": 2, "softcap": 3}  # the score mods flash.cpp computes itself
+
+
+def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, window: Optional[int],
+                  block_q: int, block_k: int, spans: Optional[Tensor] = None, mod: Optional[str] = None,
+                  slopes: Optional[Tensor] = None, cap: float = 0.0, blas: bool = True) -> tuple[Tensor, Tensor]:
+    """Exact softmax attention with interval masks and a few score mods, ``(out (B, H, Lq, Dv), lse (B, H, Lq))``:
+    FlashAttention's forward pass in one call (``csrc/flash.cpp``)::
+
+        O = softmax(mod(scale · Q Kᵀ) + mask) V,   LSE_i = log Σ_j e^(s_ij)   (-inf and O = 0 on a row that sees nothing)
+
+    ``q (B, H, Lq, D)``, ``k (B, Hkv, Lk, D)``, ``v (B, Hkv, Lk, Dv)`` contiguous float32 CPU tensors (the op checks);
+    query row i sits at position ``p = i + Lk - Lq`` and sees the keys ``j`` that ``causal`` (``j ≤ p``), ``window``
+    (``p - j < w``, or ``|p - j| < w`` without causal) and ``spans`` (``(1 or B, 2, Lk)`` int64: ``spans[b, 0, p] ≤ j <
+    spans[b, 1, p]``, both bounds non-decreasing in p, ``Lq ≤ Lk``) allow. ``mod``: ``"alibi"`` ``s + m_h (j - p)``,
+    ``"alibi_symmetric"`` ``s - m_h |j - p|`` (``slopes`` ``(H,)`` float32), ``"softcap"`` ``c · tanh(s / c)``
+    (``cap = c``). ``blas=False`` computes the block products with ATen instead of the BLAS torch links (the test of
+    the fallback). Forward only: :mod:`attnlab.backends.tiled` wraps both passes.
+
+    Raises:
+        RuntimeError: the native kernels are not :func:`available` (callers check that first).
+    """
+    _need()
+    return _state["flash_forward"](q, k, v, scale, causal, -1 if window is None else window, spans, MODS[mod], slopes,
+                                   cap, block_q, block_k, blas, _state["isa"])
+
+
+def flash_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_out: Tensor, *, scale: float,
+                   causal: bool, window: Optional[int], block_q: int, block_k: int, spans: Optional[Tensor] = None,
+                   mod: Optional[str] = None, slopes: Optional[Tensor] = None, cap: float = 0.0,
+                   blas: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of :func:`flash_forward` (the same mask and mod arguments) given its ``out``, ``lse`` and
+    the gradient ``d_out``, recomputing each block's probabilities from the LSE (nothing ``O(Lq · Lk)`` is kept)::
+
+        P = e^(S - LSE);  dV = Pᵀ dO;  dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O)) ∘ mod'(s);  dQ = scale · dS K;  dK = scale · dSᵀ Q
+
+    Raises:
+        RuntimeError: the native kernels are not :func:`available` (callers check that first).
+    """
+    _need()
+    return _state["flash_backward"](q, k, v, out, lse, d_out, scale, causal, -1 if window is None else window, spans,
+                                    MODS[mod], slopes, cap, block_q, block_k, blas, _state["isa"])
 
 
 def _need() -> None:

@@ -19,6 +19,8 @@ from _oracle import matches_reference
 F64 = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-10)
 
+pytestmark = pytest.mark.usefixtures("python_tiled")  # the banded path, not the C++ kernel
+
 
 def _qkv(B, H, Hkv, Lq, Lk, D, Dv, dtype=F64):
     return (torch.randn(B, H, Lq, D, dtype=dtype, requires_grad=True),

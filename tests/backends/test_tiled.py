@@ -20,6 +20,7 @@ from _oracle import matches_reference
 F64 = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-10)
 SMALL = dict(block_q=4, block_k=3, max_chunk=5)  # forces many blocks on short sequences
+pytestmark = pytest.mark.usefixtures("python_tiled")  # the PyTorch loop, not the C++ kernel
 
 
 def _qkv(B=2, H=4, Hkv=2, Lq=13, Lk=17, D=5, Dv=3, dtype=F64):

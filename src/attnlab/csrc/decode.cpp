@@ -31,52 +31,10 @@
 
 namespace {
 
-#if defined(__x86_64__) || defined(_M_X64)
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw")
-namespace avx512 {
-constexpr int L = 16;
-#include "decode_body.h"
-}  // namespace avx512
-#pragma GCC pop_options
+#define ATTNLAB_BODY "decode_body.h"
+#include "isa_regions.h"
 
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-namespace avx2 {
-constexpr int L = 8;
-#include "decode_body.h"
-}  // namespace avx2
-#pragma GCC pop_options
-#define ATTNLAB_ISAS 1
-#endif
-
-namespace portable {
-constexpr int L = 4;
-#include "decode_body.h"
-}  // namespace portable
-
-template <class T>
-T pick(int64_t isa, T avx512_fn, T avx2_fn, T portable_fn) {
-#ifdef ATTNLAB_ISAS
-  if (isa >= 2) return avx512_fn;
-  if (isa == 1) return avx2_fn;
-#endif
-  (void)avx512_fn, (void)avx2_fn;
-  return portable_fn;
-}
-
-// the kernel `name` compiled for the caller's instruction set (isa: 2 AVX-512, 1 AVX2 + FMA, else portable)
-#ifdef ATTNLAB_ISAS
-#define ISA_FN(name) pick<decltype(&portable::name)>(isa, avx512::name, avx2::name, portable::name)
-#else
-#define ISA_FN(name) pick<decltype(&portable::name)>(isa, nullptr, nullptr, portable::name)
-#endif
-
-void check_f32(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), "attnlab::", op, ": ", name,
-              " must be a contiguous float32 CPU tensor, got ", t.scalar_type(), " ", t.sizes(),
-              t.is_contiguous() ? "" : " (not contiguous)");
-}
+using attnlab_native::check_f32;
 
 // dst[0 .. D) = src rotated at one position: pairs (i, i + R/2) (half-split) or (2i, 2i + 1) (interleaved) for
 // i < R/2 = n_rot, the last D − R dims copied

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
 #include <cstdint>
 #include <optional>
@@ -13,6 +14,13 @@ enum Act : int64_t { GLU = 0, GELU = 1, GELU_TANH = 2, SILU = 3, RELU = 4, QUICK
 
 // y[i] = act(y[i]) ⊙ g[i] (g null: 1), vectorised (decode_body.h: e^x as exp_nonpositive, erf within 1.5e-7)
 void activate(int64_t act, float* y, const float* g, int64_t n, int64_t isa);
+
+// the checks of a kernel's tensor arguments: contiguous float32 on the CPU
+inline void check_f32(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), "attnlab::", op, ": ", name,
+              " must be a contiguous float32 CPU tensor, got ", t.scalar_type(), " ", t.sizes(),
+              t.is_contiguous() ? "" : " (not contiguous)");
+}
 
 // matvec.cpp: y = s ⊙ (x Wᵀ) + b, and act(x W₁ᵀ ⊙ s₁ + b₁) ⊙ (x W₃ᵀ ⊙ s₃ + b₃)
 at::Tensor matvec(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale,

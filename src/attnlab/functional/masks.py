@@ -12,6 +12,8 @@ called here with broadcastable index tensors of shapes ``(B,1,1,1)``, ``(1,H,1,1
 """
 from __future__ import annotations
 
+import functools
+
 from typing import Callable, Optional
 
 import torch
@@ -162,6 +164,7 @@ def softcap_score_mod(cap: float) -> Callable:
         return (y / cap).square_().neg_().add_(1.0)
 
     score_mod.grad_from_output = grad_from_output
+    score_mod.softcap = cap  # what the tiled backend's C++ kernel computes itself
     return score_mod
 
 
@@ -191,8 +194,17 @@ def sliding_window_mod(window: int, *, causal: bool = True) -> MaskMod:
 
 
 def prefix_lm_mod(prefix_len: int) -> MaskMod:
-    """Bidirectional over the first ``prefix_len`` keys, causal after them."""
-    return lambda b, h, q_idx, kv_idx: (kv_idx < prefix_len) | (kv_idx <= q_idx)
+    """Bidirectional over the first ``prefix_len`` keys, causal after them: position p sees the keys
+    ``[0, max(prefix_len, p + 1))`` (its ``key_spans``, which the tiled backend's C++ kernel takes)."""
+    def mod(b, h, q_idx, kv_idx):
+        return (kv_idx < prefix_len) | (kv_idx <= q_idx)
+
+    def key_spans(Lk: int) -> Tensor:
+        p = torch.arange(Lk)
+        return torch.stack([torch.zeros_like(p), (p + 1).clamp(min=prefix_len).clamp(max=Lk)]).unsqueeze(0)
+
+    mod.key_spans = key_spans
+    return mod
 
 
 def document_mod(doc_ids: Tensor) -> MaskMod:
@@ -206,7 +218,26 @@ def document_mod(doc_ids: Tensor) -> MaskMod:
         row = b if ids.shape[0] > 1 else torch.zeros_like(b)
         return ids[row, q_idx] == ids[row, kv_idx]
 
+    mod.key_spans = functools.partial(_document_spans, ids)
     return mod
+
+
+def _document_spans(ids: Tensor, Lk: int) -> Optional[Tensor]:
+    """``(Bd, 2, Lk)``: each position's document as the key interval ``[start, end)`` of its run, when every document
+    is one contiguous run of ``Lk`` positions (packed sequences); None otherwise (the mask is then no interval)."""
+    if ids.shape[-1] != Lk or ids.is_floating_point():
+        return None
+    ids = ids.cpu()
+    new = torch.ones_like(ids, dtype=torch.bool)
+    new[:, 1:] = ids[:, 1:] != ids[:, :-1]                                  # a run starts here
+    if any(int(n.sum()) != row.unique().numel() for n, row in zip(new, ids)):
+        return None                                                          # a document in several runs
+    pos = torch.arange(Lk).expand_as(ids)
+    start = torch.where(new, pos, 0).cummax(dim=-1).values
+    last = torch.ones_like(new)
+    last[:, :-1] = new[:, 1:]                                               # a run ends after here
+    end = torch.where(last, pos + 1, Lk).flip(-1).cummin(dim=-1).values.flip(-1)
+    return torch.stack([start, end], dim=1).contiguous()
 
 
 def and_masks(*mods: MaskMod) -> MaskMod:

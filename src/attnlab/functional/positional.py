@@ -188,6 +188,7 @@ def alibi_score_mod(slopes: Tensor, *, causal: bool = True) -> ScoreMod:
         return score + bias.to(score.dtype)
 
     score_mod.additive = True  # score + bias: the tiled backend's backward passes dS through in closed form
+    score_mod.alibi = (slopes, causal)  # what the tiled backend's C++ kernel computes itself
     return score_mod
 
 

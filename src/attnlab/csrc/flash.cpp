@@ -1,0 +1,353 @@
+// Exact softmax attention for long sequences on the CPU: FlashAttention's algorithm (Dao et al. 2022; the
+// FlashAttention-2 loop order, 2023) with causal and sliding-window masks, forward and backward, one call each.
+//
+//   attnlab::flash_forward(q, k, v, scale, causal, window, …) -> (out, lse)
+//       for each (batch, head, block of query rows), over the key blocks the mask leaves visible (online softmax):
+//       S = scale · Q_i K_jᵀ;  m' = max(m, rowmax S);  P = e^(S − m');  l = e^(m − m') l + rowsum P;
+//       acc = e^(m − m') acc + P V_j;  m = m'          then  O_i = acc / l,  LSE_i = m + log l
+//   attnlab::flash_backward(q, k, v, out, lse, d_out, scale, causal, window, …) -> (dq, dk, dv)
+//       for each (batch, kv head, block of keys j), over the query blocks that see it, recomputing P from LSE:
+//       P = e^(S − LSE);  dV_j += Pᵀ dO_i;  dP = dO_i V_jᵀ;  dS = P ∘ (dP − Δ_i),  Δ_i = rowsum(dO_i ∘ O_i);
+//       dQ_i += scale · dS K_j;  dK_j += scale · dSᵀ Q_i
+//
+// Query row i sits at position p = i + Lk − Lq (aligned to the end of the keys, as attnlab's masks are); it sees
+// the keys [lo(p), hi(p)): causal hi = p + 1; a window w gives lo = p − w + 1 (and hi = p + w without causal);
+// `spans` (Bs, 2, Lk) int64, Bs = 1 or B, intersects them with [spans[b][0][p], spans[b][1][p]) (packed documents,
+// prefix-LM: both bounds non-decreasing in p). Those are intervals, so a block's mask is two column bounds per row
+// and key blocks outside every row's interval are never computed: time O(Lq · visible keys), memory O(block) per
+// thread beyond the inputs and outputs.
+// Score mods computed in place, S → mod(S), before the mask (`mod`: 1 ALiBi s + m_h (j − p), 2 symmetric ALiBi
+// s − m_h |j − p| with the slopes m (H,) float32, 3 softcap c · tanh(s / c) with c = `cap`); the backward pass
+// multiplies dS by d mod / ds (1 for ALiBi, 1 − (mod(s) / c)² for softcap).
+// Grouped-query attention: query head h reads key/value head h / (H / Hkv). float32 throughout.
+//
+// The block products go to the BLAS torch itself uses (cblas_sgemm, found at load time) or, where the library has
+// none (or `blas` is false), to ATen's addmm on views of the same memory; the element-wise passes are vectorised
+// (flash_body.h) for the caller's instruction set. Tasks are handed out dynamically over torch's threads.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/zeros_like.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "native.h"
+
+// the BLAS linked into libtorch (MKL or OpenBLAS), when it exports the CBLAS interface; null otherwise
+extern "C" void cblas_sgemm(int layout, int trans_a, int trans_b, int m, int n, int k, float alpha, const float* a,
+                            int lda, const float* b, int ldb, float beta, float* c, int ldc) __attribute__((weak));
+
+namespace {
+
+#define ATTNLAB_BODY "flash_body.h"
+#include "isa_regions.h"
+
+using attnlab_native::check_f32;
+
+// C (M×N, row stride ldc) = α op(A) op(B) + β C, row-major: op(A) is M×K (A stored K×M when ta), op(B) K×N (B
+// stored N×K when tb). β = 0 ignores C's contents.
+void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B,
+          int64_t ldb, float beta, float* C, int64_t ldc, bool blas) {
+  if (M == 0 || N == 0) return;
+  if (blas && cblas_sgemm != nullptr) {
+    cblas_sgemm(101 /* row-major */, ta ? 112 : 111, tb ? 112 : 111, static_cast<int>(M), static_cast<int>(N),
+                static_cast<int>(K), alpha, A, static_cast<int>(lda), B, static_cast<int>(ldb), beta, C,
+                static_cast<int>(ldc));
+    return;
+  }
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  auto view = [&](const float* p, int64_t rows, int64_t cols, int64_t ld, bool t) {
+    at::Tensor x = at::from_blob(const_cast<float*>(p), {t ? cols : rows, t ? rows : cols}, {ld, 1}, f32);
+    return t ? x.t() : x;
+  };
+  at::Tensor c = at::from_blob(C, {M, N}, {ldc, 1}, f32);
+  c.addmm_(view(A, M, K, lda, ta), view(B, K, N, ldb, tb), beta, alpha);
+}
+
+// the keys [lo(p), hi(p)) that query position p of batch b sees, clamped to [0, Lk) (empty: lo ≥ hi)
+struct Band {
+  bool causal;
+  int64_t window;                 // ≤ 0: none
+  int64_t Lk;
+  const int64_t* spans = nullptr;  // (Bs, 2, Lk) or null
+  int64_t span_batches = 1;
+  const int64_t* span(int64_t b) const { return spans + (span_batches > 1 ? b : 0) * 2 * Lk; }
+  int64_t lo(int64_t b, int64_t p) const {
+    int64_t x = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+    if (spans && p >= 0 && p < Lk) x = std::max(x, span(b)[p]);
+    return x;
+  }
+  int64_t hi(int64_t b, int64_t p) const {
+    int64_t x = causal ? std::min(Lk, std::max<int64_t>(0, p + 1))
+                       : (window > 0 ? std::min(Lk, std::max<int64_t>(0, p + window)) : Lk);
+    if (spans && p >= 0 && p < Lk) x = std::min(x, span(b)[Lk + p]);
+    return x;
+  }
+};
+
+// a score mod of the kernel's own (flash_body.h: mod_row): 0 none, 1 ALiBi, 2 symmetric ALiBi, 3 softcap
+struct Mod {
+  int64_t code = 0;
+  const float* slopes = nullptr;  // (H,) for ALiBi
+  float cap = 0.f;
+  float param(int64_t h) const { return code == 3 ? cap : (code ? slopes[h] : 0.f); }
+};
+
+Band make_band(const char* op, bool causal, int64_t window, int64_t B, int64_t Lq, int64_t Lk,
+               const std::optional<at::Tensor>& spans) {
+  Band band{causal, window, Lk};
+  if (spans) {
+    TORCH_CHECK(spans->device().is_cpu() && spans->scalar_type() == at::kLong && spans->is_contiguous() &&
+                    spans->dim() == 3 && (spans->size(0) == 1 || spans->size(0) == B) && spans->size(1) == 2 &&
+                    spans->size(2) == Lk,
+                "attnlab::", op, ": spans must be a contiguous int64 CPU tensor (1 or B, 2, Lk) = (", B, ", 2, ", Lk,
+                "), got ", spans->scalar_type(), " ", spans->sizes());
+    TORCH_CHECK(Lq <= Lk, "attnlab::", op, ": spans need Lq ≤ Lk (query positions within the keys'), got ", Lq,
+                " > ", Lk);
+    band.spans = spans->data_ptr<int64_t>();
+    band.span_batches = spans->size(0);
+    for (int64_t b = 0; b < band.span_batches; ++b) {  // the block skipping relies on it
+      const int64_t* sp = band.span(b);
+      for (int64_t p = 1; p < Lk; ++p)
+        TORCH_CHECK(sp[p - 1] <= sp[p] && sp[Lk + p - 1] <= sp[Lk + p], "attnlab::", op,
+                    ": spans' bounds must be non-decreasing in the position (batch ", b, ", position ", p, ")");
+    }
+  }
+  return band;
+}
+
+Mod make_mod(const char* op, int64_t code, const std::optional<at::Tensor>& slopes, double cap, int64_t H) {
+  TORCH_CHECK(code >= 0 && code <= 3, "attnlab::", op, ": mod must be 0-3, got ", code);
+  Mod mod{code};
+  if (code == 1 || code == 2) {
+    TORCH_CHECK(slopes.has_value(), "attnlab::", op, ": ALiBi (mod ", code, ") needs slopes");
+    check_f32(*slopes, op, "slopes");
+    TORCH_CHECK(slopes->numel() == H, "attnlab::", op, ": slopes must hold one per query head (", H, "), got ",
+                slopes->numel());
+    mod.slopes = slopes->data_ptr<float>();
+  }
+  if (code == 3) {
+    TORCH_CHECK(cap > 0 && std::isfinite(cap), "attnlab::", op, ": softcap needs a positive finite cap, got ", cap);
+    mod.cap = static_cast<float>(cap);
+  }
+  return mod;
+}
+
+// the first query row i in [0, Lq) whose position off + i satisfies pred (pred is monotone: false, then true), Lq if none
+template <class Pred>
+int64_t first_row(int64_t off, int64_t Lq, const Pred& pred) {
+  int64_t a = 0, b = Lq;
+  while (a < b) {
+    const int64_t mid = (a + b) / 2;
+    if (pred(off + mid)) b = mid; else a = mid + 1;
+  }
+  return a;
+}
+
+// run task(t, thread) for t in [0, n), handed out one at a time to torch's threads (uneven tasks stay balanced)
+template <class F>
+void for_tasks(int64_t n, const F& task) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t thread = t0; thread < t1; ++thread)
+      for (int64_t t = next++; t < n; t = next++) task(t, thread);
+  });
+}
+
+struct Shapes {
+  int64_t B, H, Hkv, Lq, Lk, D, Dv;
+};
+
+Shapes check(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t block_q,
+             int64_t block_k) {
+  check_f32(q, op, "q");
+  check_f32(k, op, "k");
+  check_f32(v, op, "v");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attnlab::", op, ": q, k, v must be 4-D (B, H, L, D), got ",
+              q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  const Shapes s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
+  TORCH_CHECK(k.size(0) == s.B && v.size(0) == s.B && v.size(1) == s.Hkv && v.size(2) == s.Lk && k.size(3) == s.D,
+              "attnlab::", op, ": k must be (B, Hkv, Lk, D) and v (B, Hkv, Lk, Dv) for q ", q.sizes(), ", got ",
+              k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(s.Hkv >= 1 && s.H % s.Hkv == 0, "attnlab::", op, ": q's heads (", s.H,
+              ") must be a multiple of k's (", s.Hkv, ")");
+  TORCH_CHECK(block_q >= 1 && block_k >= 1, "attnlab::", op, ": block sizes must be ≥ 1, got ", block_q, " and ",
+              block_k);
+  return s;
+}
+
+std::tuple<at::Tensor, at::Tensor> flash_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 double scale_, bool causal, int64_t window,
+                                                 const std::optional<at::Tensor>& spans, int64_t mod_code,
+                                                 const std::optional<at::Tensor>& slopes, double cap, int64_t block_q,
+                                                 int64_t block_k, bool blas, int64_t isa) {
+  const Shapes s = check("flash_forward", q, k, v, block_q, block_k);
+  const Band band = make_band("flash_forward", causal, window, s.B, s.Lq, s.Lk, spans);
+  const Mod mod = make_mod("flash_forward", mod_code, slopes, cap, s.H);
+  const float scale = static_cast<float>(scale_);
+  at::Tensor out = at::empty({s.B, s.H, s.Lq, s.Dv}, q.options());
+  at::Tensor lse = at::empty({s.B, s.H, s.Lq}, q.options());
+  const float *Q = q.data_ptr<float>(), *K = k.data_ptr<float>(), *V = v.data_ptr<float>();
+  float *O = out.data_ptr<float>(), *LSE = lse.data_ptr<float>();
+  const auto softmax_row = ISA_FN(online_softmax_row);
+  const auto rescale = ISA_FN(scale_row);
+  const auto modify = ISA_FN(mod_row);
+  const int64_t BQ = block_q, BK = block_k, off = s.Lk - s.Lq, group = s.H / s.Hkv;
+  const int64_t n_blocks = (s.Lq + BQ - 1) / BQ, heads = s.B * s.H;
+  std::vector<std::vector<float>> scratch(at::get_num_threads());
+  // the last query blocks first: under a causal mask they see the most keys
+  for_tasks(n_blocks * heads, [&](int64_t t, int64_t thread) {
+    std::vector<float>& buf = scratch[thread];
+    buf.resize(BQ * BK + BQ * s.Dv + 2 * BQ);
+    float *S = buf.data(), *acc = S + BQ * BK, *m = acc + BQ * s.Dv, *l = m + BQ;
+    const int64_t bh = t % heads, i0 = (n_blocks - 1 - t / heads) * BQ, nq = std::min(BQ, s.Lq - i0);
+    const int64_t b = bh / s.H, kvh = b * s.Hkv + (bh % s.H) / group;
+    const float param = mod.param(bh % s.H);
+    const float *Qi = Q + (bh * s.Lq + i0) * s.D, *Kh = K + kvh * s.Lk * s.D, *Vh = V + kvh * s.Lk * s.Dv;
+    std::fill(acc, acc + nq * s.Dv, 0.f);
+    std::fill(m, m + nq, -INFINITY);
+    std::fill(l, l + nq, 0.f);
+    const int64_t k0 = band.lo(b, off + i0), k1 = band.hi(b, off + i0 + nq - 1);
+    for (int64_t ks = k0; ks < k1; ks += BK) {
+      const int64_t nk = std::min(BK, k1 - ks);
+      gemm(false, true, nq, nk, s.D, scale, Qi, s.D, Kh + ks * s.D, s.D, 0.f, S, BK, blas);
+      for (int64_t r = 0; r < nq; ++r) {
+        const int64_t p = off + i0 + r;
+        const int64_t c0 = std::clamp<int64_t>(band.lo(b, p) - ks, 0, nk);
+        const int64_t c1 = std::clamp<int64_t>(band.hi(b, p) - ks, 0, nk);
+        modify(mod.code, S + r * BK, c0, c1, param, ks - p);
+        const float alpha = softmax_row(S + r * BK, nk, c0, c1, m[r], l[r]);
+        if (alpha != 1.f) rescale(acc + r * s.Dv, s.Dv, alpha);
+      }
+      gemm(false, false, nq, s.Dv, nk, 1.f, S, BK, Vh + ks * s.Dv, s.Dv, 1.f, acc, s.Dv, blas);
+    }
+    for (int64_t r = 0; r < nq; ++r) {
+      float* o = O + (bh * s.Lq + i0 + r) * s.Dv;
+      const bool seen = l[r] > 0.f || std::isnan(l[r]);
+      for (int64_t d = 0; d < s.Dv; ++d) o[d] = seen ? acc[r * s.Dv + d] / l[r] : 0.f;
+      LSE[bh * s.Lq + i0 + r] = seen ? m[r] + std::log(l[r]) : -INFINITY;
+    }
+  });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& q, const at::Tensor& k,
+                                                               const at::Tensor& v, const at::Tensor& out,
+                                                               const at::Tensor& lse, const at::Tensor& d_out,
+                                                               double scale_, bool causal, int64_t window,
+                                                               const std::optional<at::Tensor>& spans,
+                                                               int64_t mod_code,
+                                                               const std::optional<at::Tensor>& slopes, double cap,
+                                                               int64_t block_q, int64_t block_k, bool blas,
+                                                               int64_t isa) {
+  const Shapes s = check("flash_backward", q, k, v, block_q, block_k);
+  check_f32(out, "flash_backward", "out");
+  check_f32(d_out, "flash_backward", "d_out");
+  check_f32(lse, "flash_backward", "lse");
+  TORCH_CHECK(out.sizes() == d_out.sizes() && out.dim() == 4 && out.size(0) == s.B && out.size(1) == s.H &&
+                  out.size(2) == s.Lq && out.size(3) == s.Dv && lse.numel() == s.B * s.H * s.Lq,
+              "attnlab::flash_backward: out and d_out must be (B, H, Lq, Dv) and lse (B, H, Lq) for q ", q.sizes(),
+              " and v ", v.sizes(), ", got ", out.sizes(), ", ", d_out.sizes(), ", ", lse.sizes());
+  const Band band = make_band("flash_backward", causal, window, s.B, s.Lq, s.Lk, spans);
+  const Mod mod = make_mod("flash_backward", mod_code, slopes, cap, s.H);
+  const float scale = static_cast<float>(scale_);
+  at::Tensor dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
+  const float *Q = q.data_ptr<float>(), *K = k.data_ptr<float>(), *V = v.data_ptr<float>();
+  const float *O = out.data_ptr<float>(), *dO = d_out.data_ptr<float>(), *LSE = lse.data_ptr<float>();
+  float *dQ = dq.data_ptr<float>(), *dK = dk.data_ptr<float>(), *dV = dv.data_ptr<float>();
+  const auto probs = ISA_FN(probs_row);
+  const auto dscores = ISA_FN(dscores_row);
+  const auto dot_fn = ISA_FN(dot);
+  const auto modify = ISA_FN(mod_row);
+  const auto softcap_grad = ISA_FN(softcap_grad_row);
+  const auto mul = ISA_FN(mul_row);
+  const int64_t BQ = block_q, BK = block_k, off = s.Lk - s.Lq, group = s.H / s.Hkv;
+  const int64_t n_kv = (s.Lk + BK - 1) / BK, kv_heads = s.B * s.Hkv;
+  // tasks: (batch, kv head, a part of its key blocks); each owns its rows of dK and dV. With fewer kv heads than
+  // threads the key blocks are split into parts, whose dQ sums go to one buffer per thread, added at the end.
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = kv_heads >= threads ? 1 : std::min(n_kv, (2 * threads + kv_heads - 1) / kv_heads);
+  std::vector<at::Tensor> dq_parts(parts > 1 ? threads : 0);
+  std::vector<std::vector<float>> scratch(threads);
+  for_tasks(kv_heads * parts, [&](int64_t t, int64_t thread) {
+    std::vector<float>& buf = scratch[thread];
+    buf.resize(3 * BQ * BK + group * s.Lq);
+    float *S = buf.data(), *dP = S + BQ * BK, *G = dP + BQ * BK, *delta = G + BQ * BK;
+    const int64_t g = t / parts, part = t % parts, b = g / s.Hkv;
+    const int64_t j0 = part * n_kv / parts, j1 = (part + 1) * n_kv / parts;
+    float* dq_base = dQ;
+    if (parts > 1) {
+      if (!dq_parts[thread].defined()) dq_parts[thread] = at::zeros_like(q);
+      dq_base = dq_parts[thread].data_ptr<float>();
+    }
+    for (int64_t h = 0; h < group; ++h) {  // Δ = rowsum(dO ∘ O) of the group's query heads
+      const int64_t bh = b * s.H + (g % s.Hkv) * group + h;
+      for (int64_t i = 0; i < s.Lq; ++i)
+        delta[h * s.Lq + i] = dot_fn(dO + (bh * s.Lq + i) * s.Dv, O + (bh * s.Lq + i) * s.Dv, s.Dv);
+    }
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t ks = j * BK, nk = std::min(BK, s.Lk - ks);
+      const float *Kj = K + (g * s.Lk + ks) * s.D, *Vj = V + (g * s.Lk + ks) * s.Dv;
+      float *dKj = dK + (g * s.Lk + ks) * s.D, *dVj = dV + (g * s.Lk + ks) * s.Dv;
+      const int64_t r0 = first_row(off, s.Lq, [&](int64_t p) { return band.hi(b, p) > ks; });
+      const int64_t r1 = first_row(off, s.Lq, [&](int64_t p) { return band.lo(b, p) >= ks + nk; });
+      for (int64_t h = 0; h < group; ++h) {
+        const int64_t bh = b * s.H + (g % s.Hkv) * group + h;
+        const float param = mod.param(bh % s.H);
+        for (int64_t i0 = r0; i0 < r1; i0 += BQ) {  // the rows that see these keys, BQ at a time
+          const int64_t nq = std::min(BQ, r1 - i0);
+          bool any = false;
+          const float *Qi = Q + (bh * s.Lq + i0) * s.D, *dOi = dO + (bh * s.Lq + i0) * s.Dv;
+          gemm(false, true, nq, nk, s.D, scale, Qi, s.D, Kj, s.D, 0.f, S, BK, blas);
+          for (int64_t r = 0; r < nq; ++r) {
+            const int64_t p = off + i0 + r;
+            const int64_t c0 = std::clamp<int64_t>(band.lo(b, p) - ks, 0, nk);
+            const int64_t c1 = std::clamp<int64_t>(band.hi(b, p) - ks, 0, nk);
+            modify(mod.code, S + r * BK, c0, c1, param, ks - p);
+            if (mod.code == 3) softcap_grad(S + r * BK, G + r * BK, nk, mod.cap);
+            probs(S + r * BK, nk, c0, c1, LSE[bh * s.Lq + i0 + r]);
+            any = any || c1 > c0;
+          }
+          if (!any) continue;
+          gemm(true, false, nk, s.Dv, nq, 1.f, S, BK, dOi, s.Dv, 1.f, dVj, s.Dv, blas);   // dV_j += Pᵀ dO_i
+          gemm(false, true, nq, nk, s.Dv, 1.f, dOi, s.Dv, Vj, s.Dv, 0.f, dP, BK, blas);   // dP = dO_i V_jᵀ
+          for (int64_t r = 0; r < nq; ++r) {
+            dscores(S + r * BK, dP + r * BK, nk, delta[h * s.Lq + i0 + r]);
+            if (mod.code == 3) mul(dP + r * BK, G + r * BK, nk);  // dS w.r.t. the raw scores
+          }
+          gemm(false, false, nq, s.D, nk, scale, dP, BK, Kj, s.D, 1.f, dq_base + (bh * s.Lq + i0) * s.D, s.D,
+               blas);                                                                          // dQ_i += κ dS K_j
+          gemm(true, false, nk, s.D, nq, scale, dP, BK, Qi, s.D, 1.f, dKj, s.D, blas);    // dK_j += κ dSᵀ Q_i
+        }
+      }
+    }
+  });
+  for (const at::Tensor& part : dq_parts)
+    if (part.defined()) dq.add_(part);
+  return {dq, dk, dv};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(attnlab, m) {
+  m.def("flash_forward(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window, Tensor? spans, int mod, "
+        "Tensor? slopes, float cap, int block_q, int block_k, bool blas, int isa) -> (Tensor, Tensor)");
+  m.def("flash_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor d_out, float scale, bool causal, "
+        "int window, Tensor? spans, int mod, Tensor? slopes, float cap, int block_q, int block_k, bool blas, int isa) "
+        "-> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
+  m.impl("flash_forward", &flash_forward);
+  m.impl("flash_backward", &flash_backward);
+}
