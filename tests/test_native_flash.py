@@ -297,3 +297,31 @@ def test_requests_the_kernel_does_not_serve_take_the_pytorch_paths(monkeypatch):
     assert calls == []
     ref, _ = _reference(q, k, v, 16**-0.5, True, None)
     assert (out.double() - ref).abs().max() <= _bounds(q, k, v, 16**-0.5, True, None)[0]
+
+
+BASE_REQUEST = {"mask": None, "causal": False, "window": None, "scale": None, "score_mod": None, "mask_mod": None,
+                "dropout_p": 0.0, "normalize": "softmax", "top_k": None, "return_weights": False}
+
+
+@pytest.mark.parametrize("L,dtype,causal,grad,mask,expected", [
+    (256, torch.float32, True, False, False, "tiled"),     # long causal forward: the kernel
+    (512, torch.float32, False, True, False, "tiled"),     # bidirectional with gradients: the kernel
+    (512, torch.float32, False, False, False, "sdpa"),     # a bidirectional forward: SDPA is faster
+    (128, torch.float32, True, True, False, "sdpa"),       # short: SDPA (and `short` for equal heads)
+    (512, torch.bfloat16, True, False, False, "sdpa"),     # bf16 stays in SDPA's bf16 kernel
+    (512, torch.float32, True, False, True, "sdpa"),       # a mask tensor: SDPA's fused kernel
+], ids=["causal-fwd", "bidir-grad", "bidir-fwd", "short", "bf16", "mask"])
+def test_auto_takes_the_kernel_for_dense_requests_where_it_is_faster(L, dtype, causal, grad, mask, expected):
+    from attnlab.backends import dispatch
+    q, k = torch.randn(1, 4, L, 16, dtype=dtype, requires_grad=grad), torch.randn(1, 2, L, 16, dtype=dtype)
+    v = torch.randn(1, 2, L, 16, dtype=dtype)
+    request = {**BASE_REQUEST, "causal": causal, "mask": torch.ones(1, 1, L, L, dtype=torch.bool) if mask else None}
+    assert dispatch.select_backend(q, k, v, **request).name == expected
+
+
+def test_auto_without_the_kernels_keeps_sdpa(monkeypatch):
+    from attnlab.backends import dispatch
+    monkeypatch.setitem(_native._state, "loaded", False)
+    monkeypatch.setitem(_native._state, "why", "test")
+    q, k, v = (torch.randn(1, 4, 512, 16) for _ in range(3))
+    assert dispatch.select_backend(q, k, v, **{**BASE_REQUEST, "causal": True}).name == "sdpa"

@@ -141,15 +141,21 @@ def attend_step(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float]) -> T
 def select_backend(q, k, v, **request) -> Backend:
     """The backend ``auto`` takes: the first in :data:`SPARSE_ORDER` when the request has a window, a
     mask_mod or a score_mod (else :data:`AUTO_ORDER`) whose ``auto_when`` holds (if it has one) and whose
-    ``unsupported()`` is empty; with ``return_lse=True`` in the request, among backends that keep the LSE."""
+    ``unsupported()`` is empty; with ``return_lse=True`` in the request, among backends that keep the LSE, and
+    if none of those it prefers can, the first that can."""
     lse = request.get("return_lse", False)
     sparse = request.get("window") is not None or request.get("mask_mod") is not None \
         or request.get("score_mod") is not None
-    for name in (SPARSE_ORDER if sparse else AUTO_ORDER):
+    order = SPARSE_ORDER if sparse else AUTO_ORDER
+    for name in order:
         b = BACKENDS[name]
         if (lse and b.lse is None) or (b.auto_when is not None and not b.auto_when(q, k, v, **request)):
             continue
         if not b.unsupported(q, k, v, **request):
+            return b
+    for name in order if lse else ():  # auto_when is a preference: the LSE from whichever backend can give it
+        b = BACKENDS[name]
+        if b.lse is not None and not b.unsupported(q, k, v, **request):
             return b
     if lse:
         why = "; ".join(f"{n}: {b.unsupported(q, k, v, **request)}" for n, b in BACKENDS.items() if b.lse is not None)
