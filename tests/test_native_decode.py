@@ -139,6 +139,37 @@ def test_gated_matvec_checks_its_arguments():
         _native.gated_matvec(x, (torch.randn(4, 7), None, None), (w, None, None), "swiglu")
 
 
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "quick_gelu"])
+def test_activate_equals_torchs_activation_on_a_large_tensor(isa, activation):
+    from attnlab.nn.feedforward import ACTIVATIONS
+    x = torch.randn(300, 1001, generator=torch.Generator().manual_seed(0)) * 4  # not a multiple of any width
+    x[0, :3] = torch.tensor([float("nan"), 50.0, -50.0])
+    y = _native.activate(x, activation)
+    ref = ACTIVATIONS[activation](x)
+    assert y.shape == x.shape and y.data_ptr() != x.data_ptr() and y[0, 0].isnan()
+    ok = ~x.isnan()
+    assert ((y - ref).abs()[ok] <= 8 * EPS32 * (x.abs() + 1)[ok]).all()
+
+
+@needs_native
+def test_an_ffn_in_inference_takes_the_vectorised_gelu_tanh_and_keeps_autograd_in_training(monkeypatch):
+    from attnlab.nn.feedforward import FeedForward
+    calls = []
+    orig = _native.activate
+    monkeypatch.setattr(_native, "activate", lambda *a: calls.append(a[1]) or orig(*a))
+    ffn = FeedForward(32, 96, activation="gelu_tanh").eval()
+    x = torch.randn(2, 50, 32)
+    with torch.no_grad():
+        got = ffn(x)
+        ref = ffn.w2(F.gelu(ffn.w1(x), approximate="tanh"))
+    assert calls == ["gelu_tanh"] and (got - ref).abs().max() <= tolerance(ref, n=96, depth=2)
+    xg = x.clone().requires_grad_()
+    ffn(xg).sum().backward()  # with a gradient wanted: PyTorch's activation, whose backward flows
+    assert calls == ["gelu_tanh"] and xg.grad is not None and xg.grad.abs().sum() > 0
+
+
 # ---- the layers that call them ---------------------------------------------------------------------------------
 
 @needs_native

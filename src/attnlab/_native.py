@@ -79,7 +79,7 @@ def _load() -> None:
         _state.update(loaded=True, why="", op=ops.matvec.default, gated=ops.gated_matvec.default,
                       rms_norm=ops.rms_norm.default, decoder_step=ops.decoder_step.default,
                       attend_decode=ops.attend_decode.default, flash_forward=ops.flash_forward.default,
-                      flash_backward=ops.flash_backward.default)
+                      flash_backward=ops.flash_backward.default, activate=ops.activate.default)
         isa()
     except Exception as e:  # no compiler, no ninja, a failed build: PyTorch's kernels serve instead
         why = " ".join(str(e).split())  # the compiler's message is at the end
@@ -140,6 +140,22 @@ def gated_matvec(x: Tensor, first: tuple, second: tuple, activation: str) -> Ten
     """
     _need()
     return _state["gated"](x, *first, *second, GATES[activation], _state["isa"])
+
+
+# the activations whose vectorised kernel beats PyTorch's on a large tensor (measured, 512 × 3072 float32, 2 cores,
+# AVX-512: GELU-tanh 0.53 ms against 1.68; erf GELU 0.64 against 0.44 and SiLU 0.44 against 0.42 stay PyTorch's)
+FASTER_ACTIVATIONS = ("gelu_tanh",)
+
+
+def activate(x: Tensor, activation: str) -> Tensor:
+    """``act(x)`` for a plain FFN activation (:data:`ACTIVATIONS`), a new tensor; ``x`` a contiguous float32 CPU tensor
+    (the op checks). Vectorised (``decode_body.h``: e^x within ~1 ulp, erf within 1.5e-7), forward only.
+
+    Raises:
+        RuntimeError: the native kernels are not :func:`available` (callers check that first).
+    """
+    _need()
+    return _state["activate"](x, None, ACTIVATIONS[activation], _state["isa"])
 
 
 def usable(x: Tensor) -> bool:

@@ -122,6 +122,26 @@ void attnlab_native::activate(int64_t act, float* y, const float* g, int64_t n, 
 
 namespace {
 
+// y = act(x) (⊙ g when given, g of x's shape), a new tensor, the elements split over the threads (~64 K per task)
+at::Tensor activate(const at::Tensor& x, const std::optional<at::Tensor>& g, int64_t act, int64_t isa) {
+  check_f32(x, "activate", "x");
+  TORCH_CHECK(0 <= act && act <= 5, "attnlab::activate: act must be an activation code 0-5, got ", act);
+  if (g) {
+    check_f32(*g, "activate", "g");
+    TORCH_CHECK(g->sizes() == x.sizes(), "attnlab::activate: g must have x's shape ", x.sizes(), ", got ", g->sizes());
+  }
+  at::Tensor out = at::empty_like(x);
+  const float* in = x.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  const float* gp = g ? g->data_ptr<float>() : nullptr;
+  const auto fn = ISA_FN(activate_row);
+  at::parallel_for(0, x.numel(), int64_t(1) << 16, [&](int64_t i0, int64_t i1) {
+    std::memcpy(y + i0, in + i0, sizeof(float) * (i1 - i0));
+    fn(act, y + i0, gp ? gp + i0 : nullptr, i1 - i0);
+  });
+  return out;
+}
+
 using Opt = std::optional<at::Tensor>;
 
 const float* ptr(const Opt& t) { return t ? t->data_ptr<float>() : nullptr; }
@@ -209,6 +229,7 @@ at::Tensor decoder_step(const at::Tensor& x, at::ArrayRef<Opt> t, bool rms, doub
 
 TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps, int isa) -> Tensor");
+  m.def("activate(Tensor x, Tensor? g, int act, int isa) -> Tensor");
   m.def("attend_decode(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, int length, int heads, int kv_heads, "
         "Tensor? cos, Tensor? sin, bool interleaved, float scale, int isa) -> Tensor");
   m.def("decoder_step(Tensor x, Tensor?[] t, bool rms, float eps1, float eps2, int heads, int kv_heads, int position, "
@@ -217,6 +238,7 @@ TORCH_LIBRARY_FRAGMENT(attnlab, m) {
 
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("activate", &activate);
   m.impl("attend_decode", &attend_decode);
   m.impl("decoder_step", &decoder_step);
 }

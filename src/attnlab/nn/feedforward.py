@@ -96,7 +96,9 @@ class FeedForward(nn.Module):
             h = self._gated_native(x)
             if h is not None:
                 return self.w2(h)
-        h = self.act(self.w1(x))  # (B, L, hidden)
+        h = self.w1(x)  # (B, L, hidden)
+        native = self.activation in _native.FASTER_ACTIVATIONS and h.is_contiguous() and _native.usable(h)
+        h = _native.activate(h, self.activation) if native else self.act(h)
         if self.w3 is not None:
             h = h * self.w3(x)
         return self.w2(self.dropout(h) if self.training else h)  # (B, L, dim)
