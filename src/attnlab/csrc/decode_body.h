@@ -132,6 +132,25 @@ inline void layer_norm_row(const float* x, const float* w, const float* b, float
   for (i = 0; i < n; ++i) y[i] = (x[i] - mu) * r * (w ? w[i] : 1.f) + (b ? b[i] : 0.f);
 }
 
+// e^(s[j] − c) in place over [c0, c1), returning Σ of them
+inline float exp_shifted(float* s, int64_t c0, int64_t c1, float c) {
+  VF total = splat(0.f);
+  int64_t j = c0;
+  for (; j + L <= c1; j += L) {
+    const VF p = exp_any(load(s + j) - splat(c));
+    store(s + j, p);
+    total += p;
+  }
+  float sum = hsum(total);
+  for (; j < c1; ++j) {
+    VF one = splat(0.f);
+    one[0] = s[j] - c;
+    s[j] = exp_any(one)[0];
+    sum += s[j];
+  }
+  return sum;
+}
+
 // out (D) = Σ_j softmax(scale · q·K_j)_j V_j over the S rows of K and V (row stride D); s: S floats of scratch
 inline void attend_one(const float* q, const float* K, const float* Vv, int64_t S, int64_t D, float scale,
                        float* s, float* out) {
@@ -144,22 +163,9 @@ inline void attend_one(const float* q, const float* K, const float* Vv, int64_t 
     for (int64_t d = 0; d < D; ++d) out[d] = NAN;
     return;
   }
-  VF total = splat(0.f);
-  int64_t j = 0;
-  for (; j + L <= S; j += L) {
-    const VF p = exp_any(load(s + j) - splat(m));
-    store(s + j, p);
-    total += p;
-  }
-  float sum = hsum(total);
-  for (; j < S; ++j) {
-    VF one = splat(0.f);
-    one[0] = s[j] - m;
-    s[j] = exp_any(one)[0];
-    sum += s[j];
-  }
+  const float sum = exp_shifted(s, 0, S, m);
   for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
-  for (j = 0; j < S; ++j) {
+  for (int64_t j = 0; j < S; ++j) {
     const float p = s[j];
     const float* v = Vv + j * D;
     int64_t d = 0;

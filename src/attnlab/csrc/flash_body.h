@@ -5,25 +5,6 @@
 
 #include "decode_body.h"
 
-// e^(s[j] − c) in place over [c0, c1), returning Σ of them
-inline float exp_shifted(float* s, int64_t c0, int64_t c1, float c) {
-  VF total = splat(0.f);
-  int64_t j = c0;
-  for (; j + L <= c1; j += L) {
-    const VF p = exp_any(load(s + j) - splat(c));
-    store(s + j, p);
-    total += p;
-  }
-  float sum = hsum(total);
-  for (; j < c1; ++j) {
-    VF one = splat(0.f);
-    one[0] = s[j] - c;
-    s[j] = exp_any(one)[0];
-    sum += s[j];
-  }
-  return sum;
-}
-
 inline void zero_outside(float* s, int64_t n, int64_t c0, int64_t c1) {
   if (c1 <= c0) c0 = c1 = n;
   std::memset(s, 0, sizeof(float) * c0);
