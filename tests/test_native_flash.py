@@ -325,3 +325,14 @@ def test_auto_without_the_kernels_keeps_sdpa(monkeypatch):
     monkeypatch.setitem(_native._state, "why", "test")
     q, k, v = (torch.randn(1, 4, 512, 16) for _ in range(3))
     assert dispatch.select_backend(q, k, v, **{**BASE_REQUEST, "causal": True}).name == "sdpa"
+
+
+def test_torch_func_transforms_keep_pytorchs_operations():
+    """torch.func wraps its tensors (no data pointer for C++, no setup_context in our autograd Functions): auto then
+    takes SDPA, and func.grad equals autograd through the kernel; at 64 keys too (where `short` would serve)."""
+    for L in (256, 64):
+        q, k, v = _inputs(1, 2, 2, L, L, 16, 16, seed=11)
+        grad = torch.func.grad(lambda q: attnlab.attention(q, k, v, causal=True).sum())(q)
+        qg = q.clone().requires_grad_()
+        attnlab.attention(qg, k, v, causal=True).sum().backward()  # through the kernel / `short`
+        assert (grad - qg.grad).abs().max() <= tolerance(qg.grad, n=L, depth=3)

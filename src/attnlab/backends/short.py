@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from attnlab.backends.base import transformed
 from attnlab.functional.masks import build_mask, split_mask
 
 # Most keys for which auto trains with this backend on a CPU (at 512 keys the fused kernel wins again).
@@ -32,10 +33,11 @@ def unsupported(q, k, v, *, normalize, score_mod, dropout_p, return_weights, **_
 
 def auto_when(q, k, v, **_) -> bool:
     """Training on a CPU (grad mode on, an input requires grad) with at most :data:`SHORT_KEYS` keys and as
-    many key/value as query heads (grouped-query attention keeps the fused kernel, which shares them)."""
+    many key/value as query heads (grouped-query attention keeps the fused kernel, which shares them), outside
+    ``torch.func`` transforms (:func:`~attnlab.backends.base.transformed`)."""
     return (q.device.type == "cpu" and torch.is_grad_enabled()
             and (q.requires_grad or k.requires_grad or v.requires_grad) and k.shape[2] <= SHORT_KEYS
-            and k.shape[1] == q.shape[1])
+            and k.shape[1] == q.shape[1] and not transformed(q))
 
 
 def attention(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, dropout_p, normalize, top_k,

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from attnlab import _native
 from attnlab._runtime import reuse_large_blocks
 from attnlab.backends import banded
+from attnlab.backends.base import transformed
 from attnlab.functional.masks import additive_without_grads, call_mask_mod, call_score_mod, derivative_without_grads
 
 BLOCK_Q = 128     # query rows per block
@@ -131,7 +132,8 @@ def native_applies(q: Tensor) -> bool:
     a float32/bf16/fp16 CPU tensor, the kernels built, eager mode (a traced or compiled graph
     records PyTorch operations) and no double backward wanted (the kernel's backward is not differentiable)."""
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and not torch.jit.is_tracing() and not torch.compiler.is_compiling() and _native.available())
+            and not torch.jit.is_tracing() and not torch.compiler.is_compiling()
+            and not transformed(q) and _native.available())
 
 
 def native_request(q: Tensor, k: Tensor, score_mod, mask_mod) -> Optional[dict]:
