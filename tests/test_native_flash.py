@@ -27,8 +27,8 @@ from _tolerance import tolerance
 pytestmark = needs_native
 
 
-def _dense_allowed(Lq, Lk, causal, window, spans=None):
-    """(Bs, 1, Lq, Lk) bool: what each query row sees."""
+def _dense_allowed(Lq, Lk, causal, window, spans=None, layout=None):
+    """(Bs, 1, Lq, Lk) bool: what each query row sees (``layout``: ``(block table, G)``)."""
     p = torch.arange(Lq).view(-1, 1) + (Lk - Lq)
     j = torch.arange(Lk).view(1, -1)
     d = p - j
@@ -40,13 +40,16 @@ def _dense_allowed(Lq, Lk, causal, window, spans=None):
     if spans is not None:  # (Bs, 2, Lk): row p sees [spans[b, 0, p], spans[b, 1, p])
         lo, hi = spans[:, 0, Lk - Lq:], spans[:, 1, Lk - Lq:]
         ok = ok & ((j >= lo.unsqueeze(-1)) & (j < hi.unsqueeze(-1))).unsqueeze(1)
+    if layout is not None:
+        table, G = layout
+        ok = ok & table.bool()[p // G, j // G]
     return ok
 
 
-def _reference(q, k, v, scale, causal, window, spans=None, mod=None, slopes=None, cap=0.0):
+def _reference(q, k, v, scale, causal, window, spans=None, mod=None, slopes=None, cap=0.0, layout=None):
     """float64 (out, lse) with the mask and the mod written out; rows that see nothing give 0 and -inf."""
     Lq, Lk = q.shape[2], k.shape[2]
-    ok = _dense_allowed(Lq, Lk, causal, window, spans)
+    ok = _dense_allowed(Lq, Lk, causal, window, spans, layout)
     G = q.shape[1] // k.shape[1]
     kk, vv = k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)
     s = q.double() @ kk.transpose(-1, -2) * scale
@@ -69,10 +72,10 @@ def _inputs(B, H, Hkv, Lq, Lk, D, Dv, seed):
             torch.randn(B, Hkv, Lk, Dv, generator=gen))
 
 
-def _bounds(q, k, v, scale, causal, window, spans=None, bias=0.0):
+def _bounds(q, k, v, scale, causal, window, spans=None, bias=0.0, layout=None):
     """(out, lse) bounds; ``bias``: the largest |mod(s) - s| (ALiBi's m·|j - p|: one more rounding of that size)."""
     qk = (q.abs().double() * scale).sum(-1).max() * k.abs().max() + bias
-    S = int(_dense_allowed(q.shape[2], k.shape[2], causal, window, spans).sum(-1).max())
+    S = int(_dense_allowed(q.shape[2], k.shape[2], causal, window, spans, layout).sum(-1).max())
     lse_bound = (q.shape[-1] * qk + S + 8) * EPS32
     return lse_bound * v.abs().max(), lse_bound
 
@@ -204,6 +207,38 @@ def test_mods_and_spans_equal_float64_attention(isa, case):
         assert (got.double() - want).abs().max() <= tolerance(want, n=max(Lq, Lk, D), depth=3)
 
 
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
+@pytest.mark.parametrize("G,Lq,Lk,causal,window,mod", [
+    (8, 100, 100, False, None, None), (8, 76, 100, True, None, "alibi"), (16, 130, 130, False, 40, "softcap"),
+    (4, 37, 45, False, None, None)], ids=["bigbird", "causal-alibi", "window-softcap", "ragged"])
+def test_a_block_layout_equals_float64_attention_with_its_dense_mask(isa, G, Lq, Lk, causal, window, mod):
+    B, H, Hkv, D = 2, 4, 2, 16
+    q, k, v = _inputs(B, H, Hkv, Lq, Lk, D, D, seed=G + Lq)
+    n = -(-Lk // G)
+    table = torch.rand(n, n, generator=torch.Generator().manual_seed(G)) < 0.3
+    table[0, :] = table[:, 0] = True  # a global block
+    table[3, :] = False                # a query block that sees nothing
+    layout = (table.to(torch.uint8), G)
+    slopes = alibi_slopes(H) if mod == "alibi" else None
+    kw = dict(scale=D**-0.5, causal=causal, window=window, layout=layout[0], granularity=G, mod=mod, slopes=slopes,
+              cap=2.0 if mod == "softcap" else 0.0)
+    out, lse = _native.flash_forward(q, k, v, block_q=G, block_k=3 * G, **kw)
+    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = _reference(qd, kd, vd, D**-0.5, causal, window, None, mod, slopes, kw["cap"], layout)
+    bias = float(slopes.max()) * Lk if slopes is not None else 0.0
+    out_bound, lse_bound = _bounds(q, k, v, D**-0.5, causal, window, None, bias, layout)
+    assert (out.double() - ref).abs().max() <= out_bound
+    seen = ref_lse.isfinite()
+    assert torch.equal(lse.isfinite(), seen) and (lse.double()[seen] - ref_lse[seen]).abs().max() <= lse_bound
+    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    grads = _native.flash_backward(q, k, v, out, lse, d_out, block_q=5 * G, block_k=G, **kw)
+    ref.backward(d_out.double())
+    for got, want in zip(grads, (qd.grad, kd.grad, vd.grad)):
+        assert (got.double() - want).abs().max() <= tolerance(want, n=max(Lq, Lk, D), depth=3)
+    with pytest.raises(RuntimeError, match="must be one block"):
+        _native.flash_forward(q, k, v, block_q=2 * G, block_k=G, **kw)
+
+
 def test_document_spans_are_each_positions_run_and_none_for_a_scattered_document():
     ids = torch.tensor([[0, 0, 1, 1, 1, 2], [5, 6, 6, 6, 6, 6]])
     spans = masks._document_spans(ids, 6)
@@ -255,10 +290,12 @@ def _mods(kind, B, H, L):
         return dict(causal=True, score_mod=masks.softcap_score_mod(3.0))
     if kind == "documents":
         return dict(causal=True, mask_mod=masks.document_mod(_doc_spans(B, L, seed=9)[0]))
+    if kind == "bigbird":
+        return dict(mask_mod=masks.bigbird_mod(16, seq_len=L, num_random_blocks=2))
     return dict(mask_mod=masks.prefix_lm_mod(40))
 
 
-@pytest.mark.parametrize("kind", ["alibi", "softcap", "documents", "prefix"])
+@pytest.mark.parametrize("kind", ["alibi", "softcap", "documents", "prefix", "bigbird"])
 def test_the_tiled_backend_runs_the_kernel_for_its_mods_and_masks(kind, monkeypatch):
     q, k, v = (t.requires_grad_() for t in _inputs(2, 4, 2, 200, 200, 32, 32, seed=8))
     d_out = torch.randn(2, 4, 200, 32, generator=torch.Generator().manual_seed(6))

@@ -220,8 +220,9 @@ MODS = {None: 0, "alibi": 1, "alibi_symmetric": 2, "softcap": 3}  # the score mo
 
 
 def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, window: Optional[int],
-                  block_q: int, block_k: int, spans: Optional[Tensor] = None, mod: Optional[str] = None,
-                  slopes: Optional[Tensor] = None, cap: float = 0.0, blas: bool = True) -> tuple[Tensor, Tensor]:
+                  block_q: int, block_k: int, spans: Optional[Tensor] = None, layout: Optional[Tensor] = None,
+                  granularity: int = 1, mod: Optional[str] = None, slopes: Optional[Tensor] = None, cap: float = 0.0,
+                  blas: bool = True) -> tuple[Tensor, Tensor]:
     """Exact softmax attention with interval masks and a few score mods, ``(out (B, H, Lq, Dv), lse (B, H, Lq))``:
     FlashAttention's forward pass in one call (``csrc/flash.cpp``)::
 
@@ -230,7 +231,8 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
     ``q (B, H, Lq, D)``, ``k (B, Hkv, Lk, D)``, ``v (B, Hkv, Lk, Dv)`` contiguous float32 CPU tensors (the op checks);
     query row i sits at position ``p = i + Lk - Lq`` and sees the keys ``j`` that ``causal`` (``j ≤ p``), ``window``
     (``p - j < w``, or ``|p - j| < w`` without causal) and ``spans`` (``(1 or B, 2, Lk)`` int64: ``spans[b, 0, p] ≤ j <
-    spans[b, 1, p]``, both bounds non-decreasing in p, ``Lq ≤ Lk``) allow. ``mod``: ``"alibi"`` ``s + m_h (j - p)``,
+    spans[b, 1, p]``, both bounds non-decreasing in p, ``Lq ≤ Lk``) allow, and a block ``layout`` (``(query blocks, key
+    blocks)`` uint8 of ``granularity`` G, BigBird's: ``layout[p // G, j // G]``; ``block_q`` must be G) keeps. ``mod``: ``"alibi"`` ``s + m_h (j - p)``,
     ``"alibi_symmetric"`` ``s - m_h |j - p|`` (``slopes`` ``(H,)`` float32), ``"softcap"`` ``c · tanh(s / c)``
     (``cap = c``). ``blas=False`` computes the block products with ATen instead of the BLAS torch links (the test of
     the fallback). Forward only: :mod:`attnlab.backends.tiled` wraps both passes.
@@ -239,15 +241,16 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
         RuntimeError: the native kernels are not :func:`available` (callers check that first).
     """
     _need()
-    return _state["flash_forward"](q, k, v, scale, causal, -1 if window is None else window, spans, MODS[mod], slopes,
-                                   cap, block_q, block_k, blas, _state["isa"])
+    return _state["flash_forward"](q, k, v, scale, causal, -1 if window is None else window, spans, layout,
+                                   granularity, MODS[mod], slopes, cap, block_q, block_k, blas, _state["isa"])
 
 
 def flash_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_out: Tensor, *, scale: float,
                    causal: bool, window: Optional[int], block_q: int, block_k: int, spans: Optional[Tensor] = None,
-                   mod: Optional[str] = None, slopes: Optional[Tensor] = None, cap: float = 0.0,
-                   blas: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` of :func:`flash_forward` (the same mask and mod arguments) given its ``out``, ``lse`` and
+                   layout: Optional[Tensor] = None, granularity: int = 1, mod: Optional[str] = None,
+                   slopes: Optional[Tensor] = None, cap: float = 0.0, blas: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of :func:`flash_forward` (the same mask and mod arguments; with a ``layout`` ``block_k``, the
+    key tile, must be its granularity) given its ``out``, ``lse`` and
     the gradient ``d_out``, recomputing each block's probabilities from the LSE (nothing ``O(Lq · Lk)`` is kept)::
 
         P = e^(S - LSE);  dV = Pᵀ dO;  dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O)) ∘ mod'(s);  dQ = scale · dS K;  dK = scale · dSᵀ Q
@@ -257,7 +260,8 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_
     """
     _need()
     return _state["flash_backward"](q, k, v, out, lse, d_out, scale, causal, -1 if window is None else window, spans,
-                                    MODS[mod], slopes, cap, block_q, block_k, blas, _state["isa"])
+                                    layout, granularity, MODS[mod], slopes, cap, block_q, block_k, blas,
+                                    _state["isa"])
 
 
 def _need() -> None:

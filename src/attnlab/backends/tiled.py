@@ -113,8 +113,7 @@ def tiled_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Optional[Tensor] =
     reuse_large_blocks(q, k, v)  # long sequences: keep freed blocks instead of re-faulting them (see _runtime)
     native = native_request(q, k, score_mod, mask_mod) if mask is None and native_applies(q) else None
     if native is not None:
-        blocks = NATIVE_BLOCKS_WINDOW if window is not None and window <= NARROW_WINDOW else NATIVE_BLOCKS
-        return _NativeFlash.apply(q, k, v, scale, causal, window, blocks, native)
+        return _NativeFlash.apply(q, k, v, scale, causal, window, _native_blocks(window, native), native)
     if mask is None and banded.applies(q.shape[2], k.shape[2], window, causal, min(block_q, banded.BLOCK)):
         captured = captured_tensors(score_mod) if score_mod is not None else []
         return banded.banded_attention(q, k, v, window=window, causal=causal, scale=scale, score_mod=score_mod,
@@ -140,8 +139,8 @@ def native_request(q: Tensor, k: Tensor, score_mod, mask_mod) -> Optional[dict]:
     """The C++ kernel's arguments for ``score_mod`` and ``mask_mod`` (``spans``, ``mod``, ``slopes``, ``cap``), or
     None where it cannot compute them: a score_mod other than ALiBi and softcap (``alibi_score_mod`` and
     ``softcap_score_mod`` mark theirs) or one reading a tensor that wants a gradient, a mask_mod without
-    ``key_spans`` (:func:`~attnlab.functional.masks.document_mod` and ``prefix_lm_mod`` give theirs) or whose
-    spans do not fit."""
+    ``key_spans`` (:func:`~attnlab.functional.masks.document_mod` and ``prefix_lm_mod`` give theirs) or a
+    ``block_layout`` (``bigbird_mod``'s), or whose spans / layout do not fit."""
     request: dict = {}
     if score_mod is not None:
         alibi, cap = getattr(score_mod, "alibi", None), getattr(score_mod, "softcap", None)
@@ -155,12 +154,30 @@ def native_request(q: Tensor, k: Tensor, score_mod, mask_mod) -> Optional[dict]:
         else:
             return None
     if mask_mod is not None:
-        key_spans = getattr(mask_mod, "key_spans", None)
-        spans = key_spans(k.shape[2]) if key_spans is not None and q.shape[2] <= k.shape[2] else None
-        if spans is None or spans.shape[0] not in (1, q.shape[0]):
+        Lq, Lk = q.shape[2], k.shape[2]
+        key_spans, block_layout = getattr(mask_mod, "key_spans", None), getattr(mask_mod, "block_layout", None)
+        if key_spans is not None:
+            spans = key_spans(Lk) if Lq <= Lk else None
+            if spans is None or spans.shape[0] not in (1, q.shape[0]):
+                return None
+            request["spans"] = spans
+        elif block_layout is not None:
+            layout, G = block_layout
+            if layout.dim() != 2 or min(layout.shape) * G < Lk or (Lk - Lq) % G or Lq > Lk:
+                return None
+            request.update(layout=layout.to(device="cpu", dtype=torch.uint8).contiguous(), granularity=G)
+        else:
             return None
-        request["spans"] = spans
     return request
+
+
+def _native_blocks(window: Optional[int], request: dict) -> tuple:
+    """The kernel's (forward, backward) tiles for a request: a block layout's granularity G fixes the forward's
+    query tile and the backward's key tile at G (the other side ~1024 / 512 keys / rows in whole blocks)."""
+    G = request.get("granularity")
+    if G is not None:
+        return (G, max(G, NATIVE_BLOCKS[0][1] // G * G)), (max(G, NATIVE_BLOCKS[1][0] // G * G), G)
+    return NATIVE_BLOCKS_WINDOW if window is not None and window <= NARROW_WINDOW else NATIVE_BLOCKS
 
 
 class _NativeFlash(torch.autograd.Function):

@@ -13,7 +13,9 @@
 // Query row i sits at position p = i + Lk − Lq (aligned to the end of the keys, as attnlab's masks are); it sees
 // the keys [lo(p), hi(p)): causal hi = p + 1; a window w gives lo = p − w + 1 (and hi = p + w without causal);
 // `spans` (Bs, 2, Lk) int64, Bs = 1 or B, intersects them with [spans[b][0][p], spans[b][1][p]) (packed documents,
-// prefix-LM: both bounds non-decreasing in p). Those are intervals, so a block's mask is two column bounds per row
+// prefix-LM: both bounds non-decreasing in p); a block `layout` (query blocks, key blocks) uint8 of `granularity` G
+// (BigBird's) keeps key j from position p unless layout[p / G][j / G], and only visible blocks are computed. Those
+// are intervals, so a block's mask is two column bounds per row
 // and key blocks outside every row's interval are never computed: time O(Lq · visible keys), memory O(block) per
 // thread beyond the inputs and outputs.
 // Score mods computed in place, S → mod(S), before the mask (`mod`: 1 ALiBi s + m_h (j − p), 2 symmetric ALiBi
@@ -102,6 +104,46 @@ struct Mod {
   float param(int64_t h) const { return code == 3 ? cap : (code ? slopes[h] : 0.f); }
 };
 
+// a block layout (BigBird's): key j is visible from query position p only if on[(p / G) · nkb + j / G]
+struct Layout {
+  const uint8_t* on = nullptr;  // (nqb, nkb), or null: every block
+  int64_t G = 1, nqb = 0, nkb = 0;
+  // f(a, e) for each run [a, e) of positions in [lo, hi) whose blocks b have visible(b), consecutive blocks merged
+  template <class Visible, class F>
+  void runs(int64_t lo, int64_t hi, const Visible& visible, const F& f) const {
+    if (on == nullptr) {
+      if (lo < hi) f(lo, hi);
+      return;
+    }
+    int64_t start = -1;
+    for (int64_t blk = lo / G; blk * G < hi; ++blk) {
+      const bool vis = visible(blk);
+      if (vis && start < 0) start = std::max(lo, blk * G);
+      if (!vis && start >= 0) f(start, blk * G), start = -1;
+    }
+    if (start >= 0) f(start, hi);
+  }
+};
+
+// `tile`: the forward pass's query tile or the backward pass's key tile, which must be one block of the layout
+Layout make_layout(const char* op, const std::optional<at::Tensor>& layout, int64_t G, int64_t Lq, int64_t Lk,
+                   int64_t tile) {
+  Layout lay;
+  if (!layout) return lay;
+  TORCH_CHECK(layout->device().is_cpu() && layout->scalar_type() == at::kByte && layout->is_contiguous() &&
+                  layout->dim() == 2 && G >= 1 && layout->size(0) * G >= Lk && layout->size(1) * G >= Lk,
+              "attnlab::", op, ": layout must be a contiguous uint8 CPU tensor of (query blocks, key blocks) covering ",
+              Lk, " positions in blocks of ", G, ", got ", layout->scalar_type(), " ", layout->sizes());
+  TORCH_CHECK(tile == G && (Lk - Lq) % G == 0, "attnlab::", op, ": with a layout of ", G, "-blocks the ",
+              "forward's query tile (block_q) and the backward's key tile (block_k) must be one block and Lk − Lq a "
+              "multiple of it, got a tile of ", tile, " and Lk − Lq = ", Lk - Lq);
+  lay.on = layout->data_ptr<uint8_t>();
+  lay.G = G;
+  lay.nqb = layout->size(0);
+  lay.nkb = layout->size(1);
+  return lay;
+}
+
 Band make_band(const char* op, bool causal, int64_t window, int64_t B, int64_t Lq, int64_t Lk,
                const std::optional<at::Tensor>& spans) {
   Band band{causal, window, Lk};
@@ -188,10 +230,12 @@ Shapes check(const char* op, const at::Tensor& q, const at::Tensor& k, const at:
 
 std::tuple<at::Tensor, at::Tensor> flash_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  double scale_, bool causal, int64_t window,
-                                                 const std::optional<at::Tensor>& spans, int64_t mod_code,
-                                                 const std::optional<at::Tensor>& slopes, double cap, int64_t block_q,
-                                                 int64_t block_k, bool blas, int64_t isa) {
+                                                 const std::optional<at::Tensor>& spans,
+                                                 const std::optional<at::Tensor>& layout, int64_t granularity,
+                                                 int64_t mod_code, const std::optional<at::Tensor>& slopes, double cap,
+                                                 int64_t block_q, int64_t block_k, bool blas, int64_t isa) {
   const Shapes s = check("flash_forward", q, k, v, block_q, block_k);
+  const Layout lay = make_layout("flash_forward", layout, granularity, s.Lq, s.Lk, block_q);
   const Band band = make_band("flash_forward", causal, window, s.B, s.Lq, s.Lk, spans);
   const Mod mod = make_mod("flash_forward", mod_code, slopes, cap, s.H);
   const float scale = static_cast<float>(scale_);
@@ -217,20 +261,23 @@ std::tuple<at::Tensor, at::Tensor> flash_forward(const at::Tensor& q, const at::
     std::fill(acc, acc + nq * s.Dv, 0.f);
     std::fill(m, m + nq, -INFINITY);
     std::fill(l, l + nq, 0.f);
-    const int64_t k0 = band.lo(b, off + i0), k1 = band.hi(b, off + i0 + nq - 1);
-    for (int64_t ks = k0; ks < k1; ks += BK) {
-      const int64_t nk = std::min(BK, k1 - ks);
-      gemm(false, true, nq, nk, s.D, scale, Qi, s.D, Kh + ks * s.D, s.D, 0.f, S, BK, blas);
-      for (int64_t r = 0; r < nq; ++r) {
-        const int64_t p = off + i0 + r;
-        const int64_t c0 = std::clamp<int64_t>(band.lo(b, p) - ks, 0, nk);
-        const int64_t c1 = std::clamp<int64_t>(band.hi(b, p) - ks, 0, nk);
-        modify(mod.code, S + r * BK, c0, c1, param, ks - p);
-        const float alpha = softmax_row(S + r * BK, nk, c0, c1, m[r], l[r]);
-        if (alpha != 1.f) rescale(acc + r * s.Dv, s.Dv, alpha);
+    const int64_t k0 = band.lo(b, off + i0), k1 = band.hi(b, off + i0 + nq - 1), I = (off + i0) / lay.G;
+    const auto visible = [&](int64_t J) { return lay.on[I * lay.nkb + J] != 0; };
+    lay.runs(k0, k1, visible, [&](int64_t a, int64_t e) {  // the visible keys, BK at a time
+      for (int64_t ks = a; ks < e; ks += BK) {
+        const int64_t nk = std::min(BK, e - ks);
+        gemm(false, true, nq, nk, s.D, scale, Qi, s.D, Kh + ks * s.D, s.D, 0.f, S, BK, blas);
+        for (int64_t r = 0; r < nq; ++r) {
+          const int64_t p = off + i0 + r;
+          const int64_t c0 = std::clamp<int64_t>(band.lo(b, p) - ks, 0, nk);
+          const int64_t c1 = std::clamp<int64_t>(band.hi(b, p) - ks, 0, nk);
+          modify(mod.code, S + r * BK, c0, c1, param, ks - p);
+          const float alpha = softmax_row(S + r * BK, nk, c0, c1, m[r], l[r]);
+          if (alpha != 1.f) rescale(acc + r * s.Dv, s.Dv, alpha);
+        }
+        gemm(false, false, nq, s.Dv, nk, 1.f, S, BK, Vh + ks * s.Dv, s.Dv, 1.f, acc, s.Dv, blas);
       }
-      gemm(false, false, nq, s.Dv, nk, 1.f, S, BK, Vh + ks * s.Dv, s.Dv, 1.f, acc, s.Dv, blas);
-    }
+    });
     for (int64_t r = 0; r < nq; ++r) {
       float* o = O + (bh * s.Lq + i0 + r) * s.Dv;
       const bool seen = l[r] > 0.f || std::isnan(l[r]);
@@ -246,7 +293,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& 
                                                                const at::Tensor& lse, const at::Tensor& d_out,
                                                                double scale_, bool causal, int64_t window,
                                                                const std::optional<at::Tensor>& spans,
-                                                               int64_t mod_code,
+                                                               const std::optional<at::Tensor>& layout,
+                                                               int64_t granularity, int64_t mod_code,
                                                                const std::optional<at::Tensor>& slopes, double cap,
                                                                int64_t block_q, int64_t block_k, bool blas,
                                                                int64_t isa) {
@@ -259,6 +307,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& 
               "attnlab::flash_backward: out and d_out must be (B, H, Lq, Dv) and lse (B, H, Lq) for q ", q.sizes(),
               " and v ", v.sizes(), ", got ", out.sizes(), ", ", d_out.sizes(), ", ", lse.sizes());
   const Band band = make_band("flash_backward", causal, window, s.B, s.Lq, s.Lk, spans);
+  const Layout lay = make_layout("flash_backward", layout, granularity, s.Lq, s.Lk, block_k);
   const Mod mod = make_mod("flash_backward", mod_code, slopes, cap, s.H);
   const float scale = static_cast<float>(scale_);
   at::Tensor dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
@@ -304,31 +353,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& 
       for (int64_t h = 0; h < group; ++h) {
         const int64_t bh = b * s.H + (g % s.Hkv) * group + h;
         const float param = mod.param(bh % s.H);
-        for (int64_t i0 = r0; i0 < r1; i0 += BQ) {  // the rows that see these keys, BQ at a time
-          const int64_t nq = std::min(BQ, r1 - i0);
-          bool any = false;
-          const float *Qi = Q + (bh * s.Lq + i0) * s.D, *dOi = dO + (bh * s.Lq + i0) * s.Dv;
-          gemm(false, true, nq, nk, s.D, scale, Qi, s.D, Kj, s.D, 0.f, S, BK, blas);
-          for (int64_t r = 0; r < nq; ++r) {
-            const int64_t p = off + i0 + r;
-            const int64_t c0 = std::clamp<int64_t>(band.lo(b, p) - ks, 0, nk);
-            const int64_t c1 = std::clamp<int64_t>(band.hi(b, p) - ks, 0, nk);
-            modify(mod.code, S + r * BK, c0, c1, param, ks - p);
-            if (mod.code == 3) softcap_grad(S + r * BK, G + r * BK, nk, mod.cap);
-            probs(S + r * BK, nk, c0, c1, LSE[bh * s.Lq + i0 + r]);
-            any = any || c1 > c0;
+        const auto sees = [&](int64_t I) { return lay.on[I * lay.nkb + j] != 0; };  // (the key tile is block j)
+        lay.runs(off + r0, off + r1, sees, [&](int64_t pa, int64_t pe) {  // the rows that see these keys
+          for (int64_t i0 = pa - off; i0 < pe - off; i0 += BQ) {  // BQ at a time
+            const int64_t nq = std::min(BQ, pe - off - i0);
+            bool any = false;
+            const float *Qi = Q + (bh * s.Lq + i0) * s.D, *dOi = dO + (bh * s.Lq + i0) * s.Dv;
+            gemm(false, true, nq, nk, s.D, scale, Qi, s.D, Kj, s.D, 0.f, S, BK, blas);
+            for (int64_t r = 0; r < nq; ++r) {
+              const int64_t p = off + i0 + r;
+              const int64_t c0 = std::clamp<int64_t>(band.lo(b, p) - ks, 0, nk);
+              const int64_t c1 = std::clamp<int64_t>(band.hi(b, p) - ks, 0, nk);
+              modify(mod.code, S + r * BK, c0, c1, param, ks - p);
+              if (mod.code == 3) softcap_grad(S + r * BK, G + r * BK, nk, mod.cap);
+              probs(S + r * BK, nk, c0, c1, LSE[bh * s.Lq + i0 + r]);
+              any = any || c1 > c0;
+            }
+            if (!any) continue;
+            gemm(true, false, nk, s.Dv, nq, 1.f, S, BK, dOi, s.Dv, 1.f, dVj, s.Dv, blas);   // dV_j += Pᵀ dO_i
+            gemm(false, true, nq, nk, s.Dv, 1.f, dOi, s.Dv, Vj, s.Dv, 0.f, dP, BK, blas);   // dP = dO_i V_jᵀ
+            for (int64_t r = 0; r < nq; ++r) {
+              dscores(S + r * BK, dP + r * BK, nk, delta[h * s.Lq + i0 + r]);
+              if (mod.code == 3) mul(dP + r * BK, G + r * BK, nk);  // dS w.r.t. the raw scores
+            }
+            gemm(false, false, nq, s.D, nk, scale, dP, BK, Kj, s.D, 1.f, dq_base + (bh * s.Lq + i0) * s.D, s.D,
+                 blas);                                                                          // dQ_i += κ dS K_j
+            gemm(true, false, nk, s.D, nq, scale, dP, BK, Qi, s.D, 1.f, dKj, s.D, blas);    // dK_j += κ dSᵀ Q_i
           }
-          if (!any) continue;
-          gemm(true, false, nk, s.Dv, nq, 1.f, S, BK, dOi, s.Dv, 1.f, dVj, s.Dv, blas);   // dV_j += Pᵀ dO_i
-          gemm(false, true, nq, nk, s.Dv, 1.f, dOi, s.Dv, Vj, s.Dv, 0.f, dP, BK, blas);   // dP = dO_i V_jᵀ
-          for (int64_t r = 0; r < nq; ++r) {
-            dscores(S + r * BK, dP + r * BK, nk, delta[h * s.Lq + i0 + r]);
-            if (mod.code == 3) mul(dP + r * BK, G + r * BK, nk);  // dS w.r.t. the raw scores
-          }
-          gemm(false, false, nq, s.D, nk, scale, dP, BK, Kj, s.D, 1.f, dq_base + (bh * s.Lq + i0) * s.D, s.D,
-               blas);                                                                          // dQ_i += κ dS K_j
-          gemm(true, false, nk, s.D, nq, scale, dP, BK, Qi, s.D, 1.f, dKj, s.D, blas);    // dK_j += κ dSᵀ Q_i
-        }
+        });
       }
     }
   });
@@ -340,11 +392,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(attnlab, m) {
-  m.def("flash_forward(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window, Tensor? spans, int mod, "
-        "Tensor? slopes, float cap, int block_q, int block_k, bool blas, int isa) -> (Tensor, Tensor)");
+  m.def("flash_forward(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window, Tensor? spans, "
+        "Tensor? layout, int granularity, int mod, Tensor? slopes, float cap, int block_q, int block_k, bool blas, "
+        "int isa) -> (Tensor, Tensor)");
   m.def("flash_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor d_out, float scale, bool causal, "
-        "int window, Tensor? spans, int mod, Tensor? slopes, float cap, int block_q, int block_k, bool blas, int isa) "
-        "-> (Tensor, Tensor, Tensor)");
+        "int window, Tensor? spans, Tensor? layout, int granularity, int mod, Tensor? slopes, float cap, int block_q, "
+        "int block_k, bool blas, int isa) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {

@@ -393,4 +393,8 @@ def bigbird_mod(block: int, *, seq_len: int, num_global_blocks: int = 1, window_
     layout = bigbird_layout(block, seq_len=seq_len, num_global_blocks=num_global_blocks,
                             window_blocks=window_blocks, num_random_blocks=num_random_blocks,
                             seed=seed).to(device)
-    return lambda b, h, q_idx, kv_idx: layout[q_idx // block, kv_idx // block]
+    def mod(b, h, q_idx, kv_idx):
+        return layout[q_idx // block, kv_idx // block]
+
+    mod.block_layout = (layout, block)  # what the tiled backend's C++ kernel reads (visible blocks only)
+    return mod
