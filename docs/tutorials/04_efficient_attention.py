@@ -168,8 +168,9 @@ print("weights of 3 rows recovered from the log-sum-exp:", tuple(rows.shape), "r
 # machine): `reference` keeps the $L \times L$ weights, so 4× per doubling; `tiled` and `sdpa` keep $O(L)$ (their
 # lines coincide: both save $q, k, v$, the output and the log-sum-exp).
 # The times are measured on whatever machine runs this notebook, a few repeats each: read the slopes, not the
-# numbers. `sdpa` is PyTorch's fused kernel, `tiled` the same algorithm written in PyTorch, readable and
-# able to take any `mask_mod`/`score_mod`.
+# numbers. `sdpa` is PyTorch's fused kernel; `tiled` is the same algorithm, in C++ for the masks and mods it
+# knows (causal, windows, documents, BigBird blocks, ALiBi, softcap: `src/attnlab/csrc/flash.cpp`) and in readable
+# PyTorch for any other `mask_mod`/`score_mod`.
 
 # %%
 def saved_mib(fn):
