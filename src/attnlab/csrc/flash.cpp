@@ -1,5 +1,6 @@
 // Exact softmax attention for long sequences on the CPU: FlashAttention's algorithm (Dao et al. 2022; the
-// FlashAttention-2 loop order, 2023) with causal and sliding-window masks, forward and backward, one call each.
+// FlashAttention-2 loop order, 2023) with interval and block masks and a few score mods, forward and backward, one
+// call each.
 //
 //   attnlab::flash_forward(q, k, v, scale, causal, window, …) -> (out, lse)
 //       for each (batch, head, block of query rows), over the key blocks the mask leaves visible (online softmax):
@@ -13,11 +14,10 @@
 // Query row i sits at position p = i + Lk − Lq (aligned to the end of the keys, as attnlab's masks are); it sees
 // the keys [lo(p), hi(p)): causal hi = p + 1; a window w gives lo = p − w + 1 (and hi = p + w without causal);
 // `spans` (Bs, 2, Lk) int64, Bs = 1 or B, intersects them with [spans[b][0][p], spans[b][1][p]) (packed documents,
-// prefix-LM: both bounds non-decreasing in p); a block `layout` (query blocks, key blocks) uint8 of `granularity` G
-// (BigBird's) keeps key j from position p unless layout[p / G][j / G], and only visible blocks are computed. Those
-// are intervals, so a block's mask is two column bounds per row
-// and key blocks outside every row's interval are never computed: time O(Lq · visible keys), memory O(block) per
-// thread beyond the inputs and outputs.
+// prefix-LM: both bounds non-decreasing in p). Those are intervals, so a block's mask is two column bounds per row,
+// and key blocks outside every row's interval are never computed. A block `layout` (query blocks, key blocks) uint8
+// of `granularity` G (BigBird's) also hides key j from position p unless layout[p / G][j / G]: only its visible
+// blocks are computed. Time O(Lq · visible keys); memory O(block) per thread beyond the inputs and outputs.
 // Score mods computed in place, S → mod(S), before the mask (`mod`: 1 ALiBi s + m_h (j − p), 2 symmetric ALiBi
 // s − m_h |j − p| with the slopes m (H,) float32, 3 softcap c · tanh(s / c) with c = `cap`); the backward pass
 // multiplies dS by d mod / ds (1 for ALiBi, 1 − (mod(s) / c)² for softcap).
