@@ -323,9 +323,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& 
   const int64_t BQ = block_q, BK = block_k, off = s.Lk - s.Lq, group = s.H / s.Hkv;
   const int64_t n_kv = (s.Lk + BK - 1) / BK, kv_heads = s.B * s.Hkv;
   // tasks: (batch, kv head, a part of its key blocks); each owns its rows of dK and dV. With fewer kv heads than
-  // threads the key blocks are split into parts, whose dQ sums go to one buffer per thread, added at the end.
+  // threads the key blocks are split into parts, whose dQ sums go to one buffer per thread, added at the end —
+  // unless those buffers would pass 256 MiB (many threads, long sequences): then one task per kv head.
   const int64_t threads = at::get_num_threads();
-  const int64_t parts = kv_heads >= threads ? 1 : std::min(n_kv, (2 * threads + kv_heads - 1) / kv_heads);
+  const bool split = kv_heads < threads && threads * q.numel() <= (int64_t(1) << 26);
+  const int64_t parts = split ? std::min(n_kv, (2 * threads + kv_heads - 1) / kv_heads) : 1;
   std::vector<at::Tensor> dq_parts(parts > 1 ? threads : 0);
   std::vector<std::vector<float>> scratch(threads);
   for_tasks(kv_heads * parts, [&](int64_t t, int64_t thread) {
