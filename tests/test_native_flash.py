@@ -247,6 +247,8 @@ def test_document_spans_are_each_positions_run_and_none_for_a_scattered_document
     assert torch.equal(allowed, ids.unsqueeze(-1) == ids.unsqueeze(-2))  # the same mask as the mod's
     assert masks._document_spans(torch.tensor([0, 1, 0]).unsqueeze(0), 3) is None  # document 0 in two runs
     assert masks._document_spans(ids, 7) is None                                    # not the keys' length
+    mod = masks.document_mod(ids)
+    assert mod.key_spans(6) is mod.key_spans(6)  # computed once per length, not at every layer's call
     p = torch.arange(8)
     prefix = masks.prefix_lm_mod(3)
     assert torch.equal(_dense_allowed(8, 8, False, None, prefix.key_spans(8))[0, 0],

@@ -44,7 +44,8 @@ def native_request(q: Tensor, k: Tensor, score_mod, mask_mod, captured: list) ->
     ``softcap_score_mod`` mark theirs) or one reading a tensor that wants a gradient, a mask_mod without
     ``key_spans`` (:func:`~attnlab.functional.masks.document_mod` and ``prefix_lm_mod`` give theirs) or a
     ``block_layout`` (``bigbird_mod``'s), or whose spans / layout do not fit. ``captured``: the tensors the
-    score_mod reads that want a gradient (the tiled backend's ``captured_tensors``): their gradients need its loop."""
+    score_mod reads that want a gradient (:func:`~attnlab.functional.masks.captured_tensors`): their gradients need
+    the PyTorch loop."""
     request: dict = {}
     if score_mod is not None:
         alibi, cap = getattr(score_mod, "alibi", None), getattr(score_mod, "softcap", None)

@@ -47,7 +47,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from attnlab._checks import boolean
 from attnlab.backends.base import BackendUnavailable
-from attnlab.backends.tiled import captured_tensors
+from attnlab.functional.masks import captured_tensors
 from attnlab.functional.masks import causal_mod, sliding_window_mod, split_mask
 
 log = logging.getLogger("attnlab.backends.flex")

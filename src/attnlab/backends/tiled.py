@@ -32,12 +32,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from attnlab._runtime import reuse_large_blocks
 from attnlab.backends import banded
 from attnlab.backends.flash_native import NativeFlash, native_applies, native_blocks, native_request
-from attnlab.functional.masks import additive_without_grads, call_mask_mod, call_score_mod, derivative_without_grads
+from attnlab.functional.masks import (additive_without_grads, call_mask_mod, call_score_mod, captured_tensors,
+                                     derivative_without_grads)
 
 BLOCK_Q = 128     # query rows per block
 BLOCK_K = 128     # key chunk when an element-wise mask must be evaluated to find empty chunks
@@ -417,46 +418,3 @@ def _accumulate_block(dbias: Tensor, ds: Tensor, qs, qe, ks, ke) -> None:
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-# ---- tensors a score_mod closes over (their gradients flow through our backward) ------------
-
-def captured_tensors(fn, _depth: int = 0) -> list[Tensor]:
-    """Tensors requiring grad that ``fn`` reads: closure cells, global names its code uses,
-    ``functools.partial`` arguments, the module of a bound method, and the parameters of modules
-    found there. Tensors reached any other way (e.g. attributes of an object held in a global)
-    get no gradient through the tiled backend.
-    """
-    found: dict[int, Tensor] = {}
-
-    def visit(obj, depth):
-        if isinstance(obj, Tensor):
-            if obj.requires_grad:
-                found.setdefault(id(obj), obj)
-        elif isinstance(obj, nn.Module):
-            for p in obj.parameters():
-                if p.requires_grad:
-                    found.setdefault(id(p), p)
-        elif isinstance(obj, (list, tuple)):
-            for x in obj:
-                visit(x, depth)
-        elif isinstance(obj, dict):
-            for x in obj.values():
-                visit(x, depth)
-        elif depth < 4 and isinstance(obj, functools.partial):
-            visit(obj.func, depth + 1)
-            visit(obj.args, depth + 1)
-            visit(obj.keywords, depth + 1)
-        elif depth < 4 and callable(obj):
-            visit(getattr(obj, "__self__", None), depth + 1)
-            code, glb = getattr(obj, "__code__", None), getattr(obj, "__globals__", None)
-            if code is not None and glb is not None:  # globals the function reads (notebooks)
-                visit([glb[n] for n in code.co_names if n in glb], depth + 1)
-            for cell in getattr(obj, "__closure__", None) or ():
-                try:
-                    visit(cell.cell_contents, depth + 1)
-                except ValueError:  # an empty cell
-                    pass
-
-    visit(fn, _depth)
-    return list(found.values())

@@ -17,7 +17,7 @@ import functools
 from typing import Callable, Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from attnlab._checks import boolean, non_negative_int, positive_int, positive_number
 
@@ -144,6 +144,47 @@ def derivative_without_grads(score_mod, captured) -> Optional[Callable[[Tensor],
     return getattr(score_mod, "grad_from_output", None)
 
 
+def captured_tensors(fn, _depth: int = 0) -> list[Tensor]:
+    """Tensors requiring grad that ``fn`` reads: closure cells, global names its code uses,
+    ``functools.partial`` arguments, the module of a bound method, and the parameters of modules
+    found there. Tensors reached any other way (e.g. attributes of an object held in a global)
+    get no gradient through the tiled backend.
+    """
+    found: dict[int, Tensor] = {}
+
+    def visit(obj, depth):
+        if isinstance(obj, Tensor):
+            if obj.requires_grad:
+                found.setdefault(id(obj), obj)
+        elif isinstance(obj, nn.Module):
+            for p in obj.parameters():
+                if p.requires_grad:
+                    found.setdefault(id(p), p)
+        elif isinstance(obj, (list, tuple)):
+            for x in obj:
+                visit(x, depth)
+        elif isinstance(obj, dict):
+            for x in obj.values():
+                visit(x, depth)
+        elif depth < 4 and isinstance(obj, functools.partial):
+            visit(obj.func, depth + 1)
+            visit(obj.args, depth + 1)
+            visit(obj.keywords, depth + 1)
+        elif depth < 4 and callable(obj):
+            visit(getattr(obj, "__self__", None), depth + 1)
+            code, glb = getattr(obj, "__code__", None), getattr(obj, "__globals__", None)
+            if code is not None and glb is not None:  # globals the function reads (notebooks)
+                visit([glb[n] for n in code.co_names if n in glb], depth + 1)
+            for cell in getattr(obj, "__closure__", None) or ():
+                try:
+                    visit(cell.cell_contents, depth + 1)
+                except ValueError:  # an empty cell
+                    pass
+
+    visit(fn, _depth)
+    return list(found.values())
+
+
 def softcap_score_mod(cap: float) -> Callable:
     """Logit soft-capping (Gemma 2's ``attn_logit_softcapping``, Grok-1): ``score' = c · tanh(score / c)``.
 
@@ -218,7 +259,7 @@ def document_mod(doc_ids: Tensor) -> MaskMod:
         row = b if ids.shape[0] > 1 else torch.zeros_like(b)
         return ids[row, q_idx] == ids[row, kv_idx]
 
-    mod.key_spans = functools.partial(_document_spans, ids)
+    mod.key_spans = functools.lru_cache(maxsize=4)(functools.partial(_document_spans, ids))  # per length, once
     return mod
 
 
