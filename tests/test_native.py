@@ -80,6 +80,32 @@ def test_matvec_errors_name_the_argument():
             _native.matvec(*args)
 
 
+def test_the_kernels_build_error_messages_without_iostreams():
+    """A compiler that links libstdc++ statically (a custom GCC as $CXX, seen on a GPU host) gives the library a private
+    copy whose stream number formatting fails: TORCH_CHECK's message lost its numbers here and crashed the process
+    there. The kernels check with ATTNLAB_CHECK (csrc/native.h: the message made with std::to_string)."""
+    for path in _native.CSRC.iterdir():
+        text = path.read_text()
+        uses = text.count("TORCH_CHECK(") - (text.count("#define ATTNLAB_CHECK(cond, ...) TORCH_CHECK(")
+                                             if path.name == "native.h" else 0)
+        assert uses == 0, f"{path.name}: {uses} TORCH_CHECK( — use ATTNLAB_CHECK"
+
+
+@needs_native
+@pytest.mark.slow
+def test_an_error_message_keeps_its_numbers_with_a_static_libstdcxx(tmp_path):
+    """Built with -static-libstdc++ (the toolchain above, as far as this machine can make it), an argument error still
+    raises with the shapes and dtypes in its message."""
+    code = ("import sys, torch\nfrom torch.utils import cpp_extension\nimport attnlab._native as n\n"
+            "cpp_extension.load(name='attnlab_native', sources=[str(p) for p in n.SOURCES], build_directory=sys.argv[1],"
+            " extra_cflags=list(n.CFLAGS), extra_ldflags=[*n.LDFLAGS, '-static-libstdc++'], is_python_module=False)\n"
+            "try:\n    torch.ops.attnlab.matvec(torch.randn(2, 8).double(), torch.randn(3, 8), None, None, 0)\n"
+            "except RuntimeError as e:\n    print(str(e).splitlines()[0])\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("got [2, 8] Double"), out.stdout
+
+
 def _run(code, **env):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, **env})

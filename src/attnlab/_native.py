@@ -41,6 +41,8 @@ MAX_ROWS_FP32 = 8
 _ISA_CODES = {"AVX512": 2, "AVX2": 1}
 _ISA_NAMES = {2: "AVX-512", 1: "AVX2 + FMA", 0: "portable C++"}
 _state: dict = {}  # "loaded": bool, "why": str, "isa": int, and the loaded ops
+CFLAGS = ("-O3", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 
 
 def max_rows(dtype: torch.dtype) -> int:
@@ -74,7 +76,7 @@ def _load() -> None:
         if not any(where.glob("attnlab_native*.so")):
             log.warning("attnlab: building the native CPU kernels in %s (once per machine, ~30 s)", where)
         cpp_extension.load(name="attnlab_native", sources=[str(p) for p in SOURCES], build_directory=str(where),
-                           extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+                           extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), is_python_module=False, verbose=False)
         ops = torch.ops.attnlab  # the overloads: no resolution per call
         _state.update(loaded=True, why="", op=ops.matvec.default, gated=ops.gated_matvec.default,
                       rms_norm=ops.rms_norm.default, decoder_step=ops.decoder_step.default,

@@ -55,26 +55,26 @@ at::Tensor attend_decode(const at::Tensor& qkv, const at::Tensor& k_cache, const
   check_f32(qkv, "attend_decode", "qkv");
   check_f32(k_cache, "attend_decode", "k_cache");
   check_f32(v_cache, "attend_decode", "v_cache");
-  TORCH_CHECK(heads >= 1 && kv_heads >= 1 && heads % kv_heads == 0,
-              "attnlab::attend_decode: heads must be a multiple of kv_heads, got ", heads, " and ", kv_heads);
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "attnlab::attend_decode: k_cache and v_cache must be equal (B, Hkv, capacity, D), got ", k_cache.sizes(),
-              " and ", v_cache.sizes());
+  ATTNLAB_CHECK(heads >= 1 && kv_heads >= 1 && heads % kv_heads == 0,
+                "attnlab::attend_decode: heads must be a multiple of kv_heads, got ", heads, " and ", kv_heads);
+  ATTNLAB_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+                "attnlab::attend_decode: k_cache and v_cache must be equal (B, Hkv, capacity, D), got ",
+                k_cache.sizes(), " and ", v_cache.sizes());
   const int64_t B = k_cache.size(0), cap = k_cache.size(2), D = k_cache.size(3);
   const int64_t width = (heads + 2 * kv_heads) * D;
-  TORCH_CHECK(k_cache.size(1) == kv_heads && qkv.numel() == B * width && qkv.size(-1) == width,
-              "attnlab::attend_decode: qkv must be (B, 1, (H + 2 Hkv) · D) = (", B, ", 1, ", width,
-              ") for a cache of ", k_cache.sizes(), " and ", heads, "/", kv_heads, " heads, got ", qkv.sizes());
-  TORCH_CHECK(0 <= length && length < cap, "attnlab::attend_decode: position ", length,
-              " is outside the cache's room of ", cap);
-  TORCH_CHECK(cos.has_value() == sin.has_value(), "attnlab::attend_decode: give both cos and sin, or neither");
+  ATTNLAB_CHECK(k_cache.size(1) == kv_heads && qkv.numel() == B * width && qkv.size(-1) == width,
+                "attnlab::attend_decode: qkv must be (B, 1, (H + 2 Hkv) · D) = (", B, ", 1, ", width,
+                ") for a cache of ", k_cache.sizes(), " and ", heads, "/", kv_heads, " heads, got ", qkv.sizes());
+  ATTNLAB_CHECK(0 <= length && length < cap, "attnlab::attend_decode: position ", length,
+                " is outside the cache's room of ", cap);
+  ATTNLAB_CHECK(cos.has_value() == sin.has_value(), "attnlab::attend_decode: give both cos and sin, or neither");
   int64_t n_rot = 0;
   if (cos) {
     check_f32(*cos, "attend_decode", "cos");
     check_f32(*sin, "attend_decode", "sin");
     n_rot = cos->numel();
-    TORCH_CHECK(sin->numel() == n_rot && 2 * n_rot <= D, "attnlab::attend_decode: cos and sin must hold R/2 ≤ D/2 = ",
-                D / 2, " angles each, got ", cos->numel(), " and ", sin->numel());
+    ATTNLAB_CHECK(sin->numel() == n_rot && 2 * n_rot <= D, "attnlab::attend_decode: cos and sin must hold R/2 ≤ D/2 = ",
+                  D / 2, " angles each, got ", cos->numel(), " and ", sin->numel());
   }
   const float* c = cos ? cos->data_ptr<float>() : nullptr;
   const float* s = sin ? sin->data_ptr<float>() : nullptr;
@@ -125,10 +125,11 @@ namespace {
 // y = act(x) (⊙ g when given, g of x's shape), a new tensor, the elements split over the threads (~64 K per task)
 at::Tensor activate(const at::Tensor& x, const std::optional<at::Tensor>& g, int64_t act, int64_t isa) {
   check_f32(x, "activate", "x");
-  TORCH_CHECK(0 <= act && act <= 5, "attnlab::activate: act must be an activation code 0-5, got ", act);
+  ATTNLAB_CHECK(0 <= act && act <= 5, "attnlab::activate: act must be an activation code 0-5, got ", act);
   if (g) {
     check_f32(*g, "activate", "g");
-    TORCH_CHECK(g->sizes() == x.sizes(), "attnlab::activate: g must have x's shape ", x.sizes(), ", got ", g->sizes());
+    ATTNLAB_CHECK(g->sizes() == x.sizes(), "attnlab::activate: g must have x's shape ", x.sizes(), ", got ",
+                  g->sizes());
   }
   at::Tensor out = at::empty_like(x);
   const float* in = x.data_ptr<float>();
@@ -153,11 +154,11 @@ at::Tensor norm(const char* op, const at::Tensor& x, const Opt& w, const Opt& b,
   for (const Opt* t : {&w, &b})
     if (*t) {
       check_f32(**t, op, "a norm's weight or bias");
-      TORCH_CHECK((*t)->dim() == 1 && (*t)->size(0) == x.size(-1), "attnlab::", op,
-                  ": a norm's weight or bias must be (E,) with E = x.size(-1); got x ", x.sizes(), ", ",
-                  (*t)->sizes());
+      ATTNLAB_CHECK((*t)->dim() == 1 && (*t)->size(0) == x.size(-1), "attnlab::", op,
+                    ": a norm's weight or bias must be (E,) with E = x.size(-1); got x ", x.sizes(), ", ",
+                    (*t)->sizes());
     }
-  TORCH_CHECK(x.dim() >= 1 && (!rms || w), "attnlab::", op, ": RMSNorm needs x (..., E) and its weight");
+  ATTNLAB_CHECK(x.dim() >= 1 && (!rms || w), "attnlab::", op, ": RMSNorm needs x (..., E) and its weight");
   at::Tensor y = at::empty_like(x);
   const int64_t E = x.size(-1), rows = E ? x.numel() / E : 0;
   const auto rms_fn = ISA_FN(rms_norm_row);
@@ -196,14 +197,14 @@ void add_(at::Tensor& acc, const at::Tensor& y) {  // acc += y, both contiguous 
 at::Tensor decoder_step(const at::Tensor& x, at::ArrayRef<Opt> t, bool rms, double eps1, double eps2, int64_t heads,
                         int64_t kv_heads, int64_t position, bool interleaved, double scale, int64_t act, bool gated,
                         int64_t isa) {
-  TORCH_CHECK(t.size() == 23, "attnlab::decoder_step: expected 23 tensors (see decode.cpp), got ", t.size());
+  ATTNLAB_CHECK(t.size() == 23, "attnlab::decoder_step: expected 23 tensors (see decode.cpp), got ", t.size());
   check_f32(x, "decoder_step", "x");
-  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1, "attnlab::decoder_step: x must be (B, 1, E), got ", x.sizes());
+  ATTNLAB_CHECK(x.dim() == 3 && x.size(1) == 1, "attnlab::decoder_step: x must be (B, 1, E), got ", x.sizes());
   for (int i : {2, 5, 10, 16, 19, 20})
-    TORCH_CHECK(t[i].has_value(), "attnlab::decoder_step: tensor ", i, " (a weight or a cache buffer) is missing");
-  TORCH_CHECK(!gated || t[13].has_value(), "attnlab::decoder_step: a gated FFN needs W₃");
-  TORCH_CHECK(attnlab_native::GLU <= act && act <= (gated ? attnlab_native::SILU : attnlab_native::QUICK_GELU),
-              "attnlab::decoder_step: act must be an activation code of csrc/native.h, got ", act);
+    ATTNLAB_CHECK(t[i].has_value(), "attnlab::decoder_step: tensor ", i, " (a weight or a cache buffer) is missing");
+  ATTNLAB_CHECK(!gated || t[13].has_value(), "attnlab::decoder_step: a gated FFN needs W₃");
+  ATTNLAB_CHECK(attnlab_native::GLU <= act && act <= (gated ? attnlab_native::SILU : attnlab_native::QUICK_GELU),
+                "attnlab::decoder_step: act must be an activation code of csrc/native.h, got ", act);
   at::Tensor h = norm("decoder_step", x, t[0], t[1], rms, eps1, isa);
   at::Tensor qkv = attnlab_native::matvec(h, *t[2], t[3], t[4], isa);
   const float* q = qkv.data_ptr<float>();

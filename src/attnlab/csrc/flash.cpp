@@ -130,13 +130,13 @@ Layout make_layout(const char* op, const std::optional<at::Tensor>& layout, int6
                    int64_t tile) {
   Layout lay;
   if (!layout) return lay;
-  TORCH_CHECK(layout->device().is_cpu() && layout->scalar_type() == at::kByte && layout->is_contiguous() &&
+  ATTNLAB_CHECK(layout->device().is_cpu() && layout->scalar_type() == at::kByte && layout->is_contiguous() &&
                   layout->dim() == 2 && G >= 1 && layout->size(0) * G >= Lk && layout->size(1) * G >= Lk,
-              "attnlab::", op, ": layout must be a contiguous uint8 CPU tensor of (query blocks, key blocks) covering ",
-              Lk, " positions in blocks of ", G, ", got ", layout->scalar_type(), " ", layout->sizes());
-  TORCH_CHECK(tile == G && (Lk - Lq) % G == 0, "attnlab::", op, ": with a layout of ", G, "-blocks the ",
-              "forward's query tile (block_q) and the backward's key tile (block_k) must be one block and Lk − Lq a "
-              "multiple of it, got a tile of ", tile, " and Lk − Lq = ", Lk - Lq);
+                "attnlab::", op, ": layout must be a contiguous uint8 CPU tensor of (query blocks, key blocks) "
+                "covering ", Lk, " positions in blocks of ", G, ", got ", layout->scalar_type(), " ", layout->sizes());
+  ATTNLAB_CHECK(tile == G && (Lk - Lq) % G == 0, "attnlab::", op, ": with a layout of ", G, "-blocks the ",
+                "forward's query tile (block_q) and the backward's key tile (block_k) must be one block and Lk − Lq a "
+                "multiple of it, got a tile of ", tile, " and Lk − Lq = ", Lk - Lq);
   lay.on = layout->data_ptr<uint8_t>();
   lay.G = G;
   lay.nqb = layout->size(0);
@@ -148,37 +148,37 @@ Band make_band(const char* op, bool causal, int64_t window, int64_t B, int64_t L
                const std::optional<at::Tensor>& spans) {
   Band band{causal, window, Lk};
   if (spans) {
-    TORCH_CHECK(spans->device().is_cpu() && spans->scalar_type() == at::kLong && spans->is_contiguous() &&
+    ATTNLAB_CHECK(spans->device().is_cpu() && spans->scalar_type() == at::kLong && spans->is_contiguous() &&
                     spans->dim() == 3 && (spans->size(0) == 1 || spans->size(0) == B) && spans->size(1) == 2 &&
                     spans->size(2) == Lk,
-                "attnlab::", op, ": spans must be a contiguous int64 CPU tensor (1 or B, 2, Lk) = (", B, ", 2, ", Lk,
-                "), got ", spans->scalar_type(), " ", spans->sizes());
-    TORCH_CHECK(Lq <= Lk, "attnlab::", op, ": spans need Lq ≤ Lk (query positions within the keys'), got ", Lq,
-                " > ", Lk);
+                  "attnlab::", op, ": spans must be a contiguous int64 CPU tensor (1 or B, 2, Lk) = (", B, ", 2, ", Lk,
+                  "), got ", spans->scalar_type(), " ", spans->sizes());
+    ATTNLAB_CHECK(Lq <= Lk, "attnlab::", op, ": spans need Lq ≤ Lk (query positions within the keys'), got ", Lq,
+                  " > ", Lk);
     band.spans = spans->data_ptr<int64_t>();
     band.span_batches = spans->size(0);
     for (int64_t b = 0; b < band.span_batches; ++b) {  // the block skipping relies on it
       const int64_t* sp = band.span(b);
       for (int64_t p = 1; p < Lk; ++p)
-        TORCH_CHECK(sp[p - 1] <= sp[p] && sp[Lk + p - 1] <= sp[Lk + p], "attnlab::", op,
-                    ": spans' bounds must be non-decreasing in the position (batch ", b, ", position ", p, ")");
+        ATTNLAB_CHECK(sp[p - 1] <= sp[p] && sp[Lk + p - 1] <= sp[Lk + p], "attnlab::", op,
+                      ": spans' bounds must be non-decreasing in the position (batch ", b, ", position ", p, ")");
     }
   }
   return band;
 }
 
 Mod make_mod(const char* op, int64_t code, const std::optional<at::Tensor>& slopes, double cap, int64_t H) {
-  TORCH_CHECK(code >= 0 && code <= 3, "attnlab::", op, ": mod must be 0-3, got ", code);
+  ATTNLAB_CHECK(code >= 0 && code <= 3, "attnlab::", op, ": mod must be 0-3, got ", code);
   Mod mod{code};
   if (code == 1 || code == 2) {
-    TORCH_CHECK(slopes.has_value(), "attnlab::", op, ": ALiBi (mod ", code, ") needs slopes");
+    ATTNLAB_CHECK(slopes.has_value(), "attnlab::", op, ": ALiBi (mod ", code, ") needs slopes");
     check_f32(*slopes, op, "slopes");
-    TORCH_CHECK(slopes->numel() == H, "attnlab::", op, ": slopes must hold one per query head (", H, "), got ",
-                slopes->numel());
+    ATTNLAB_CHECK(slopes->numel() == H, "attnlab::", op, ": slopes must hold one per query head (", H, "), got ",
+                  slopes->numel());
     mod.slopes = slopes->data_ptr<float>();
   }
   if (code == 3) {
-    TORCH_CHECK(cap > 0 && std::isfinite(cap), "attnlab::", op, ": softcap needs a positive finite cap, got ", cap);
+    ATTNLAB_CHECK(cap > 0 && std::isfinite(cap), "attnlab::", op, ": softcap needs a positive finite cap, got ", cap);
     mod.cap = static_cast<float>(cap);
   }
   return mod;
@@ -215,16 +215,16 @@ Shapes check(const char* op, const at::Tensor& q, const at::Tensor& k, const at:
   check_f32(q, op, "q");
   check_f32(k, op, "k");
   check_f32(v, op, "v");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attnlab::", op, ": q, k, v must be 4-D (B, H, L, D), got ",
-              q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  ATTNLAB_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attnlab::", op,
+                ": q, k, v must be 4-D (B, H, L, D), got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
   const Shapes s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
-  TORCH_CHECK(k.size(0) == s.B && v.size(0) == s.B && v.size(1) == s.Hkv && v.size(2) == s.Lk && k.size(3) == s.D,
-              "attnlab::", op, ": k must be (B, Hkv, Lk, D) and v (B, Hkv, Lk, Dv) for q ", q.sizes(), ", got ",
-              k.sizes(), " and ", v.sizes());
-  TORCH_CHECK(s.Hkv >= 1 && s.H % s.Hkv == 0, "attnlab::", op, ": q's heads (", s.H,
-              ") must be a multiple of k's (", s.Hkv, ")");
-  TORCH_CHECK(block_q >= 1 && block_k >= 1, "attnlab::", op, ": block sizes must be ≥ 1, got ", block_q, " and ",
-              block_k);
+  ATTNLAB_CHECK(k.size(0) == s.B && v.size(0) == s.B && v.size(1) == s.Hkv && v.size(2) == s.Lk && k.size(3) == s.D,
+                "attnlab::", op, ": k must be (B, Hkv, Lk, D) and v (B, Hkv, Lk, Dv) for q ", q.sizes(), ", got ",
+                k.sizes(), " and ", v.sizes());
+  ATTNLAB_CHECK(s.Hkv >= 1 && s.H % s.Hkv == 0, "attnlab::", op, ": q's heads (", s.H,
+                ") must be a multiple of k's (", s.Hkv, ")");
+  ATTNLAB_CHECK(block_q >= 1 && block_k >= 1, "attnlab::", op, ": block sizes must be ≥ 1, got ", block_q, " and ",
+                block_k);
   return s;
 }
 
@@ -302,10 +302,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& 
   check_f32(out, "flash_backward", "out");
   check_f32(d_out, "flash_backward", "d_out");
   check_f32(lse, "flash_backward", "lse");
-  TORCH_CHECK(out.sizes() == d_out.sizes() && out.dim() == 4 && out.size(0) == s.B && out.size(1) == s.H &&
+  ATTNLAB_CHECK(out.sizes() == d_out.sizes() && out.dim() == 4 && out.size(0) == s.B && out.size(1) == s.H &&
                   out.size(2) == s.Lq && out.size(3) == s.Dv && lse.numel() == s.B * s.H * s.Lq,
-              "attnlab::flash_backward: out and d_out must be (B, H, Lq, Dv) and lse (B, H, Lq) for q ", q.sizes(),
-              " and v ", v.sizes(), ", got ", out.sizes(), ", ", d_out.sizes(), ", ", lse.sizes());
+                "attnlab::flash_backward: out and d_out must be (B, H, Lq, Dv) and lse (B, H, Lq) for q ", q.sizes(),
+                " and v ", v.sizes(), ", got ", out.sizes(), ", ", d_out.sizes(), ", ", lse.sizes());
   const Band band = make_band("flash_backward", causal, window, s.B, s.Lq, s.Lk, spans);
   const Layout lay = make_layout("flash_backward", layout, granularity, s.Lq, s.Lk, block_k);
   const Mod mod = make_mod("flash_backward", mod_code, slopes, cap, s.H);

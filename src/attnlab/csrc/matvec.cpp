@@ -218,23 +218,23 @@ Job job(const Prepared& p, const at::Tensor& x, const at::Tensor& w, const std::
 // the checks of matvec's arguments; returns M (x's rows)
 int64_t check(const char* op, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale,
               const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "attnlab::", op, ": x and w must be CPU tensors");
-  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat && x.is_contiguous(), "attnlab::", op,
-              ": x must be a contiguous float32 (..., K) tensor, got ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(-1), "attnlab::", op,
-              ": w must be a contiguous (N, K) tensor with K = ", x.size(-1), ", got ", w.sizes());
+  ATTNLAB_CHECK(x.device().is_cpu() && w.device().is_cpu(), "attnlab::", op, ": x and w must be CPU tensors");
+  ATTNLAB_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat && x.is_contiguous(), "attnlab::", op,
+                ": x must be a contiguous float32 (..., K) tensor, got ", x.sizes(), " ", x.scalar_type());
+  ATTNLAB_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(-1), "attnlab::", op,
+                ": w must be a contiguous (N, K) tensor with K = ", x.size(-1), ", got ", w.sizes());
   const auto wt = w.scalar_type();
-  TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kChar, "attnlab::", op,
-              ": w must be float32, bfloat16 or int8, got ", wt);
-  TORCH_CHECK(wt != at::kChar || scale.has_value(), "attnlab::", op, ": an int8 w needs its per-row scale");
+  ATTNLAB_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kChar, "attnlab::", op,
+                ": w must be float32, bfloat16 or int8, got ", wt);
+  ATTNLAB_CHECK(wt != at::kChar || scale.has_value(), "attnlab::", op, ": an int8 w needs its per-row scale");
   const int64_t N = w.size(0), K = x.size(-1);
   for (const auto* t : {&scale, &bias}) {
     if (t->has_value()) {
       const at::Tensor& v = **t;
-      TORCH_CHECK(v.device().is_cpu() && v.dim() == 1 && v.size(0) == N && v.scalar_type() == at::kFloat &&
+      ATTNLAB_CHECK(v.device().is_cpu() && v.dim() == 1 && v.size(0) == N && v.scalar_type() == at::kFloat &&
                       v.is_contiguous(),
-                  "attnlab::", op, ": scale and bias must be contiguous float32 (N,) = (", N, ",) tensors, got ",
-                  v.sizes(), " ", v.scalar_type());
+                    "attnlab::", op, ": scale and bias must be contiguous float32 (N,) = (", N, ",) tensors, got ",
+                    v.sizes(), " ", v.scalar_type());
     }
   }
   return K ? x.numel() / K : 0;  // x's leading dims flattened
@@ -271,11 +271,11 @@ at::Tensor gated_matvec(const at::Tensor& x, const at::Tensor& w1, const std::op
                         const std::optional<at::Tensor>& b3, int64_t act, int64_t isa) {
   const int64_t M = check("gated_matvec", x, w1, s1, b1), N = w1.size(0), K = x.size(-1);
   check("gated_matvec", x, w3, s3, b3);
-  TORCH_CHECK(w3.sizes() == w1.sizes() && w3.scalar_type() == w1.scalar_type(),
-              "attnlab::gated_matvec: w1 and w3 must have the same shape and dtype, got ", w1.sizes(), " ",
-              w1.scalar_type(), " and ", w3.sizes(), " ", w3.scalar_type());
-  TORCH_CHECK(GLU <= act && act <= SILU, "attnlab::gated_matvec: act must be 0 (sigmoid), 1 (gelu), 2 (gelu_tanh) "
-              "or 3 (silu), got ", act);
+  ATTNLAB_CHECK(w3.sizes() == w1.sizes() && w3.scalar_type() == w1.scalar_type(),
+                "attnlab::gated_matvec: w1 and w3 must have the same shape and dtype, got ", w1.sizes(), " ",
+                w1.scalar_type(), " and ", w3.sizes(), " ", w3.scalar_type());
+  ATTNLAB_CHECK(GLU <= act && act <= SILU, "attnlab::gated_matvec: act must be 0 (sigmoid), 1 (gelu), 2 (gelu_tanh) "
+                "or 3 (silu), got ", act);
   at::Tensor y = output(x, N);
   if (M == 0 || N == 0) return y.zero_();
   at::Tensor y3 = at::empty({M, N}, x.options());

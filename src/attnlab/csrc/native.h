@@ -5,9 +5,35 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <optional>
+#include <string>
+#include <type_traits>
 
 namespace attnlab_native {
+
+// Error messages built with std::to_string, not iostreams: a compiler that links libstdc++ statically (a custom GCC
+// as $CXX, seen on a GPU host) gives this library a private copy of it whose stream number formatting fails (the
+// numbers vanish here; the process crashed there). A single std::string reaches TORCH_CHECK without a stream.
+inline std::string piece(const char* s) { return s; }
+inline std::string piece(const std::string& s) { return s; }
+inline std::string piece(c10::ScalarType t) { return c10::toString(t); }
+inline std::string piece(c10::IntArrayRef a) {
+  std::string s = "[";
+  for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
+  return s + "]";
+}
+inline std::string piece(double v) {
+  char s[32];
+  std::snprintf(s, sizeof s, "%g", v);
+  return s;
+}
+template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+std::string piece(T v) { return std::to_string(v); }
+template <typename... A>
+std::string message(const A&... a) { return (std::string() + ... + piece(a)); }
+// TORCH_CHECK with the message above, from its parts (its parts are evaluated only when cond fails)
+#define ATTNLAB_CHECK(cond, ...) TORCH_CHECK(cond, ::attnlab_native::message(__VA_ARGS__))
 
 // activation codes, shared with attnlab._native.ACTIVATIONS: a gated FFN's gates (0-3), then plain ones
 enum Act : int64_t { GLU = 0, GELU = 1, GELU_TANH = 2, SILU = 3, RELU = 4, QUICK_GELU = 5 };
@@ -17,9 +43,9 @@ void activate(int64_t act, float* y, const float* g, int64_t n, int64_t isa);
 
 // the checks of a kernel's tensor arguments: contiguous float32 on the CPU
 inline void check_f32(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), "attnlab::", op, ": ", name,
-              " must be a contiguous float32 CPU tensor, got ", t.scalar_type(), " ", t.sizes(),
-              t.is_contiguous() ? "" : " (not contiguous)");
+  ATTNLAB_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), "attnlab::", op, ": ", name,
+                " must be a contiguous float32 CPU tensor, got ", t.scalar_type(), " ", t.sizes(),
+                t.is_contiguous() ? "" : " (not contiguous)");
 }
 
 // matvec.cpp: y = s ⊙ (x Wᵀ) + b, and act(x W₁ᵀ ⊙ s₁ + b₁) ⊙ (x W₃ᵀ ⊙ s₃ + b₃)
