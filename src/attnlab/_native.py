@@ -219,12 +219,15 @@ def decoder_step(x: Tensor, tensors: list, *, rms: bool, eps: tuple[float, float
 
 
 MODS = {None: 0, "alibi": 1, "alibi_symmetric": 2, "softcap": 3}  # the score mods flash.cpp computes itself
+# who computes flash.cpp's block products: its choice (ours with AVX-512 or where torch has no BLAS, else the BLAS),
+# ATen's addmm, the BLAS torch links (cblas_sgemm; ATen where none), our register-tiled kernel
+PRODUCTS = {"auto": -1, "aten": 0, "blas": 1, "own": 2}
 
 
 def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, window: Optional[int],
                   block_q: int, block_k: int, spans: Optional[Tensor] = None, layout: Optional[Tensor] = None,
                   granularity: int = 1, mod: Optional[str] = None, slopes: Optional[Tensor] = None, cap: float = 0.0,
-                  blas: bool = True) -> tuple[Tensor, Tensor]:
+                  products: str = "auto") -> tuple[Tensor, Tensor]:
     """Exact softmax attention with interval masks and a few score mods, ``(out (B, H, Lq, Dv), lse (B, H, Lq))``:
     FlashAttention's forward pass in one call (``csrc/flash.cpp``)::
 
@@ -236,21 +239,23 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
     spans[b, 1, p]``, both bounds non-decreasing in p, ``Lq ≤ Lk``) allow, and a block ``layout`` (``(query blocks, key
     blocks)`` uint8 of ``granularity`` G, BigBird's: ``layout[p // G, j // G]``; ``block_q`` must be G) keeps. ``mod``: ``"alibi"`` ``s + m_h (j - p)``,
     ``"alibi_symmetric"`` ``s - m_h |j - p|`` (``slopes`` ``(H,)`` float32), ``"softcap"`` ``c · tanh(s / c)``
-    (``cap = c``). ``blas=False`` computes the block products with ATen instead of the BLAS torch links (the test of
-    the fallback). Forward only: :mod:`attnlab.backends.tiled` wraps both passes.
+    (``cap = c``). ``products`` (:data:`PRODUCTS`) picks who computes the block products (the tests run each).
+    Forward only: :mod:`attnlab.backends.tiled` wraps both passes.
 
     Raises:
         RuntimeError: the native kernels are not :func:`available` (callers check that first).
     """
     _need()
     return _state["flash_forward"](q, k, v, scale, causal, -1 if window is None else window, spans, layout,
-                                   granularity, MODS[mod], slopes, cap, block_q, block_k, blas, _state["isa"])
+                                   granularity, MODS[mod], slopes, cap, block_q, block_k, PRODUCTS[products],
+                                   _state["isa"])
 
 
 def flash_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_out: Tensor, *, scale: float,
                    causal: bool, window: Optional[int], block_q: int, block_k: int, spans: Optional[Tensor] = None,
                    layout: Optional[Tensor] = None, granularity: int = 1, mod: Optional[str] = None,
-                   slopes: Optional[Tensor] = None, cap: float = 0.0, blas: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+                   slopes: Optional[Tensor] = None, cap: float = 0.0,
+                   products: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of :func:`flash_forward` (the same mask and mod arguments; with a ``layout`` ``block_k``, the
     key tile, must be its granularity) given its ``out``, ``lse`` and
     the gradient ``d_out``, recomputing each block's probabilities from the LSE (nothing ``O(Lq · Lk)`` is kept)::
@@ -262,8 +267,8 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_
     """
     _need()
     return _state["flash_backward"](q, k, v, out, lse, d_out, scale, causal, -1 if window is None else window, spans,
-                                    layout, granularity, MODS[mod], slopes, cap, block_q, block_k, blas,
-                                    _state["isa"])
+                                    layout, granularity, MODS[mod], slopes, cap, block_q, block_k,
+                                    PRODUCTS[products], _state["isa"])
 
 
 def _need() -> None:

@@ -23,9 +23,11 @@
 // multiplies dS by d mod / ds (1 for ALiBi, 1 − (mod(s) / c)² for softcap).
 // Grouped-query attention: query head h reads key/value head h / (H / Hkv). float32 throughout.
 //
-// The block products go to the BLAS torch itself uses (cblas_sgemm, found at load time) or, where the library has
-// none (or `blas` is false), to ATen's addmm on views of the same memory; the element-wise passes are vectorised
-// (flash_body.h) for the caller's instruction set. Tasks are handed out dynamically over torch's threads.
+// The block products (`products`): our own register-tiled kernel (flash_body.h: gemm_own, reading Kᵀ and Vᵀ
+// transposed once per call), the BLAS torch itself uses (cblas_sgemm, found at load time), or ATen's addmm on views
+// of the same memory; by default ours with AVX-512 or where torch has no BLAS, else the BLAS. The element-wise
+// passes are vectorised (flash_body.h) for the caller's instruction set. Tasks are handed out dynamically over
+// torch's threads.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -55,12 +57,47 @@ namespace {
 
 using attnlab_native::check_f32;
 
+enum Products : int64_t { AUTO = -1, ATEN = 0, BLAS = 1, OWN = 2 };
+
+Products resolve(int64_t products, int64_t isa) {
+  ATTNLAB_CHECK(products >= AUTO && products <= OWN, "attnlab::flash: products must be -1 (auto), 0 (ATen), 1 (BLAS) ",
+                "or 2 (own), got ", products);
+  if (products != AUTO) return static_cast<Products>(products);
+  // ours: 98-115 GFLOP/s per Zen4 core with AVX-512 on these blocks, against MKL's 79-96 (its packing included);
+  // with AVX2's 16 registers its tiles are smaller (57-80) and the BLAS's tuned kernels serve
+  return isa >= 2 || cblas_sgemm == nullptr ? OWN : BLAS;
+}
+
+// the columns our products read past a block's last key (Kᵀ and Vᵀ are padded by them; S rows are as wide)
+constexpr int64_t kPad = 16;
+
+// xᵀ per (batch, head): (B·H, D, L + kPad), the padding zero: the B operand of our S = Q Kᵀ and dP = dO Vᵀ products
+at::Tensor transposed(const at::Tensor& x, int64_t isa) {
+  const int64_t G = x.size(0) * x.size(1), Lk = x.size(2), D = x.size(3), ld = Lk + kPad, chunk = 64;
+  at::Tensor t = at::empty({G, D, ld}, x.options());
+  const float* src = x.data_ptr<float>();
+  float* dst = t.data_ptr<float>();
+  const int64_t chunks = (Lk + chunk - 1) / chunk;
+  const auto transpose = ISA_FN(transpose_rows);
+  at::parallel_for(0, G * chunks, 1, [&](int64_t a, int64_t e) {
+    for (int64_t c = a; c < e; ++c) {
+      const int64_t g = c / chunks, j0 = c % chunks * chunk, j1 = std::min(Lk, j0 + chunk);
+      const float* from = src + g * Lk * D;
+      float* to = dst + g * D * ld;
+      transpose(from, D, j0, j1, to, ld);
+      if (j1 == Lk)
+        for (int64_t d = 0; d < D; ++d) std::fill(to + d * ld + Lk, to + (d + 1) * ld, 0.f);
+    }
+  });
+  return t;
+}
+
 // C (M×N, row stride ldc) = α op(A) op(B) + β C, row-major: op(A) is M×K (A stored K×M when ta), op(B) K×N (B
-// stored N×K when tb). β = 0 ignores C's contents.
+// stored N×K when tb), with the BLAS or ATen. β = 0 ignores C's contents.
 void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B,
-          int64_t ldb, float beta, float* C, int64_t ldc, bool blas) {
+          int64_t ldb, float beta, float* C, int64_t ldc, Products products) {
   if (M == 0 || N == 0) return;
-  if (blas && cblas_sgemm != nullptr) {
+  if (products == BLAS && cblas_sgemm != nullptr) {
     cblas_sgemm(101 /* row-major */, ta ? 112 : 111, tb ? 112 : 111, static_cast<int>(M), static_cast<int>(N),
                 static_cast<int>(K), alpha, A, static_cast<int>(lda), B, static_cast<int>(ldb), beta, C,
                 static_cast<int>(ldc));
@@ -74,6 +111,30 @@ void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const 
   at::Tensor c = at::from_blob(C, {M, N}, {ldc, 1}, f32);
   c.addmm_(view(A, M, K, lda, ta), view(B, K, N, ldb, tb), beta, alpha);
 }
+
+// a call's block products in the three forms the passes use, by `how`
+struct Gemms {
+  Products how;
+  decltype(&portable::gemm_own) own;
+  // C (M×N) = α A Bᵀ (+ C when acc): A (M×K, lda), B (N×K, ldb); ours reads Bᵀ (K×N, ldbt) from Kᵀ or Vᵀ instead
+  void abt(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B, int64_t ldb,
+           const float* bt, int64_t ldbt, bool acc, float* C, int64_t ldc) const {
+    if (how == OWN) own(M, N, K, alpha, A, lda, 1, bt, ldbt, acc, C, ldc, true);
+    else gemm(false, true, M, N, K, alpha, A, lda, B, ldb, acc ? 1.f : 0.f, C, ldc, how);
+  }
+  // C (M×N) = α A B (+ C when acc): A (M×K, lda), B (K×N, ldb)
+  void ab(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B, int64_t ldb,
+          bool acc, float* C, int64_t ldc) const {
+    if (how == OWN) own(M, N, K, alpha, A, lda, 1, B, ldb, acc, C, ldc, false);
+    else gemm(false, false, M, N, K, alpha, A, lda, B, ldb, acc ? 1.f : 0.f, C, ldc, how);
+  }
+  // C (M×N) = α Aᵀ B (+ C when acc): A (K×M, lda), B (K×N, ldb)
+  void atb(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B, int64_t ldb,
+           bool acc, float* C, int64_t ldc) const {
+    if (how == OWN) own(M, N, K, alpha, A, 1, lda, B, ldb, acc, C, ldc, false);
+    else gemm(true, false, M, N, K, alpha, A, lda, B, ldb, acc ? 1.f : 0.f, C, ldc, how);
+  }
+};
 
 // the keys [lo(p), hi(p)) that query position p of batch b sees, clamped to [0, Lk) (empty: lo ≥ hi)
 struct Band {
@@ -233,7 +294,7 @@ std::tuple<at::Tensor, at::Tensor> flash_forward(const at::Tensor& q, const at::
                                                  const std::optional<at::Tensor>& spans,
                                                  const std::optional<at::Tensor>& layout, int64_t granularity,
                                                  int64_t mod_code, const std::optional<at::Tensor>& slopes, double cap,
-                                                 int64_t block_q, int64_t block_k, bool blas, int64_t isa) {
+                                                 int64_t block_q, int64_t block_k, int64_t products, int64_t isa) {
   const Shapes s = check("flash_forward", q, k, v, block_q, block_k);
   const Layout lay = make_layout("flash_forward", layout, granularity, s.Lq, s.Lk, block_q);
   const Band band = make_band("flash_forward", causal, window, s.B, s.Lq, s.Lk, spans);
@@ -246,18 +307,22 @@ std::tuple<at::Tensor, at::Tensor> flash_forward(const at::Tensor& q, const at::
   const auto softmax_row = ISA_FN(online_softmax_row);
   const auto rescale = ISA_FN(scale_row);
   const auto modify = ISA_FN(mod_row);
-  const int64_t BQ = block_q, BK = block_k, off = s.Lk - s.Lq, group = s.H / s.Hkv;
+  const Gemms mm{resolve(products, isa), ISA_FN(gemm_own)};
+  const at::Tensor kt = mm.how == OWN ? transposed(k, isa) : at::Tensor();
+  const int64_t ldt = s.Lk + kPad;
+  const int64_t BQ = block_q, BK = block_k, BS = (BK + kPad - 1) / kPad * kPad, off = s.Lk - s.Lq, group = s.H / s.Hkv;
   const int64_t n_blocks = (s.Lq + BQ - 1) / BQ, heads = s.B * s.H;
   std::vector<std::vector<float>> scratch(at::get_num_threads());
   // the last query blocks first: under a causal mask they see the most keys
   for_tasks(n_blocks * heads, [&](int64_t t, int64_t thread) {
     std::vector<float>& buf = scratch[thread];
-    buf.resize(BQ * BK + BQ * s.Dv + 2 * BQ);
-    float *S = buf.data(), *acc = S + BQ * BK, *m = acc + BQ * s.Dv, *l = m + BQ;
+    buf.resize(BQ * BS + BQ * s.Dv + 2 * BQ);
+    float *S = buf.data(), *acc = S + BQ * BS, *m = acc + BQ * s.Dv, *l = m + BQ;
     const int64_t bh = t % heads, i0 = (n_blocks - 1 - t / heads) * BQ, nq = std::min(BQ, s.Lq - i0);
     const int64_t b = bh / s.H, kvh = b * s.Hkv + (bh % s.H) / group;
     const float param = mod.param(bh % s.H);
     const float *Qi = Q + (bh * s.Lq + i0) * s.D, *Kh = K + kvh * s.Lk * s.D, *Vh = V + kvh * s.Lk * s.Dv;
+    const float* KTh = kt.defined() ? kt.data_ptr<float>() + kvh * s.D * ldt : nullptr;
     std::fill(acc, acc + nq * s.Dv, 0.f);
     std::fill(m, m + nq, -INFINITY);
     std::fill(l, l + nq, 0.f);
@@ -266,16 +331,16 @@ std::tuple<at::Tensor, at::Tensor> flash_forward(const at::Tensor& q, const at::
     lay.runs(k0, k1, visible, [&](int64_t a, int64_t e) {  // the visible keys, BK at a time
       for (int64_t ks = a; ks < e; ks += BK) {
         const int64_t nk = std::min(BK, e - ks);
-        gemm(false, true, nq, nk, s.D, scale, Qi, s.D, Kh + ks * s.D, s.D, 0.f, S, BK, blas);
+        mm.abt(nq, nk, s.D, scale, Qi, s.D, Kh + ks * s.D, s.D, KTh + ks, ldt, false, S, BS);
         for (int64_t r = 0; r < nq; ++r) {
           const int64_t p = off + i0 + r;
           const int64_t c0 = std::clamp<int64_t>(band.lo(b, p) - ks, 0, nk);
           const int64_t c1 = std::clamp<int64_t>(band.hi(b, p) - ks, 0, nk);
-          modify(mod.code, S + r * BK, c0, c1, param, ks - p);
-          const float alpha = softmax_row(S + r * BK, nk, c0, c1, m[r], l[r]);
+          modify(mod.code, S + r * BS, c0, c1, param, ks - p);
+          const float alpha = softmax_row(S + r * BS, nk, c0, c1, m[r], l[r]);
           if (alpha != 1.f) rescale(acc + r * s.Dv, s.Dv, alpha);
         }
-        gemm(false, false, nq, s.Dv, nk, 1.f, S, BK, Vh + ks * s.Dv, s.Dv, 1.f, acc, s.Dv, blas);
+        mm.ab(nq, s.Dv, nk, 1.f, S, BS, Vh + ks * s.Dv, s.Dv, true, acc, s.Dv);
       }
     });
     for (int64_t r = 0; r < nq; ++r) {
@@ -296,7 +361,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& 
                                                                const std::optional<at::Tensor>& layout,
                                                                int64_t granularity, int64_t mod_code,
                                                                const std::optional<at::Tensor>& slopes, double cap,
-                                                               int64_t block_q, int64_t block_k, bool blas,
+                                                               int64_t block_q, int64_t block_k, int64_t products,
                                                                int64_t isa) {
   const Shapes s = check("flash_backward", q, k, v, block_q, block_k);
   check_f32(out, "flash_backward", "out");
@@ -320,7 +385,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& 
   const auto modify = ISA_FN(mod_row);
   const auto softcap_grad = ISA_FN(softcap_grad_row);
   const auto mul = ISA_FN(mul_row);
-  const int64_t BQ = block_q, BK = block_k, off = s.Lk - s.Lq, group = s.H / s.Hkv;
+  const Gemms mm{resolve(products, isa), ISA_FN(gemm_own)};
+  const at::Tensor kt = mm.how == OWN ? transposed(k, isa) : at::Tensor();
+  const at::Tensor vt = mm.how == OWN ? transposed(v, isa) : at::Tensor();
+  const int64_t ldt = s.Lk + kPad;
+  const int64_t BQ = block_q, BK = block_k, BS = (BK + kPad - 1) / kPad * kPad, off = s.Lk - s.Lq, group = s.H / s.Hkv;
   const int64_t n_kv = (s.Lk + BK - 1) / BK, kv_heads = s.B * s.Hkv;
   // tasks: (batch, kv head, a part of its key blocks); each owns its rows of dK and dV. With fewer kv heads than
   // threads the key blocks are split into parts, whose dQ sums go to one buffer per thread, added at the end —
@@ -332,8 +401,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& 
   std::vector<std::vector<float>> scratch(threads);
   for_tasks(kv_heads * parts, [&](int64_t t, int64_t thread) {
     std::vector<float>& buf = scratch[thread];
-    buf.resize(3 * BQ * BK + group * s.Lq);
-    float *S = buf.data(), *dP = S + BQ * BK, *G = dP + BQ * BK, *delta = G + BQ * BK;
+    buf.resize(3 * BQ * BS + group * s.Lq);
+    float *S = buf.data(), *dP = S + BQ * BS, *G = dP + BQ * BS, *delta = G + BQ * BS;
     const int64_t g = t / parts, part = t % parts, b = g / s.Hkv;
     const int64_t j0 = part * n_kv / parts, j1 = (part + 1) * n_kv / parts;
     float* dq_base = dQ;
@@ -350,6 +419,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& 
       const int64_t ks = j * BK, nk = std::min(BK, s.Lk - ks);
       const float *Kj = K + (g * s.Lk + ks) * s.D, *Vj = V + (g * s.Lk + ks) * s.Dv;
       float *dKj = dK + (g * s.Lk + ks) * s.D, *dVj = dV + (g * s.Lk + ks) * s.Dv;
+      const float* KTj = kt.defined() ? kt.data_ptr<float>() + g * s.D * ldt + ks : nullptr;
+      const float* VTj = vt.defined() ? vt.data_ptr<float>() + g * s.Dv * ldt + ks : nullptr;
       const int64_t r0 = first_row(off, s.Lq, [&](int64_t p) { return band.hi(b, p) > ks; });
       const int64_t r1 = first_row(off, s.Lq, [&](int64_t p) { return band.lo(b, p) >= ks + nk; });
       for (int64_t h = 0; h < group; ++h) {
@@ -361,26 +432,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& 
             const int64_t nq = std::min(BQ, pe - off - i0);
             bool any = false;
             const float *Qi = Q + (bh * s.Lq + i0) * s.D, *dOi = dO + (bh * s.Lq + i0) * s.Dv;
-            gemm(false, true, nq, nk, s.D, scale, Qi, s.D, Kj, s.D, 0.f, S, BK, blas);
+            mm.abt(nq, nk, s.D, scale, Qi, s.D, Kj, s.D, KTj, ldt, false, S, BS);
             for (int64_t r = 0; r < nq; ++r) {
               const int64_t p = off + i0 + r;
               const int64_t c0 = std::clamp<int64_t>(band.lo(b, p) - ks, 0, nk);
               const int64_t c1 = std::clamp<int64_t>(band.hi(b, p) - ks, 0, nk);
-              modify(mod.code, S + r * BK, c0, c1, param, ks - p);
-              if (mod.code == 3) softcap_grad(S + r * BK, G + r * BK, nk, mod.cap);
-              probs(S + r * BK, nk, c0, c1, LSE[bh * s.Lq + i0 + r]);
+              modify(mod.code, S + r * BS, c0, c1, param, ks - p);
+              if (mod.code == 3) softcap_grad(S + r * BS, G + r * BS, nk, mod.cap);
+              probs(S + r * BS, nk, c0, c1, LSE[bh * s.Lq + i0 + r]);
               any = any || c1 > c0;
             }
             if (!any) continue;
-            gemm(true, false, nk, s.Dv, nq, 1.f, S, BK, dOi, s.Dv, 1.f, dVj, s.Dv, blas);   // dV_j += Pᵀ dO_i
-            gemm(false, true, nq, nk, s.Dv, 1.f, dOi, s.Dv, Vj, s.Dv, 0.f, dP, BK, blas);   // dP = dO_i V_jᵀ
+            mm.atb(nk, s.Dv, nq, 1.f, S, BS, dOi, s.Dv, true, dVj, s.Dv);                   // dV_j += Pᵀ dO_i
+            mm.abt(nq, nk, s.Dv, 1.f, dOi, s.Dv, Vj, s.Dv, VTj, ldt, false, dP, BS);        // dP = dO_i V_jᵀ
             for (int64_t r = 0; r < nq; ++r) {
-              dscores(S + r * BK, dP + r * BK, nk, delta[h * s.Lq + i0 + r]);
-              if (mod.code == 3) mul(dP + r * BK, G + r * BK, nk);  // dS w.r.t. the raw scores
+              dscores(S + r * BS, dP + r * BS, nk, delta[h * s.Lq + i0 + r]);
+              if (mod.code == 3) mul(dP + r * BS, G + r * BS, nk);  // dS w.r.t. the raw scores
             }
-            gemm(false, false, nq, s.D, nk, scale, dP, BK, Kj, s.D, 1.f, dq_base + (bh * s.Lq + i0) * s.D, s.D,
-                 blas);                                                                          // dQ_i += κ dS K_j
-            gemm(true, false, nk, s.D, nq, scale, dP, BK, Qi, s.D, 1.f, dKj, s.D, blas);    // dK_j += κ dSᵀ Q_i
+            float* dQi = dq_base + (bh * s.Lq + i0) * s.D;
+            mm.ab(nq, s.D, nk, scale, dP, BS, Kj, s.D, true, dQi, s.D);                     // dQ_i += κ dS K_j
+            mm.atb(nk, s.D, nq, scale, dP, BS, Qi, s.D, true, dKj, s.D);                    // dK_j += κ dSᵀ Q_i
           }
         });
       }
@@ -395,11 +466,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& 
 
 TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("flash_forward(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window, Tensor? spans, "
-        "Tensor? layout, int granularity, int mod, Tensor? slopes, float cap, int block_q, int block_k, bool blas, "
-        "int isa) -> (Tensor, Tensor)");
+        "Tensor? layout, int granularity, int mod, Tensor? slopes, float cap, int block_q, int block_k, "
+        "int products, int isa) -> (Tensor, Tensor)");
   m.def("flash_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor d_out, float scale, bool causal, "
         "int window, Tensor? spans, Tensor? layout, int granularity, int mod, Tensor? slopes, float cap, int block_q, "
-        "int block_k, bool blas, int isa) -> (Tensor, Tensor, Tensor)");
+        "int block_k, int products, int isa) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
