@@ -224,6 +224,12 @@ MODS = {None: 0, "alibi": 1, "alibi_symmetric": 2, "softcap": 3}  # the score mo
 PRODUCTS = {"auto": -1, "aten": 0, "blas": 1, "own": 2}
 
 
+def own_products() -> bool:
+    """Whether flash.cpp computes its block products itself (``products="auto"`` with AVX-512: faster there than the
+    BLAS) rather than with the BLAS torch links."""
+    return available() and isa() >= 2
+
+
 def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, window: Optional[int],
                   block_q: int, block_k: int, spans: Optional[Tensor] = None, layout: Optional[Tensor] = None,
                   granularity: int = 1, mod: Optional[str] = None, slopes: Optional[Tensor] = None, cap: float = 0.0,

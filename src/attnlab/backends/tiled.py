@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from attnlab import _native
 from attnlab._runtime import reuse_large_blocks
 from attnlab.backends import banded
 from attnlab.backends.flash_native import NativeFlash, native_applies, native_blocks, native_request
@@ -57,17 +58,21 @@ def unsupported(q, k, v, *, normalize, dropout_p, return_weights, **_) -> str:
 
 
 DENSE_WINDOW_LIMIT = 2048 * 2048  # Lq·Lk up to which a wide window goes to SDPA with a dense mask under auto
-# From this many queries and keys the C++ kernel beats SDPA's CPU flash kernel on a dense float32 request that is
-# causal or wants gradients. Measured (B=1, H=12, D=64, 2 cores, AVX-512), ours / SDPA: causal forward L=128 1.11,
-# 256 0.84, 512 0.69, 1024 0.86, 2048 0.99; causal fwd+bwd 128 1.04, 256 0.79, 512 0.63, 2048 0.80; bidirectional
-# fwd+bwd 256 0.93, 512 0.82, 2048 0.92; but a bidirectional forward 1.04-1.16 (SDPA keeps it).
+# From this many queries and keys the C++ kernel beats SDPA's CPU flash kernel on a dense float32 request: with
+# AVX-512 (its own block products) every such request; else (the BLAS's products) a causal one or one that wants
+# gradients. Measured (B=1, H=12, D=64, 2 cores, Zen4), ours / SDPA at L = 128, 256, 512, 1024, 2048: AVX-512 causal
+# forward 1.02, 0.89, 0.60, 0.72, 0.79; bidirectional forward 0.98, 0.94, 0.82, 0.93, 0.91; causal fwd+bwd 0.86,
+# 0.71, 0.49, 0.63, 0.69; bidirectional fwd+bwd 0.93, 0.86, 0.73, 0.80, 0.81. With the BLAS's products (before
+# the kernel's own): causal forward 1.11, 0.84, 0.69, 0.86, 0.99; causal fwd+bwd 1.04, 0.79, 0.63, -, 0.80;
+# bidirectional fwd+bwd -, 0.93, 0.82, 0.94, 0.92; but a bidirectional forward 1.04-1.16 (SDPA keeps it).
 NATIVE_DENSE_MIN = 256
 
 
 def auto_when(q, k, v, *, window=None, causal=False, mask=None, mask_mod=None, score_mod=None, **_) -> bool:
     """``auto`` takes ``tiled`` for a dense request (no window, mask_mod or score_mod: :data:`AUTO_ORDER`, where it
     comes before ``sdpa``) where the C++ kernel is faster: float32, no mask tensor, at least
-    :data:`NATIVE_DENSE_MIN` queries and keys, causal or wanting gradients. For every sparse request
+    :data:`NATIVE_DENSE_MIN` queries and keys, and (unless its products are its own, AVX-512) causal or wanting
+    gradients. For every sparse request
     (:data:`SPARSE_ORDER`) except a window too wide to save work (see :func:`~attnlab.backends.banded.saves_work`)
     on a sequence short enough for a dense mask (``Lq·Lk ≤ DENSE_WINDOW_LIMIT``): measured, SDPA's fused kernel
     with the mask is faster there."""
@@ -75,7 +80,7 @@ def auto_when(q, k, v, *, window=None, causal=False, mask=None, mask_mod=None, s
     if window is None and mask_mod is None and score_mod is None:
         wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         return (mask is None and q.dtype == torch.float32 and min(Lq, Lk) >= NATIVE_DENSE_MIN
-                and (causal or wants_grad) and native_applies(q))
+                and (causal or wants_grad or _native.own_products()) and native_applies(q))
     if mask is not None or mask_mod is not None or score_mod is not None:
         return True
     return banded.saves_work(Lq, Lk, window, causal) or Lq * Lk > DENSE_WINDOW_LIMIT
