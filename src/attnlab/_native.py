@@ -282,6 +282,8 @@ def _need() -> None:
         raise RuntimeError(f"attnlab's native kernels are unavailable here: {_state['why']}")
 
 
-if __name__ == "__main__":  # ``python -m attnlab._native``: build now (make setup), say the outcome
+if __name__ == "__main__":  # ``python -m attnlab._native [--require]``: build now (make setup), say the outcome
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print(f"attnlab native kernels: {status()}")
+    # --require (CI, which has a compiler): a failed build is an error, not kernels' tests that skip
+    sys.exit(1 if "--require" in sys.argv[1:] and not available() else 0)

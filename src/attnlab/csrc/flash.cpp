@@ -32,6 +32,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
 
@@ -392,30 +393,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& 
   const int64_t BQ = block_q, BK = block_k, BS = (BK + kPad - 1) / kPad * kPad, off = s.Lk - s.Lq, group = s.H / s.Hkv;
   const int64_t n_kv = (s.Lk + BK - 1) / BK, kv_heads = s.B * s.Hkv;
   // tasks: (batch, kv head, a part of its key blocks); each owns its rows of dK and dV. With fewer kv heads than
-  // threads the key blocks are split into parts, whose dQ sums go to one buffer per thread, added at the end —
-  // unless those buffers would pass 256 MiB (many threads, long sequences): then one task per kv head.
+  // threads the key blocks are split into parts; a part's dQ sums go to a buffer of its own that covers only the
+  // query rows seeing its keys (a window's: its keys plus the window), added into dQ at the end, in parallel over
+  // rows. Fewer parts where those buffers would pass 4 |Q| (dense causal attention on many threads).
   const int64_t threads = at::get_num_threads();
-  const bool split = kv_heads < threads && threads * q.numel() <= (int64_t(1) << 26);
-  const int64_t parts = split ? std::min(n_kv, (2 * threads + kv_heads - 1) / kv_heads) : 1;
-  std::vector<at::Tensor> dq_parts(parts > 1 ? threads : 0);
+  struct Part {
+    int64_t j0, j1, r0, r1, offset;  // key blocks [j0, j1), the query rows [r0, r1) that see them, dQ buffer offset
+  };
+  auto plan = [&](int64_t parts, std::vector<Part>& tasks) {
+    tasks.resize(kv_heads * parts);
+    int64_t total = 0;
+    for (int64_t t = 0; t < kv_heads * parts; ++t) {
+      const int64_t b = t / parts / s.Hkv, j0 = t % parts * n_kv / parts, j1 = (t % parts + 1) * n_kv / parts;
+      const int64_t k0 = j0 * BK, k1 = std::min(s.Lk, j1 * BK);
+      const int64_t r0 = first_row(off, s.Lq, [&](int64_t p) { return band.hi(b, p) > k0; });
+      const int64_t r1 = std::max(r0, first_row(off, s.Lq, [&](int64_t p) { return band.lo(b, p) >= k1; }));
+      tasks[t] = {j0, j1, r0, r1, total};
+      if (parts > 1) total += group * (r1 - r0) * s.D;
+    }
+    return total;
+  };
+  int64_t parts = kv_heads < threads ? std::min(n_kv, (2 * threads + kv_heads - 1) / kv_heads) : 1;
+  std::vector<Part> tasks;
+  int64_t total = plan(parts, tasks);
+  while (parts > 1 && total > std::max<int64_t>(4 * q.numel(), int64_t(1) << 22))
+    total = plan(parts = (parts + 1) / 2, tasks);
+  at::Tensor dq_parts = parts > 1 ? at::zeros({total}, q.options()) : at::Tensor();
   std::vector<std::vector<float>> scratch(threads);
   for_tasks(kv_heads * parts, [&](int64_t t, int64_t thread) {
+    const Part& task = tasks[t];
+    const int64_t g = t / parts, b = g / s.Hkv, rows = task.r1 - task.r0;
     std::vector<float>& buf = scratch[thread];
-    buf.resize(3 * BQ * BS + group * s.Lq);
+    buf.resize(3 * BQ * BS + group * rows);
     float *S = buf.data(), *dP = S + BQ * BS, *G = dP + BQ * BS, *delta = G + BQ * BS;
-    const int64_t g = t / parts, part = t % parts, b = g / s.Hkv;
-    const int64_t j0 = part * n_kv / parts, j1 = (part + 1) * n_kv / parts;
-    float* dq_base = dQ;
-    if (parts > 1) {
-      if (!dq_parts[thread].defined()) dq_parts[thread] = at::zeros_like(q);
-      dq_base = dq_parts[thread].data_ptr<float>();
-    }
-    for (int64_t h = 0; h < group; ++h) {  // Δ = rowsum(dO ∘ O) of the group's query heads
+    for (int64_t h = 0; h < group; ++h) {  // Δ = rowsum(dO ∘ O) of the group's query heads, on the rows that matter
       const int64_t bh = b * s.H + (g % s.Hkv) * group + h;
-      for (int64_t i = 0; i < s.Lq; ++i)
-        delta[h * s.Lq + i] = dot_fn(dO + (bh * s.Lq + i) * s.Dv, O + (bh * s.Lq + i) * s.Dv, s.Dv);
+      for (int64_t i = task.r0; i < task.r1; ++i)
+        delta[h * rows + i - task.r0] = dot_fn(dO + (bh * s.Lq + i) * s.Dv, O + (bh * s.Lq + i) * s.Dv, s.Dv);
     }
-    for (int64_t j = j0; j < j1; ++j) {
+    const auto dq_rows = [&](int64_t bh, int64_t h, int64_t i0) {  // where dQ's row i0 of head bh sums
+      return dq_parts.defined() ? dq_parts.data_ptr<float>() + task.offset + (h * rows + i0 - task.r0) * s.D
+                                : dQ + (bh * s.Lq + i0) * s.D;
+    };
+    for (int64_t j = task.j0; j < task.j1; ++j) {
       const int64_t ks = j * BK, nk = std::min(BK, s.Lk - ks);
       const float *Kj = K + (g * s.Lk + ks) * s.D, *Vj = V + (g * s.Lk + ks) * s.Dv;
       float *dKj = dK + (g * s.Lk + ks) * s.D, *dVj = dV + (g * s.Lk + ks) * s.Dv;
@@ -446,19 +466,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& 
             mm.atb(nk, s.Dv, nq, 1.f, S, BS, dOi, s.Dv, true, dVj, s.Dv);                   // dV_j += Pᵀ dO_i
             mm.abt(nq, nk, s.Dv, 1.f, dOi, s.Dv, Vj, s.Dv, VTj, ldt, false, dP, BS);        // dP = dO_i V_jᵀ
             for (int64_t r = 0; r < nq; ++r) {
-              dscores(S + r * BS, dP + r * BS, nk, delta[h * s.Lq + i0 + r]);
+              dscores(S + r * BS, dP + r * BS, nk, delta[h * rows + i0 + r - task.r0]);
               if (mod.code == 3) mul(dP + r * BS, G + r * BS, nk);  // dS w.r.t. the raw scores
             }
-            float* dQi = dq_base + (bh * s.Lq + i0) * s.D;
-            mm.ab(nq, s.D, nk, scale, dP, BS, Kj, s.D, true, dQi, s.D);                     // dQ_i += κ dS K_j
+            mm.ab(nq, s.D, nk, scale, dP, BS, Kj, s.D, true, dq_rows(bh, h, i0), s.D);      // dQ_i += κ dS K_j
             mm.atb(nk, s.D, nq, scale, dP, BS, Qi, s.D, true, dKj, s.D);                    // dK_j += κ dSᵀ Q_i
           }
         });
       }
     }
   });
-  for (const at::Tensor& part : dq_parts)
-    if (part.defined()) dq.add_(part);
+  if (parts > 1) {  // dQ += the parts' sums, 64 rows of a head at a time
+    const float* sums = dq_parts.data_ptr<float>();
+    const int64_t chunks = (s.Lq + 63) / 64;
+    at::parallel_for(0, kv_heads * group * chunks, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t g = c / (group * chunks), h = c / chunks % group, i0 = c % chunks * 64;
+        const int64_t i1 = std::min(s.Lq, i0 + 64), bh = g / s.Hkv * s.H + (g % s.Hkv) * group + h;
+        for (int64_t part = 0; part < parts; ++part) {
+          const Part& task = tasks[g * parts + part];
+          for (int64_t i = std::max(i0, task.r0); i < std::min(i1, task.r1); ++i) {
+            const float* from = sums + task.offset + (h * (task.r1 - task.r0) + i - task.r0) * s.D;
+            float* to = dQ + (bh * s.Lq + i) * s.D;
+            for (int64_t d = 0; d < s.D; ++d) to[d] += from[d];
+          }
+        }
+      }
+    });
+  }
   return {dq, dk, dv};
 }
 
