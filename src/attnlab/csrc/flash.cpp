@@ -17,7 +17,8 @@
 // prefix-LM: both bounds non-decreasing in p). Those are intervals, so a block's mask is two column bounds per row,
 // and key blocks outside every row's interval are never computed. A block `layout` (query blocks, key blocks) uint8
 // of `granularity` G (BigBird's) also hides key j from position p unless layout[p / G][j / G]: only its visible
-// blocks are computed. Time O(Lq · visible keys); memory O(block) per thread beyond the inputs and outputs.
+// blocks are computed. Time O(Lq · visible keys); memory O(block) per thread beyond the inputs and outputs (and, with
+// our own products, Kᵀ and Vᵀ; in the backward with fewer kv heads than threads, the key parts' dQ sums, ≤ 4 |Q|).
 // Score mods computed in place, S → mod(S), before the mask (`mod`: 1 ALiBi s + m_h (j − p), 2 symmetric ALiBi
 // s − m_h |j − p| with the slopes m (H,) float32, 3 softcap c · tanh(s / c) with c = `cap`); the backward pass
 // multiplies dS by d mod / ds (1 for ALiBi, 1 − (mod(s) / c)² for softcap).
