@@ -118,22 +118,33 @@ def test_forward_and_backward_equal_float64_attention(isa, case, products):
         assert got.shape == want.shape and (got.double() - want).abs().max() <= tolerance(want, n=n, depth=3)
 
 
-def test_the_key_blocks_split_across_threads_when_kv_heads_are_fewer():
-    """B · Hkv < threads: each kv head's key blocks are split into parts, their dQ added from per-thread buffers."""
-    q, k, v = _inputs(1, 2, 1, 200, 200, 16, 16, seed=3)
-    threads = torch.get_num_threads()
+@pytest.mark.parametrize("L,D,window,spans,block_k,threads", [
+    (200, 16, None, False, 32, 4),    # causal: the parts' row ranges run to the end
+    (300, 16, 40, False, 16, 4),      # a window: each part's rows are its keys plus the window
+    (240, 16, None, True, 16, 4),     # packed documents: rows bounded by the spans
+    # 64 parts of a causal 4096 would hold ~64 · 2048 rows · 2 heads · 32 = 8.4M floats > max(4 |Q|, 2²²): halved
+    (4096, 32, None, False, 64, 64),
+], ids=["causal", "window", "documents", "fewer-parts"])
+def test_the_key_blocks_split_across_threads_when_kv_heads_are_fewer(L, D, window, spans, block_k, threads):
+    """B · Hkv < threads: each kv head's key blocks are split into parts, each summing dQ over the rows that see its
+    keys in a buffer of its own; the result equals one task per kv head (one thread) up to summation order."""
+    q, k, v = _inputs(1, 2, 1, L, L, D, D, seed=3)
+    ids = torch.repeat_interleave(torch.arange(6), L // 6 + 1)[:L]
+    kw = dict(scale=0.25, causal=True, window=window, block_q=32, block_k=block_k,
+              spans=masks.document_mod(ids.unsqueeze(0)).key_spans(L) if spans else None)
+    before = torch.get_num_threads()
     try:
-        torch.set_num_threads(4)
-        kw = dict(scale=0.25, causal=True, window=None, block_q=32, block_k=32)
+        torch.set_num_threads(threads)
         out, lse = _native.flash_forward(q, k, v, **kw)
         d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
         split = _native.flash_backward(q, k, v, out, lse, d_out, **kw)
         torch.set_num_threads(1)
         whole = _native.flash_backward(q, k, v, out, lse, d_out, **kw)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
+    assert whole[0].abs().max() > 0
     for a, b in zip(split, whole):  # the same sums, grouped differently
-        assert (a - b).abs().max() <= tolerance(b, n=200, depth=3)
+        assert (a - b).abs().max() <= tolerance(b, n=L, depth=3)
 
 
 def test_nan_and_overflow_give_nan_and_the_arguments_are_checked():
@@ -159,6 +170,10 @@ def test_nan_and_overflow_give_nan_and_the_arguments_are_checked():
     out, lse = _native.flash_forward(q, k, v, **kw)
     with pytest.raises(RuntimeError, match="out and d_out must be"):
         _native.flash_backward(q, k, v, out, lse, out[:, :, :4].contiguous(), **kw)
+    with pytest.raises(ValueError, match="products must be one of 'auto', 'aten', 'blas', 'own', got 'mkl'"):
+        _native.flash_forward(q, k, v, **kw, products="mkl")
+    with pytest.raises(ValueError, match="mod must be one of"):
+        _native.flash_backward(q, k, v, out, lse, out, **kw, mod="relu")
 
 
 def _doc_spans(B, L, seed):
@@ -356,7 +371,12 @@ def test_auto_takes_the_kernel_for_dense_requests_where_it_is_faster(L, dtype, c
     q, k = torch.randn(1, 4, L, 16, dtype=dtype, requires_grad=grad), torch.randn(1, 2, L, 16, dtype=dtype)
     v = torch.randn(1, 2, L, 16, dtype=dtype)
     request = {**BASE_REQUEST, "causal": causal, "mask": torch.ones(1, 1, L, L, dtype=torch.bool) if mask else None}
-    expected = expected or ("tiled" if _native.own_products() else "sdpa")
+    if expected is None:  # both machines' answers: the kernel's own products (AVX-512) or the BLAS's
+        for own, expected in ((True, "tiled"), (False, "sdpa")):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(_native, "own_products", lambda: own)
+                assert dispatch.select_backend(q, k, v, **request).name == expected
+        return
     assert dispatch.select_backend(q, k, v, **request).name == expected
 
 

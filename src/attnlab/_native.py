@@ -224,6 +224,13 @@ MODS = {None: 0, "alibi": 1, "alibi_symmetric": 2, "softcap": 3}  # the score mo
 PRODUCTS = {"auto": -1, "aten": 0, "blas": 1, "own": 2}
 
 
+def _code(table: dict, name: str, value):
+    """``table[value]``, or a ValueError naming the argument and its choices."""
+    if value not in table:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, table))}, got {value!r}")
+    return table[value]
+
+
 def own_products() -> bool:
     """Whether flash.cpp computes its block products itself (``products="auto"`` with AVX-512: faster there than the
     BLAS) rather than with the BLAS torch links."""
@@ -253,8 +260,8 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
     """
     _need()
     return _state["flash_forward"](q, k, v, scale, causal, -1 if window is None else window, spans, layout,
-                                   granularity, MODS[mod], slopes, cap, block_q, block_k, PRODUCTS[products],
-                                   _state["isa"])
+                                   granularity, _code(MODS, "mod", mod), slopes, cap, block_q, block_k,
+                                   _code(PRODUCTS, "products", products), _state["isa"])
 
 
 def flash_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_out: Tensor, *, scale: float,
@@ -273,8 +280,8 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_
     """
     _need()
     return _state["flash_backward"](q, k, v, out, lse, d_out, scale, causal, -1 if window is None else window, spans,
-                                    layout, granularity, MODS[mod], slopes, cap, block_q, block_k,
-                                    PRODUCTS[products], _state["isa"])
+                                    layout, granularity, _code(MODS, "mod", mod), slopes, cap, block_q, block_k,
+                                    _code(PRODUCTS, "products", products), _state["isa"])
 
 
 def _need() -> None:
