@@ -1,4 +1,5 @@
-"""int8 quantisation side by side: fp32, bf16, int8 (dynamic), int8-weight (weight-only), torch's quantize_dynamic.
+"""Quantisation side by side: fp32, bf16, int8 (dynamic), int8-weight (weight-only), int4 (groups of 32, 64, 128) and
+torch's quantize_dynamic.
 
 Two models, each variant made from the same fp32 weights:
 
@@ -12,7 +13,7 @@ Two models, each variant made from the same fp32 weights:
    size and decoding speed are what this model is for.
 
 Columns: ``size_mb`` of the serialised state dict (``torch.save``; tied tensors once) and its ratio to
-fp32 (target int8 ≤ 0.35×), ``tok_s`` greedy decoding (batch 1, 32-token prompt, 128 new tokens; quick:
+fp32 (targets: int8 ≤ 0.35×, int4 ≤ 0.2×), ``tok_s`` greedy decoding (batch 1, 32-token prompt, 128 new tokens; quick:
 16), all variants timed round-robin in one run. The peer ``torch.ao quantize_dynamic`` quantises
 ``nn.Linear`` only (embeddings stay fp32; the tied head becomes a separate int8 copy).
 
@@ -48,12 +49,14 @@ def serialized_mb(model) -> float:
 
 
 def variants(model) -> dict:
-    """The same weights as fp32, bf16, int8, int8-weight and torch.ao's dynamic int8."""
+    """The same weights as fp32, bf16, int8, int8-weight, int4 (G = 64, 32, 128) and torch.ao's dynamic int8."""
     with warnings.catch_warnings():  # torch.ao marks its quantized tensors deprecated
         warnings.simplefilter("ignore")
         peer = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear}, dtype=torch.qint8)
     return {"fp32": model, "bf16": copy.deepcopy(model).to(torch.bfloat16), "int8": quantize(model, "int8"),
-            "int8-weight": quantize(model, "int8-weight"), "torch.ao quantize_dynamic": peer}
+            "int8-weight": quantize(model, "int8-weight"), "int4": quantize(model, "int4"),
+            "int4 g32": quantize(model, "int4", group_size=32), "int4 g128": quantize(model, "int4", group_size=128),
+            "torch.ao quantize_dynamic": peer}
 
 
 @torch.inference_mode()
@@ -134,12 +137,13 @@ def main(argv=None) -> None:
     rows = shakespeare_rows(args, new_tokens, repeat) + gpt2_rows(args.quick, new_tokens, repeat)
     print_table(rows, COLUMNS)
     int8 = [r for r in rows if r["variant"] in ("int8", "int8-weight")]
-    met_size = all(r["size_ratio"] <= 0.35 for r in int8)
+    int4 = [r for r in rows if r["variant"].startswith("int4")]
+    met_size = all(r["size_ratio"] <= 0.35 for r in int8) and all(r["size_ratio"] <= 0.2 for r in int4)
     met_ppl = all(abs(r["ppl_change_pct"]) <= 2.0 for r in int8 if "ppl_change_pct" in r)
-    print(f"targets: int8 size <= 0.35x fp32: {'met' if met_size else 'NOT met'}; "
+    print(f"targets: int8 size <= 0.35x fp32, int4 <= 0.2x: {'met' if met_size else 'NOT met'}; "
           f"shakespeare-char perplexity change <= 2 %: {'met' if met_ppl else 'NOT met'}")
     write_json(args.out, rows, quick=args.quick, run=args.run or "default cache",
-               targets={"size_ratio": 0.35, "ppl_change_pct": 2.0}, met={"size": met_size, "ppl": met_ppl})
+               targets={"size_ratio": 0.35, "int4_size_ratio": 0.2, "ppl_change_pct": 2.0}, met={"size": met_size, "ppl": met_ppl})
     print(f"wrote {args.out}")
 
 

@@ -102,3 +102,35 @@ def test_window_generates_as_the_windowed_model_does(tmp_path, capsys):
     assert line == "the cat sat" + tok.decode(new.tolist())
     assert main(["generate", "--model", str(folder), "--prompt", "a", "--window", "0"]) == 2
     assert "window must be a positive int" in capsys.readouterr().err
+
+
+def test_int4_generates_as_the_quantised_model_does_and_checks_its_flags(tmp_path, capsys):
+    """``--int4`` decodes with :func:`attnlab.adapt.quantize` ``"int4"``'s model (the same tokens); ``--group-size``
+    is validated before the model loads and only with ``--int4``; ``--int4`` and ``--int8`` exclude each other."""
+    import pytest
+
+    from attnlab.adapt.quantize import quantize
+
+    folder = tmp_path / "gpt"
+    folder.mkdir()
+    vocab = _save_word_tokenizer(folder, WORDS, specials=["<unk>"])
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(vocab), n_positions=64, n_embd=64, n_layer=2, n_head=2)).save_pretrained(
+        folder)
+    assert main(["generate", "--model", str(folder), "--prompt", "the cat", "--max-new-tokens", "6", "--int4",
+                 "--group-size", "32"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "GPT2LMHeadModel, dtype int4 (weights in groups of 32)"
+    tok = load_tokenizer(folder)
+    model = quantize(GPT2LMHeadModel.from_pretrained(folder).eval(), "int4", group_size=32)
+    ids = torch.tensor([tok.encode("the cat")])
+    assert lines[1] == "the cat" + tok.decode(model.generate(ids, max_new_tokens=6, cache="dynamic")[0, 2:].tolist())
+    for argv, needle in [(["--int4", "--group-size", "48"], "--group-size must be a positive multiple of 32"),
+                         (["--group-size", "32"], "--group-size is --int4's"),
+                         (["--int4", "--dtype", "float32"], "--int4 runs on the CPU in place of --dtype")]:
+        assert main(["generate", "--model", str(folder), "--prompt", "the", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and needle in err, err
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(folder), "--prompt", "the", "--int4", "--int8"])
+    assert "not allowed with argument" in capsys.readouterr().err

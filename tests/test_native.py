@@ -51,6 +51,87 @@ def test_matvec_equals_the_float64_product(isa, kind, M, N, K):
 
 
 @needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
+@pytest.mark.parametrize("M,N,K,G", [(1, 300, 768, 64), (2, 65, 256, 32), (3, 17, 96, 32), (5, 9, 128, 128),
+                                     (4, 7, 512, 256), (1, 3, 32, 32), (6, 5, 4608, 64), (3, 4, 576, 192),
+                                     (2, 5, 160, 32), (1, 2, 192, 96), (17, 30, 224, 32), (40, 9, 768, 768)])
+def test_int4_matvec_equals_the_float64_product(isa, M, N, K, G):
+    """int4 weights in groups (uint8 nibbles, float32 (N, K / G) scales): whole blocks of 128 columns and a last
+    block of 1-3 runs of 32 (K = 96, 160, 224, 576), groups of one run, of whole blocks and across blocks (96, 192),
+    rows in fours, pairs and alone, and more rows than the kernel takes (17, 40: panels of the dequantised weight
+    through at::mm, float32 throughout). The bound: γ_K, one rounding each for the group scales and the bias, and
+    for the kernel's rows x's rounding to 16-bit integers."""
+    from attnlab.adapt.quantize import dequantize_groups, quantize_groups
+
+    gen = torch.Generator().manual_seed(M * 1000 + K + G)
+    x = torch.randn(M, K, generator=gen) * 2
+    w, s = quantize_groups(torch.randn(N, K, generator=gen) * 3, G)
+    b = torch.randn(N, generator=gen)
+    y = _native.matvec(x, w, s, b)
+    wd = dequantize_groups(w, s, K).double()
+    ref = x.double() @ wd.T + b.double()
+    bound = (K + 3) * EPS32 * (x.double().abs() @ wd.abs().T) + EPS32 * (b.double().abs() + ref.abs()) + 1e-12
+    if isa > 0 and M <= _native.INT4_ROWS:
+        bound = bound + x.abs().amax(dim=1, keepdim=True).double() / 32767 / 2 * wd.abs().sum(dim=1)
+    assert y.shape == (M, N) and y.dtype == torch.float32
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_integer_products_give_nan_for_a_row_that_is_not_finite(isa, kind):
+    """x is rounded to integers for int8 and int4 weights: a row holding a NaN or ±inf has no integer form, so its
+    outputs are NaN (as the float product's would be), never the integers' garbage; the other rows are untouched."""
+    from attnlab.adapt.quantize import quantize_groups, quantize_rows
+
+    w, s = quantize_rows(torch.randn(6, 128)) if kind == "int8" else quantize_groups(torch.randn(6, 128), 64)
+    x = torch.randn(4, 128)
+    clean = _native.matvec(x, w, s)
+    x[1, 5], x[2, 7] = float("nan"), float("-inf")
+    y = _native.matvec(x, w, s)
+    assert y[1].isnan().all() and not y[2].isfinite().any()
+    assert torch.equal(y[0], clean[0]) and torch.equal(y[3], clean[3])
+
+
+@needs_native
+def test_int4_dequantize_equals_pytorch_unpacking(monkeypatch):
+    """The kernel's dequantisation (embedding rows, the float weight) equals the PyTorch unpacking of the documented
+    layout bit for bit (each weight is one product d · q); its arguments are checked as matvec's."""
+    from attnlab.adapt.quantize import dequantize_groups, quantize_groups
+
+    w, s = quantize_groups(torch.randn(7, 352), 32)  # 2 whole blocks and 3 runs
+    native = _native.int4_dequantize(w, s, 352)
+    monkeypatch.setattr(_native, "available", lambda: False)
+    assert torch.equal(native, dequantize_groups(w, s, 352))
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="w must be uint8"):
+        _native.int4_dequantize(torch.zeros(7, 352), s, 352)
+    with pytest.raises(RuntimeError, match="K must be positive"):
+        _native.int4_dequantize(w, s, 0)
+    with pytest.raises(RuntimeError, match="i.e. \\(N, 192\\), got \\[7, 128\\]"):
+        _native.int4_dequantize(w[:, :128].contiguous(), s, 352)
+
+
+@needs_native
+def test_int4_matvec_errors_name_the_argument():
+    from attnlab.adapt.quantize import quantize_groups
+
+    x = torch.randn(2, 128)
+    w, s = quantize_groups(torch.randn(3, 128), 64)
+    for args, what in [((x, w), "an int4 w needs its group scales"),
+                       ((x, w, s.reshape(-1)), r"int4 w's scale must be a contiguous float32 \(N, K / G\) = \(3, K / G\)"),
+                       ((x, w[:, :32].contiguous(), s), r"w must be a contiguous \(N, ceil\(K / 128\) \* 64\) tensor with "
+                                                        r"K = 128, i.e. \(N, 64\), got \[3, 32\]"),
+                       ((x, w, torch.ones(3, 3)), "group size G that is a multiple of 32 up to 32768 and divides K = "
+                                                  "128, got 3 groups"),
+                       ((x, w, torch.ones(3, 8)), "got 8 groups"),
+                       ((x, w, s.double()), "contiguous float32")]:
+        with pytest.raises(RuntimeError, match=what):
+            _native.matvec(*args)
+
+
+@needs_native
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 def test_matvec_without_scale_or_bias_and_with_zero_rows(isa):
     x = torch.zeros(2, 40)

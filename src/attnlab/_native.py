@@ -1,7 +1,7 @@
 """attnlab's own C++ CPU kernels (``src/attnlab/csrc/``), built once per machine, with PyTorch's kernels as the fallback.
 
 :func:`matvec` is the few-row linear product of a decoding step, ``y = s ⊙ (x Wᵀ) + b`` with ``W`` in float32,
-bfloat16 or int8 (``s``: one scale per row), streamed at memory bandwidth (see ``csrc/matvec.cpp``), and
+bfloat16 or int8 (``s``: one scale per row), or int4 in groups, streamed at memory bandwidth (see ``csrc/matvec.cpp``), and
 :func:`gated_matvec` a gated FFN's two products and gate in one pass. :func:`rms_norm` and :func:`attend_decode`
 (``csrc/decode.cpp``) are the rest of a decoding step's layer in two calls: RMSNorm, and RoPE + the KV-cache
 write + the attention over the cache.
@@ -38,6 +38,7 @@ SOURCES = (CSRC / "matvec.cpp", CSRC / "decode.cpp", CSRC / "flash.cpp")  # comp
 # against 15.1 plain, int8 4 rows 6.1 against fbgemm's 4.1 (its 1-row product is slower): bf16 and int8 up to 4
 MAX_ROWS = 4
 MAX_ROWS_FP32 = 8
+INT4_ROWS = 16  # matvec.cpp's: an int4 product of more rows than this multiplies panels of the dequantised weight
 _ISA_CODES = {"AVX512": 2, "AVX2": 1}
 _ISA_NAMES = {2: "AVX-512", 1: "AVX2 + FMA", 0: "portable C++"}
 _state: dict = {}  # "loaded": bool, "why": str, "isa": int, and the loaded ops
@@ -81,7 +82,8 @@ def _load() -> None:
         _state.update(loaded=True, why="", op=ops.matvec.default, gated=ops.gated_matvec.default,
                       rms_norm=ops.rms_norm.default, decoder_step=ops.decoder_step.default,
                       attend_decode=ops.attend_decode.default, flash_forward=ops.flash_forward.default,
-                      flash_backward=ops.flash_backward.default, activate=ops.activate.default)
+                      flash_backward=ops.flash_backward.default, activate=ops.activate.default,
+                      int4_dequantize=ops.int4_dequantize.default)
         isa()
     except Exception as e:  # no compiler, no ninja, a failed build: PyTorch's kernels serve instead
         why = " ".join(str(e).split())  # the compiler's message is at the end
@@ -114,6 +116,9 @@ def isa() -> int:
 def matvec(x: Tensor, w: Tensor, scale: Optional[Tensor] = None, bias: Optional[Tensor] = None) -> Tensor:
     """``y[m, n] = s[n] · Σ_k W[n, k] x[m, k] + b[n]``: ``x (..., K)`` float32 (its rows m), ``w (N, K)`` float32 /
     bfloat16 / int8 (then ``scale (N,)`` float32 is required), ``bias (N,)`` float32; returns ``(..., N)`` float32.
+    int4 weights: ``w`` uint8 nibbles ``(N, ⌈K/128⌉·64)`` with their group scales ``scale (N, K / G)``
+    (:func:`attnlab.adapt.quantize.quantize_groups`); more rows than :data:`INT4_ROWS` run as panels of the
+    dequantised weight through ``at::mm``.
 
     The inputs must be contiguous CPU tensors (the op checks).
 
@@ -126,6 +131,17 @@ def matvec(x: Tensor, w: Tensor, scale: Optional[Tensor] = None, bias: Optional[
             raise RuntimeError(f"attnlab's native kernels are unavailable here: {_state['why']}")
         op = _state["op"]
     return op(x, w, scale, bias, _state["isa"])
+
+
+def int4_dequantize(w: Tensor, scale: Tensor, in_features: int) -> Tensor:
+    """The float32 ``(N, in_features)`` that int4 nibbles ``w (N, ⌈K/128⌉·64)`` uint8 and their group scales ``scale
+    (N, K / G)`` stand for (:func:`attnlab.adapt.quantize.quantize_groups`' layout), in parallel over the rows.
+
+    Raises:
+        RuntimeError: the native kernels are not :func:`available` (callers check that first).
+    """
+    _need()
+    return _state["int4_dequantize"](w, scale, in_features)
 
 
 GATES = {"glu": 0, "geglu": 1, "geglu_tanh": 2, "swiglu": 3}  # FeedForward's gated activations -> the op's code

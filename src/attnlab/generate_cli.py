@@ -4,7 +4,8 @@ encoder–decoder, from an HF-format folder, a Hub id or an ``attnlab train`` ru
 The model is loaded in float32 and given its inference layout (:meth:`optimize_for_inference`, decoder-only
 models) in ``--dtype`` — by default ``auto``: bfloat16 weights where this CPU computes bf16 natively and
 faster, float32 elsewhere (``attnlab env`` shows the choice; an emulated bf16 would be many times slower) —
-or int8 weights with ``--int8`` (:func:`attnlab.adapt.quantize`, dynamic int8 products).
+or int8 weights with ``--int8`` (:func:`attnlab.adapt.quantize`, dynamic int8 products), or int4 weights in groups
+of ``--group-size`` columns with ``--int4`` (weight-only; 0.56 bytes a weight at the default 64).
 Decoding is :func:`attnlab.generation.generate`: greedy by default, ``--do-sample`` with the common ``--seed``,
 ``--num-beams`` for beam search. Each prompt is decoded on its own (batch 1), so no padding changes a result.
 
@@ -31,6 +32,7 @@ EPILOG = """examples:
   attnlab generate --model runs/shakespeare-char --do-sample --temperature 0.8 --top-k 200 --max-new-tokens 200
   attnlab generate --model runs/multi30k-de-en --prompt "Ein Hund läuft durch den Schnee." --num-beams 4
   attnlab generate --model gpt2-dir --prompt "x" --window 256 --max-new-tokens 100000   # O(256) cache memory
+  attnlab generate --model gpt2-dir --prompt "Once upon a time" --int4                  # 4-bit weights
 --model is an HF-format folder (config.json, safetensors, tokenizer.json), a Hub id (org/name) or a run folder
 of `attnlab train shakespeare-char` / `multi30k-de-en`."""
 
@@ -52,8 +54,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=None,
                    help="decoder-only: sliding-window self-attention of this width, its KV cache a ring buffer "
                         "(O(window) memory however many tokens)")
-    p.add_argument("--int8", action="store_true",
-                   help="int8 weights and activations in every linear layer (CPU; instead of --dtype)")
+    quantised = p.add_mutually_exclusive_group()
+    quantised.add_argument("--int8", action="store_true",
+                           help="int8 weights and activations in every linear layer (CPU; instead of --dtype)")
+    quantised.add_argument("--int4", action="store_true",
+                           help="int4 weights in groups of --group-size columns in every linear layer and embedding "
+                                "(CPU; instead of --dtype)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="--int4's columns per scale, a multiple of 32 (default 64: smaller is closer to float, "
+                        "larger is smaller)")
 
 
 class _Load:
@@ -126,8 +135,14 @@ def main(args: argparse.Namespace) -> int:
     from attnlab.nn.inference import decode_weight_bytes
 
     device = args.device or "cpu"
-    if args.int8 and (args.dtype not in (None, "auto") or device != "cpu"):
-        raise ValueError("--int8 runs on the CPU in place of --dtype: give one of them")
+    flag = "--int8" if args.int8 else "--int4" if args.int4 else None
+    if flag and (args.dtype not in (None, "auto") or device != "cpu"):
+        raise ValueError(f"{flag} runs on the CPU in place of --dtype: give one of them")
+    if args.group_size is not None and not args.int4:
+        raise ValueError("--group-size is --int4's: give --int4 too")
+    if args.int4:
+        from attnlab.adapt.quantize import GROUP_SIZE, check_group_size
+        check_group_size(args.group_size or GROUP_SIZE, name="--group-size")  # before the model loads
     loaded = _Load(args, device)
     prompts = args.prompt if args.prompt is not None else [loaded.default_prompt]
     if prompts == [None]:
@@ -143,6 +158,10 @@ def main(args: argparse.Namespace) -> int:
     if args.int8:
         from attnlab.adapt.quantize import quantize
         model, label = quantize(model, "int8", inplace=True), "int8 (dynamic: int8 weights and activations)"
+    elif args.int4:
+        from attnlab.adapt.quantize import GROUP_SIZE, quantize
+        g = args.group_size or GROUP_SIZE
+        model, label = quantize(model, "int4", group_size=g, inplace=True), f"int4 (weights in groups of {g})"
     else:
         name, reason = resolve_dtype(args.dtype or "auto", device, name="--dtype")
         if hasattr(model, "optimize_for_inference"):

@@ -168,7 +168,8 @@ def export_onnx(model: nn.Module, path: PathLike, *, opset: Optional[int] = None
     """
     outputs = output_names(model)
     converted = sorted({type(m).__name__ for m in model.modules()
-                        if type(m).__name__ in ("Int8Linear", "Int8Embedding", "PackedLinear")})
+                        if type(m).__name__ in ("Int8Linear", "Int8Embedding", "Int4Linear", "Int4Embedding",
+                                                "PackedLinear")})
     if converted:  # their kernels (int8 matmuls, oneDNN's packed weights) have no ONNX form here
         raise ValueError(f"export_onnx: the model holds {', '.join(converted)} layers (from quantize() or "
                          "optimize_for_inference()); export the float model first, then quantise the ONNX file "

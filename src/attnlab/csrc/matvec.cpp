@@ -3,13 +3,23 @@
 //     y[m, n] = s[n] · Σ_k W[n, k] · x[m, k] + b[n]        (s = 1 without a scale, b = 0 without a bias)
 //
 // x: (..., K) float32 (M rows), W: (N, K) row-major in float32, bfloat16 or int8 (with s: one float32 scale per row),
-// y: (..., N) float32. Decoding one token reads every weight once and does 2 flops per weight, so the
+// or int4 in groups (below), y: (..., N) float32. Decoding one token reads every weight once and does 2 flops per weight, so the
 // product runs at the speed W streams from memory: the kernel reads each row of W in order, in vectors
 // (U of them in flight), converts them to float32 in registers (bf16: a 16-bit shift or a mask) and
 // multiplies them into every row of x (4, 2 or 1 at a time), accumulating in float32; the rows are split over
 // torch's intra-op threads. With float32 and bf16 weights x stays float32 (the weight is the only thing
 // rounded); with int8 weights each row of x is rounded to 16-bit integers (relative error ≤ 2⁻¹⁶ of the
 // row's largest |x|, finer than bf16) and the products run in integer arithmetic (madd), scaled at the end.
+//
+// int4 weights (uint8 W of (N, ⌈K/128⌉ · 64) bytes, s: float32 (N, K/G), one scale per group of G columns):
+//
+//     W[n, k] = s[n, k / G] · q[n, k],   q ∈ -8..7 (a two's-complement nibble)
+//
+// packed four to a 16-bit lane in blocks of 128 columns (64 bytes, 32 lanes): nibble r of lane t holds column
+// 32 r + t, so two shifts (left, then arithmetic right: the sign comes along) turn a block's lanes into four runs of
+// 32 consecutive columns, already 16-bit integers (no widening, nothing crosses a lane; AVX2 reads a block as two
+// halves of 16 lanes). G is a multiple of 32 that divides K. The products run as int8's (x in 16-bit integers,
+// madd), each group's int32 sums scaled into float32.
 //
 // attnlab::gated_matvec is a gated FFN's first half in one call: h = act(x W₁ᵀ ⊙ s₁ + b₁) ⊙ (x W₃ᵀ ⊙ s₃ + b₃), the
 // two products split over the threads together and each task gating the rows it computed.
@@ -21,6 +31,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <torch/library.h>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -32,6 +43,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -39,7 +51,7 @@
 
 namespace {
 
-enum Kind { F32, BF16, I8 };
+enum Kind { F32, BF16, I8, I4 };
 constexpr int U = 4;  // vectors of a row in flight (independent accumulators)
 constexpr int64_t FLUSH = 2048;  // int8: int32 sums moved to float32 this often (|sum| < 2048 · 127 · 32767 < 2³¹)
 
@@ -53,7 +65,19 @@ struct Job {
   const float* bias;   // nullptr: 0
   float* y;
   int64_t M, N, K;
+  const float* gs;  // int4 only: the group scales, (N, K / G); its `scale` is nullptr
+  int64_t G;
 };
+
+// int4: q[n, k] of a row of packed nibbles (layout above)
+inline int nibble(const uint8_t* row, int64_t k) {
+  const int64_t c = k % 128, r = c / 32;
+  const uint8_t b = row[(k / 128) * 64 + 2 * (c % 32) + r / 2];
+  const int u = r % 2 ? b >> 4 : b & 15;
+  return u >= 8 ? u - 16 : u;
+}
+inline int64_t int4_row_bytes(int64_t K) { return (K + 127) / 128 * 64; }
+constexpr int64_t INT4_MAX_GROUP = 32768;  // |Σ q x| of a group's lane < 2³¹ (8 · 32767 · 2 per pair, G / 32 pairs)
 
 template <int KIND>
 inline float load1(const void* w, int64_t i) {
@@ -86,7 +110,17 @@ inline float dot_tail(const Job& j, int64_t n, const float* x, int64_t k0) {
 template <int KIND>
 void rows_portable(const Job& j, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n)
-    for (int64_t m = 0; m < j.M; ++m) finish(j, m, n, dot_tail<KIND>(j, n, j.x + m * j.K, 0));
+    for (int64_t m = 0; m < j.M; ++m) {
+      if constexpr (KIND == I4) {
+        const uint8_t* w = static_cast<const uint8_t*>(j.w) + n * int4_row_bytes(j.K);
+        const float* x = j.x + m * j.K;
+        float acc = 0.f;
+        for (int64_t k = 0; k < j.K; ++k) acc += j.gs[n * (j.K / j.G) + k / j.G] * nibble(w, k) * x[k];
+        finish(j, m, n, acc);
+      } else {
+        finish(j, m, n, dot_tail<KIND>(j, n, j.x + m * j.K, 0));
+      }
+    }
 }
 
 #ifdef ATTNLAB_X86
@@ -118,6 +152,18 @@ struct V {
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
   }
   static inline I madd(I w16, const int16_t* x) { return _mm512_madd_epi16(w16, _mm512_loadu_si512(x)); }
+  // acc + the pairwise sums of w16 · x (int16 products, adjacent pairs summed into int32)
+  static inline I dot(I acc, I w16, const int16_t* x) { return _mm512_add_epi32(acc, madd(w16, x)); }
+  static inline F set1(float v) { return _mm512_set1_ps(v); }
+  // int4: a block's 32 lanes as four runs of 32 int16 weights q (run r: columns 32 r ..; C vectors each)
+  static constexpr int C = 1;
+  static inline void nibbles(const uint8_t* p, I (*w)[C]) {
+    const I v = _mm512_loadu_si512(p);
+    w[0][0] = _mm512_srai_epi16(_mm512_slli_epi16(v, 12), 12);
+    w[1][0] = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 12);
+    w[2][0] = _mm512_srai_epi16(_mm512_slli_epi16(v, 4), 12);
+    w[3][0] = _mm512_srai_epi16(v, 12);
+  }
 };
 #include "matvec_rows.h"
 }  // namespace avx512
@@ -154,11 +200,62 @@ struct V {
   static inline I madd(I w16, const int16_t* x) {
     return _mm256_madd_epi16(w16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
   }
+  static inline I dot(I acc, I w16, const int16_t* x) { return _mm256_add_epi32(acc, madd(w16, x)); }
+  static inline F set1(float v) { return _mm256_set1_ps(v); }
+  static constexpr int C = 2;
+  static inline void nibbles(const uint8_t* p, I (*w)[C]) {
+    for (int c = 0; c < C; ++c) {
+      const I v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * c));
+      w[0][c] = _mm256_srai_epi16(_mm256_slli_epi16(v, 12), 12);
+      w[1][c] = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 12);
+      w[2][c] = _mm256_srai_epi16(_mm256_slli_epi16(v, 4), 12);
+      w[3][c] = _mm256_srai_epi16(v, 12);
+    }
+  }
 };
 #include "matvec_rows.h"
 }  // namespace avx2
 #pragma GCC pop_options
 #endif  // ATTNLAB_X86
+
+// ---- int4 with many rows (a prompt): panels of W dequantised into a buffer that stays in cache, then at::mm -------
+constexpr int64_t INT4_ROWS = 16;  // more rows of x than this: panels (measured: attnlab._native.INT4_ROWS)
+
+// rows [n0, n0 + nb) of an int4 W as float32 into out (nb, K): W[n, k] = s[n, k / G] · q[n, k]
+void dequantize_int4(const uint8_t* w, const float* gs, int64_t K, int64_t G, int64_t n0, int64_t nb, float* out) {
+  const int64_t rb = int4_row_bytes(K), ng = K / G;
+  for (int64_t n = 0; n < nb; ++n) {
+    const uint8_t* row = w + (n0 + n) * rb;
+    for (int64_t k = 0; k < K; k += 32) {  // run r of a block: nibble r of its 32 lanes, a scale for the run
+      uint16_t lanes[32];
+      std::memcpy(lanes, row + (k / 128) * 64, sizeof lanes);
+      const int sh = 12 - 4 * static_cast<int>((k % 128) / 32);
+      const float sc = gs[(n0 + n) * ng + k / G];
+      float* o = out + n * K + k;
+      for (int t = 0; t < 32; ++t) o[t] = static_cast<float>(static_cast<int16_t>(lanes[t] << sh) >> 12) * sc;
+    }
+  }
+}
+
+void int4_panels(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                 const std::optional<at::Tensor>& bias, const at::Tensor& y, int64_t M, int64_t N, int64_t K) {
+  const int64_t rows = std::clamp<int64_t>((int64_t(1) << 16) / std::max<int64_t>(1, K), 8, 256);  // ~256 KiB
+  const at::Tensor x2 = x.reshape({M, K});
+  const at::Tensor y2 = y.view({M, N});
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* gs = scale.data_ptr<float>();
+  const int64_t G = K / scale.size(1);
+  at::parallel_for(0, (N + rows - 1) / rows, 1, [&](int64_t p0, int64_t p1) {  // (at::mm: one thread in here)
+    at::Tensor panel = at::empty({rows, K}, x.options());
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * rows, nb = std::min(rows, N - n0);
+      dequantize_int4(wp, gs, K, G, n0, nb, panel.data_ptr<float>());
+      at::Tensor part = at::mm(x2, panel.narrow(0, 0, nb).t());  // (M, nb)
+      if (bias) part.add_(bias->narrow(0, n0, nb));
+      y2.narrow(1, n0, nb).copy_(part);
+    }
+  });
+}
 
 // ---- the op ----------------------------------------------------------------------------------------------
 using RowsFn = void (*)(const Job&, int64_t, int64_t);
@@ -177,7 +274,13 @@ RowsFn pick(int64_t isa) {
 struct Prepared {
   at::Tensor xd, xq, xs;
   RowsFn fn;
+  std::vector<int64_t> nonfinite;  // int8 / int4: rows of x holding a NaN or ±inf (no integer stands for them)
 };
+
+// the rows of y whose x was not finite: NaN, as the float product would give (not the integers' garbage)
+void mark_nonfinite(const Prepared& p, float* y, int64_t N) {
+  for (const int64_t m : p.nonfinite) std::fill(y + m * N, y + (m + 1) * N, std::numeric_limits<float>::quiet_NaN());
+}
 
 Prepared prepare(const at::Tensor& x, at::ScalarType wt, int64_t M, int64_t K, int64_t isa) {
   Prepared p;
@@ -188,7 +291,7 @@ Prepared prepare(const at::Tensor& x, at::ScalarType wt, int64_t M, int64_t K, i
     for (int64_t m = 0; m < M; ++m)
       for (int64_t k = 0; k < K; ++k) dst[m * K + (k % 2) * (K / 2) + k / 2] = src[m * K + k];
   }
-  if (wt == at::kChar && isa > 0) {  // x ≈ xs[m] · xq[m], xq = round(x / xs), xs = max|x[m]| / 32767
+  if ((wt == at::kChar || wt == at::kByte) && isa > 0) {  // x ≈ xs[m] xq[m], xq = round(x / xs), xs = max|x[m]| / 32767
     p.xq = at::empty({M, K}, x.options().dtype(at::kShort));
     p.xs = at::empty({M}, x.options());
     const float* src = x.data_ptr<float>();
@@ -196,23 +299,36 @@ Prepared prepare(const at::Tensor& x, at::ScalarType wt, int64_t M, int64_t K, i
     float* sc = p.xs.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m) {
       float amax = 0.f;
-      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::abs(src[m * K + k]));
+      bool nan = false;
+      for (int64_t k = 0; k < K; ++k) {
+        const float a = std::abs(src[m * K + k]);
+        amax = std::max(amax, a);
+        nan |= a != a;
+      }
+      if (nan || std::isinf(amax)) {
+        p.nonfinite.push_back(m);
+        amax = 0.f;  // the row's integers: zeros, its outputs marked afterwards
+      }
       sc[m] = amax > 0.f ? amax / 32767.f : 1.f;
       const float inv = 1.f / sc[m];
-      for (int64_t k = 0; k < K; ++k) q[m * K + k] = static_cast<int16_t>(std::nearbyint(src[m * K + k] * inv));
+      for (int64_t k = 0; k < K; ++k)
+        q[m * K + k] = amax > 0.f ? static_cast<int16_t>(std::nearbyint(src[m * K + k] * inv)) : int16_t(0);
     }
   }
   p.fn = wt == at::kFloat      ? pick<F32>(isa)
          : wt == at::kBFloat16 ? pick<BF16>(p.xd.defined() ? isa : 0)
-                               : pick<I8>(isa);
+         : wt == at::kChar     ? pick<I8>(isa)
+                               : pick<I4>(isa);
   return p;
 }
 
 Job job(const Prepared& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale,
         const std::optional<at::Tensor>& bias, float* y, int64_t M, int64_t N, int64_t K) {
+  const bool i4 = w.scalar_type() == at::kByte;  // its scale: the group scales (check)
   return Job{w.data_ptr(), x.data_ptr<float>(), p.xd.defined() ? p.xd.data_ptr<float>() : nullptr,
              p.xq.defined() ? p.xq.data_ptr<int16_t>() : nullptr, p.xs.defined() ? p.xs.data_ptr<float>() : nullptr,
-             scale ? scale->data_ptr<float>() : nullptr, bias ? bias->data_ptr<float>() : nullptr, y, M, N, K};
+             scale && !i4 ? scale->data_ptr<float>() : nullptr, bias ? bias->data_ptr<float>() : nullptr, y, M, N, K,
+             i4 ? scale->data_ptr<float>() : nullptr, i4 ? K / scale->size(1) : 0};
 }
 
 // the checks of matvec's arguments; returns M (x's rows)
@@ -221,21 +337,33 @@ int64_t check(const char* op, const at::Tensor& x, const at::Tensor& w, const st
   ATTNLAB_CHECK(x.device().is_cpu() && w.device().is_cpu(), "attnlab::", op, ": x and w must be CPU tensors");
   ATTNLAB_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat && x.is_contiguous(), "attnlab::", op,
                 ": x must be a contiguous float32 (..., K) tensor, got ", x.sizes(), " ", x.scalar_type());
-  ATTNLAB_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(-1), "attnlab::", op,
-                ": w must be a contiguous (N, K) tensor with K = ", x.size(-1), ", got ", w.sizes());
   const auto wt = w.scalar_type();
-  ATTNLAB_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kChar, "attnlab::", op,
-                ": w must be float32, bfloat16 or int8, got ", wt);
-  ATTNLAB_CHECK(wt != at::kChar || scale.has_value(), "attnlab::", op, ": an int8 w needs its per-row scale");
-  const int64_t N = w.size(0), K = x.size(-1);
+  ATTNLAB_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kChar || wt == at::kByte, "attnlab::", op,
+                ": w must be float32, bfloat16, int8 or uint8 (int4 pairs), got ", wt);
+  const int64_t N = w.dim() == 2 ? w.size(0) : -1, K = x.size(-1);
+  const bool i4 = wt == at::kByte;
+  const int64_t width = i4 ? int4_row_bytes(K) : K;  // int4: two columns a byte, in blocks of 64
+  ATTNLAB_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == width, "attnlab::", op,
+                ": w must be a contiguous (N, ", i4 ? "ceil(K / 128) * 64" : "K", ") tensor with K = ", K, ", i.e. (N, ",
+                width, "), got ", w.sizes());
+  ATTNLAB_CHECK(!(wt == at::kChar || i4) || scale.has_value(), "attnlab::", op,
+                i4 ? ": an int4 w needs its group scales" : ": an int8 w needs its per-row scale");
   for (const auto* t : {&scale, &bias}) {
     if (t->has_value()) {
       const at::Tensor& v = **t;
-      ATTNLAB_CHECK(v.device().is_cpu() && v.dim() == 1 && v.size(0) == N && v.scalar_type() == at::kFloat &&
-                      v.is_contiguous(),
-                    "attnlab::", op, ": scale and bias must be contiguous float32 (N,) = (", N, ",) tensors, got ",
-                    v.sizes(), " ", v.scalar_type());
+      const bool groups = i4 && t == &scale;
+      ATTNLAB_CHECK(v.device().is_cpu() && v.dim() == (groups ? 2 : 1) && v.size(0) == N &&
+                      v.scalar_type() == at::kFloat && v.is_contiguous(),
+                    "attnlab::", op, groups ? ": an int4 w's scale must be a contiguous float32 (N, K / G) = (" :
+                    ": scale and bias must be contiguous float32 (N,) = (", N, groups ? ", K / G) tensor, got " :
+                    ",) tensors, got ", v.sizes(), " ", v.scalar_type());
     }
+  }
+  if (i4) {
+    const int64_t groups = scale->size(1), G = groups > 0 && K % groups == 0 ? K / groups : 0;
+    ATTNLAB_CHECK(G > 0 && G % 32 == 0 && G <= INT4_MAX_GROUP, "attnlab::", op, ": an int4 w's scale (N, K / G) must "
+                  "give a group size G that is a multiple of 32 up to ", INT4_MAX_GROUP, " and divides K = ", K, ", got ",
+                  groups, " groups");
   }
   return K ? x.numel() / K : 0;  // x's leading dims flattened
 }
@@ -247,7 +375,7 @@ at::Tensor output(const at::Tensor& x, int64_t N) {  // y: (..., N)
 }
 
 // ~256 KiB of weight per task at least: small matrices stay on one thread
-int64_t grain(int64_t K, int64_t bytes) { return std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, K * bytes)); }
+int64_t grain(int64_t row_bytes) { return std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, row_bytes)); }
 
 }  // namespace
 
@@ -258,9 +386,14 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& w, const std::optional<
   const int64_t M = check("matvec", x, w, scale, bias), N = w.size(0), K = x.size(-1);
   at::Tensor y = output(x, N);
   if (M == 0 || N == 0) return y.zero_();
+  if (w.scalar_type() == at::kByte && M > INT4_ROWS) {
+    int4_panels(x, w, *scale, bias, y, M, N, K);
+    return y;
+  }
   const Prepared p = prepare(x, w.scalar_type(), M, K, isa);
   const Job j = job(p, x, w, scale, bias, y.data_ptr<float>(), M, N, K);
-  at::parallel_for(0, N, grain(K, w.element_size()), [&](int64_t n0, int64_t n1) { p.fn(j, n0, n1); });
+  at::parallel_for(0, N, grain(w.size(1) * w.element_size()), [&](int64_t n0, int64_t n1) { p.fn(j, n0, n1); });
+  mark_nonfinite(p, y.data_ptr<float>(), N);
   return y;
 }
 
@@ -271,8 +404,9 @@ at::Tensor gated_matvec(const at::Tensor& x, const at::Tensor& w1, const std::op
                         const std::optional<at::Tensor>& b3, int64_t act, int64_t isa) {
   const int64_t M = check("gated_matvec", x, w1, s1, b1), N = w1.size(0), K = x.size(-1);
   check("gated_matvec", x, w3, s3, b3);
-  ATTNLAB_CHECK(w3.sizes() == w1.sizes() && w3.scalar_type() == w1.scalar_type(),
-                "attnlab::gated_matvec: w1 and w3 must have the same shape and dtype, got ", w1.sizes(), " ",
+  ATTNLAB_CHECK(w3.sizes() == w1.sizes() && w3.scalar_type() == w1.scalar_type() &&
+                  (w1.scalar_type() != at::kByte || s3->sizes() == s1->sizes()),
+                "attnlab::gated_matvec: w1 and w3 must have the same shape and dtype (int4: and groups), got ", w1.sizes(), " ",
                 w1.scalar_type(), " and ", w3.sizes(), " ", w3.scalar_type());
   ATTNLAB_CHECK(GLU <= act && act <= SILU, "attnlab::gated_matvec: act must be 0 (sigmoid), 1 (gelu), 2 (gelu_tanh) "
                 "or 3 (silu), got ", act);
@@ -282,23 +416,42 @@ at::Tensor gated_matvec(const at::Tensor& x, const at::Tensor& w1, const std::op
   const Prepared p = prepare(x, w1.scalar_type(), M, K, isa);
   const Job j1 = job(p, x, w1, s1, b1, y.data_ptr<float>(), M, N, K);
   const Job j3 = job(p, x, w3, s3, b3, y3.data_ptr<float>(), M, N, K);
-  at::parallel_for(0, N, grain(2 * K, w1.element_size()), [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N, grain(2 * w1.size(1) * w1.element_size()), [&](int64_t n0, int64_t n1) {
     p.fn(j1, n0, n1);
     p.fn(j3, n0, n1);
     for (int64_t m = 0; m < M; ++m) activate(act, j1.y + m * N + n0, j3.y + m * N + n0, n1 - n0, isa);
   });
+  mark_nonfinite(p, y.data_ptr<float>(), N);
   return y;
+}
+
+// the float32 (N, K) that an int4 w (N, ⌈K/128⌉ · 64) and its group scales (N, K / G) stand for
+at::Tensor int4_dequantize(const at::Tensor& w, const at::Tensor& scale, int64_t K) {
+  ATTNLAB_CHECK(K > 0, "attnlab::int4_dequantize: K must be positive, got ", K);
+  ATTNLAB_CHECK(w.scalar_type() == at::kByte, "attnlab::int4_dequantize: w must be uint8 (int4 pairs), got ",
+                w.scalar_type());
+  const at::Tensor x = at::empty({1, K}, scale.options().dtype(at::kFloat));  // (check wants an x of K columns)
+  check("int4_dequantize", x, w, scale, std::nullopt);
+  const int64_t N = w.size(0);
+  at::Tensor out = at::empty({N, K}, scale.options());
+  const int64_t G = K / scale.size(1);
+  at::parallel_for(0, N, std::max<int64_t>(1, (int64_t(1) << 14) / K), [&](int64_t n0, int64_t n1) {
+    dequantize_int4(w.data_ptr<uint8_t>(), scale.data_ptr<float>(), K, G, n0, n1 - n0, out.data_ptr<float>() + n0 * K);
+  });
+  return out;
 }
 
 }  // namespace attnlab_native
 
 TORCH_LIBRARY(attnlab, m) {
   m.def("matvec(Tensor x, Tensor w, Tensor? scale, Tensor? bias, int isa) -> Tensor");
+  m.def("int4_dequantize(Tensor w, Tensor scale, int K) -> Tensor");
   m.def("gated_matvec(Tensor x, Tensor w1, Tensor? s1, Tensor? b1, Tensor w3, Tensor? s3, Tensor? b3, int act, "
         "int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
   m.impl("matvec", &attnlab_native::matvec);
+  m.impl("int4_dequantize", &attnlab_native::int4_dequantize);
   m.impl("gated_matvec", &attnlab_native::gated_matvec);
 }

@@ -2,7 +2,8 @@
 // included inside that set's `#pragma GCC target` region and namespace. Uses Job, Kind, U, FLUSH, finish and
 // dot_tail from matvec.cpp.
 //
-// row<KIND, NX>(j, n, m): y[m .. m + NX - 1, n] from row n of W, read once, in order, with UX vectors in flight,
+// row<KIND, NX>(j, n, m): y[m .. m + NX - 1, n] from row n of W, read once, in order, with UX vectors in flight
+// (int4: a block of 128 columns at a time),
 // each weight vector multiplied into NX rows of x (1, 2 or 4; UX · NX accumulators fit the registers); columns
 // past the last whole vector go through dot_tail.
 
@@ -78,6 +79,51 @@ inline void row(const Job& j, int64_t n, int64_t m) {
       for (int u = 1; u < UX; ++u) a[i][0] = V::add(a[i][0], a[i][u]);
       s[i] = V::sum(a[i][0]);
     }
+  } else if constexpr (KIND == I4) {  // blocks of 128 columns, four runs of 32: int8's products, scaled per group
+    kv = K;
+    const uint8_t* w = static_cast<const uint8_t*>(j.w) + n * int4_row_bytes(K);
+    const float* gs = j.gs + n * (K / j.G);
+    const int16_t* q = j.xq + m * K;
+    constexpr int C = V::C, FA = NX == 4 ? 2 : 4;  // float accumulators a row (FMA chains in flight)
+    F f[NX][FA];
+    I a[NX][2];  // int32 sums of the group, even and odd runs (two dot chains in flight)
+    for (int i = 0; i < NX; ++i) {
+      a[i][0] = a[i][1] = V::izero();
+      for (int u = 0; u < FA; ++u) f[i][u] = V::zero();
+    }
+    int64_t left = j.G, g = 0;  // columns left in group g
+    // run r (columns k + 32 r ..) of the weights wv into a; a group's int32 sums (exact) into f, scaled, at its end
+    auto run = [&](const I* wv, int r, int64_t k) __attribute__((always_inline)) {
+      for (int i = 0; i < NX; ++i) {
+        const int16_t* xr = q + i * K + k + 32 * r;
+        for (int c = 0; c < C; ++c) a[i][r % 2] = V::dot(a[i][r % 2], wv[c], xr + c * 2 * L);
+      }
+      if ((left -= 32) == 0) {
+        const F sc = V::set1(gs[g++]);
+        for (int i = 0; i < NX; ++i) {
+          f[i][r % FA] = V::fma(V::to_float(V::iadd(a[i][0], a[i][1])), sc, f[i][r % FA]);
+          a[i][0] = a[i][1] = V::izero();
+        }
+        left = j.G;
+      }
+    };
+    const int64_t kb = K - K % 128;  // whole blocks: the four runs unrolled (the weights stay in registers)
+    for (int64_t k = 0; k < kb; k += 128) {
+      prefetch_ahead<false>(w + k / 2, 64);
+      I wv[4][C];
+      V::nibbles(w + k / 2, wv);
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) run(wv[r], r, k);
+    }
+    if (kb < K) {  // a last block of 1-3 runs
+      I wv[4][C];
+      V::nibbles(w + kb / 2, wv);
+      for (int r = 0; r < (K - kb) / 32; ++r) run(wv[r], r, kb);
+    }
+    for (int i = 0; i < NX; ++i) {
+      for (int u = 1; u < FA; ++u) f[i][0] = V::add(f[i][0], f[i][u]);
+      s[i] = V::sum(f[i][0]) * j.xs[m + i];
+    }
   } else {  // int8: integer products with x's int16 copy j.xq, moved to float32 every FLUSH columns
     const int8_t* w = static_cast<const int8_t*>(j.w) + n * K;
     const int16_t* q = j.xq + m * K;
@@ -95,12 +141,12 @@ inline void row(const Job& j, int64_t n, int64_t m) {
         prefetch_ahead<false>(w + k, UX * P);
         for (int u = 0; u < UX; ++u) {
           const I wv = V::widen_i8(w + k + u * P);
-          for (int i = 0; i < NX; ++i) a[i][u] = V::iadd(a[i][u], V::madd(wv, q + i * K + k + u * P));
+          for (int i = 0; i < NX; ++i) a[i][u] = V::dot(a[i][u], wv, q + i * K + k + u * P);
         }
       }
       for (; k < end; k += P) {
         const I wv = V::widen_i8(w + k);
-        for (int i = 0; i < NX; ++i) a[i][0] = V::iadd(a[i][0], V::madd(wv, q + i * K + k));
+        for (int i = 0; i < NX; ++i) a[i][0] = V::dot(a[i][0], wv, q + i * K + k);
       }
       for (int i = 0; i < NX; ++i) {
         for (int u = 1; u < UX; ++u) a[i][0] = V::iadd(a[i][0], a[i][u]);
@@ -109,7 +155,13 @@ inline void row(const Job& j, int64_t n, int64_t m) {
     }
     for (int i = 0; i < NX; ++i) s[i] = V::sum(f[i]) * j.xs[m + i];
   }
-  for (int i = 0; i < NX; ++i) finish(j, m + i, n, s[i] + dot_tail<KIND>(j, n, j.x + (m + i) * K, kv));
+  for (int i = 0; i < NX; ++i) {
+    if constexpr (KIND == I4) {
+      finish(j, m + i, n, s[i]);  // (no tail: K is a whole number of groups)
+    } else {
+      finish(j, m + i, n, s[i] + dot_tail<KIND>(j, n, j.x + (m + i) * K, kv));
+    }
+  }
 }
 
 template <int KIND>

@@ -264,7 +264,7 @@ class InferenceLayoutMixin:
 
 
 def decode_weight_bytes(model: nn.Module) -> int:
-    """Bytes of weights one decoding step reads: every linear layer's weights (packed, int8 rows and their
+    """Bytes of weights one decoding step reads: every linear layer's weights (packed, int8 or int4 rows and their
     scales, or plain), one row of each embedding table (the tied LM head reads the table whole, as a linear
     layer), and every other parameter once; tensors shared by several modules count once.
 
@@ -288,8 +288,9 @@ def decode_weight_bytes(model: nn.Module) -> int:
             else:  # plain: perhaps an embedding's table (a tied head), counted once
                 add(m.weight_)
             add(m.bias_)
-        elif hasattr(m, "weight_int8"):  # attnlab.adapt.quantize's Int8Linear: int8 rows and their scales
-            add(m.weight_int8), add(m.weight_scale), add(getattr(m, "bias", None))
+        elif hasattr(m, "weight_int8") or hasattr(m, "weight_int4"):  # attnlab.adapt.quantize's Int8/Int4Linear
+            add(getattr(m, "weight_int8", None)), add(getattr(m, "weight_int4", None)), add(m.weight_scale)
+            add(getattr(m, "bias", None))
     for m in model.modules():
         if isinstance(m, nn.Embedding):
             add(m.weight, m.weight.shape[1] * m.weight.element_size())  # one row
