@@ -54,11 +54,12 @@ def test_matvec_equals_the_float64_product(isa, kind, M, N, K):
 @pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
 @pytest.mark.parametrize("M,N,K,G", [(1, 300, 768, 64), (2, 65, 256, 32), (3, 17, 96, 32), (5, 9, 128, 128),
                                      (4, 7, 512, 256), (1, 3, 32, 32), (6, 5, 4608, 64), (3, 4, 576, 192),
-                                     (2, 5, 160, 32), (1, 2, 192, 96), (17, 30, 224, 32), (40, 9, 768, 768)])
+                                     (2, 5, 160, 32), (1, 2, 192, 96), (17, 30, 224, 32), (65, 30, 224, 32),
+                                     (100, 9, 768, 768)])
 def test_int4_matvec_equals_the_float64_product(isa, M, N, K, G):
     """int4 weights in groups (uint8 nibbles, float32 (N, K / G) scales): whole blocks of 128 columns and a last
     block of 1-3 runs of 32 (K = 96, 160, 224, 576), groups of one run, of whole blocks and across blocks (96, 192),
-    rows in fours, pairs and alone, and more rows than the kernel takes (17, 40: panels of the dequantised weight
+    rows in fours, pairs and alone, and more rows than the kernel takes (65, 100: panels of the dequantised weight
     through at::mm, float32 throughout). The bound: γ_K, one rounding each for the group scales and the bias, and
     for the kernel's rows x's rounding to 16-bit integers."""
     from attnlab.adapt.quantize import dequantize_groups, quantize_groups

@@ -182,7 +182,7 @@ def test_int4_linear_equals_the_dequantised_linear(native, monkeypatch):
     q4 = Int4Linear.from_linear(lin, group_size=32)
     wd = q4.weight.double()
     assert torch.equal(q4.weight, dequantize_groups(q4.weight_int4, q4.weight_scale, 160))
-    for rows in (3, 40):
+    for rows in (3, 80):
         x = torch.randn(rows, 160)
         ref = x.double() @ wd.T + lin.bias.double()
         bound = 162 * 2.0**-24 * (x.double().abs() @ wd.abs().T + lin.bias.double().abs()) + 1e-12
@@ -207,7 +207,7 @@ def test_int4_model_equals_the_dequantised_model(family, make_gpt2, make_llama, 
     for name, m in ref.named_modules():
         if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
             m.weight.copy_(q.get_submodule(name).weight)
-    long_ids = torch.cat([ids, ids], dim=1)  # 24 positions: more rows than the decoding kernel takes
+    long_ids = torch.cat([ids] * 3, dim=1)  # 2 × 36 positions: more rows than the decoding kernel takes
     got, want = q(long_ids).logits, ref(long_ids).logits
     assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item())
     assert torch.equal(q.generate(ids[:, :4], max_new_tokens=6), ref.generate(ids[:, :4], max_new_tokens=6))

@@ -31,6 +31,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/mm.h>
 #include <torch/library.h>
 
@@ -155,6 +156,12 @@ struct V {
   // acc + the pairwise sums of w16 · x (int16 products, adjacent pairs summed into int32)
   static inline I dot(I acc, I w16, const int16_t* x) { return _mm512_add_epi32(acc, madd(w16, x)); }
   static inline F set1(float v) { return _mm512_set1_ps(v); }
+  // 2L int16 as float32, times sc, to out[0 .. 2L)
+  static inline void store_scaled(I w16, F sc, float* out) {
+    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(w16))), sc));
+    _mm512_storeu_ps(out + L,
+                     _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(w16, 1))), sc));
+  }
   // int4: a block's 32 lanes as four runs of 32 int16 weights q (run r: columns 32 r ..; C vectors each)
   static constexpr int C = 1;
   static inline void nibbles(const uint8_t* p, I (*w)[C]) {
@@ -202,6 +209,11 @@ struct V {
   }
   static inline I dot(I acc, I w16, const int16_t* x) { return _mm256_add_epi32(acc, madd(w16, x)); }
   static inline F set1(float v) { return _mm256_set1_ps(v); }
+  static inline void store_scaled(I w16, F sc, float* out) {
+    _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(w16))), sc));
+    _mm256_storeu_ps(out + L,
+                     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(w16, 1))), sc));
+  }
   static constexpr int C = 2;
   static inline void nibbles(const uint8_t* p, I (*w)[C]) {
     for (int c = 0; c < C; ++c) {
@@ -218,43 +230,55 @@ struct V {
 #pragma GCC pop_options
 #endif  // ATTNLAB_X86
 
-// ---- int4 with many rows (a prompt): panels of W dequantised into a buffer that stays in cache, then at::mm -------
-constexpr int64_t INT4_ROWS = 16;  // more rows of x than this: panels (measured: attnlab._native.INT4_ROWS)
+// ---- int4 with many rows (a prompt): W dequantised in panels of rows (≤ 16 MiB of float32), each multiplied by at::mm
+constexpr int64_t INT4_ROWS = 64;  // more rows of x than this: panels (attnlab._native.INT4_ROWS, measured there)
 
-// rows [n0, n0 + nb) of an int4 W as float32 into out (nb, K): W[n, k] = s[n, k / G] · q[n, k]
-void dequantize_int4(const uint8_t* w, const float* gs, int64_t K, int64_t G, int64_t n0, int64_t nb, float* out) {
-  const int64_t rb = int4_row_bytes(K), ng = K / G;
-  for (int64_t n = 0; n < nb; ++n) {
-    const uint8_t* row = w + (n0 + n) * rb;
-    for (int64_t k = 0; k < K; k += 32) {  // run r of a block: nibble r of its 32 lanes, a scale for the run
-      uint16_t lanes[32];
-      std::memcpy(lanes, row + (k / 128) * 64, sizeof lanes);
-      const int sh = 12 - 4 * static_cast<int>((k % 128) / 32);
-      const float sc = gs[(n0 + n) * ng + k / G];
-      float* o = out + n * K + k;
-      for (int t = 0; t < 32; ++t) o[t] = static_cast<float>(static_cast<int16_t>(lanes[t] << sh) >> 12) * sc;
-    }
-  }
+// int4: row n's weights as float32, W[n, k] = s[n, k / G] · q[n, k] (the vector versions: matvec_rows.h)
+void dequantize_row_portable(const uint8_t* w, const float* gs, int64_t K, int64_t G, float* out) {
+  for (int64_t k = 0; k < K; ++k) out[k] = gs[k / G] * static_cast<float>(nibble(w, k));
+}
+
+using DequantizeFn = void (*)(const uint8_t*, const float*, int64_t, int64_t, float*);
+DequantizeFn pick_dequantize(int64_t isa) {
+#ifdef ATTNLAB_X86
+  if (isa >= 2) return avx512::dequantize_row;
+  if (isa == 1) return avx2::dequantize_row;
+#endif
+  return dequantize_row_portable;
+}
+
+// rows [n0, n0 + nb) of an int4 W (N, ⌈K/128⌉ · 64) with its group scales (N, K / G) as float32 into out (nb, K)
+void dequantize_int4(const at::Tensor& w, const at::Tensor& scale, int64_t K, int64_t n0, int64_t nb, float* out,
+                     int64_t isa) {
+  const int64_t G = K / scale.size(1), rb = int4_row_bytes(K), ng = scale.size(1);
+  const DequantizeFn fn = pick_dequantize(isa);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* gs = scale.data_ptr<float>();
+  at::parallel_for(0, nb, std::max<int64_t>(1, (int64_t(1) << 14) / K), [&](int64_t a, int64_t b) {
+    for (int64_t n = a; n < b; ++n) fn(wp + (n0 + n) * rb, gs + (n0 + n) * ng, K, G, out + n * K);
+  });
 }
 
 void int4_panels(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                 const std::optional<at::Tensor>& bias, const at::Tensor& y, int64_t M, int64_t N, int64_t K) {
-  const int64_t rows = std::clamp<int64_t>((int64_t(1) << 16) / std::max<int64_t>(1, K), 8, 256);  // ~256 KiB
+                 const std::optional<at::Tensor>& bias, const at::Tensor& y, int64_t M, int64_t N, int64_t K,
+                 int64_t isa) {
+  const int64_t rows = std::min(N, std::max<int64_t>(64, (int64_t(1) << 22) / K));
   const at::Tensor x2 = x.reshape({M, K});
-  const at::Tensor y2 = y.view({M, N});
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const float* gs = scale.data_ptr<float>();
-  const int64_t G = K / scale.size(1);
-  at::parallel_for(0, (N + rows - 1) / rows, 1, [&](int64_t p0, int64_t p1) {  // (at::mm: one thread in here)
-    at::Tensor panel = at::empty({rows, K}, x.options());
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * rows, nb = std::min(rows, N - n0);
-      dequantize_int4(wp, gs, K, G, n0, nb, panel.data_ptr<float>());
-      at::Tensor part = at::mm(x2, panel.narrow(0, 0, nb).t());  // (M, nb)
+  at::Tensor y2 = y.view({M, N});
+  at::Tensor panel = at::empty({rows, K}, x.options());
+  for (int64_t n0 = 0; n0 < N; n0 += rows) {
+    const int64_t nb = std::min(rows, N - n0);
+    dequantize_int4(w, scale, K, n0, nb, panel.data_ptr<float>(), isa);
+    const at::Tensor wt = panel.narrow(0, 0, nb).t();
+    if (nb == N) {  // one panel: straight into y
+      if (bias) at::addmm_out(y2, *bias, x2, wt);
+      else at::mm_out(y2, x2, wt);
+    } else {
+      at::Tensor part = at::mm(x2, wt);  // (M, nb)
       if (bias) part.add_(bias->narrow(0, n0, nb));
       y2.narrow(1, n0, nb).copy_(part);
     }
-  });
+  }
 }
 
 // ---- the op ----------------------------------------------------------------------------------------------
@@ -387,7 +411,7 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& w, const std::optional<
   at::Tensor y = output(x, N);
   if (M == 0 || N == 0) return y.zero_();
   if (w.scalar_type() == at::kByte && M > INT4_ROWS) {
-    int4_panels(x, w, *scale, bias, y, M, N, K);
+    int4_panels(x, w, *scale, bias, y, M, N, K, isa);
     return y;
   }
   const Prepared p = prepare(x, w.scalar_type(), M, K, isa);
@@ -426,18 +450,14 @@ at::Tensor gated_matvec(const at::Tensor& x, const at::Tensor& w1, const std::op
 }
 
 // the float32 (N, K) that an int4 w (N, ⌈K/128⌉ · 64) and its group scales (N, K / G) stand for
-at::Tensor int4_dequantize(const at::Tensor& w, const at::Tensor& scale, int64_t K) {
+at::Tensor int4_dequantize(const at::Tensor& w, const at::Tensor& scale, int64_t K, int64_t isa) {
   ATTNLAB_CHECK(K > 0, "attnlab::int4_dequantize: K must be positive, got ", K);
   ATTNLAB_CHECK(w.scalar_type() == at::kByte, "attnlab::int4_dequantize: w must be uint8 (int4 pairs), got ",
                 w.scalar_type());
   const at::Tensor x = at::empty({1, K}, scale.options().dtype(at::kFloat));  // (check wants an x of K columns)
   check("int4_dequantize", x, w, scale, std::nullopt);
-  const int64_t N = w.size(0);
-  at::Tensor out = at::empty({N, K}, scale.options());
-  const int64_t G = K / scale.size(1);
-  at::parallel_for(0, N, std::max<int64_t>(1, (int64_t(1) << 14) / K), [&](int64_t n0, int64_t n1) {
-    dequantize_int4(w.data_ptr<uint8_t>(), scale.data_ptr<float>(), K, G, n0, n1 - n0, out.data_ptr<float>() + n0 * K);
-  });
+  at::Tensor out = at::empty({w.size(0), K}, scale.options());
+  dequantize_int4(w, scale, K, 0, w.size(0), out.data_ptr<float>(), isa);
   return out;
 }
 
@@ -445,7 +465,7 @@ at::Tensor int4_dequantize(const at::Tensor& w, const at::Tensor& scale, int64_t
 
 TORCH_LIBRARY(attnlab, m) {
   m.def("matvec(Tensor x, Tensor w, Tensor? scale, Tensor? bias, int isa) -> Tensor");
-  m.def("int4_dequantize(Tensor w, Tensor scale, int K) -> Tensor");
+  m.def("int4_dequantize(Tensor w, Tensor scale, int K, int isa) -> Tensor");
   m.def("gated_matvec(Tensor x, Tensor w1, Tensor? s1, Tensor? b1, Tensor w3, Tensor? s3, Tensor? b3, int act, "
         "int isa) -> Tensor");
 }

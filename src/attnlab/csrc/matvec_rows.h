@@ -176,3 +176,18 @@ void rows(const Job& j, int64_t n0, int64_t n1) {
     if (m < j.M) row<KIND, 1>(j, n, m);
   }
 }
+
+// int4: row n's K weights as float32 into out, W[n, k] = s[n, k / G] · q[n, k] (a prompt's panels, embedding rows)
+inline void dequantize_row(const uint8_t* w, const float* gs, int64_t K, int64_t G, float* out) {
+  using I = typename V::I;
+  constexpr int C = V::C;
+  for (int64_t k = 0; k < K; k += 128) {
+    I wv[4][C];
+    V::nibbles(w + k / 2, wv);
+    const int runs = static_cast<int>(std::min<int64_t>(4, (K - k) / 32));
+    for (int r = 0; r < runs; ++r) {
+      const typename V::F sc = V::set1(gs[(k + 32 * r) / G]);
+      for (int c = 0; c < C; ++c) V::store_scaled(wv[r][c], sc, out + k + 32 * r + c * 2 * V::L);
+    }
+  }
+}
