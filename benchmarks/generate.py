@@ -18,7 +18,10 @@ prompt / that time; decode tokens/s = batch · 127 / (whole call − prefill). O
   where it is built; oneDNN's packed inner product otherwise), prefill by ``F.linear``;
 - ``bfloat16`` (only where the CPU computes it natively): weight-only bf16, compared with transformers **fp32**;
 - ``int8``: :func:`attnlab.adapt.quantize` ``"int8"``: int8 weights; decoding steps in attnlab's int8 matvec
-  (activations rounded to int16 per row), prefill in fbgemm's dynamic int8 (activations uint8).
+  (activations rounded to int16 per row), prefill in fbgemm's dynamic int8 (activations uint8);
+- ``int4``: :func:`attnlab.adapt.quantize` ``"int4"``: int4 weights in groups of 64 (embeddings too); decoding
+  steps in attnlab's int4 matvec (activations rounded to int16 per row), prefill on panels of the dequantised
+  weights (float32). CTranslate2 has no int4 on the CPU: its columns in this row are CTranslate2's int8.
 
 ``ATTNLAB_NATIVE=0`` runs ours without attnlab's C++ kernels (PyTorch's only), for the same table before them.
 
@@ -42,7 +45,8 @@ and int8 rows): the fraction of transformers' greedy positions where the model, 
 forcing), ranks the same token first.
 
 Targets, both families. ``b1 p32``: fp32 ≥ 1.25× transformers, ≥ 1.0× CTranslate2 fp32, ≥ 75 % of the bound;
-bf16 ≥ 2.2× transformers fp32; int8 ≥ 3× our fp32 and ≥ 1.5× CTranslate2 int8. ``b8 p32`` and ``b1 p512``
+bf16 ≥ 2.2× transformers fp32; int8 ≥ 3× our fp32 and ≥ 1.5× CTranslate2 int8; int4 (ours: it pays only if
+it beats our int8) ≥ 1.0× our int8 (``x_our_int8``). ``b8 p32`` and ``b1 p512``
 (no loss hidden by the single-stream win): ≥ 1.0× transformers fp32 and ≥ 1.0× CTranslate2 (same dtype) in
 tokens/s; ``b1 p512`` also in prefill tokens/s.
 
@@ -69,11 +73,12 @@ from attnlab.nn.inference import decode_weight_bytes as weight_bytes  # noqa: E4
 NEW = 128
 SCENARIOS = {"b1 p32": (1, 32), "b8 p32": (8, 32), "b1 p512": (1, 512)}  # (batch, prompt)
 SINGLE_STREAM = {"float32": {"ratio": 1.25, "ratio_ct2": 1.0, "pct_of_bound": 75.0},
-                 "bfloat16": {"ratio": 2.2}, "int8": {"x_our_fp32": 3.0, "ratio_ct2": 1.5}}
+                 "bfloat16": {"ratio": 2.2}, "int8": {"x_our_fp32": 3.0, "ratio_ct2": 1.5}, "int4": {"x_our_int8": 1.0}}
 NO_LOSS = {"ratio": 1.0, "ratio_ct2": 1.0}
 PREFILL_NO_LOSS = {"prefill_ratio": 1.0, "prefill_ratio_ct2": 1.0}
 COLUMNS = ["scenario", "dtype", "ours_tok_s", "theirs_fp32_tok_s", "ratio", "ct2_tok_s", "ratio_ct2",
-           "prefill_tok_s", "prefill_ratio", "prefill_ratio_ct2", "decode_tok_s", "x_our_fp32", "pct_of_bound",
+           "prefill_tok_s", "prefill_ratio", "prefill_ratio_ct2", "decode_tok_s", "x_our_fp32", "x_our_int8",
+           "pct_of_bound",
            "met", "tokens_equal_theirs", "ct2_tokens_equal_theirs", "top1_agree_fp32"]
 BOUND_COLUMNS = ["scenario", "dtype", "ms_per_step", "weight_mb", "kv_mb", "copy_gbs", "bound_ms", "pct_of_bound"]
 
@@ -86,7 +91,7 @@ def targets(scenario: str, dtype: str) -> dict[str, float]:
 
 
 def our_models(fam: Family, no_bf16: bool) -> dict[str, torch.nn.Module]:
-    """Our fp32, bf16 (native only, unless ``no_bf16``) and int8 models, from the loaded fp32 one."""
+    """Our fp32, bf16 (native only, unless ``no_bf16``), int8 and int4 models, from the loaded fp32 one."""
     import copy
 
     from attnlab._runtime import resolve_dtype
@@ -100,6 +105,7 @@ def our_models(fam: Family, no_bf16: bool) -> dict[str, torch.nn.Module]:
     elif not no_bf16:
         print(f"{fam.name}: bfloat16 row skipped: {reason} (emulated bf16 is many times slower; auto chooses fp32)")
     ours["int8"] = quantize(base, "int8")  # a copy whose Int8Linear layers replace nn.Linear
+    ours["int4"] = quantize(base, "int4")  # Int4Linear and Int4Embedding, groups of 64
     return ours
 
 
@@ -130,7 +136,8 @@ def scenario_rows(fam: Family, ours: dict, scenario: str, new: int, ms: dict, co
 
     rows = []
     for dt, m in ours.items():
-        peer = f"ct2 {dt}" if dt in fam.ct2 else None
+        ct2_dt = "int8" if dt == "int4" else dt  # (CTranslate2 has no int4 on the CPU)
+        peer = f"ct2 {ct2_dt}" if ct2_dt in fam.ct2 else None
         ct2_ms, ct2_prefill = (ms[peer], ms[f"{peer} prefill"]) if peer else (None, None)
         step_ms = (ms[dt] - ms[f"{dt} prefill"]) / (new - 1)
         bound_ms = weight_bytes(m) / (bw * 1e9) * 1e3
@@ -143,6 +150,7 @@ def scenario_rows(fam: Family, ours: dict, scenario: str, new: int, ms: dict, co
                "prefill_ratio": ms["theirs prefill"] / ms[f"{dt} prefill"],
                "prefill_ratio_ct2": over(ct2_prefill, ms[f"{dt} prefill"]),
                "decode_tok_s": per_s(B, step_ms) if step_ms > 0 else None, "x_our_fp32": ms["float32"] / ms[dt],
+               "x_our_int8": ms["int8"] / ms[dt] if dt == "int4" else None,
                "ms_per_step": step_ms, "weight_mb": weight_bytes(m) / 1e6,
                "kv_mb": fam.kv_bytes(B, P + new / 2) / 1e6, "copy_gbs": bw, "bound_ms": bound_ms,
                "pct_of_bound": 100 * bound_ms / step_ms if step_ms > 0 else None,
@@ -150,7 +158,7 @@ def scenario_rows(fam: Family, ours: dict, scenario: str, new: int, ms: dict, co
         if dt != "float32":
             row["top1_agree_fp32"] = top1_agreement(m, ref, ref[:, P:])
         if peer:
-            row["ct2_tokens_equal_theirs"] = bool(torch.equal(run_ct2(fam.ct2[dt], fam.names, ids, new), ref))
+            row["ct2_tokens_equal_theirs"] = bool(torch.equal(run_ct2(fam.ct2[ct2_dt], fam.names, ids, new), ref))
         row["targets"] = {k: v for k, v in targets(scenario, dt).items() if row[k] is not None}
         row["met"] = all(row[k] >= v for k, v in row["targets"].items())
         rows.append(row)

@@ -35,7 +35,7 @@ def test_rows_cover_families_scenarios_and_dtypes(data):
     keys = [(r["family"], r["scenario"], r["batch"], r["prompt"], r["dtype"]) for r in data["rows"]]
     assert keys == [(f, s, b, p, dt) for f in ("gpt2", "llama")
                     for s, b, p in (("b1 p32", 1, 32), ("b8 p32", 8, 32), ("b1 p512", 1, 512))
-                    for dt in ("float32", "int8")]
+                    for dt in ("float32", "int8", "int4")]
     assert data["models"]["gpt2"]["parameters"] == 2048 * 128 + 1024 * 128 + 2 * (12 * 128**2 + 13 * 128) + 2 * 128
     # Llama: embedding + head, per layer q, o (128²) and k, v (128 × 64), 3 FFN matrices, 2 norms; final norm
     assert data["models"]["llama"]["parameters"] == (
@@ -49,16 +49,20 @@ def test_speeds_and_ratios(data):
             assert r[k] > 0, (r["family"], r["scenario"], r["dtype"], k)
         assert r["ratio"] == pytest.approx(r["ours_tok_s"] / r["theirs_fp32_tok_s"])
         assert r["prefill_ratio"] == pytest.approx(r["prefill_tok_s"] / r["theirs_prefill_tok_s"])
-        if CT2:
+        if CT2:  # (int4's peer: CTranslate2's int8)
             assert r["ratio_ct2"] == pytest.approx(r["ours_tok_s"] / r["ct2_tok_s"])
             assert r["prefill_ratio_ct2"] == pytest.approx(r["prefill_tok_s"] / r["ct2_prefill_tok_s"])
         else:
             assert r["ct2_tok_s"] is None and r["ratio_ct2"] is None
-        # int8 stores 1 byte per weight (+ a scale per row) where fp32 stores 4
-        fp32 = next(x for x in data["rows"] if x["family"] == r["family"] and x["dtype"] == "float32")
-        if r["dtype"] == "int8":
-            assert r["weight_mb"] < fp32["weight_mb"] / 2
+        # int8 stores 1 byte per weight (+ a scale per row) where fp32 stores 4; int4 half a byte (+ a scale per 64)
+        same = [x for x in data["rows"] if x["family"] == r["family"] and x["scenario"] == r["scenario"]]
+        fp32, int8 = (next(x for x in same if x["dtype"] == dt) for dt in ("float32", "int8"))
+        if r["dtype"] in ("int8", "int4"):
+            assert r["weight_mb"] < fp32["weight_mb"] / (2 if r["dtype"] == "int8" else 4)
             assert 0 <= r["top1_agree_fp32"] <= 1
+        if r["dtype"] == "int4":
+            assert r["weight_mb"] < int8["weight_mb"] * 0.6
+            assert r["x_our_int8"] == pytest.approx(r["ours_tok_s"] / int8["ours_tok_s"])
 
 
 def test_tokens_and_targets(data):
@@ -67,10 +71,11 @@ def test_tokens_and_targets(data):
             assert r["tokens_equal_theirs"] is True, (r["family"], r["scenario"])
             if CT2:
                 assert r["ct2_tokens_equal_theirs"] is True, (r["family"], r["scenario"])
-        want = {"b1 p32": {"float32": {"ratio", "ratio_ct2", "pct_of_bound"}, "int8": {"x_our_fp32", "ratio_ct2"}},
-                "b8 p32": {"float32": {"ratio", "ratio_ct2"}, "int8": {"ratio", "ratio_ct2"}}}.get(
+        want = {"b1 p32": {"float32": {"ratio", "ratio_ct2", "pct_of_bound"}, "int8": {"x_our_fp32", "ratio_ct2"},
+                           "int4": {"x_our_int8"}},
+                "b8 p32": {dt: {"ratio", "ratio_ct2"} for dt in ("float32", "int8", "int4")}}.get(
             r["scenario"], {dt: {"ratio", "ratio_ct2", "prefill_ratio", "prefill_ratio_ct2"}
-                            for dt in ("float32", "int8")})[r["dtype"]]
+                            for dt in ("float32", "int8", "int4")})[r["dtype"]]
         if not CT2:
             want = {k for k in want if "ct2" not in k}
         assert set(r["targets"]) == want
