@@ -1,7 +1,7 @@
 """attnlab's own C++ CPU kernels (``src/attnlab/csrc/``), built once per machine, with PyTorch's kernels as the fallback.
 
 :func:`matvec` is the few-row linear product of a decoding step, ``y = s ⊙ (x Wᵀ) + b`` with ``W`` in float32,
-bfloat16 or int8 (``s``: one scale per row), or int4 in groups, streamed at memory bandwidth (see ``csrc/matvec.cpp``), and
+bfloat16 or int8 (``s``: one scale per row), or int4 in groups, streamed at memory bandwidth (``csrc/matvec.cpp``), and
 :func:`gated_matvec` a gated FFN's two products and gate in one pass. :func:`rms_norm` and :func:`attend_decode`
 (``csrc/decode.cpp``) are the rest of a decoding step's layer in two calls: RMSNorm, and RoPE + the KV-cache
 write + the attention over the cache.

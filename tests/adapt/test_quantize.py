@@ -246,3 +246,17 @@ def test_int4_group_sizes_and_errors(make_gpt2):
         quantize(narrow, "int4")
     with pytest.raises(ValueError, match="does not divide in_features=96"):
         quantize_groups(torch.randn(4, 96), 64)
+
+
+def test_int4_tied_table_is_stored_and_read_once():
+    """A head tied to its embedding shares the nibbles and scales; a decoding step reads them once: 64 columns take
+    one block of 64 bytes (half of it padding) and two float32 scales a row in groups of 32."""
+    from attnlab.nn.inference import decode_weight_bytes
+
+    emb, head = torch.nn.Embedding(50, 64), torch.nn.Linear(64, 50, bias=False)
+    head.weight = emb.weight
+    q = quantize(torch.nn.ModuleDict({"emb": emb, "head": head}), "int4", group_size=32)
+    assert q["head"].weight_int4 is q["emb"].weight_int4 and q["head"].weight_scale is q["emb"].weight_scale
+    assert decode_weight_bytes(q) == 50 * 64 + 50 * 2 * 4 == state_dict_bytes(q)
+    ids = torch.tensor([[3, 49, 0]])
+    assert torch.equal(q["emb"](ids), q["emb"].weight[ids])  # rows as the dequantised table holds them

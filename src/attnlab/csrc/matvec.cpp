@@ -78,7 +78,8 @@ inline int nibble(const uint8_t* row, int64_t k) {
   return u >= 8 ? u - 16 : u;
 }
 inline int64_t int4_row_bytes(int64_t K) { return (K + 127) / 128 * 64; }
-constexpr int64_t INT4_MAX_GROUP = 32768;  // |Σ q x| of a group's lane < 2³¹ (8 · 32767 · 2 per pair, G / 32 pairs)
+// a group's int32 lane sums at most G / 8 products of |q x| ≤ 8 · 32767 (AVX2; G / 16 with AVX-512): ≤ 2³⁰ here
+constexpr int64_t INT4_MAX_GROUP = 32768;
 
 template <int KIND>
 inline float load1(const void* w, int64_t i) {
@@ -230,7 +231,7 @@ struct V {
 #pragma GCC pop_options
 #endif  // ATTNLAB_X86
 
-// ---- int4 with many rows (a prompt): W dequantised in panels of rows (≤ 16 MiB of float32), each multiplied by at::mm
+// ---- int4 with many rows (a prompt): W dequantised in panels (≤ 16 MiB of float32), each multiplied by at::mm
 constexpr int64_t INT4_ROWS = 64;  // more rows of x than this: panels (attnlab._native.INT4_ROWS, measured there)
 
 // int4: row n's weights as float32, W[n, k] = s[n, k / G] · q[n, k] (the vector versions: matvec_rows.h)
