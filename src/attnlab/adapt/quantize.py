@@ -19,7 +19,8 @@ Three modes:
       d_ig = m_ig / -8,    Q_ij = clamp(round(W_ij / d_ig), -8, 7),    W_ij ≈ d_ig Q_ij,   g = j // G
 
   stored as two's-complement nibbles, four to a 16-bit lane (:func:`quantize_groups`: 4 + 32 / G bits a
-  weight, 0.56 bytes at G = 64 against int8's 1).
+  weight, 0.56 bytes at G = 64 against int8's 1). Rows are stored in blocks of 128 columns: a width that is not
+  a multiple of 128 pads its last block (a width of 32 takes as many bytes as 128), so int4 pays on wide layers.
 
 A few rows at a time (a decoding step: at most :data:`attnlab._native.MAX_ROWS` for int8, 64 for int4), on a CPU
 where attnlab's native kernel is built, every mode runs it: each row of ``x`` is rounded to 16-bit integers
