@@ -242,7 +242,7 @@ def test_int4_group_sizes_and_errors(make_gpt2):
         with pytest.raises(ValueError, match="group_size must be a positive multiple of 32"):
             quantize(narrow, "int4", group_size=bad)
     with pytest.raises(ValueError, match=r"'1' has 8 inputs, not a multiple of 32; keep it in floating point with "
-                                         r"exclude=\['1'\]"):
+                                         r"exclude=\['1'\], or quantise to int8"):
         quantize(narrow, "int4")
     with pytest.raises(ValueError, match="does not divide in_features=96"):
         quantize_groups(torch.randn(4, 96), 64)

@@ -415,7 +415,7 @@ def _group_for(name: str, width: int, group_size: int) -> int:
         if width % g == 0:
             return g
     raise ValueError(f"int4 quantises groups of 32 or more columns: {name!r} has {width} inputs, not a multiple of "
-                     f"32; keep it in floating point with exclude=[{name!r}]")
+                     f"32; keep it in floating point with exclude=[{name!r}], or quantise to int8")
 
 
 def state_dict_bytes(model: nn.Module) -> int:
