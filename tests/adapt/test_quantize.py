@@ -260,3 +260,18 @@ def test_int4_tied_table_is_stored_and_read_once():
     assert decode_weight_bytes(q) == 50 * 64 + 50 * 2 * 4 == state_dict_bytes(q)
     ids = torch.tensor([[3, 49, 0]])
     assert torch.equal(q["emb"](ids), q["emb"].weight[ids])  # rows as the dequantised table holds them
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["int8-weight", "int4"])
+def test_quantised_tables_follow_the_models_dtype(mode, make_gpt2, ids):
+    """``.double()`` / ``.float()`` on a quantised model change the rows its embedding tables return, as a float
+    table's would (they used to stay float32 and the next LayerNorm, now float64, refused them)."""
+    q = quantize(make_gpt2(n_embd=64), mode, **({"group_size": 32} if mode == "int4" else {}))
+    ref = q(ids).logits
+    wide = q.double()(ids).logits
+    assert wide.dtype == torch.float64 and q.wte.out_dtype == torch.float64
+    # the same quantised products; what differs is float32's rounding elsewhere, which can move x across a rounding
+    # step of the products' own compute (int8-weight's many rows run in bf16: 2⁻⁸ relative)
+    assert (wide - ref.double()).abs().max() <= 0.01 * ref.abs().max()
+    assert q.float()(ids).logits.dtype == torch.float32

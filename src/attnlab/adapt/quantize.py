@@ -213,7 +213,18 @@ class Int8Linear(_NativeArgs):
         return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode!r}{extra}"
 
 
-class Int8Embedding(nn.Module):
+class _Table(nn.Module):
+    """What the quantised embedding tables share: the floating dtype of the rows they return, which follows the
+    model's ``.to(dtype)`` / ``.double()`` / ``.half()`` as a float table's would."""
+
+    out_dtype: torch.dtype
+
+    def _apply(self, fn, recurse=True):
+        self.out_dtype = fn(torch.empty(0, dtype=self.out_dtype)).dtype  # (the conversion, probed on nothing)
+        return super()._apply(fn, recurse)
+
+
+class Int8Embedding(_Table):
     """An embedding table stored as int8 rows and a scale per row: ``E[i] ≈ s_i Q_i``."""
 
     def __init__(self, weight_int8: Tensor, weight_scale: Tensor, *, out_dtype: torch.dtype = torch.float32) -> None:
@@ -296,7 +307,7 @@ class Int4Linear(_NativeArgs):
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
 
 
-class Int4Embedding(nn.Module):
+class Int4Embedding(_Table):
     """An embedding table stored as int4 groups (:func:`quantize_groups`), each looked-up row dequantised."""
 
     def __init__(self, weight_int4: Tensor, weight_scale: Tensor, embedding_dim: int, *,
