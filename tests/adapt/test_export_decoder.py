@@ -185,13 +185,13 @@ def test_attnlab_export_errors_are_one_line(tmp_path, capsys, make_gpt2):
     assert not (tmp_path / "x.onnx").exists()
 
 
-@pytest.mark.parametrize("how", ["int8", "packed"])
+@pytest.mark.parametrize("how", ["int8", "int4", "packed"])
 def test_a_quantised_or_packed_decoder_is_refused_with_what_to_do(tmp_path, how, make_gpt2):
     from attnlab.adapt.quantize import quantize
 
     model = make_gpt2()
-    if how == "int8":
-        model = quantize(model, "int8")
+    if how in ("int8", "int4"):
+        model = quantize(model, how)
     else:
         model.optimize_for_inference(dtype=torch.float32)
     with pytest.raises(ValueError, match="export the float model first, then quantise the ONNX file"):
