@@ -39,8 +39,9 @@ SOURCES = (CSRC / "matvec.cpp", CSRC / "decode.cpp", CSRC / "flash.cpp")  # comp
 MAX_ROWS = 4
 MAX_ROWS_FP32 = 8
 # matvec.cpp's: an int4 product of more rows than this multiplies panels of the dequantised weight (at::mm). Measured,
-# GPT-2's matrices of 3 layers, 2 AVX-512 cores, ms (F.linear on float32 weights beside): rows kernel 16 rows 4.9 (9.6),
-# 64: ~19.5; panels 24 rows 12.9 (11.7), 64: 20.8 (20.9), 128: 36.0 (33.9), 512: 123 (114)
+# GPT-2's matrices of 3 layers, 2 AVX-512 cores, ms (F.linear on float32 weights beside): integer kernel 16 rows 4.9
+# (9.2), 32: 9.9 (13.4), 64: 19.6 (20.2); panels 65: 22.0 (20.6), 128: 35.6 (33.9), 512: 115 (112); panels at 64 rows
+# (an earlier run): 20.8
 INT4_ROWS = 64
 _ISA_CODES = {"AVX512": 2, "AVX2": 1}
 _ISA_NAMES = {2: "AVX-512", 1: "AVX2 + FMA", 0: "portable C++"}

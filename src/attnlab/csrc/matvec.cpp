@@ -3,8 +3,8 @@
 //     y[m, n] = s[n] · Σ_k W[n, k] · x[m, k] + b[n]        (s = 1 without a scale, b = 0 without a bias)
 //
 // x: (..., K) float32 (M rows), W: (N, K) row-major in float32, bfloat16 or int8 (with s: one float32 scale per row),
-// or int4 in groups (below), y: (..., N) float32. Decoding one token reads every weight once and does 2 flops per weight, so the
-// product runs at the speed W streams from memory: the kernel reads each row of W in order, in vectors
+// or int4 in groups (below), y: (..., N) float32. Decoding one token reads every weight once and does 2 flops per
+// weight, so the product runs at the speed W streams from memory: the kernel reads each row of W in order, in vectors
 // (U of them in flight), converts them to float32 in registers (bf16: a 16-bit shift or a mask) and
 // multiplies them into every row of x (4, 2 or 1 at a time), accumulating in float32; the rows are split over
 // torch's intra-op threads. With float32 and bf16 weights x stays float32 (the weight is the only thing
@@ -78,6 +78,10 @@ inline int nibble(const uint8_t* row, int64_t k) {
   return u >= 8 ? u - 16 : u;
 }
 inline int64_t int4_row_bytes(int64_t K) { return (K + 127) / 128 * 64; }
+// W[n, k] = s[n, k / G] · q[n, k] from row n's nibbles and its group scales gs (the portable kernels')
+inline float int4_weight(const uint8_t* row, const float* gs, int64_t k, int64_t G) {
+  return gs[k / G] * static_cast<float>(nibble(row, k));
+}
 // a group's int32 lane sums at most G / 8 products of |q x| ≤ 8 · 32767 (AVX2; G / 16 with AVX-512): ≤ 2³⁰ here
 constexpr int64_t INT4_MAX_GROUP = 32768;
 
@@ -117,7 +121,8 @@ void rows_portable(const Job& j, int64_t n0, int64_t n1) {
         const uint8_t* w = static_cast<const uint8_t*>(j.w) + n * int4_row_bytes(j.K);
         const float* x = j.x + m * j.K;
         float acc = 0.f;
-        for (int64_t k = 0; k < j.K; ++k) acc += j.gs[n * (j.K / j.G) + k / j.G] * nibble(w, k) * x[k];
+        const float* gs = j.gs + n * (j.K / j.G);
+        for (int64_t k = 0; k < j.K; ++k) acc += int4_weight(w, gs, k, j.G) * x[k];
         finish(j, m, n, acc);
       } else {
         finish(j, m, n, dot_tail<KIND>(j, n, j.x + m * j.K, 0));
@@ -236,7 +241,7 @@ constexpr int64_t INT4_ROWS = 64;  // more rows of x than this: panels (attnlab.
 
 // int4: row n's weights as float32, W[n, k] = s[n, k / G] · q[n, k] (the vector versions: matvec_rows.h)
 void dequantize_row_portable(const uint8_t* w, const float* gs, int64_t K, int64_t G, float* out) {
-  for (int64_t k = 0; k < K; ++k) out[k] = gs[k / G] * static_cast<float>(nibble(w, k));
+  for (int64_t k = 0; k < K; ++k) out[k] = int4_weight(w, gs, k, G);
 }
 
 using DequantizeFn = void (*)(const uint8_t*, const float*, int64_t, int64_t, float*);
@@ -356,18 +361,16 @@ Job job(const Prepared& p, const at::Tensor& x, const at::Tensor& w, const std::
              i4 ? scale->data_ptr<float>() : nullptr, i4 ? K / scale->size(1) : 0};
 }
 
-// the checks of matvec's arguments; returns M (x's rows)
-int64_t check(const char* op, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale,
-              const std::optional<at::Tensor>& bias) {
-  ATTNLAB_CHECK(x.device().is_cpu() && w.device().is_cpu(), "attnlab::", op, ": x and w must be CPU tensors");
-  ATTNLAB_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat && x.is_contiguous(), "attnlab::", op,
-                ": x must be a contiguous float32 (..., K) tensor, got ", x.sizes(), " ", x.scalar_type());
+// the checks of a weight w of K columns (int4: uint8 nibbles, ⌈K/128⌉ · 64 bytes a row) with its scale and bias
+void check_weight(const char* op, const at::Tensor& w, const std::optional<at::Tensor>& scale,
+                  const std::optional<at::Tensor>& bias, int64_t K) {
+  ATTNLAB_CHECK(w.device().is_cpu(), "attnlab::", op, ": w must be a CPU tensor");
   const auto wt = w.scalar_type();
   ATTNLAB_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kChar || wt == at::kByte, "attnlab::", op,
                 ": w must be float32, bfloat16, int8 or uint8 (int4 pairs), got ", wt);
-  const int64_t N = w.dim() == 2 ? w.size(0) : -1, K = x.size(-1);
+  const int64_t N = w.dim() == 2 ? w.size(0) : -1;
   const bool i4 = wt == at::kByte;
-  const int64_t width = i4 ? int4_row_bytes(K) : K;  // int4: two columns a byte, in blocks of 64
+  const int64_t width = i4 ? int4_row_bytes(K) : K;  // int4: 128 columns in 64 bytes
   ATTNLAB_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == width, "attnlab::", op,
                 ": w must be a contiguous (N, ", i4 ? "ceil(K / 128) * 64" : "K", ") tensor with K = ", K, ", i.e. (N, ",
                 width, "), got ", w.sizes());
@@ -390,6 +393,16 @@ int64_t check(const char* op, const at::Tensor& x, const at::Tensor& w, const st
                   "give a group size G that is a multiple of 32 up to ", INT4_MAX_GROUP, " and divides K = ", K, ", got ",
                   groups, " groups");
   }
+}
+
+// the checks of matvec's arguments; returns M (x's rows)
+int64_t check(const char* op, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale,
+              const std::optional<at::Tensor>& bias) {
+  ATTNLAB_CHECK(x.device().is_cpu(), "attnlab::", op, ": x must be a CPU tensor");
+  ATTNLAB_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat && x.is_contiguous(), "attnlab::", op,
+                ": x must be a contiguous float32 (..., K) tensor, got ", x.sizes(), " ", x.scalar_type());
+  const int64_t K = x.size(-1);
+  check_weight(op, w, scale, bias, K);
   return K ? x.numel() / K : 0;  // x's leading dims flattened
 }
 
@@ -431,7 +444,8 @@ at::Tensor gated_matvec(const at::Tensor& x, const at::Tensor& w1, const std::op
   check("gated_matvec", x, w3, s3, b3);
   ATTNLAB_CHECK(w3.sizes() == w1.sizes() && w3.scalar_type() == w1.scalar_type() &&
                   (w1.scalar_type() != at::kByte || s3->sizes() == s1->sizes()),
-                "attnlab::gated_matvec: w1 and w3 must have the same shape and dtype (int4: and groups), got ", w1.sizes(), " ",
+                "attnlab::gated_matvec: w1 and w3 must have the same shape and dtype (int4: and groups), got ", w1.sizes(),
+                " ",
                 w1.scalar_type(), " and ", w3.sizes(), " ", w3.scalar_type());
   ATTNLAB_CHECK(GLU <= act && act <= SILU, "attnlab::gated_matvec: act must be 0 (sigmoid), 1 (gelu), 2 (gelu_tanh) "
                 "or 3 (silu), got ", act);
@@ -455,8 +469,7 @@ at::Tensor int4_dequantize(const at::Tensor& w, const at::Tensor& scale, int64_t
   ATTNLAB_CHECK(K > 0, "attnlab::int4_dequantize: K must be positive, got ", K);
   ATTNLAB_CHECK(w.scalar_type() == at::kByte, "attnlab::int4_dequantize: w must be uint8 (int4 pairs), got ",
                 w.scalar_type());
-  const at::Tensor x = at::empty({1, K}, scale.options().dtype(at::kFloat));  // (check wants an x of K columns)
-  check("int4_dequantize", x, w, scale, std::nullopt);
+  check_weight("int4_dequantize", w, scale, std::nullopt, K);
   at::Tensor out = at::empty({w.size(0), K}, scale.options());
   dequantize_int4(w, scale, K, 0, w.size(0), out.data_ptr<float>(), isa);
   return out;
