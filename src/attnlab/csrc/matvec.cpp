@@ -154,13 +154,14 @@ struct V {
     even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
     odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
   }
-  // 2L int8 weights widened to int16; times 2L int16 x, adjacent pairs summed: L int32
+  // 2L int8 weights widened to int16 (then dot: times 2L int16 x, adjacent pairs summed: L int32)
   static inline I widen_i8(const int8_t* w) {
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
   }
-  static inline I madd(I w16, const int16_t* x) { return _mm512_madd_epi16(w16, _mm512_loadu_si512(x)); }
   // acc + the pairwise sums of w16 · x (int16 products, adjacent pairs summed into int32)
-  static inline I dot(I acc, I w16, const int16_t* x) { return _mm512_add_epi32(acc, madd(w16, x)); }
+  static inline I dot(I acc, I w16, const int16_t* x) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(w16, _mm512_loadu_si512(x)));
+  }
   static inline F set1(float v) { return _mm512_set1_ps(v); }
   // 2L int16 as float32, times sc, to out[0 .. 2L)
   static inline void store_scaled(I w16, F sc, float* out) {
@@ -210,10 +211,9 @@ struct V {
   static inline I widen_i8(const int8_t* w) {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
   }
-  static inline I madd(I w16, const int16_t* x) {
-    return _mm256_madd_epi16(w16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  static inline I dot(I acc, I w16, const int16_t* x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))));
   }
-  static inline I dot(I acc, I w16, const int16_t* x) { return _mm256_add_epi32(acc, madd(w16, x)); }
   static inline F set1(float v) { return _mm256_set1_ps(v); }
   static inline void store_scaled(I w16, F sc, float* out) {
     _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(w16))), sc));
