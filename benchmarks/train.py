@@ -35,7 +35,9 @@ this one invocation; a PNG of both val-loss-vs-seconds curves and the table ours
 
 Run: ``python benchmarks/train.py [--recipe nanogpt-cpu|default|all] [--threads 2] [--ablate] [--no-peer]
 [--nanogpt-dir DIR] [--set key=value ...] [--quick] [--out PATH]`` (``--quick``: the ``tiny`` preset, a smoke run);
-``python benchmarks/train.py --compare-budget --nanogpt-dir DIR [--budget-s 600] [--nanogpt-iters N] [--set ...]``.
+``python benchmarks/train.py --compare-budget --nanogpt-dir DIR [--budget-s 600] [--nanogpt-iters N] [--set ...]``;
+``python benchmarks/train.py --levers [LEVER ...]`` (``benchmarks/_levers.py``: the speedrun techniques, each alone in
+the 10-minute default, between two baseline runs).
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import parser, print_table, setup, write_json  # noqa: E402
 from _compare_budget import add_arguments as add_budget_arguments, compare_budget  # noqa: E402
+from _levers import add_arguments as add_lever_arguments, run_levers  # noqa: E402
 from _mfu import mfu, nanogpt_flops, peak_gflops, settings_flops, shown  # noqa: E402
 from nanogpt_upstream import check_checkout, run_upstream  # noqa: E402
 
@@ -133,6 +136,7 @@ def main() -> None:
     p.add_argument("--nanogpt-dir", type=Path, default=None,
                    help="an upstream nanoGPT checkout: its own train.py is the nanogpt-cpu peer")
     add_budget_arguments(p)
+    add_lever_arguments(p)
     args = p.parse_args()
     if args.compare_budget and args.nanogpt_dir is None:
         raise SystemExit("--compare-budget needs --nanogpt-dir DIR (an upstream nanoGPT checkout: "
@@ -149,6 +153,11 @@ def main() -> None:
         if args.out == p.get_default("out"):
             args.out = str(Path(args.out).with_name("train_budget.json"))
         compare_budget(args, run_preset=run_preset)
+        return
+    if args.levers is not None:
+        if args.out == p.get_default("out"):
+            args.out = str(Path(args.out).with_name("train_levers.json"))
+        run_levers(args, run_preset=run_preset)
         return
     presets = ["tiny"] if args.quick else (["nanogpt-cpu", "default"] if args.recipe == "all" else [args.recipe])
     rows = []

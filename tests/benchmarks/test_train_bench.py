@@ -176,3 +176,22 @@ def test_the_budget_fit_reads_iteration_and_evaluation_times_from_the_stamped_li
     assert short["eval_s"] == pytest.approx(2 * 10 * 0.5 / 3)
     with pytest.raises(SystemExit, match="too few to time it"):
         fit_budget(lines[:5], budget_s=600.0, eval_iters=10, probe_s=60.0)
+
+
+def test_levers_run_each_lever_between_two_baselines(tmp_path):
+    out = tmp_path / "levers.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--levers", "muon", "softcap-30", "--quick", "--threads", "1",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert [r["run"] for r in rows] == ["baseline", "muon", "softcap-30", "baseline (again)"]
+    assert rows[1]["overrides"][-1] == "optimizer=muon" and rows[2]["overrides"][-1] == "logit_softcap=30"
+    base = (rows[0]["best_val_loss"] + rows[3]["best_val_loss"]) / 2
+    assert data["baseline_mean"] == pytest.approx(base)
+    assert data["noise"] == pytest.approx(abs(rows[0]["best_val_loss"] - rows[3]["best_val_loss"]))
+    for r in rows:
+        assert r["steps"] == 20 and r["delta"] == pytest.approx(r["best_val_loss"] - base)
+        assert r["s_per_step"] == pytest.approx(r["wall_s"] / 20)
+    assert {rows[1]["pays"], rows[2]["pays"]} <= {"yes", "no", "within noise"}
+    assert "'pays' = delta below -noise" in proc.stdout

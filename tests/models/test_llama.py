@@ -170,3 +170,26 @@ def test_optimize_for_inference_keeps_greedy_tokens_and_bf16_is_close(tmp_path):
     keep = mask.bool()
     assert got.dtype == torch.float32
     assert (got - ref_logits)[keep].abs().max() <= 0.03 * ref_logits[keep].abs().max()
+
+
+@torch.no_grad()
+def test_final_logit_softcapping_caps_the_logits_and_is_refused_by_to_hf(tmp_path):
+    """``c · tanh(logits / c)`` on the same weights (decoding steps included); HF's Llama has no such option."""
+    plain = LlamaForCausalLM(LlamaConfig(**SIZES)).eval()
+    with torch.no_grad():
+        plain.lm_head.weight.mul_(100.0)  # logits well past the cap
+    capped = LlamaForCausalLM(LlamaConfig(**SIZES, final_logit_softcapping=5.0)).eval()
+    capped.load_state_dict(plain.state_dict())
+    ids = torch.randint(0, V, (2, 9))
+    raw, out = plain(ids).logits, capped(ids).logits
+    assert raw.abs().max() > 20 and out.abs().max() < 5.0
+    expected = 5.0 * torch.tanh(raw / 5.0)
+    torch.testing.assert_close(out, expected, rtol=0, atol=tolerance(expected))
+    steps = capped.generate(ids[:1, :4], max_new_tokens=5, do_sample=False)  # the cached step runs head() too
+    torch.testing.assert_close(capped(steps).logits[:, 3:-1].argmax(-1), steps[:, 4:])
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        capped.save_pretrained(tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()  # refused before anything is written
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        LlamaConfig(**SIZES, final_logit_softcapping=0.0)
+    assert "final_logit_softcapping" not in LlamaConfig(**SIZES).to_hf()

@@ -111,3 +111,111 @@ def test_lambda_lr_view_matches_lr_at():
 def test_schedule_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Schedule(**kwargs)
+
+
+# ---- Muon ------------------------------------------------------------------------------------------------------
+def newton_schulz_by_svd(u, steps=5):
+    """The oracle: NS acts on the singular values alone, ``U diag(φᵏ(σ / ‖σ‖)) Vᵀ`` with ``φ(s) = a s + b s³ + c s⁵``."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    U, S, Vh = torch.linalg.svd(u.double(), full_matrices=False)
+    s = S / S.norm()
+    for _ in range(steps):
+        s = a * s + b * s ** 3 + c * s ** 5
+    return U @ torch.diag(s) @ Vh
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24), (16, 16)])
+def test_orthogonalize_is_newton_schulz_on_the_singular_values(shape):
+    from attnlab.training.optim import orthogonalize
+    u = torch.randn(*shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    o = orthogonalize(u, dtype=torch.float64, eps=0.0)
+    assert o.dtype == torch.float64 and o.shape == shape
+    torch.testing.assert_close(o, newton_schulz_by_svd(u), rtol=0, atol=1e-12)
+    s = torch.linalg.svdvals(o)
+    assert s.min() > 0.6 and s.max() < 1.2  # the quintic's band: all directions at about the same size
+    o32 = orthogonalize(u.float())  # float32 products: within float32 round-off of the oracle
+    assert o32.dtype == torch.float32
+    torch.testing.assert_close(o32.double(), newton_schulz_by_svd(u), rtol=0, atol=1e-5)
+
+
+def test_muon_step_is_the_documented_update():
+    """Three steps in float64 against the formula: M ← μM + g, U = g + μM, θ ← θ(1 − lr λ) − lr · 0.2√max(A,B) · NS(U);
+    a wide, a tall (stacked with it, transposed) and a square matrix."""
+    from attnlab.training.optim import Muon
+    g = torch.Generator().manual_seed(1)
+    shapes = [(12, 20), (20, 12), (12, 12)]
+    ws = [nn.Parameter(torch.randn(*s, generator=g, dtype=torch.float64)) for s in shapes]
+    thetas, ms = [w.detach().clone() for w in ws], [torch.zeros_like(w) for w in ws]
+    lr, wd, mu = 0.03, 0.1, 0.95
+    opt = Muon(ws, lr=lr, weight_decay=wd, momentum=mu, ns_dtype=torch.float64)
+    for _ in range(3):
+        grads = [torch.randn(*s, generator=g, dtype=torch.float64) for s in shapes]
+        for w, grad in zip(ws, grads):
+            w.grad = grad.clone()
+        opt.step()
+        for i, grad in enumerate(grads):
+            ms[i] = mu * ms[i] + grad
+            thetas[i] = (thetas[i] * (1 - lr * wd)
+                         - lr * 0.2 * math.sqrt(max(shapes[i])) * newton_schulz_by_svd(grad + mu * ms[i]))
+            # ε = 1e-7 in NS's normalisation (U / (‖U‖ + ε), ‖U‖ ≈ 50) moves the update (≈ 0.03) by ~2e-9 relative
+            torch.testing.assert_close(ws[i].detach(), thetas[i], rtol=0, atol=1e-9)
+
+
+def test_muon_agrees_with_torchs_muon():
+    """torch.optim.Muon with Moonshot's lr rule (its Newton–Schulz in bf16): ours in bf16 too, the same update within
+    bf16's round-off through five products (relative Frobenius difference of the updates < 5 %)."""
+    from attnlab.training.optim import Muon
+    g = torch.Generator().manual_seed(2)
+    a = nn.Parameter(torch.randn(64, 160, generator=g))
+    b = nn.Parameter(a.detach().clone())
+    start = a.detach().clone()
+    ours = Muon([a], lr=0.02, weight_decay=0.1, ns_dtype=torch.bfloat16)
+    ref = torch.optim.Muon([b], lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    for _ in range(3):
+        grad = torch.randn(64, 160, generator=g)
+        a.grad, b.grad = grad.clone(), grad.clone()
+        ours.step()
+        ref.step()
+    d_ours, d_ref = a.detach() - start, b.detach() - start
+    assert (d_ours - d_ref).norm() / d_ref.norm() < 0.05
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
+    from attnlab.models.llama import LlamaConfig, LlamaForCausalLM
+    from attnlab.training.optim import MuonWithAdamW, muon_parameters
+    for tied in (True, False):
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=13, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                             num_attention_heads=2, tie_word_embeddings=tied))
+        opt = build_optimizer(model, name="muon", lr=1e-2, weight_decay=0.1)
+        assert isinstance(opt, MuonWithAdamW)
+        names = {id(p): n for n, p in model.named_parameters()}
+        on_muon = {names[id(p)] for p in muon_parameters(model)}
+        assert on_muon == {n for n in names.values() if n.startswith("layers.") and n.endswith("proj.weight")
+                           or ".ffn.w" in n}  # q/k/v/o and the MLP; not the embedding, the head or the gains
+        groups = opt.param_groups
+        assert sum(len(g["params"]) for g in groups) == len(names)  # every parameter once
+        adamw_names = {names[id(p)] for g in opt.parts["adamw"].param_groups for p in g["params"]}
+        assert "embed_tokens.weight" in adamw_names and ("lm_head.weight" in adamw_names) is (not tied)
+        for g in groups:  # the trainer's schedule writes every group's lr
+            g["lr"] = 5e-3
+        assert all(g["lr"] == 5e-3 for part in opt.parts.values() for g in part.param_groups)
+
+
+def test_muon_errors_and_state_round_trip():
+    from attnlab.training.optim import Muon
+    with pytest.raises(ValueError, match="matrices only"):
+        Muon([nn.Parameter(torch.zeros(3))], lr=1e-2)
+    with pytest.raises(ValueError, match="momentum"):
+        Muon([nn.Parameter(torch.zeros(3, 3))], lr=1e-2, momentum=1.0)
+    with pytest.raises(ValueError, match="no nn.Linear weight"):
+        build_optimizer(nn.Embedding(4, 3), name="muon", lr=1e-2)
+    model = small_gpt()
+    adamw = build_optimizer(model, lr=1e-2)
+    muon = build_optimizer(model, name="muon", lr=1e-2)
+    with pytest.raises(ValueError, match="optimizer the run was started with"):
+        muon.load_state_dict(adamw.state_dict())
+    model(torch.randint(0, 11, (2, 8))).logits.square().mean().backward()
+    muon.step()
+    twin = build_optimizer(model, name="muon", lr=1e-2)
+    twin.load_state_dict(muon.state_dict())
+    assert len(twin.state) == len(muon.state) == sum(1 for p in model.parameters())

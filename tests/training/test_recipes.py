@@ -60,6 +60,10 @@ def test_nanogpt_cpu_preset_is_nanogpts_recipe():
     ({"arch": "llama", "dropout": "0", "bias": "true"}, r"arch=llama .*got bias=True"),
     ({"arch": "llama", "dropout": "0", "activation": "gelu"}, r"arch=llama .*got activation='gelu'"),
     ({"ffn_dim": "0"}, r"ffn_dim must be an int >= 1 or None"),
+    ({"arch": "gpt2", "tie_embeddings": "false"}, r"tie_embeddings=false and logit_softcap are arch=llama settings"),
+    ({"arch": "gpt2", "logit_softcap": "30"}, r"arch=llama settings"),
+    ({"logit_softcap": "0"}, r"logit_softcap must be a number > 0"),
+    ({"optimizer": "lion"}, r"TrainConfig.optimizer must be one of \['adamw', 'adafactor', 'muon'\]"),
 ])
 def test_arch_setting_errors(overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -88,6 +92,41 @@ def test_arch_builds_gpt2_or_llama_with_gpt2_initialisation():
         assert layer.self_attn.in_proj.weight.std().item() == pytest.approx(0.02, rel=0.05)
         for proj in (layer.self_attn.out_proj, layer.ffn.w2):
             assert proj.weight.std().item() == pytest.approx(0.02 / 2, rel=0.05)
+
+
+def test_training_levers_build_what_they_name():
+    """zero_init: residual output projections at 0; tie_embeddings=false: a head of its own; logit_softcap: |logits| < c."""
+    import torch
+
+    from attnlab.training.recipes.shakespeare import make_model
+    r = get_recipe("shakespeare-char")
+    for arch in ("gpt2", "llama"):
+        model = make_model(resolve_settings(r, preset="tiny", overrides={"arch": arch, "zero_init": True}),
+                           vocab_size=65)
+        for layer in model.layers:
+            assert not layer.self_attn.out_proj.weight.any() and not layer.ffn.w2.weight.any()
+            assert layer.self_attn.in_proj.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    untied = make_model(resolve_settings(r, preset="tiny", overrides={"arch": "llama", "tie_embeddings": False}),
+                        vocab_size=65)
+    assert untied.lm_head.weight is not untied.embed_tokens.weight and not untied.config.tie_word_embeddings
+    capped = make_model(resolve_settings(r, preset="tiny", overrides={"arch": "llama", "logit_softcap": 2.0}),
+                        vocab_size=65)
+    with torch.no_grad():
+        capped.lm_head.weight.mul_(500.0)
+        logits = capped(torch.randint(0, 65, (2, 8))).logits
+    assert logits.abs().max() <= 2.0 and logits.abs().max() > 1.9
+
+
+def test_muon_and_the_levers_train_and_resume(tmp_path, shakespeare):
+    from attnlab.training.recipes.shakespeare import load_run_model
+    over = {**FAST, "arch": "llama", "max_steps": 12, "optimizer": "muon", "zero_init": True,
+            "tie_embeddings": False, "logit_softcap": 30.0}
+    m = run_recipe("shakespeare-char", out=tmp_path / "run", preset="tiny", overrides=over)
+    assert m["steps"] == 12 and m["val_loss"] < 4.17  # below log(65): it learns
+    m2 = run_recipe("shakespeare-char", out=tmp_path / "run", overrides={"max_steps": 16}, resume=True)
+    model = load_run_model(tmp_path / "run")
+    assert m2["steps"] == 16 and model.config.final_logit_softcapping == 30.0
+    assert evaluate_checkpoint(tmp_path / "run")["val_loss"] == m2["val_loss"]
 
 
 def test_llama_arch_trains_resumes_and_reloads(tmp_path, shakespeare):

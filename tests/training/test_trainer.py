@@ -45,18 +45,19 @@ def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("grad_accum", [1, 2])
-def test_resume_is_bitwise_exact(tmp_path, make_trainer, grad_accum):
+@pytest.mark.parametrize("grad_accum, optimizer", [(1, "adamw"), (2, "adamw"), (1, "muon")])
+def test_resume_is_bitwise_exact(tmp_path, make_trainer, grad_accum, optimizer):
     """12 steps straight == 6 steps, crash in step 7, resume, 6 more (CPU fp32, dropout 0.1 on)."""
-    straight = make_trainer(tmp_path / "a", grad_accum=grad_accum, eval_every=4, checkpoint_every=3)
+    straight = make_trainer(tmp_path / "a", grad_accum=grad_accum, eval_every=4, checkpoint_every=3,
+                            optimizer=optimizer)
     m_a = straight.fit()
     crash = make_trainer(tmp_path / "b", grad_accum=grad_accum, eval_every=4, checkpoint_every=3,
-                         loss_fn=CrashAfter(6 * grad_accum + 1))
+                         loss_fn=CrashAfter(6 * grad_accum + 1), optimizer=optimizer)
     with pytest.raises(KeyboardInterrupt):
         crash.fit()
     assert latest_checkpoint(tmp_path / "b").name == "ckpt-00000006.pt"
     resumed = make_trainer(tmp_path / "b", grad_accum=grad_accum, eval_every=4, checkpoint_every=3,
-                           init_seed=123)  # different initial weights: they must come from the checkpoint
+                           init_seed=123, optimizer=optimizer)  # different initial weights: from the checkpoint
     m_b = resumed.fit(resume=True)
     assert_bitwise_equal(params(straight), params(resumed))
     assert m_b["val_loss"] == m_a["val_loss"] and m_b["best_val_loss"] == m_a["best_val_loss"]

@@ -5,6 +5,7 @@
     h_0 = W_emb[x]
     h_l = h_{l-1} + Attn(RMSNorm(h_{l-1}));  h_l = h_l + FFN(RMSNorm(h_l))   (pre-norm, causal)
     logits = RMSNorm_f(h_L) W_headᵀ              (W_head = W_emb when tie_word_embeddings)
+    logits ← c · tanh(logits / c)                 (only with final_logit_softcapping = c: not in HF's Llama)
 
 ``Attn`` is grouped-query attention (``num_key_value_heads`` key/value heads) with rotary position
 embeddings on q and k (HF's half-split layout, ``θ_i = rope_theta^(-2i/D)``), no biases;
@@ -22,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Optional
 
+import torch
 from torch import Tensor, nn
 
 from attnlab._checks import positive_int, positive_number
@@ -61,7 +63,9 @@ class LlamaConfig:
 
     ``num_key_value_heads`` defaults to ``num_attention_heads`` (plain multi-head attention).
     ``rope_scaling`` must be None (scaled RoPE variants are not implemented); ``attention_bias``
-    and ``mlp_bias`` must be False (Llama has no biases).
+    and ``mlp_bias`` must be False (Llama has no biases). ``final_logit_softcapping`` (Gemma 2's name; None
+    = off) caps the logits smoothly at ``±c``: an attnlab extension (a training lever), so :meth:`to_hf`
+    refuses a config that sets it.
     """
 
     vocab_size: int = 32000
@@ -80,6 +84,7 @@ class LlamaConfig:
     bos_token_id: Optional[int] = 1
     eos_token_id: Optional[int] = 2
     pad_token_id: Optional[int] = None
+    final_logit_softcapping: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -104,6 +109,8 @@ class LlamaConfig:
                 raise ValueError(f"{name} must be False (Llama layers have no biases), got {getattr(self, name)!r}")
         if not isinstance(self.tie_word_embeddings, bool):
             raise ValueError(f"tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
+        if self.final_logit_softcapping is not None:
+            positive_number("final_logit_softcapping", self.final_logit_softcapping)
 
     @property
     def head_dim(self) -> int:
@@ -134,8 +141,16 @@ class LlamaConfig:
         return cls(**kw)
 
     def to_hf(self) -> dict:
-        """A Hugging Face Llama ``config.json`` dict (loads with ``transformers.LlamaConfig(**d)``)."""
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        """A Hugging Face Llama ``config.json`` dict (loads with ``transformers.LlamaConfig(**d)``).
+
+        Raises:
+            ValueError: ``final_logit_softcapping`` is set (HF's Llama has no such option: the exported model
+                would compute other logits).
+        """
+        if self.final_logit_softcapping is not None:
+            raise ValueError(f"final_logit_softcapping={self.final_logit_softcapping} has no equivalent in Hugging "
+                             "Face's Llama: this model cannot be saved in its format (save the attnlab checkpoint)")
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "final_logit_softcapping"}
         return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
                 "head_dim": self.head_dim, "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
                 **d}
@@ -177,7 +192,9 @@ class LlamaForCausalLM(DecoderOnlyLM):
         return self.embed_tokens(input_ids)
 
     def head(self, x: Tensor) -> Tensor:
-        return self.lm_head(self.norm(x))  # (B, T, V)
+        logits = self.lm_head(self.norm(x))  # (B, T, V)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def hf_weight_map(self) -> WeightMap:
         """:func:`weight_map` of this model's config."""

@@ -1,4 +1,5 @@
-"""Optimisers with weight-decay groups: AdamW (Loshchilov & Hutter 2019) and Adafactor (Shazeer & Stern 2018).
+"""Optimisers with weight-decay groups: AdamW (Loshchilov & Hutter 2019), Adafactor (Shazeer & Stern 2018) and
+Muon (Jordan et al. 2024) for the hidden matrices with AdamW for the rest.
 
 Weight-decay rule (GPT-2 / nanoGPT's): every trainable parameter with ``dim >= 2`` is decayed —
 the weight matrices of linear layers and the embedding tables — and every parameter with
@@ -9,19 +10,32 @@ AdamW's decoupled update with decay ``λ``::
 
     m ← β₁ m + (1 − β₁) g;   v ← β₂ v + (1 − β₂) g²
     θ ← θ − lr · (λ θ + m̂ / (√v̂ + ε))        (m̂, v̂ bias-corrected)
+
+Muon's update of a matrix ``θ (A, B)`` with momentum ``μ`` (Nesterov), then orthogonalised::
+
+    M ← μ M + g;   U = g + μ M
+    O = NS₅(U)                                 (≈ the U Vᵀ of U's SVD: every singular value ≈ 1)
+    θ ← θ (1 − lr λ) − lr · 0.2 √max(A, B) · O
+
+``NS₅`` is five Newton–Schulz steps ``X ← a X + (b X Xᵀ + c (X Xᵀ)²) X`` from ``X = U / ‖U‖_F`` (on the wide
+orientation, ``(a, b, c) = (3.4445, −4.7750, 2.0315)``); the factor ``0.2 √max(A, B)`` (Moonshot's "match RMS
+AdamW" rule, Liu et al. 2025) gives the update AdamW's RMS, so one ``lr`` and ``λ`` serve both optimisers.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from attnlab._checks import is_real, non_negative_number, one_of
 
-__all__ = ["OPTIMIZERS", "param_groups", "build_optimizer"]
+__all__ = ["OPTIMIZERS", "param_groups", "build_optimizer", "Muon", "MuonWithAdamW", "muon_parameters",
+           "orthogonalize"]
 
-OPTIMIZERS = ("adamw", "adafactor")
+OPTIMIZERS = ("adamw", "adafactor", "muon")
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
 def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
@@ -40,20 +54,156 @@ def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
+def orthogonalize(u: Tensor, *, steps: int = 5, dtype: torch.dtype = torch.float32, eps: float = 1e-7) -> Tensor:
+    """``NS_steps(u)`` of the module docstring: ``u (..., A, B)`` (a matrix or a stack of them) with its singular
+    values pushed towards 1, computed in ``dtype`` (bf16 where the CPU multiplies it natively, as the training
+    step) and returned in ``u``'s dtype."""
+    a, b, c = NS_COEFFICIENTS
+    x = u.to(dtype)
+    tall = x.shape[-2] > x.shape[-1]
+    if tall:  # X Xᵀ on the short side
+        x = x.mT
+    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)
+    for _ in range(steps):
+        s = x @ x.mT
+        x = a * x + torch.baddbmm(s, s, s, beta=b, alpha=c) @ x if x.dim() == 3 else a * x + (b * s + c * (s @ s)) @ x
+    return (x.mT if tall else x).to(u.dtype)
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon on 2-D parameters (the update of the module docstring).
+
+    Args:
+        params: matrices (``dim() == 2``) or groups of them.
+        lr, weight_decay: as AdamW's (the ``0.2 √max(A, B)`` factor matches the update's RMS to AdamW's).
+        momentum: ``μ`` (Nesterov).
+        ns_steps: Newton–Schulz steps.
+        ns_dtype: the dtype of the Newton–Schulz products.
+
+    Raises:
+        ValueError: a parameter that is not a matrix, or an out-of-range hyper-parameter.
+    """
+
+    def __init__(self, params, *, lr: float, weight_decay: float = 0.0, momentum: float = 0.95, ns_steps: int = 5,
+                 ns_dtype: torch.dtype = torch.float32) -> None:
+        for arg, value in (("lr", lr), ("weight_decay", weight_decay)):
+            non_negative_number(arg, value)
+        if not (is_real(momentum) and 0.0 <= momentum < 1.0):
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        if not (isinstance(ns_steps, int) and ns_steps >= 1):
+            raise ValueError(f"ns_steps must be an int >= 1, got {ns_steps!r}")
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps))
+        self.ns_dtype = ns_dtype
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dim() != 2:
+                    raise ValueError(f"Muon updates matrices only; got a parameter of shape {tuple(p.shape)} "
+                                     "(give vectors and embedding tables to AdamW: optimizer='muon' does)")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+            grads = [p.grad for p in params]
+            bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
+            torch._foreach_mul_(bufs, mu)
+            torch._foreach_add_(bufs, grads)
+            updates = torch._foreach_add(grads, bufs, alpha=mu)  # Nesterov: g + μ M
+            if wd:
+                torch._foreach_mul_(params, 1.0 - lr * wd)
+            by_shape: dict = {}  # matrices of one shape (up to a transpose) orthogonalised as one stack
+            for p, u in zip(params, updates):
+                by_shape.setdefault((min(p.shape), max(p.shape), p.dtype), []).append((p, u))
+            for (_, wide, _), pairs in by_shape.items():
+                stack = torch.stack([u if u.shape[0] <= u.shape[1] else u.mT for _, u in pairs])
+                out = orthogonalize(stack, steps=group["ns_steps"], dtype=self.ns_dtype)
+                targets = [p if p.shape[0] <= p.shape[1] else p.mT for p, _ in pairs]
+                torch._foreach_add_(targets, list(out.unbind(0)), alpha=-lr * 0.2 * math.sqrt(wide))
+        return loss
+
+
+class MuonWithAdamW:
+    """:class:`Muon` on the hidden matrices and ``torch.optim.AdamW`` on every other parameter (if any), as one
+    optimiser.
+
+    ``param_groups`` lists both optimisers' groups (the same dicts: setting ``group["lr"]`` reaches them);
+    ``state_dict`` holds both; ``step`` / ``zero_grad`` run both. ``GradScaler`` accepts it.
+    """
+
+    def __init__(self, muon: Muon, adamw: Optional[torch.optim.Optimizer]) -> None:
+        self.parts = {"muon": muon, "adamw": adamw} if adamw is not None else {"muon": muon}
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for part in self.parts.values() for g in part.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {p: s for part in self.parts.values() for p, s in part.state.items()}
+
+    def step(self, closure=None):
+        loss = self.parts["muon"].step(closure)
+        if "adamw" in self.parts:
+            self.parts["adamw"].step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts.values():
+            part.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {name: part.state_dict() for name, part in self.parts.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state) != set(self.parts):
+            raise ValueError("this optimiser state was not written by optimizer='muon' for this model (parts "
+                             f"{sorted(state)[:4]}, expected {sorted(self.parts)}): resume with the optimizer the run "
+                             "was started with")
+        for name, part in self.parts.items():
+            part.load_state_dict(state[name])
+
+
+def muon_parameters(model: nn.Module) -> list[Tensor]:
+    """The matrices :class:`Muon` updates: trainable weights of the ``nn.Linear`` layers, except one shared with an
+    ``nn.Embedding`` (a tied head) and the output head ``model.lm_head`` (Keller Jordan's rule: the embedding and the
+    head take AdamW)."""
+    skip = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, nn.Linear):
+        skip.add(id(head.weight))
+    seen, out = set(), []
+    for m in model.modules():
+        w = getattr(m, "weight", None) if isinstance(m, nn.Linear) else None
+        if w is not None and w.requires_grad and w.dim() == 2 and id(w) not in skip | seen:
+            seen.add(id(w))
+            out.append(w)
+    return out
+
+
 def build_optimizer(model: nn.Module, *, name: str = "adamw", lr: float, betas: tuple[float, float] = (0.9, 0.999),
-                    eps: float = 1e-8, weight_decay: float = 0.0,
-                    fused: Optional[bool] = None) -> torch.optim.Optimizer:
+                    eps: float = 1e-8, weight_decay: float = 0.0, fused: Optional[bool] = None,
+                    ns_dtype: torch.dtype = torch.float32):
     """An optimiser over :func:`param_groups` of ``model``.
 
     Args:
         model: the module whose trainable parameters are optimised.
-        name: ``"adamw"`` (``torch.optim.AdamW``) or ``"adafactor"`` (``torch.optim.Adafactor``, with
-            its own defaults for β₂-decay and ε; ``betas``/``eps`` apply to AdamW only).
+        name: ``"adamw"`` (``torch.optim.AdamW``), ``"adafactor"`` (``torch.optim.Adafactor``, with
+            its own defaults for β₂-decay and ε; ``betas``/``eps`` apply to AdamW only) or ``"muon"``
+            (:class:`MuonWithAdamW`: :class:`Muon` on :func:`muon_parameters`, AdamW on the rest, same
+            ``lr`` and ``weight_decay``).
         lr: the (initial) learning rate; a schedule overwrites each group's ``lr`` every step.
         betas, eps: AdamW's moment coefficients and denominator ε.
         weight_decay: decoupled decay λ of the ``dim >= 2`` group.
         fused: AdamW's single-kernel implementation; ``None`` = fused when every parameter is a
             float tensor on CPU or CUDA (the fastest choice there), else the foreach one.
+        ns_dtype: Muon's Newton–Schulz dtype (the trainer passes bf16 when it trains in bf16).
 
     Raises:
         ValueError: unknown ``name`` or an out-of-range hyper-parameter (the message names it).
@@ -67,8 +217,18 @@ def build_optimizer(model: nn.Module, *, name: str = "adamw", lr: float, betas: 
     groups = param_groups(model, weight_decay=weight_decay)
     if name == "adafactor":
         return torch.optim.Adafactor(groups, lr=lr, weight_decay=weight_decay)
+    matrices = muon_parameters(model) if name == "muon" else []
+    if matrices:
+        ids = {id(p) for p in matrices}
+        groups = [{**g, "params": [p for p in g["params"] if id(p) not in ids]} for g in groups]
+        groups = [g for g in groups if g["params"]]
+    if name == "muon" and not matrices:
+        raise ValueError("optimizer='muon' found no nn.Linear weight to update (besides the head): use adamw")
     if fused is None:
         params = [p for g in groups for p in g["params"]]
         fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                             fused=bool(fused), foreach=None if fused else True)
+    adamw = torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                              fused=bool(fused), foreach=None if fused else True) if groups else None
+    if name != "muon":
+        return adamw
+    return MuonWithAdamW(Muon(matrices, lr=lr, weight_decay=weight_decay, ns_dtype=ns_dtype), adamw)

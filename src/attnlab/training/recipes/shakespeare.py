@@ -80,6 +80,11 @@ class ShakespeareSettings(TrainConfig):
     attention kernel), ``activation`` (default ``gelu``), ``bias=False`` drops the biases of linear
     layers and LayerNorms (nanoGPT's ``bias``; default True). ``batch_size`` rows per optimiser
     micro-step (the global batch under DDP).
+    Training levers (off by default; measured by ``benchmarks/train.py --levers``): ``zero_init`` starts the
+    residual output projections (attention ``out_proj``, MLP ``w2``) at zero instead of GPT-2's scaled normal;
+    ``llama`` only: ``tie_embeddings=False`` gives the head its own matrix, ``logit_softcap`` = c caps the
+    logits at ``c · tanh(logits / c)``. ``optimizer="muon"`` (a trainer setting) updates the hidden matrices
+    with Muon.
     Validation: ``eval_batches`` × ``eval_batch_size`` blocks of the last ``val_fraction`` of the text.
 
     The default plans its length to a 10-minute budget (``time_budget``, see :class:`TrainConfig`):
@@ -97,6 +102,9 @@ class ShakespeareSettings(TrainConfig):
     attn_dropout: float = 0.0
     activation: Optional[str] = None
     bias: Optional[bool] = None
+    zero_init: bool = False
+    tie_embeddings: bool = True
+    logit_softcap: Optional[float] = None
     eval_batches: int = 8
     eval_batch_size: int = 64
     val_fraction: float = 0.1
@@ -131,6 +139,16 @@ class ShakespeareSettings(TrainConfig):
         check_int("ffn_dim", self.ffn_dim, optional=True)
         for name in ("dropout", "attn_dropout"):
             check_rate(name, getattr(self, name))
+        for name in ("zero_init", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.logit_softcap is not None and not (isinstance(self.logit_softcap, (int, float))
+                                                   and not isinstance(self.logit_softcap, bool)
+                                                   and 0 < self.logit_softcap < float("inf")):
+            raise ValueError(f"logit_softcap must be a number > 0 (or null: off), got {self.logit_softcap!r}")
+        if self.arch == "gpt2" and (not self.tie_embeddings or self.logit_softcap is not None):
+            raise ValueError("tie_embeddings=false and logit_softcap are arch=llama settings (GPT-2's head is tied "
+                             "and uncapped)")
         if self.arch == "llama":  # Llama has no dropout and no biases, and one MLP (SwiGLU)
             bad = {k: v for k, v in (("dropout", self.dropout), ("attn_dropout", self.attn_dropout)) if v}
             bad.update({k: v for k, v in (("bias", self.bias),) if v})
@@ -247,15 +265,21 @@ def make_model(s: ShakespeareSettings, *, vocab_size: int) -> nn.Module:
                             n_head=s.n_head, n_inner=s.ffn_dim, activation=s.activation or "gelu",
                             embd_pdrop=s.dropout, resid_pdrop=s.dropout, attn_pdrop=s.attn_dropout,
                             bias=True if s.bias is None else s.bias, bos_token_id=None, eos_token_id=None)
-        return GPT2LMHeadModel(config)  # initialised as GPT-2
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=s.n_embd, intermediate_size=ffn_width(s),
-                         num_hidden_layers=s.n_layer, num_attention_heads=s.n_head,
-                         max_position_embeddings=s.block_size, tie_word_embeddings=True, rms_norm_eps=1e-5,
-                         bos_token_id=None, eos_token_id=None)
-    model = LlamaForCausalLM(config)  # N(0, 0.02) everywhere, as HF; then GPT-2's residual scaling
-    for layer in model.layers:
-        for proj in (layer.self_attn.out_proj, layer.ffn.w2):
-            nn.init.normal_(proj.weight, std=0.02 / (2 * s.n_layer) ** 0.5)
+        model = GPT2LMHeadModel(config)  # initialised as GPT-2
+    else:
+        config = LlamaConfig(vocab_size=vocab_size, hidden_size=s.n_embd, intermediate_size=ffn_width(s),
+                             num_hidden_layers=s.n_layer, num_attention_heads=s.n_head,
+                             max_position_embeddings=s.block_size, tie_word_embeddings=s.tie_embeddings,
+                             rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None,
+                             final_logit_softcapping=s.logit_softcap)
+        model = LlamaForCausalLM(config)  # N(0, 0.02) everywhere, as HF; then GPT-2's residual scaling
+        for layer in model.layers:
+            for proj in (layer.self_attn.out_proj, layer.ffn.w2):
+                nn.init.normal_(proj.weight, std=0.02 / (2 * s.n_layer) ** 0.5)
+    if s.zero_init:
+        for layer in model.layers:
+            for proj in (layer.self_attn.out_proj, layer.ffn.w2):
+                nn.init.zeros_(proj.weight)
     return model
 
 

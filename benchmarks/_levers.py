@@ -1,0 +1,68 @@
+"""``benchmarks/train.py --levers``: the speedrun techniques of issue #16, each alone, against the 10-minute default.
+
+Each row is one ``attnlab train shakespeare-char`` process (the ``default`` preset: ``time_budget`` plans its steps
+into 600 s, so a lever that makes a step slower gets fewer steps, as it would for a user), with one lever's
+settings added to ``--set``. The baseline runs first and again last: the spread of its two values is the machine's
+noise in this run, the yardstick a lever's Δ must clear before it counts. Columns: the best validation loss
+(fixed blocks), Δ = lever − mean of the baselines, the steps, the seconds per step, and whether Δ clears the noise.
+
+| lever | settings |
+|---|---|
+| Muon (hidden matrices; AdamW for embeddings, head, gains) | ``optimizer=muon`` |
+| zero-initialised output projections | ``zero_init=true`` |
+| logit soft-cap at 30 | ``logit_softcap=30`` |
+| untied head | ``tie_embeddings=false`` |
+
+Not built (so not measured): QK-norm, ReLU² MLP, value embeddings — each changes the attention or MLP that the
+fused decoding kernels compute (see the closing note of issue #16).
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from _common import print_table, write_json
+
+LEVERS = {
+    "muon": ["optimizer=muon"],
+    "zero-init": ["zero_init=true"],
+    "softcap-30": ["logit_softcap=30"],
+    "untied-head": ["tie_embeddings=false"],
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of the ``--levers`` mode."""
+    p.add_argument("--levers", nargs="*", choices=sorted(LEVERS), default=None, metavar="LEVER",
+                   help=f"run the default preset with each lever alone (all, or those named: {', '.join(LEVERS)}), "
+                        "between two baseline runs; prints val at the end of the budget and the change")
+
+
+def run_levers(args: argparse.Namespace, *, run_preset) -> list[dict]:
+    """Baseline, each lever, baseline again; print the table and write the JSON (``args.out``)."""
+    names = list(args.levers) or list(LEVERS)
+    preset = "tiny" if args.quick else "default"
+    extra = ["max_steps=20", "arch=llama"] if args.quick else []  # the default preset is llama; tiny is not
+    plan = [("baseline", [])] + [(n, LEVERS[n]) for n in names] + [("baseline (again)", [])]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (name, settings) in enumerate(plan):
+            row = run_preset(preset, threads=args.threads, overrides=args.set + extra + settings, out=Path(tmp) / str(i))
+            row.update(run=name, settings=" ".join(settings) or "(preset)", s_per_step=row["wall_s"] / row["steps"])
+            rows.append(row)
+            print(f"{name}: best val {row['best_val_loss']:.4f} in {row['steps']} steps "
+                  f"({row['s_per_step']:.3f} s a step)", flush=True)
+    base = [r["best_val_loss"] for r in rows if r["run"].startswith("baseline")]
+    mean, noise = sum(base) / len(base), abs(base[0] - base[1])
+    for r in rows:
+        r["delta"] = r["best_val_loss"] - mean
+        if not r["run"].startswith("baseline"):
+            r["pays"] = "yes" if r["delta"] < -noise else ("no" if r["delta"] > noise else "within noise")
+    print()
+    print_table(rows, ["run", "settings", "dtype", "steps", "s_per_step", "best_val_loss", "delta", "pays", "run_s"])
+    print(f"\ndelta = best val - the baselines' mean ({mean:.4f}); noise = their spread ({noise:.4f}); "
+          "'pays' = delta below -noise")
+    write_json(args.out, rows, quick=args.quick, threads=args.threads, baseline_mean=mean, noise=noise)
+    print(f"wrote {args.out}")
+    return rows
