@@ -161,3 +161,51 @@ def test_auto_takes_flex_for_sparse_training_shapes_and_not_for_decode_steps(req
     ref = attention(*(t.detach().double().cpu() for t in (q, k, v)), backend="reference", **request_)
     atol = tolerance(ref, dtype=torch.bfloat16, n=q.shape[-1], depth=2)
     torch.testing.assert_close(out.double().cpu(), ref, rtol=2 ** -7, atol=atol)
+
+
+def test_muon_step_on_cuda_equals_the_cpu_step():
+    """One Muon step (Newton–Schulz in fp32, no TF32) on the GPU equals the CPU's within fp32 round-off (16 ε √n
+    · 5 steps of the update's largest entry); in bf16
+    within bf16's (relative Frobenius difference of the updates < 5 %, as against torch's own Muon)."""
+    from attnlab.training.optim import Muon
+    g = torch.Generator().manual_seed(0)
+    shapes = [(64, 160), (160, 64), (64, 64)]
+    start = [torch.randn(*s, generator=g) for s in shapes]
+    grads = [torch.randn(*s, generator=g) for s in shapes]
+    results = {}
+    for device, dtype in (("cpu", torch.float32), ("cuda", torch.float32), ("cuda", torch.bfloat16)):
+        ps = [torch.nn.Parameter(w.to(device, copy=True)) for w in start]
+        opt = Muon(ps, lr=0.02, weight_decay=0.1, ns_dtype=dtype)
+        for p, grad in zip(ps, grads):
+            p.grad = grad.to(device)
+        opt.step()
+        results[device, dtype] = [(p.detach().cpu() - w) for p, w in zip(ps, start)]
+    for ref, gpu, half in zip(*results.values()):
+        # fp32 round-off of products over n ≤ 160 terms, through 5 Newton–Schulz steps, of the update's magnitude
+        tol = tolerance(torch.ones(()), n=160, depth=5) * ref.abs().max().item()
+        torch.testing.assert_close(gpu, ref, rtol=0, atol=tol)
+        assert (half - ref).norm() / ref.norm() < 0.05
+
+
+@torch.no_grad()
+def test_int4_model_on_cuda_equals_the_dequantised_model():
+    """An int4-quantised GPT-2 moved to the GPU (dequantised products there: the int4 kernel is CPU code) gives the
+    logits of the float model holding the dequantised weights on the CPU within float32's reordering (1e-5 ·
+    max|logit|, as tests/adapt/test_quantize.py's), and its greedy tokens."""
+    import copy
+
+    from attnlab.adapt import quantize
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=97, n_positions=64, n_embd=64, n_layer=2, n_head=4, bos_token_id=None,
+                     eos_token_id=None)
+    model = GPT2LMHeadModel(cfg).eval()
+    q = quantize(copy.deepcopy(model), "int4", group_size=32)
+    for name, m in model.named_modules():
+        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+            m.weight.copy_(q.get_submodule(name).weight)
+    ids = torch.randint(0, 97, (2, 12))
+    want = model(ids).logits
+    got = q.to(CUDA)(ids.to(CUDA)).logits.cpu()
+    assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item())
+    tokens = generate(q, ids[:1].to(CUDA), max_new_tokens=8, do_sample=False).cpu()
+    assert torch.equal(tokens, generate(model, ids[:1], max_new_tokens=8, do_sample=False))
