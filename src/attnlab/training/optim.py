@@ -66,7 +66,7 @@ def orthogonalize(u: Tensor, *, steps: int = 5, dtype: torch.dtype = torch.float
     x = x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)
     for _ in range(steps):
         s = x @ x.mT
-        x = a * x + torch.baddbmm(s, s, s, beta=b, alpha=c) @ x if x.dim() == 3 else a * x + (b * s + c * (s @ s)) @ x
+        x = a * x + (b * s + c * (s @ s)) @ x
     return (x.mT if tall else x).to(u.dtype)
 
 

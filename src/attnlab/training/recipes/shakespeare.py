@@ -84,7 +84,9 @@ class ShakespeareSettings(TrainConfig):
     residual output projections (attention ``out_proj``, MLP ``w2``) at zero instead of GPT-2's scaled normal;
     ``llama`` only: ``tie_embeddings=False`` gives the head its own matrix, ``logit_softcap`` = c caps the
     logits at ``c · tanh(logits / c)``. ``optimizer="muon"`` (a trainer setting) updates the hidden matrices
-    with Muon.
+    with Muon. Measured alone in this preset's 600 s (2 Zen4 cores, bf16; two baselines 1.503 and 1.497): muon
+    1.517 (better per step, but its Newton–Schulz products cost 14 % of the steps), zero_init 1.498,
+    logit_softcap=30 1.497, an untied head 1.527 — none beyond the baselines' spread, so all stay off.
     Validation: ``eval_batches`` × ``eval_batch_size`` blocks of the last ``val_fraction`` of the text.
 
     The default plans its length to a 10-minute budget (``time_budget``, see :class:`TrainConfig`):
