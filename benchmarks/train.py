@@ -138,6 +138,8 @@ def main() -> None:
     add_budget_arguments(p)
     add_lever_arguments(p)
     args = p.parse_args()
+    if args.compare_budget and args.levers is not None:
+        raise SystemExit("--compare-budget and --levers are two different runs: give one of them")
     if args.compare_budget and args.nanogpt_dir is None:
         raise SystemExit("--compare-budget needs --nanogpt-dir DIR (an upstream nanoGPT checkout: "
                          "git clone https://github.com/karpathy/nanoGPT)")

@@ -164,9 +164,9 @@ def test_auto_takes_flex_for_sparse_training_shapes_and_not_for_decode_steps(req
 
 
 def test_muon_step_on_cuda_equals_the_cpu_step():
-    """One Muon step (Newton–Schulz in fp32, no TF32) on the GPU equals the CPU's within fp32 round-off (16 ε √n
-    · 5 steps of the update's largest entry); in bf16
-    within bf16's (relative Frobenius difference of the updates < 5 %, as against torch's own Muon)."""
+    """One Muon step (Newton–Schulz in fp32, no TF32) on the GPU equals the CPU's within fp32 round-off (16 ε √n ·
+    5 steps of the update's largest entry); in bf16 within bf16's (relative Frobenius difference of the updates
+    < 5 %, as against torch's own Muon)."""
     from attnlab.training.optim import Muon
     g = torch.Generator().manual_seed(0)
     shapes = [(64, 160), (160, 64), (64, 64)]

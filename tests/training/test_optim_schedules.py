@@ -1,4 +1,5 @@
 """Optimiser groups and learning-rate schedules, against independent formulas (nanoGPT's get_lr)."""
+import copy
 import math
 
 import pytest
@@ -214,8 +215,18 @@ def test_muon_errors_and_state_round_trip():
     muon = build_optimizer(model, name="muon", lr=1e-2)
     with pytest.raises(ValueError, match="optimizer the run was started with"):
         muon.load_state_dict(adamw.state_dict())
-    model(torch.randint(0, 11, (2, 8))).logits.square().mean().backward()
+    x = torch.randint(0, 11, (2, 8))
+    model(x).logits.square().mean().backward()
     muon.step()
-    twin = build_optimizer(model, name="muon", lr=1e-2)
-    twin.load_state_dict(muon.state_dict())
-    assert len(twin.state) == len(muon.state) == sum(1 for p in model.parameters())
+    other = small_gpt()
+    other.load_state_dict(model.state_dict())
+    twin = build_optimizer(other, name="muon", lr=1e-2)
+    # as from a checkpoint file (torch's load_state_dict keeps same-device tensors: a deep copy, not shared buffers);
+    # momentum buffers and AdamW moments carried over: the next steps agree
+    twin.load_state_dict(copy.deepcopy(muon.state_dict()))
+    for m, opt in ((model, muon), (other, twin)):
+        opt.zero_grad()
+        m(x).logits.square().mean().backward()
+        opt.step()
+    for p, q in zip(model.parameters(), other.parameters()):
+        assert torch.equal(p, q)

@@ -62,7 +62,8 @@ def test_nanogpt_cpu_preset_is_nanogpts_recipe():
     ({"ffn_dim": "0"}, r"ffn_dim must be an int >= 1 or None"),
     ({"arch": "gpt2", "tie_embeddings": "false"}, r"tie_embeddings=false and logit_softcap are arch=llama settings"),
     ({"arch": "gpt2", "logit_softcap": "30"}, r"arch=llama settings"),
-    ({"logit_softcap": "0"}, r"logit_softcap must be a number > 0"),
+    ({"logit_softcap": "0"}, r"logit_softcap must be a positive finite number"),
+    ({"logit_softcap": "inf"}, r"logit_softcap must be a positive finite number"),
     ({"optimizer": "lion"}, r"TrainConfig.optimizer must be one of \['adamw', 'adafactor', 'muon'\]"),
 ])
 def test_arch_setting_errors(overrides, match):

@@ -110,7 +110,7 @@ class LlamaConfig:
         if not isinstance(self.tie_word_embeddings, bool):
             raise ValueError(f"tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
         if self.final_logit_softcapping is not None:
-            positive_number("final_logit_softcapping", self.final_logit_softcapping)
+            positive_number("final_logit_softcapping", self.final_logit_softcapping, finite=True)
 
     @property
     def head_dim(self) -> int:
