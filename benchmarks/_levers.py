@@ -12,9 +12,9 @@ noise in this run, the yardstick a lever's Δ must clear before it counts. Colum
 | zero-initialised output projections | ``zero_init=true`` |
 | logit soft-cap at 30 | ``logit_softcap=30`` |
 | untied head | ``tie_embeddings=false`` |
-
-Not built (so not measured): QK-norm, ReLU² MLP, value embeddings — each changes the attention or MLP that the
-fused decoding kernels compute (see the closing note of issue #16).
+| QK-norm (RMSNorm on each head's q and k) | ``qk_norm=true`` |
+| ReLU²-gated MLP instead of SwiGLU | ``activation=relu2_glu`` |
+| value embeddings (a token table per layer added to the values) | ``value_embeddings=true`` |
 """
 from __future__ import annotations
 
@@ -29,6 +29,9 @@ LEVERS = {
     "zero-init": ["zero_init=true"],
     "softcap-30": ["logit_softcap=30"],
     "untied-head": ["tie_embeddings=false"],
+    "qk-norm": ["qk_norm=true"],
+    "relu2": ["activation=relu2_glu"],
+    "value-embeds": ["value_embeddings=true"],
 }
 
 

@@ -26,7 +26,7 @@ from _tolerance import tolerance  # tests/_tolerance.py: from the dtype and the 
 from _native_isas import EPS32, ISA_IDS, ISAS, isa, needs_native  # noqa: F401 (isa: a fixture)
 
 GATE_FNS = {"glu": torch.sigmoid, "geglu": F.gelu, "geglu_tanh": lambda a: F.gelu(a, approximate="tanh"),
-            "swiglu": F.silu}
+            "swiglu": F.silu, "relu2_glu": lambda a: F.relu(a).square()}
 
 
 @needs_native
@@ -141,7 +141,7 @@ def test_gated_matvec_checks_its_arguments():
 
 @needs_native
 @pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
-@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "quick_gelu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "quick_gelu", "relu2"])
 def test_activate_equals_torchs_activation_on_a_large_tensor(isa, activation):
     from attnlab.nn.feedforward import ACTIVATIONS
     x = torch.randn(300, 1001, generator=torch.Generator().manual_seed(0)) * 4  # not a multiple of any width
@@ -391,8 +391,8 @@ def test_the_one_call_layer_step_writes_nothing_for_a_non_finite_projection():
 
 
 @needs_native
-@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "quick_gelu", "glu", "geglu", "geglu_tanh",
-                                        "swiglu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "quick_gelu", "relu2", "glu", "geglu",
+                                        "geglu_tanh", "swiglu", "relu2_glu"])
 @pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
 def test_every_ffn_activation_and_norm_in_the_one_call_step(activation, norm):
     """A pre-norm decoder-only layer with each FFN activation (the kernel's vectorised gates: e^x within ~1 ulp,

@@ -148,14 +148,15 @@ def int4_dequantize(w: Tensor, scale: Tensor, in_features: int) -> Tensor:
     return _state["int4_dequantize"](w, scale, in_features, _state["isa"])
 
 
-GATES = {"glu": 0, "geglu": 1, "geglu_tanh": 2, "swiglu": 3}  # FeedForward's gated activations -> the op's code
-ACTIVATIONS = {"relu": 4, "gelu": 1, "gelu_tanh": 2, "quick_gelu": 5}  # its plain ones (csrc/native.h: Act)
+# FeedForward's gated activations -> the op's code, and its plain ones (csrc/native.h: Act)
+GATES = {"glu": 0, "geglu": 1, "geglu_tanh": 2, "swiglu": 3, "relu2_glu": 6}
+ACTIVATIONS = {"relu": 4, "gelu": 1, "gelu_tanh": 2, "quick_gelu": 5, "relu2": 6}
 
 
 def gated_matvec(x: Tensor, first: tuple, second: tuple, activation: str) -> Tensor:
     """A gated FFN's hidden activation ``act(x W₁ᵀ ⊙ s₁ + b₁) ⊙ (x W₃ᵀ ⊙ s₃ + b₃)`` in one call: ``first`` and
     ``second`` are :func:`matvec`'s ``(w, scale, bias)`` for ``W₁`` and ``W₃`` (same shape and dtype), ``activation``
-    one of :data:`GATES` (GLU's sigmoid, GELU, GELU-tanh, SiLU). ``x (..., K)`` float32 -> ``(..., N)`` float32.
+    one of :data:`GATES` (GLU's sigmoid, GELU, GELU-tanh, SiLU, ReLU²). ``x (..., K)`` float32 -> ``(..., N)`` float32.
 
     Raises:
         RuntimeError: the native kernels are not :func:`available` (callers check that first).

@@ -193,3 +193,123 @@ def test_final_logit_softcapping_caps_the_logits_and_is_refused_by_to_hf(tmp_pat
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         LlamaConfig(**SIZES, final_logit_softcapping=0.0)
     assert "final_logit_softcapping" not in LlamaConfig(**SIZES).to_hf()
+
+
+@torch.no_grad()
+def test_relu2_mlp_matches_transformers_both_ways_and_decodes_natively(tmp_path):
+    """``hidden_act="relu2"``: HF's Llama gates its MLP with ``max(x, 0)²``; ours reads and writes such a model (logits
+    within TOL), and the fused decoding step (``optimize_for_inference``: the C++ ``decoder_step`` with the ReLU² code)
+    gives the same greedy tokens and, on a prompt, logits within float32 round-off of the full forward."""
+    torch.manual_seed(0)
+    theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES, hidden_act="relu2", bos_token_id=0,
+                                                                    eos_token_id=None, pad_token_id=0)).eval()
+    for p in theirs.parameters():
+        p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    theirs.save_pretrained(tmp_path / "hf")
+    ours = hub.from_pretrained(tmp_path / "hf")
+    assert ours.config.hidden_act == "relu2" and ours.layers[0].ffn.activation == "relu2_glu"
+    ids, mask = _left_padded(torch.randint(1, V, (3, 9)))
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    ref = theirs(ids, attention_mask=mask, position_ids=pos).logits
+    assert (ours(ids, attention_mask=mask).logits - ref)[mask.bool()].abs().max() <= TOL
+    ours.save_pretrained(tmp_path / "ours")  # and back: HF's Llama reads hidden_act
+    again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    assert again.config.hidden_act == "relu2"
+    assert (again(ids, attention_mask=mask, position_ids=pos).logits - ref)[mask.bool()].abs().max() <= TOL
+    want = theirs.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    ours.optimize_for_inference(dtype=torch.float32)
+    assert torch.equal(ours.generate(ids, attention_mask=mask, max_new_tokens=6), want)
+
+
+def _qwen3(tie=False):
+    """HF's Qwen 3 (Llama's layer with QK-norm) with widened random weights and gains in [0.5, 1.5]."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(**SIZES, head_dim=SIZES["hidden_size"] // SIZES["num_attention_heads"],
+                                      tie_word_embeddings=tie, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=None,
+                                      pad_token_id=0)
+    theirs = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    return theirs
+
+
+@torch.no_grad()
+def test_qk_norm_equals_qwen3_and_is_refused_by_to_hf(tmp_path):
+    """``qk_norm=True`` is Qwen 3's attention: the same weights (``q_norm`` / ``k_norm`` by :func:`weight_map`) give
+    its logits within TOL with left padding, decoding with a cache equals the full forward (the step takes the
+    pipeline: QK-norm is not in the fused kernels) and greedy generation equals Qwen 3's. HF's Llama has no QK-norm,
+    so ``save_pretrained`` refuses before writing."""
+    theirs = _qwen3()
+    config = LlamaConfig(**SIZES, qk_norm=True, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    ours = LlamaForCausalLM(config).eval()
+    ours.load_state_dict(state_dict_from_hf(theirs.state_dict(), config))
+    assert ours.layers[1].self_attn.k_norm.weight.shape == (SIZES["hidden_size"] // SIZES["num_attention_heads"],)
+    ids, mask = _left_padded(torch.randint(1, V, (3, 10)))
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    ref = theirs(ids, attention_mask=mask, position_ids=pos).logits
+    full = ours(ids, attention_mask=mask).logits
+    assert (full - ref)[mask.bool()].abs().max() <= TOL
+    cache = ours.new_cache()
+    out = ours(ids[:, :4], attention_mask=mask[:, :4], past_key_values=cache, use_cache=True)
+    steps = [out.logits]
+    for t in range(4, 10):
+        out = ours(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=out.past_key_values,
+                   use_cache=True)
+        steps.append(out.logits)
+    inc = torch.cat(steps, dim=1)
+    assert (inc - full)[mask.bool()].abs().max() <= tolerance(full, n=SIZES["hidden_size"], depth=2)
+    want = theirs.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(ids, attention_mask=mask, max_new_tokens=6), want)
+    ours.optimize_for_inference(dtype=torch.float32)  # inference layouts: still the pipeline's step, same tokens
+    assert torch.equal(ours.generate(ids, attention_mask=mask, max_new_tokens=6), want)
+    with pytest.raises(ValueError, match="qk_norm"):
+        ours.save_pretrained(tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(TypeError, match="qk_norm"):
+        LlamaConfig(**SIZES, qk_norm=1)
+    with pytest.raises(ValueError, match="hidden_act"):
+        LlamaConfig(**SIZES, hidden_act="gelu")
+
+
+@torch.no_grad()
+def test_value_embeddings_add_a_token_table_to_the_values(tmp_path):
+    """``value_embeddings``: layer l's values are ``V W_V + E_l[x]``. Oracle: the same weights without the option, with
+    a hook adding ``E_l[x]`` to the value rows of the packed projection's output. Decoding with a cache equals the full
+    forward, greedy generation equals the oracle's, and ``save_pretrained`` refuses (not in HF's Llama)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(**SIZES, value_embeddings=True)
+    ours = LlamaForCausalLM(config).eval()
+    for table in ours.value_embeds:
+        table.weight.normal_(0, 1.0)  # large enough to move the logits
+    plain = LlamaForCausalLM(LlamaConfig(**SIZES)).eval()
+    plain.load_state_dict({k: v for k, v in ours.state_dict().items() if not k.startswith("value_embeds.")})
+    ids = torch.randint(0, V, (2, 9))
+    nq, nkv = (SIZES[k] * config.head_dim for k in ("num_attention_heads", "num_key_value_heads"))
+    tokens = {}
+
+    def add_table(i):
+        def hook(module, args, out):
+            out = out.clone()
+            out[..., nq + nkv:] += ours.value_embeds[i](tokens["ids"])  # rows q (nq), k (nkv), v (nkv)
+            return out
+        return hook
+
+    for i, layer in enumerate(plain.layers):
+        layer.self_attn.in_proj.register_forward_hook(add_table(i))
+    tokens["ids"] = ids
+    want, got = plain(ids).logits, ours(ids).logits
+    assert (want - LlamaForCausalLM(LlamaConfig(**SIZES)).eval()(ids).logits).abs().max() > 0.1  # not a no-op
+    assert (got - want).abs().max() <= tolerance(want, n=SIZES["hidden_size"], depth=2)
+    cache = ours.new_cache()
+    steps = [ours(ids[:, :4], past_key_values=cache, use_cache=True).logits]
+    for t in range(4, 9):
+        steps.append(ours(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+    assert (torch.cat(steps, 1) - got).abs().max() <= tolerance(got, n=SIZES["hidden_size"], depth=2)
+    out = ours.generate(ids[:1, :5], max_new_tokens=4)
+    tokens["ids"] = out
+    assert torch.equal(plain(out).logits[:, 4:-1].argmax(-1), out[:, 5:])
+    with pytest.raises(ValueError, match="value_embeddings"):
+        ours.save_pretrained(tmp_path / "hf")
+    with pytest.raises(ValueError, match="value_embed must be"):
+        ours.layers[0](torch.zeros(1, 3, SIZES["hidden_size"]), value_embed=torch.zeros(1, 3, 5))

@@ -85,6 +85,8 @@ def _act64(name, x):
         return 1 / (1 + math.exp(-x))
     if name == "swiglu":
         return x / (1 + math.exp(-x))
+    if name in ("relu2", "relu2_glu"):
+        return max(x, 0.0) ** 2
     raise AssertionError(name)
 
 
@@ -92,7 +94,7 @@ def _act64(name, x):
 def test_feedforward_matches_loop_formula(activation):
     dim, hidden = 3, 4
     ffn = FeedForward(dim, hidden, activation=activation).double()
-    assert (ffn.w3 is not None) == (activation in ("glu", "geglu", "geglu_tanh", "swiglu"))
+    assert (ffn.w3 is not None) == (activation in ("glu", "geglu", "geglu_tanh", "swiglu", "relu2_glu"))
     x = torch.randn(2, dim, dtype=torch.float64)
     out = ffn(x)
 

@@ -139,16 +139,18 @@ def test_orthogonalize_is_newton_schulz_on_the_singular_values(shape):
     torch.testing.assert_close(o32.double(), newton_schulz_by_svd(u), rtol=0, atol=1e-5)
 
 
-def test_muon_step_is_the_documented_update():
-    """Three steps in float64 against the formula: M ← μM + g, U = g + μM, θ ← θ(1 − lr λ) − lr · 0.2√max(A,B) · NS(U);
-    a wide, a tall (stacked with it, transposed) and a square matrix."""
+@pytest.mark.parametrize("lr_scale, ns_steps", [(1.0, 5), (2.5, 3)])
+def test_muon_step_is_the_documented_update(lr_scale, ns_steps):
+    """Three steps in float64 against the formula: M ← μM + g, U = g + μM, θ ← θ(1 − lr_M λ) − lr_M · 0.2√max(A,B) ·
+    NS(U) with lr_M = lr_scale · lr; a wide, a tall (stacked with it, transposed) and a square matrix."""
     from attnlab.training.optim import Muon
     g = torch.Generator().manual_seed(1)
     shapes = [(12, 20), (20, 12), (12, 12)]
     ws = [nn.Parameter(torch.randn(*s, generator=g, dtype=torch.float64)) for s in shapes]
     thetas, ms = [w.detach().clone() for w in ws], [torch.zeros_like(w) for w in ws]
     lr, wd, mu = 0.03, 0.1, 0.95
-    opt = Muon(ws, lr=lr, weight_decay=wd, momentum=mu, ns_dtype=torch.float64)
+    opt = Muon(ws, lr=lr, weight_decay=wd, momentum=mu, ns_dtype=torch.float64, lr_scale=lr_scale, ns_steps=ns_steps)
+    lr_m = lr_scale * lr
     for _ in range(3):
         grads = [torch.randn(*s, generator=g, dtype=torch.float64) for s in shapes]
         for w, grad in zip(ws, grads):
@@ -156,8 +158,8 @@ def test_muon_step_is_the_documented_update():
         opt.step()
         for i, grad in enumerate(grads):
             ms[i] = mu * ms[i] + grad
-            thetas[i] = (thetas[i] * (1 - lr * wd)
-                         - lr * 0.2 * math.sqrt(max(shapes[i])) * newton_schulz_by_svd(grad + mu * ms[i]))
+            thetas[i] = (thetas[i] * (1 - lr_m * wd)
+                         - lr_m * 0.2 * math.sqrt(max(shapes[i])) * newton_schulz_by_svd(grad + mu * ms[i], ns_steps))
             # ε = 1e-7 in NS's normalisation (U / (‖U‖ + ε), ‖U‖ ≈ 50) moves the update (≈ 0.03) by ~2e-9 relative
             torch.testing.assert_close(ws[i].detach(), thetas[i], rtol=0, atol=1e-9)
 
@@ -208,6 +210,11 @@ def test_muon_errors_and_state_round_trip():
         Muon([nn.Parameter(torch.zeros(3))], lr=1e-2)
     with pytest.raises(ValueError, match="momentum"):
         Muon([nn.Parameter(torch.zeros(3, 3))], lr=1e-2, momentum=1.0)
+    with pytest.raises(ValueError, match="lr_scale"):
+        Muon([nn.Parameter(torch.zeros(3, 3))], lr=1e-2, lr_scale=0.0)
+    with pytest.raises(ValueError, match="ns_steps"):
+        build_optimizer(small_gpt(), name="muon", lr=1e-2, muon_ns_steps=0)
+    assert build_optimizer(small_gpt(), name="muon", lr=1e-2, muon_lr_scale=4.0).parts["muon"].lr_scale == 4.0
     with pytest.raises(ValueError, match="no nn.Linear weight"):
         build_optimizer(nn.Embedding(4, 3), name="muon", lr=1e-2)
     model = small_gpt()

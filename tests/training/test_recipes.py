@@ -56,12 +56,18 @@ def test_nanogpt_cpu_preset_is_nanogpts_recipe():
 
 @pytest.mark.parametrize("overrides, match", [
     ({"arch": "mamba"}, r"arch must be one of 'gpt2', 'llama', got 'mamba'"),
-    ({"arch": "llama", "dropout": "0.1"}, r"arch=llama has no dropout, no biases and a SwiGLU MLP; got dropout=0.1"),
+    ({"arch": "llama", "dropout": "0.1"},
+     r"arch=llama has no dropout, no biases and a gated MLP \(activation swiglu or relu2_glu\); got dropout=0.1"),
     ({"arch": "llama", "dropout": "0", "bias": "true"}, r"arch=llama .*got bias=True"),
     ({"arch": "llama", "dropout": "0", "activation": "gelu"}, r"arch=llama .*got activation='gelu'"),
     ({"ffn_dim": "0"}, r"ffn_dim must be an int >= 1 or None"),
-    ({"arch": "gpt2", "tie_embeddings": "false"}, r"tie_embeddings=false and logit_softcap are arch=llama settings"),
+    ({"arch": "gpt2", "tie_embeddings": "false"},
+     r"tie_embeddings=false, logit_softcap, qk_norm and value_embeddings are arch=llama settings"),
     ({"arch": "gpt2", "logit_softcap": "30"}, r"arch=llama settings"),
+    ({"arch": "gpt2", "qk_norm": "true"}, r"arch=llama settings"),
+    ({"arch": "gpt2", "value_embeddings": "true"}, r"arch=llama settings"),
+    ({"arch": "llama", "activation": "relu2"}, r"arch=llama .*got activation='relu2'"),
+    ({"qk_norm": "2"}, r"--set qk_norm=.2.: expected bool"),
     ({"logit_softcap": "0"}, r"logit_softcap must be a positive finite number"),
     ({"logit_softcap": "inf"}, r"logit_softcap must be a positive finite number"),
     ({"optimizer": "lion"}, r"TrainConfig.optimizer must be one of \['adamw', 'adafactor', 'muon'\]"),
@@ -116,17 +122,26 @@ def test_training_levers_build_what_they_name():
         capped.lm_head.weight.mul_(500.0)
         logits = capped(torch.randint(0, 65, (2, 8))).logits
     assert logits.abs().max() <= 2.0 and logits.abs().max() > 1.9
+    more = make_model(resolve_settings(r, preset="tiny", overrides={"arch": "llama", "qk_norm": True,
+                                                                     "activation": "relu2_glu",
+                                                                     "value_embeddings": True}), vocab_size=65)
+    assert more.config.qk_norm and more.config.hidden_act == "relu2" and more.config.value_embeddings
+    attn = more.layers[0].self_attn
+    assert attn.q_norm.weight.shape == (attn.head_dim,) and more.layers[0].ffn.activation == "relu2_glu"
+    assert len(more.value_embeds) == len(more.layers) and more.value_embeds[0].weight.shape == (65, attn.embed_dim)
 
 
 def test_muon_and_the_levers_train_and_resume(tmp_path, shakespeare):
     from attnlab.training.recipes.shakespeare import load_run_model
     over = {**FAST, "arch": "llama", "max_steps": 12, "optimizer": "muon", "zero_init": True,
-            "tie_embeddings": False, "logit_softcap": 30.0}
+            "tie_embeddings": False, "logit_softcap": 30.0, "qk_norm": True, "activation": "relu2_glu",
+            "value_embeddings": True, "muon_lr_scale": 2.0, "muon_ns_steps": 4}
     m = run_recipe("shakespeare-char", out=tmp_path / "run", preset="tiny", overrides=over)
     assert m["steps"] == 12 and m["val_loss"] < 4.17  # below log(65): it learns
     m2 = run_recipe("shakespeare-char", out=tmp_path / "run", overrides={"max_steps": 16}, resume=True)
     model = load_run_model(tmp_path / "run")
     assert m2["steps"] == 16 and model.config.final_logit_softcapping == 30.0
+    assert model.config.qk_norm and model.config.value_embeddings and model.config.hidden_act == "relu2"
     assert evaluate_checkpoint(tmp_path / "run")["val_loss"] == m2["val_loss"]
 
 

@@ -125,7 +125,7 @@ namespace {
 // y = act(x) (⊙ g when given, g of x's shape), a new tensor, the elements split over the threads (~64 K per task)
 at::Tensor activate(const at::Tensor& x, const std::optional<at::Tensor>& g, int64_t act, int64_t isa) {
   check_f32(x, "activate", "x");
-  ATTNLAB_CHECK(0 <= act && act <= 5, "attnlab::activate: act must be an activation code 0-5, got ", act);
+  ATTNLAB_CHECK(0 <= act && act <= 6, "attnlab::activate: act must be an activation code 0-6, got ", act);
   if (g) {
     check_f32(*g, "activate", "g");
     ATTNLAB_CHECK(g->sizes() == x.sizes(), "attnlab::activate: g must have x's shape ", x.sizes(), ", got ",
@@ -203,7 +203,7 @@ at::Tensor decoder_step(const at::Tensor& x, at::ArrayRef<Opt> t, bool rms, doub
   for (int i : {2, 5, 10, 16, 19, 20})
     ATTNLAB_CHECK(t[i].has_value(), "attnlab::decoder_step: tensor ", i, " (a weight or a cache buffer) is missing");
   ATTNLAB_CHECK(!gated || t[13].has_value(), "attnlab::decoder_step: a gated FFN needs W₃");
-  ATTNLAB_CHECK(attnlab_native::GLU <= act && act <= (gated ? attnlab_native::SILU : attnlab_native::QUICK_GELU),
+  ATTNLAB_CHECK(gated ? attnlab_native::is_gate(act) : attnlab_native::is_plain(act),
                 "attnlab::decoder_step: act must be an activation code of csrc/native.h, got ", act);
   at::Tensor h = norm("decoder_step", x, t[0], t[1], rms, eps1, isa);
   at::Tensor qkv = attnlab_native::matvec(h, *t[2], t[3], t[4], isa);

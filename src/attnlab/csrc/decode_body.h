@@ -69,6 +69,7 @@ inline VF act_vec(int64_t act, VF a) {
     }
     case 3: return a * sigmoid(a);                                                   // SiLU
     case 4: return a < splat(0.f) ? splat(0.f) : a;                                  // ReLU (NaN: a)
+    case 6: { const VF r = a < splat(0.f) ? splat(0.f) : a; return r * r; }           // ReLU² (NaN: a²)
     default: return a * sigmoid(splat(1.702f) * a);                                  // quick GELU
   }
 }

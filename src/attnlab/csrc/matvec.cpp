@@ -447,8 +447,8 @@ at::Tensor gated_matvec(const at::Tensor& x, const at::Tensor& w1, const std::op
                 "attnlab::gated_matvec: w1 and w3 must have the same shape and dtype (int4: and groups), got ", w1.sizes(),
                 " ",
                 w1.scalar_type(), " and ", w3.sizes(), " ", w3.scalar_type());
-  ATTNLAB_CHECK(GLU <= act && act <= SILU, "attnlab::gated_matvec: act must be 0 (sigmoid), 1 (gelu), 2 (gelu_tanh) "
-                "or 3 (silu), got ", act);
+  ATTNLAB_CHECK(is_gate(act), "attnlab::gated_matvec: act must be 0 (sigmoid), 1 (gelu), 2 (gelu_tanh), 3 (silu) "
+                "or 6 (relu²), got ", act);
   at::Tensor y = output(x, N);
   if (M == 0 || N == 0) return y.zero_();
   at::Tensor y3 = at::empty({M, N}, x.options());

@@ -36,7 +36,10 @@ std::string message(const A&... a) { return (std::string() + ... + piece(a)); }
 #define ATTNLAB_CHECK(cond, ...) TORCH_CHECK(cond, ::attnlab_native::message(__VA_ARGS__))
 
 // activation codes, shared with attnlab._native.ACTIVATIONS: a gated FFN's gates (0-3), then plain ones
-enum Act : int64_t { GLU = 0, GELU = 1, GELU_TANH = 2, SILU = 3, RELU = 4, QUICK_GELU = 5 };
+enum Act : int64_t { GLU = 0, GELU = 1, GELU_TANH = 2, SILU = 3, RELU = 4, QUICK_GELU = 5, RELU2 = 6 };
+// whether code act is a gate (gated FFN) or a plain activation
+inline bool is_gate(int64_t act) { return (GLU <= act && act <= SILU) || act == RELU2; }
+inline bool is_plain(int64_t act) { return (GELU <= act && act <= QUICK_GELU && act != SILU) || act == RELU2; }
 
 // y[i] = act(y[i]) ⊙ g[i] (g null: 1), vectorised (decode_body.h: e^x as exp_nonpositive, erf within 1.5e-7)
 void activate(int64_t act, float* y, const float* g, int64_t n, int64_t isa);

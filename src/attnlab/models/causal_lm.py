@@ -3,7 +3,8 @@
 A family subclasses :class:`DecoderOnlyLM` and provides ``self.config`` (with ``vocab_size``),
 ``self.layers`` (decoder-only :class:`~attnlab.nn.block.DecoderLayer` s), ``embed(input_ids,
 positions) -> (B, T, E)``, ``head(x) -> logits`` and ``max_positions`` (None when unbounded, e.g.
-RoPE). Positions follow the attention mask as in Hugging Face: ``p = cumsum(mask) - 1``.
+RoPE). Positions follow the attention mask as in Hugging Face: ``p = cumsum(mask) - 1``. A family whose layers
+take per-token inputs besides ``x`` (Llama's value embeddings) returns them from ``layer_inputs(input_ids)``.
 """
 from __future__ import annotations
 
@@ -49,6 +50,10 @@ class DecoderOnlyLM(InferenceLayoutMixin, PreTrainedMixin, nn.Module):
 
     def head(self, x: Tensor) -> Tensor:
         raise NotImplementedError
+
+    def layer_inputs(self, input_ids: Tensor) -> Optional[list[dict]]:
+        """Keyword arguments for each layer computed from the tokens (e.g. ``value_embed``), or None (none)."""
+        return None
 
     def new_cache(self, *, max_length: Optional[int] = None, window: Optional[int] = None) -> list[LayerCache]:
         """Empty per-layer caches; ``max_length`` preallocates them (a static cache); ``window`` makes each a ring
@@ -101,12 +106,13 @@ class DecoderOnlyLM(InferenceLayoutMixin, PreTrainedMixin, nn.Module):
             if logits is not None:
                 return CausalLMOutput(logits, past_key_values if use_cache else None)
         x = self.embed(input_ids, pos)  # (B, T, E)
+        extra = self.layer_inputs(input_ids)
         weights = []
         for i, layer in enumerate(self.layers):
             # one query at the last position sees every key: no causal mask needed (bool(): the ONNX tracer
             # gives T as a tensor and records the example's branch, see attnlab.adapt.export)
             out = layer(x, tgt_key_padding_mask=padding, is_causal=bool(T > 1), need_weights=output_attentions,
-                        cache=None if past_key_values is None else past_key_values[i])
+                        cache=None if past_key_values is None else past_key_values[i], **(extra[i] if extra else {}))
             if output_attentions:
                 x, w = out
                 weights.append(w.self_attn)
@@ -124,8 +130,9 @@ class DecoderOnlyLM(InferenceLayoutMixin, PreTrainedMixin, nn.Module):
         the step with its NaN/inf semantics and errors — one check per step instead of two per layer."""
         marks = [c.self_attn.mark() for c in caches]
         x = self.embed(input_ids, pos)  # (B, 1, E)
-        for layer, cache in zip(self.layers, caches):
-            x = layer.step(x, cache)
+        extra = self.layer_inputs(input_ids)
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            x = layer.step(x, cache, **(extra[i] if extra else {}))
         logits = self.head(x)
         if all_finite(logits):
             return logits

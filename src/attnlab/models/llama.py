@@ -9,7 +9,11 @@
 
 ``Attn`` is grouped-query attention (``num_key_value_heads`` key/value heads) with rotary position
 embeddings on q and k (HF's half-split layout, ``θ_i = rope_theta^(-2i/D)``), no biases;
-``FFN(x) = W_down (silu(W_gate x) ⊙ W_up x)`` (SwiGLU). HF's separate ``q_proj/k_proj/v_proj``
+``FFN(x) = W_down (act(W_gate x) ⊙ W_up x)`` with ``act`` = ``hidden_act``: ``silu`` (SwiGLU, Llama's) or
+``relu2`` (``max(x, 0)²``, Primer's; HF's Llama computes it too). ``qk_norm`` (an attnlab extension, as OLMo 2 and
+Qwen 3) RMS-normalises each head's q and k before RoPE; ``value_embeddings`` (an attnlab extension, modded-nanogpt's
+speedrun lever) gives each layer ``l`` a table ``E_l (vocab, Hkv·D)`` added to its values, ``V ← V W_V + E_l[x]``.
+HF's separate ``q_proj/k_proj/v_proj``
 map onto our packed ``in_proj`` (rows q, k, v): :func:`weight_map` declares the names (read both ways
 by :func:`state_dict_from_hf` / :func:`state_dict_to_hf`); :meth:`LlamaConfig.from_hf` /
 :meth:`LlamaConfig.to_hf` convert the ``config.json`` dict.
@@ -26,7 +30,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from attnlab._checks import positive_int, positive_number
+from attnlab._checks import boolean, one_of, positive_int, positive_number
 from attnlab.models.causal_lm import DecoderOnlyLM
 from attnlab.models.hub import WeightMap, pack, register, rename
 from attnlab.nn.block import DecoderLayer, LayerSpec
@@ -34,11 +38,14 @@ from attnlab.nn.norms import RMSNorm
 from attnlab.nn.positional import RotaryEmbedding
 
 _ROPE_TABLE = r"\.rotary_emb\.inv_freq$"  # non-persistent in HF, present in old checkpoints
+HIDDEN_ACTS = {"silu": "swiglu", "relu2": "relu2_glu"}  # HF's hidden_act -> our gated FeedForward activation
+EXTENSIONS = {"final_logit_softcapping": None, "qk_norm": False, "value_embeddings": False}  # not HF's: off values
 
 
 def weight_map(config: "LlamaConfig") -> WeightMap:
     """Our names <-> HF ``LlamaForCausalLM``'s: q/k/v (``H·D``, ``Hkv·D``, ``Hkv·D`` rows) packed into
-    ``in_proj``; with tied embeddings ``lm_head.weight`` is stored once, as ``model.embed_tokens.weight``."""
+    ``in_proj``; with tied embeddings ``lm_head.weight`` is stored once, as ``model.embed_tokens.weight``; with
+    ``qk_norm`` the gains as HF's ``Qwen3ForCausalLM`` names them (``self_attn.q_norm`` / ``k_norm``)."""
     nq, nkv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     layer = "model.layers.{i}"
     return WeightMap("Llama", [
@@ -50,6 +57,8 @@ def weight_map(config: "LlamaConfig") -> WeightMap:
         pack("layers.{i}.self_attn.in_proj.weight", *(f"{layer}.self_attn.{x}_proj.weight" for x in "qkv"),
              sizes=(nq, nkv, nkv)),
         rename("layers.{i}.self_attn.out_proj.weight", f"{layer}.self_attn.o_proj.weight"),
+        *([rename(f"layers.{{i}}.self_attn.{x}_norm.weight", f"{layer}.self_attn.{x}_norm.weight") for x in "qk"]
+          if config.qk_norm else []),  # Qwen 3's names (its layer is Llama's with QK-norm)
         rename("layers.{i}.ffn.w1.weight", f"{layer}.mlp.gate_proj.weight"),
         rename("layers.{i}.ffn.w3.weight", f"{layer}.mlp.up_proj.weight"),
         rename("layers.{i}.ffn.w2.weight", f"{layer}.mlp.down_proj.weight"),
@@ -63,9 +72,11 @@ class LlamaConfig:
 
     ``num_key_value_heads`` defaults to ``num_attention_heads`` (plain multi-head attention).
     ``rope_scaling`` must be None (scaled RoPE variants are not implemented); ``attention_bias``
-    and ``mlp_bias`` must be False (Llama has no biases). ``final_logit_softcapping`` (Gemma 2's name; None
-    = off) caps the logits smoothly at ``±c``: an attnlab extension (a training lever), so :meth:`to_hf`
-    refuses a config that sets it.
+    and ``mlp_bias`` must be False (Llama has no biases). ``hidden_act``: ``"silu"`` or ``"relu2"``.
+    Three attnlab extensions (training levers), so :meth:`to_hf` refuses a config that sets any:
+    ``final_logit_softcapping`` (Gemma 2's name; None = off) caps the logits smoothly at ``±c``; ``qk_norm``
+    RMS-normalises each head's query and key (gains ``q_norm``, ``k_norm`` of ``head_dim``, ε ``rms_norm_eps``);
+    ``value_embeddings`` adds a per-layer token table to the attention's values (``value_embeds.{l}``, N(0, 0.02)).
     """
 
     vocab_size: int = 32000
@@ -85,6 +96,9 @@ class LlamaConfig:
     eos_token_id: Optional[int] = 2
     pad_token_id: Optional[int] = None
     final_logit_softcapping: Optional[float] = None
+    hidden_act: str = "silu"
+    qk_norm: bool = False
+    value_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -111,6 +125,9 @@ class LlamaConfig:
             raise ValueError(f"tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
         if self.final_logit_softcapping is not None:
             positive_number("final_logit_softcapping", self.final_logit_softcapping, finite=True)
+        one_of("hidden_act", self.hidden_act, tuple(HIDDEN_ACTS))
+        boolean("qk_norm", self.qk_norm)
+        boolean("value_embeddings", self.value_embeddings)
 
     @property
     def head_dim(self) -> int:
@@ -126,8 +143,8 @@ class LlamaConfig:
         Raises:
             ValueError: an option we cannot express (the message names the field).
         """
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {d['hidden_act']!r}")
+        if d.get("hidden_act", "silu") not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act must be one of {', '.join(map(repr, HIDDEN_ACTS))}, got {d['hidden_act']!r}")
         heads = d.get("num_attention_heads", 32)
         if d.get("head_dim") is not None and d["head_dim"] * heads != d.get("hidden_size", 4096):
             raise ValueError(f"head_dim={d['head_dim']} must equal hidden_size / num_attention_heads")
@@ -144,14 +161,15 @@ class LlamaConfig:
         """A Hugging Face Llama ``config.json`` dict (loads with ``transformers.LlamaConfig(**d)``).
 
         Raises:
-            ValueError: ``final_logit_softcapping`` is set (HF's Llama has no such option: the exported model
-                would compute other logits).
+            ValueError: one of :data:`EXTENSIONS` is set (HF's Llama has no such option: the exported model would
+                compute other logits).
         """
-        if self.final_logit_softcapping is not None:
-            raise ValueError(f"final_logit_softcapping={self.final_logit_softcapping} has no equivalent in Hugging "
-                             "Face's Llama: this model cannot be saved in its format (save the attnlab checkpoint)")
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "final_logit_softcapping"}
-        return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
+        for name, off in EXTENSIONS.items():
+            if getattr(self, name) != off:
+                raise ValueError(f"{name}={getattr(self, name)} has no equivalent in Hugging Face's Llama: this model "
+                                 "cannot be saved in its format (save the attnlab checkpoint)")
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in EXTENSIONS}
+        return {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
                 "head_dim": self.head_dim, "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
                 **d}
 
@@ -174,11 +192,14 @@ class LlamaForCausalLM(DecoderOnlyLM):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         # one RoPE table (non-persistent buffers) shared by every layer
         rope = RotaryEmbedding(c.head_dim, base=float(c.rope_theta), max_positions=min(c.max_position_embeddings, 4096))
-        spec = LayerSpec(c.hidden_size, c.num_attention_heads, ffn_dim=c.intermediate_size, activation="swiglu",
-                         dropout=0.0, norm_first=True, norm="rmsnorm", norm_eps=c.rms_norm_eps,
-                         num_kv_heads=c.num_key_value_heads, bias=False, rotary=rope)
+        spec = LayerSpec(c.hidden_size, c.num_attention_heads, ffn_dim=c.intermediate_size,
+                         activation=HIDDEN_ACTS[c.hidden_act], dropout=0.0, norm_first=True, norm="rmsnorm",
+                         norm_eps=c.rms_norm_eps, num_kv_heads=c.num_key_value_heads, bias=False, rotary=rope,
+                         qk_norm=c.qk_norm)
         self.layers = nn.ModuleList(DecoderLayer.from_spec(spec, cross_attention=False)
                                     for _ in range(c.num_hidden_layers))
+        self.value_embeds = nn.ModuleList(nn.Embedding(c.vocab_size, c.num_key_value_heads * c.head_dim)
+                                          for _ in range(c.num_hidden_layers)) if c.value_embeddings else None
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         for m in self.modules():  # HF Llama's initialisation: N(0, 0.02), unit RMSNorm gains
@@ -190,6 +211,12 @@ class LlamaForCausalLM(DecoderOnlyLM):
     def embed(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         """Token embeddings; RoPE in each layer gives positions (relative, so left padding is exact)."""
         return self.embed_tokens(input_ids)
+
+    def layer_inputs(self, input_ids: Tensor) -> Optional[list[dict]]:
+        """Each layer's ``value_embed`` ``E_l[x] (B, T, Hkv·D)`` with ``value_embeddings``; else None."""
+        if self.value_embeds is None:
+            return None
+        return [{"value_embed": table(input_ids)} for table in self.value_embeds]
 
     def head(self, x: Tensor) -> Tensor:
         logits = self.lm_head(self.norm(x))  # (B, T, V)

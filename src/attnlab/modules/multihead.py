@@ -6,6 +6,9 @@
 pipeline :func:`attnlab.attention`, so every backend, mask, mod and normaliser is available.
 Grouped-query attention (Ainslie et al. 2023) shares each key/value head among
 ``num_heads // num_kv_heads`` query heads; ``num_kv_heads=1`` is multi-query attention.
+QK-norm (Henry et al. 2020; OLMo 2, Qwen 3) normalises each head's query and key before RoPE and the scores:
+``q_h ← RMSNorm_q(q_h)``, ``k_h ← RMSNorm_k(k_h)`` (learned gains ``g`` of ``head_dim`` D, shared by the heads), so
+every score is bounded, ``|κ q·k| ≤ √D · max|g_q| · max|g_k|`` (κ = 1/√D; RoPE keeps norms), whatever the weights.
 """
 from __future__ import annotations
 
@@ -16,12 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab._checks import is_int, positive_int
+from attnlab._checks import boolean, is_int, positive_int, positive_number
 from attnlab import _native
 from attnlab.modules.cache import KVCache
 from attnlab.backends.dispatch import (all_finite, attend, attend_step, attention_weights, keeps_lse,
                                        position_bias_terms)
 from attnlab.functional.request import prepare
+from attnlab.nn.norms import RMSNorm
 
 
 class MultiheadAttention(nn.Module):
@@ -43,6 +47,7 @@ class MultiheadAttention(nn.Module):
             ``position_bias(q_positions, k_positions)`` (e.g. ``ALiBi``, ``T5RelativeBias``); a
             dense bias when small, its ``score_mod()`` (tiled backend, O(N) memory) when large.
         backend, normalize, top_k, window: passed to :func:`attnlab.attention`.
+        qk_norm: RMSNorm each head's query and key (``q_norm``, ``k_norm``, ε ``qk_norm_eps``) before RoPE.
 
     Forward arguments and masks follow ``torch.nn.MultiheadAttention``: boolean
     ``key_padding_mask (B, S)`` and ``attn_mask (L, S) | (B·H, L, S)`` are True where attention
@@ -61,7 +66,8 @@ class MultiheadAttention(nn.Module):
                  dropout: float = 0.0, head_dim: Optional[int] = None, scale: Optional[float] = None,
                  rotary: Optional[nn.Module] = None, position_bias: Optional[nn.Module] = None,
                  backend: str = "auto", normalize: str = "softmax", top_k: Optional[int] = None,
-                 window: Optional[int] = None, device=None, dtype=None):
+                 window: Optional[int] = None, qk_norm: bool = False, qk_norm_eps: float = 1e-6, device=None,
+                 dtype=None):
         super().__init__()
         positive_int("embed_dim", embed_dim)
         positive_int("num_heads", num_heads)
@@ -94,6 +100,10 @@ class MultiheadAttention(nn.Module):
             self.k_proj = nn.Linear(self.kdim, kv_out, bias=bias, **fk)
             self.v_proj = nn.Linear(self.vdim, kv_out, bias=bias, **fk)
         self.out_proj = nn.Linear(q_out, embed_dim, bias=bias, **fk)
+        boolean("qk_norm", qk_norm)
+        positive_number("qk_norm_eps", qk_norm_eps, finite=True)
+        self.q_norm = RMSNorm(head_dim, eps=qk_norm_eps).to(**fk) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps=qk_norm_eps).to(**fk) if qk_norm else None
 
     # ---- projections ---------------------------------------------------------------------
 
@@ -128,9 +138,12 @@ class MultiheadAttention(nn.Module):
     def forward(self, query: Tensor, key: Optional[Tensor] = None, value: Optional[Tensor] = None,
                 key_padding_mask: Optional[Tensor] = None, need_weights: bool = True,
                 attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
-                is_causal: bool = False, *, cache: Optional[KVCache] = None
+                is_causal: bool = False, *, cache: Optional[KVCache] = None, value_embed: Optional[Tensor] = None
                 ) -> tuple[Tensor, Optional[Tensor]]:
         """Attend from ``query (B, L, E)`` to ``key (B, S, kdim)`` / ``value (B, S, vdim)``.
+
+        ``value_embed (B, S, Hkv · head_dim)``, if given, is added to the projected values, ``V ← V W_V + e``
+        (value embeddings, a per-token table lookup the caller makes; modded-nanogpt's speedrun lever).
 
         Returns ``(out (B, L, E), weights)``; weights are ``(B, L, S)`` averaged over heads,
         ``(B, H, L, S)`` with ``average_attn_weights=False``, or None without ``need_weights``.
@@ -144,6 +157,11 @@ class MultiheadAttention(nn.Module):
         past = 0 if cache is None or cache.static else cache.length
 
         q, k, v, qkv = self._project(query, key, value, skip_kv)
+        if value_embed is not None:
+            if skip_kv or value_embed.shape != v.shape:
+                want = "values projected in this call" if skip_kv else f"(B, S, Hkv · head_dim) = {tuple(v.shape)}"
+                raise ValueError(f"value_embed must be {want}, got {tuple(value_embed.shape)}")
+            v, qkv = v + value_embed, None  # (the packed projection no longer holds v)
         # with a cache, one NaN/inf check of the packed projection serves the cache (new k, v) and the pipeline
         # (q): one reduction per step instead of three (RoPE, applied after, cannot make finite values infinite
         # short of overflow, which the pipeline's output check still reports)
@@ -153,8 +171,12 @@ class MultiheadAttention(nn.Module):
             S_new = k.shape[1]
             k = k.view(B, S_new, Hkv, Dh).transpose(1, 2)  # (B, Hkv, S, Dh)
             v = v.view(B, S_new, Hkv, Dh).transpose(1, 2)
+            if self.k_norm is not None:
+                k = self.k_norm(k)
             if self.rotary is not None:
                 k = self.rotary(k, torch.arange(past, past + S_new, device=k.device))
+        if self.q_norm is not None:
+            q = self.q_norm(q)
         if self.rotary is not None:
             q = self.rotary(q, torch.arange(past, past + L, device=q.device))
         if cache is not None:
@@ -221,9 +243,9 @@ class MultiheadAttention(nn.Module):
 
     def steps(self, query: Tensor, cache: KVCache) -> bool:
         """Whether :meth:`step` computes ``query`` itself (else it runs :meth:`forward`): one position, a packed
-        softmax self-attention with no window or position bias on the ``auto``/``sdpa`` backend, a moderate scale,
-        a plain cache holding only finite entries."""
-        return not (not self.packed or self.position_bias is not None or self.window is not None
+        softmax self-attention with no window, position bias or QK-norm on the ``auto``/``sdpa`` backend, a moderate
+        scale, a plain cache holding only finite entries."""
+        return not (not self.packed or self.position_bias is not None or self.window is not None or self.q_norm is not None
                     or self.normalize != "softmax" or self.backend not in ("auto", "sdpa") or cache.static
                     or cache.window is not None or not cache.finite or (self.scale is not None and abs(self.scale) > 1e3)
                     or query.shape[1] != 1)
@@ -340,7 +362,9 @@ class MultiheadAttention(nn.Module):
 
     def extra_repr(self) -> str:
         kv = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
-        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}, head_dim={self.head_dim}, backend={self.backend!r}"
+        qk = ", qk_norm=True" if self.q_norm is not None else ""
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}, head_dim={self.head_dim}, "
+                f"backend={self.backend!r}{qk}")
 
 
 def _to_pipeline(m: Tensor, dtype) -> Tensor:

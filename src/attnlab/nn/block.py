@@ -107,6 +107,8 @@ class LayerSpec:
         backend: attention backend.
         head_dim: per-head width of every attention (default ``dim // num_heads``; T5: ``d_kv``).
         scale: score scale κ of every attention (default ``1 / sqrt(head_dim)``; T5: 1).
+        qk_norm: RMSNorm (ε ``norm_eps``) on each head's query and key of the self-attention
+            (:class:`~attnlab.modules.multihead.MultiheadAttention`'s ``qk_norm``).
 
     Raises:
         ValueError / TypeError: an option is invalid (the message names it). The attention's own
@@ -132,6 +134,7 @@ class LayerSpec:
     backend: str = "auto"
     head_dim: Optional[int] = None
     scale: Optional[float] = None
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         positive_int("dim", self.dim)
@@ -145,6 +148,7 @@ class LayerSpec:
         one_of("norm", self.norm, NORMS)
         positive_number("norm_eps", self.norm_eps)
         rate("drop_path", self.drop_path)
+        boolean("qk_norm", self.qk_norm)
 
     @property
     def resolved_attn_dropout(self) -> float:
@@ -188,7 +192,7 @@ class _ResidualLayer(nn.Module):
         self.self_attn = MultiheadAttention(spec.dim, spec.num_heads, num_kv_heads=spec.num_kv_heads, bias=spec.bias,
                                             dropout=spec.resolved_attn_dropout, head_dim=spec.head_dim,
                                             scale=spec.scale, rotary=spec.rotary, position_bias=spec.position_bias,
-                                            backend=spec.backend)
+                                            backend=spec.backend, qk_norm=spec.qk_norm, qk_norm_eps=spec.norm_eps)
         self.ffn = FeedForward(spec.dim, spec.ffn_dim, activation=spec.activation, dropout=spec.resolved_ffn_dropout,
                                bias=spec.bias)
         for i in range(1, num_sublayers + 1):
@@ -319,12 +323,13 @@ class DecoderLayer(_ResidualLayer):
         _is_spec(spec)
         return cls(spec.dim, spec.num_heads, cross_attention=cross_attention, **spec.options())
 
-    def step(self, x: Tensor, cache: LayerCache) -> Tensor:
+    def step(self, x: Tensor, cache: LayerCache, *, value_embed: Optional[Tensor] = None) -> Tensor:
         """``forward(x, cache=cache)`` for one new position per sequence of a decoder-only layer, ``x (B, 1, E)``, no
         masks: pre-norm residual branches around :meth:`MultiheadAttention.step` and the FFN, in the fewest
-        operations (eval mode; otherwise, or for a post-norm or cross-attention layer, it is :meth:`forward`)."""
-        if self.cross_attn is not None or not self.norm_first or self.training:
-            return self.forward(x, cache=cache, is_causal=False)
+        operations (eval mode; otherwise, for a post-norm or cross-attention layer or with ``value_embed``, it is
+        :meth:`forward`)."""
+        if self.cross_attn is not None or not self.norm_first or self.training or value_embed is not None:
+            return self.forward(x, cache=cache, is_causal=False, value_embed=value_embed)
         out = self._step_native(x, cache.self_attn)
         if out is not None:
             return out
@@ -370,8 +375,10 @@ class DecoderLayer(_ResidualLayer):
     def forward(self, x: Tensor, memory: Optional[Tensor] = None, *, tgt_key_padding_mask: Optional[Tensor] = None,
                 memory_key_padding_mask: Optional[Tensor] = None, tgt_mask: Optional[Tensor] = None,
                 memory_mask: Optional[Tensor] = None, is_causal: bool = True, cache: Optional[LayerCache] = None,
-                need_weights: bool = False) -> Union[Tensor, tuple[Tensor, AttentionWeights]]:
+                need_weights: bool = False, value_embed: Optional[Tensor] = None
+                ) -> Union[Tensor, tuple[Tensor, AttentionWeights]]:
         """``x (B, T, E)``, ``memory (B, S, E)`` -> ``(B, T, E)``; with ``need_weights`` also weights.
+        ``value_embed (B, T, Hkv · head_dim)`` is added to the self-attention's values (its ``value_embed``).
 
         With ``cache``, ``x`` holds only the new positions; the self-attention attends to the cached
         past plus them (``tgt_key_padding_mask``, if given, must cover all of them), and the
@@ -385,7 +392,7 @@ class DecoderLayer(_ResidualLayer):
         def self_attend(h: Tensor) -> Tensor:
             out, w = self.self_attn(h, h, h, key_padding_mask=tgt_key_padding_mask, attn_mask=tgt_mask,
                                     is_causal=is_causal, need_weights=need_weights, average_attn_weights=False,
-                                    cache=None if cache is None else cache.self_attn)
+                                    cache=None if cache is None else cache.self_attn, value_embed=value_embed)
             weights.append(w)
             return out
 

@@ -2,12 +2,13 @@
 
 ::
 
-    plain:  FFN(x) = W₂ act(W₁ x)                 act ∈ {relu, gelu, gelu_tanh, quick_gelu}
+    plain:  FFN(x) = W₂ act(W₁ x)                 act ∈ {relu, gelu, gelu_tanh, quick_gelu, relu2}
     gated:  FFN(x) = W₂ (act(W₁ x) ⊙ W₃ x)        glu: act = sigmoid, geglu: gelu, geglu_tanh: gelu_tanh,
-                                                  swiglu: silu
+                                                  swiglu: silu, relu2_glu: relu2
 
 ``gelu_tanh(x) = ½x(1 + tanh(√(2/π)(x + 0.044715x³)))`` is HF's ``"gelu_new"`` (GPT-2; gated: T5 v1.1's
-``"gated-gelu"``); ``quick_gelu(x) = x · σ(1.702 x)`` is OpenAI CLIP's.
+``"gated-gelu"``); ``quick_gelu(x) = x · σ(1.702 x)`` is OpenAI CLIP's; ``relu2(x) = max(x, 0)²`` (So et al. 2021, "Primer"; HF's
+``"relu2"``, so a Llama with ``hidden_act="relu2"`` is the gated ``relu2_glu``).
 
 Parameter names follow the formula (and Meta's LLaMA code): ``w1``, ``w2`` and, for the gated
 variants, ``w3``. Mapping from other checkpoints:
@@ -37,23 +38,30 @@ def quick_gelu(x: Tensor) -> Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
+def relu2(x: Tensor) -> Tensor:
+    """``max(x, 0)²``, Primer's squared ReLU."""
+    return F.relu(x).square()
+
+
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "relu": F.relu,
     "gelu": F.gelu,
     "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
     "quick_gelu": quick_gelu,
+    "relu2": relu2,
 }
 GATED_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "glu": torch.sigmoid,
     "geglu": F.gelu,
     "geglu_tanh": functools.partial(F.gelu, approximate="tanh"),
     "swiglu": F.silu,
+    "relu2_glu": relu2,
 }
 FFN_ACTIVATIONS = tuple(ACTIVATIONS) + tuple(GATED_ACTIVATIONS)
 
 
 class FeedForward(nn.Module):
-    """``W₂ act(W₁ x)``, or gated ``W₂ (act(W₁ x) ⊙ W₃ x)`` for ``glu``/``geglu``/``swiglu``.
+    """``W₂ act(W₁ x)``, or gated ``W₂ (act(W₁ x) ⊙ W₃ x)`` for ``glu``/``geglu``/``swiglu``/``relu2_glu``.
 
     Dropout (if any) is applied to the hidden activation, before ``W₂``, as in
     ``torch.nn.TransformerEncoderLayer``.

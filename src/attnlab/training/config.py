@@ -25,6 +25,8 @@ class TrainConfig:
     off. ``dtype``: ``"auto"`` = bf16 where the machine computes it natively and faster, else fp32
     (:func:`attnlab._runtime.resolve_dtype`; the trainer prints and records the choice); ``"bf16"``
     autocasts on CPU or CUDA, ``"fp16"`` (CUDA only) adds a ``GradScaler``. ``compile`` runs the forward through ``torch.compile``.
+    ``optimizer="muon"`` only: ``muon_lr_scale`` (the hidden matrices' lr is that times the schedule's) and
+    ``muon_ns_steps`` (Newton–Schulz steps), see :class:`~attnlab.training.optim.Muon`.
 
     Time limits (seconds of ``fit``):
 
@@ -43,6 +45,8 @@ class TrainConfig:
     lr: float = 1e-3
     min_lr: float = 1e-4
     optimizer: str = "adamw"
+    muon_lr_scale: float = 1.0
+    muon_ns_steps: int = 5
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
@@ -86,6 +90,11 @@ class TrainConfig:
              and all(is_num(b) and 0 <= b < 1 for b in self.betas), "betas", "two numbers in [0, 1)")
         self.betas = tuple(float(b) for b in self.betas)
         need(self.optimizer in OPTIMIZERS, "optimizer", f"one of {list(OPTIMIZERS)}")
+        need(is_num(self.muon_lr_scale) and self.muon_lr_scale > 0, "muon_lr_scale", "a finite number > 0")
+        need(is_int(self.muon_ns_steps) and self.muon_ns_steps >= 1, "muon_ns_steps", "an int >= 1")
+        if self.optimizer != "muon":
+            need((self.muon_lr_scale, self.muon_ns_steps) == (1.0, 5), "muon_lr_scale",
+                 "left at its default (1.0, muon_ns_steps 5) unless optimizer='muon'")
         need(self.schedule in SCHEDULES, "schedule", f"one of {list(SCHEDULES)}")
         need(isinstance(self.dtype, str) and self.dtype.lower() in DTYPE_CHOICES + ("float32", "bfloat16", "float16"),
              "dtype", f"one of {', '.join(DTYPE_CHOICES)}")

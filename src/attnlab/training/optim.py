@@ -15,11 +15,13 @@ Muon's update of a matrix ``θ (A, B)`` with momentum ``μ`` (Nesterov), then or
 
     M ← μ M + g;   U = g + μ M
     O = NS₅(U)                                 (≈ the U Vᵀ of U's SVD: every singular value ≈ 1)
-    θ ← θ (1 − lr λ) − lr · 0.2 √max(A, B) · O
+    θ ← θ (1 − lr_M λ) − lr_M · 0.2 √max(A, B) · O        (lr_M = lr_scale · lr)
 
 ``NS₅`` is five Newton–Schulz steps ``X ← a X + (b X Xᵀ + c (X Xᵀ)²) X`` from ``X = U / ‖U‖_F`` (on the wide
 orientation, ``(a, b, c) = (3.4445, −4.7750, 2.0315)``); the factor ``0.2 √max(A, B)`` (Moonshot's "match RMS
-AdamW" rule, Liu et al. 2025) gives the update AdamW's RMS, so one ``lr`` and ``λ`` serve both optimisers.
+AdamW" rule, Liu et al. 2025) gives the update AdamW's RMS, so one ``lr`` and ``λ`` serve both optimisers;
+``lr_scale`` (default 1) lets the matrices take a larger step than AdamW's parameters (Keller Jordan's runs give
+Muon an update several times AdamW's RMS). The schedule writes ``lr``; the scale stays.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from attnlab._checks import is_real, non_negative_number, one_of
+from attnlab._checks import is_real, non_negative_number, one_of, positive_number
 
 __all__ = ["OPTIMIZERS", "param_groups", "build_optimizer", "Muon", "MuonWithAdamW", "muon_parameters",
            "orthogonalize"]
@@ -79,21 +81,23 @@ class Muon(torch.optim.Optimizer):
         momentum: ``μ`` (Nesterov).
         ns_steps: Newton–Schulz steps.
         ns_dtype: the dtype of the Newton–Schulz products.
+        lr_scale: the matrices' learning rate is ``lr_scale · lr`` (``lr`` is what a schedule writes).
 
     Raises:
         ValueError: a parameter that is not a matrix, or an out-of-range hyper-parameter.
     """
 
     def __init__(self, params, *, lr: float, weight_decay: float = 0.0, momentum: float = 0.95, ns_steps: int = 5,
-                 ns_dtype: torch.dtype = torch.float32) -> None:
+                 ns_dtype: torch.dtype = torch.float32, lr_scale: float = 1.0) -> None:
         for arg, value in (("lr", lr), ("weight_decay", weight_decay)):
             non_negative_number(arg, value)
+        positive_number("lr_scale", lr_scale, finite=True)
         if not (is_real(momentum) and 0.0 <= momentum < 1.0):
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
         if not (isinstance(ns_steps, int) and ns_steps >= 1):
             raise ValueError(f"ns_steps must be an int >= 1, got {ns_steps!r}")
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps))
-        self.ns_dtype = ns_dtype
+        self.ns_dtype, self.lr_scale = ns_dtype, float(lr_scale)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dim() != 2:
@@ -110,7 +114,7 @@ class Muon(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+            lr, wd, mu = group["lr"] * self.lr_scale, group["weight_decay"], group["momentum"]
             grads = [p.grad for p in params]
             bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
             torch._foreach_mul_(bufs, mu)
@@ -189,7 +193,7 @@ def muon_parameters(model: nn.Module) -> list[Tensor]:
 
 def build_optimizer(model: nn.Module, *, name: str = "adamw", lr: float, betas: tuple[float, float] = (0.9, 0.999),
                     eps: float = 1e-8, weight_decay: float = 0.0, fused: Optional[bool] = None,
-                    ns_dtype: torch.dtype = torch.float32):
+                    ns_dtype: torch.dtype = torch.float32, muon_lr_scale: float = 1.0, muon_ns_steps: int = 5):
     """An optimiser over :func:`param_groups` of ``model``.
 
     Args:
@@ -204,6 +208,7 @@ def build_optimizer(model: nn.Module, *, name: str = "adamw", lr: float, betas: 
         fused: AdamW's single-kernel implementation; ``None`` = fused when every parameter is a
             float tensor on CPU or CUDA (the fastest choice there), else the foreach one.
         ns_dtype: Muon's Newton–Schulz dtype (the trainer passes bf16 when it trains in bf16).
+        muon_lr_scale, muon_ns_steps: Muon's ``lr_scale`` and ``ns_steps`` (ignored by the other optimisers).
 
     Raises:
         ValueError: unknown ``name`` or an out-of-range hyper-parameter (the message names it).
@@ -231,4 +236,5 @@ def build_optimizer(model: nn.Module, *, name: str = "adamw", lr: float, betas: 
                               fused=bool(fused), foreach=None if fused else True) if groups else None
     if name != "muon":
         return adamw
-    return MuonWithAdamW(Muon(matrices, lr=lr, weight_decay=weight_decay, ns_dtype=ns_dtype), adamw)
+    return MuonWithAdamW(Muon(matrices, lr=lr, weight_decay=weight_decay, ns_dtype=ns_dtype, lr_scale=muon_lr_scale,
+                              ns_steps=muon_ns_steps), adamw)

@@ -99,7 +99,8 @@ class Trainer:
             enable_gradient_checkpointing(self.model)
         self.optimizer = build_optimizer(self.model, name=config.optimizer, lr=config.lr, betas=config.betas,
                                          eps=config.eps, weight_decay=config.weight_decay,
-                                         ns_dtype=torch.bfloat16 if self.dtype == "bf16" else torch.float32)
+                                         ns_dtype=torch.bfloat16 if self.dtype == "bf16" else torch.float32,
+                                         muon_lr_scale=config.muon_lr_scale, muon_ns_steps=config.muon_ns_steps)
         self.max_steps, self.planned = config.max_steps, False  # max_steps may be planned (time_budget)
         self._eval_s = 0.0  # one evaluation's time, measured by the plan
         self.schedule = config.schedule_fn()

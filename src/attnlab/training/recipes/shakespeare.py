@@ -67,6 +67,7 @@ __all__ = ["ShakespeareSettings", "PRESETS", "ARCHS", "evaluate_lm", "build", "m
 
 LM_METRICS = ("val_loss", "val_ppl", "val_accuracy", "val_ece")
 ARCHS = ("gpt2", "llama")
+LLAMA_ACTIVATIONS = {None: "silu", "swiglu": "silu", "relu2_glu": "relu2"}  # -> LlamaConfig.hidden_act
 
 
 @dataclass
@@ -83,7 +84,9 @@ class ShakespeareSettings(TrainConfig):
     Training levers (off by default; measured by ``benchmarks/train.py --levers``): ``zero_init`` starts the
     residual output projections (attention ``out_proj``, MLP ``w2``) at zero instead of GPT-2's scaled normal;
     ``llama`` only: ``tie_embeddings=False`` gives the head its own matrix, ``logit_softcap`` = c caps the
-    logits at ``c · tanh(logits / c)``. ``optimizer="muon"`` (a trainer setting) updates the hidden matrices
+    logits at ``c · tanh(logits / c)``, ``qk_norm`` RMS-normalises each head's query and key, ``activation=relu2_glu``
+    gates the MLP with ``max(x, 0)²`` instead of SiLU (``LlamaConfig.hidden_act="relu2"``), ``value_embeddings`` adds
+    a per-layer token table to the attention's values (see :class:`~attnlab.models.llama.LlamaConfig`). ``optimizer="muon"`` (a trainer setting) updates the hidden matrices
     with Muon. Measured alone in this preset's 600 s (2 Zen4 cores, bf16; two baselines 1.503 and 1.497): muon
     1.517 (better per step, but its Newton–Schulz products cost 14–17 % of the steps), zero_init 1.498,
     logit_softcap=30 1.497, an untied head 1.527 — none beyond the baselines' spread, so all stay off.
@@ -107,6 +110,8 @@ class ShakespeareSettings(TrainConfig):
     zero_init: bool = False
     tie_embeddings: bool = True
     logit_softcap: Optional[float] = None
+    qk_norm: bool = False
+    value_embeddings: bool = False
     eval_batches: int = 8
     eval_batch_size: int = 64
     val_fraction: float = 0.1
@@ -141,20 +146,22 @@ class ShakespeareSettings(TrainConfig):
         check_int("ffn_dim", self.ffn_dim, optional=True)
         for name in ("dropout", "attn_dropout"):
             check_rate(name, getattr(self, name))
-        for name in ("zero_init", "tie_embeddings"):
+        for name in ("zero_init", "tie_embeddings", "qk_norm", "value_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.logit_softcap is not None:
             positive_number("logit_softcap", self.logit_softcap, finite=True)
-        if self.arch == "gpt2" and (not self.tie_embeddings or self.logit_softcap is not None):
-            raise ValueError("tie_embeddings=false and logit_softcap are arch=llama settings (GPT-2's head is tied "
-                             "and uncapped)")
-        if self.arch == "llama":  # Llama has no dropout and no biases, and one MLP (SwiGLU)
+        if self.arch == "gpt2" and (not self.tie_embeddings or self.logit_softcap is not None or self.qk_norm
+                                    or self.value_embeddings):
+            raise ValueError("tie_embeddings=false, logit_softcap, qk_norm and value_embeddings are arch=llama settings "
+                             "(attnlab's GPT-2 is GPT-2's architecture)")
+        if self.arch == "llama":  # Llama has no dropout and no biases, and a gated MLP (SwiGLU or ReLU²)
             bad = {k: v for k, v in (("dropout", self.dropout), ("attn_dropout", self.attn_dropout)) if v}
             bad.update({k: v for k, v in (("bias", self.bias),) if v})
-            bad.update({k: v for k, v in (("activation", self.activation),) if v not in (None, "swiglu")})
+            bad.update({k: v for k, v in (("activation", self.activation),) if v not in LLAMA_ACTIVATIONS})
             if bad:
-                raise ValueError(f"arch=llama has no dropout, no biases and a SwiGLU MLP; got "
+                raise ValueError(f"arch=llama has no dropout, no biases and a gated MLP (activation swiglu or "
+                                 f"relu2_glu); got "
                                  f"{', '.join(f'{k}={v!r}' for k, v in bad.items())} (use arch=gpt2 for these)")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
@@ -271,7 +278,9 @@ def make_model(s: ShakespeareSettings, *, vocab_size: int) -> nn.Module:
                              num_hidden_layers=s.n_layer, num_attention_heads=s.n_head,
                              max_position_embeddings=s.block_size, tie_word_embeddings=s.tie_embeddings,
                              rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None,
-                             final_logit_softcapping=s.logit_softcap)
+                             final_logit_softcapping=s.logit_softcap, qk_norm=s.qk_norm,
+                             value_embeddings=s.value_embeddings,
+                             hidden_act=LLAMA_ACTIVATIONS[s.activation])
         model = LlamaForCausalLM(config)  # N(0, 0.02) everywhere, as HF; then GPT-2's residual scaling
         for layer in model.layers:
             for proj in (layer.self_attn.out_proj, layer.ffn.w2):
