@@ -9,12 +9,14 @@ noise in this run, the yardstick a lever's Δ must clear before it counts. Colum
 | lever | settings |
 |---|---|
 | Muon (hidden matrices; AdamW for embeddings, head, gains) | ``optimizer=muon`` |
+| Muon, the matrices' lr 2× / 4× (4× with 3 Newton–Schulz steps) | ``muon_lr_scale=2`` / ``4``, ``muon_ns_steps=3`` |
 | zero-initialised output projections | ``zero_init=true`` |
 | logit soft-cap at 30 | ``logit_softcap=30`` |
 | untied head | ``tie_embeddings=false`` |
 | QK-norm (RMSNorm on each head's q and k) | ``qk_norm=true`` |
 | ReLU²-gated MLP instead of SwiGLU | ``activation=relu2_glu`` |
 | value embeddings (a token table per layer added to the values) | ``value_embeddings=true`` |
+| warmup–stable–decay schedule instead of cosine (linear decay over the last 20 %) | ``schedule=wsd`` |
 """
 from __future__ import annotations
 
@@ -26,12 +28,16 @@ from _common import print_table, write_json
 
 LEVERS = {
     "muon": ["optimizer=muon"],
+    "muon-lr2": ["optimizer=muon", "muon_lr_scale=2"],
+    "muon-lr4": ["optimizer=muon", "muon_lr_scale=4"],
+    "muon-lr4-ns3": ["optimizer=muon", "muon_lr_scale=4", "muon_ns_steps=3"],
     "zero-init": ["zero_init=true"],
     "softcap-30": ["logit_softcap=30"],
     "untied-head": ["tie_embeddings=false"],
     "qk-norm": ["qk_norm=true"],
     "relu2": ["activation=relu2_glu"],
     "value-embeds": ["value_embeddings=true"],
+    "wsd": ["schedule=wsd"],
 }
 
 

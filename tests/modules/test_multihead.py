@@ -159,6 +159,8 @@ def test_bad_inputs_name_the_argument():
         MultiheadAttention(30, 4)
     with pytest.raises(ValueError, match="dropout"):
         MultiheadAttention(32, 4, dropout=1.0)
+    with pytest.raises(ValueError, match="q_norm and k_norm go together"):
+        MultiheadAttention(32, 4, q_norm=nn.LayerNorm(8))
     m = MultiheadAttention(32, 4)
     with pytest.raises(ValueError, match="query must be"):
         m(torch.randn(2, 5, 31))

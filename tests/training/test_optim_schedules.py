@@ -8,6 +8,7 @@ from torch import nn
 
 from attnlab.models.gpt import GPT2Config, GPT2LMHeadModel
 from attnlab.training.optim import build_optimizer, param_groups
+from attnlab.training.config import TrainConfig
 from attnlab.training.schedules import Schedule
 
 
@@ -89,6 +90,22 @@ def test_noam_and_constant():
     assert max(range(50), key=s.lr_at) == 3  # peak at t = w
     c = Schedule("constant", lr=0.5, warmup_steps=3)
     assert [c.lr_at(i) for i in range(5)] == [0.125, 0.25, 0.375, 0.5, 0.5]
+
+
+def test_wsd_is_warmup_then_flat_then_a_linear_decay():
+    """w = 10, S = 110, f = 0.25: the decay starts at d = 10 + 0.75 · 100 = 85 and reaches η_min at 110."""
+    s = Schedule("wsd", lr=1.0, min_lr=0.1, warmup_steps=10, total_steps=110, decay_fraction=0.25)
+    assert [s.lr_at(i) for i in (0, 9)] == pytest.approx([1 / 11, 10 / 11], rel=1e-12)  # the shared warm-up
+    assert {s.lr_at(i) for i in range(10, 86)} == {1.0}
+    for i in range(85, 111):
+        assert s.lr_at(i) == pytest.approx(0.1 + 0.9 * (110 - i) / 25, rel=1e-12)
+    assert s.lr_at(111) == s.lr_at(500) == 0.1
+    with pytest.raises(ValueError, match=r"decay_fraction must be in \(0, 1\]"):
+        Schedule("wsd", lr=1.0, decay_fraction=0.0)
+    with pytest.raises(ValueError, match="TrainConfig.decay_fraction must be a number in"):
+        TrainConfig(schedule="wsd", decay_fraction=1.5)
+    whole = Schedule("wsd", lr=1.0, warmup_steps=0, total_steps=10, decay_fraction=1.0)  # f = 1: linear from step 0
+    assert [whole.lr_at(i) for i in range(11)] == pytest.approx([1 - i / 10 for i in range(11)], rel=1e-12)
 
 
 def test_lambda_lr_view_matches_lr_at():

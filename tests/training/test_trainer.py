@@ -207,7 +207,8 @@ def test_outputs_and_max_seconds(tmp_path, make_trainer):
     ("compile", "yes", "compile must be a bool"),
     ("muon_lr_scale", -1.0, "muon_lr_scale must be a finite number > 0"),
     ("muon_ns_steps", 0, "muon_ns_steps must be an int >= 1"),
-    ("muon_lr_scale", 4.0, r"muon_lr_scale must be left at its default \(1.0, muon_ns_steps 5\) unless optimizer='muon'"),
+    ("muon_lr_scale", 4.0,
+     r"muon_lr_scale must be left at its default \(1.0, muon_ns_steps 5\) unless optimizer='muon'"),
 ])
 def test_config_errors_name_the_field(field, value, match):
     with pytest.raises(ValueError, match=f"TrainConfig.{match}"):

@@ -7,8 +7,9 @@ pipeline :func:`attnlab.attention`, so every backend, mask, mod and normaliser i
 Grouped-query attention (Ainslie et al. 2023) shares each key/value head among
 ``num_heads // num_kv_heads`` query heads; ``num_kv_heads=1`` is multi-query attention.
 QK-norm (Henry et al. 2020; OLMo 2, Qwen 3) normalises each head's query and key before RoPE and the scores:
-``q_h ← RMSNorm_q(q_h)``, ``k_h ← RMSNorm_k(k_h)`` (learned gains ``g`` of ``head_dim`` D, shared by the heads), so
-every score is bounded, ``|κ q·k| ≤ √D · max|g_q| · max|g_k|`` (κ = 1/√D; RoPE keeps norms), whatever the weights.
+``q_h ← N_q(q_h)``, ``k_h ← N_k(k_h)``; with RMSNorms (learned gains ``g`` of ``head_dim`` D, shared by the heads;
+``LayerSpec(qk_norm=True)`` builds them) every score is bounded, ``|κ q·k| ≤ √D · max|g_q| · max|g_k|``
+(κ = 1/√D; RoPE keeps norms), whatever the weights.
 """
 from __future__ import annotations
 
@@ -19,13 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab._checks import boolean, is_int, positive_int, positive_number
+from attnlab._checks import is_int, positive_int
 from attnlab import _native
 from attnlab.modules.cache import KVCache
 from attnlab.backends.dispatch import (all_finite, attend, attend_step, attention_weights, keeps_lse,
                                        position_bias_terms)
 from attnlab.functional.request import prepare
-from attnlab.nn.norms import RMSNorm
 
 
 class MultiheadAttention(nn.Module):
@@ -47,7 +47,8 @@ class MultiheadAttention(nn.Module):
             ``position_bias(q_positions, k_positions)`` (e.g. ``ALiBi``, ``T5RelativeBias``); a
             dense bias when small, its ``score_mod()`` (tiled backend, O(N) memory) when large.
         backend, normalize, top_k, window: passed to :func:`attnlab.attention`.
-        qk_norm: RMSNorm each head's query and key (``q_norm``, ``k_norm``, ε ``qk_norm_eps``) before RoPE.
+        q_norm, k_norm: modules applied to each head's query / key ``(B, H, L, head_dim)`` before RoPE (QK-norm:
+            ``attnlab.nn.RMSNorm(head_dim)`` each); submodules of this attention (not shared, unlike ``rotary``).
 
     Forward arguments and masks follow ``torch.nn.MultiheadAttention``: boolean
     ``key_padding_mask (B, S)`` and ``attn_mask (L, S) | (B·H, L, S)`` are True where attention
@@ -66,8 +67,8 @@ class MultiheadAttention(nn.Module):
                  dropout: float = 0.0, head_dim: Optional[int] = None, scale: Optional[float] = None,
                  rotary: Optional[nn.Module] = None, position_bias: Optional[nn.Module] = None,
                  backend: str = "auto", normalize: str = "softmax", top_k: Optional[int] = None,
-                 window: Optional[int] = None, qk_norm: bool = False, qk_norm_eps: float = 1e-6, device=None,
-                 dtype=None):
+                 window: Optional[int] = None, q_norm: Optional[nn.Module] = None,
+                 k_norm: Optional[nn.Module] = None, device=None, dtype=None):
         super().__init__()
         positive_int("embed_dim", embed_dim)
         positive_int("num_heads", num_heads)
@@ -100,10 +101,9 @@ class MultiheadAttention(nn.Module):
             self.k_proj = nn.Linear(self.kdim, kv_out, bias=bias, **fk)
             self.v_proj = nn.Linear(self.vdim, kv_out, bias=bias, **fk)
         self.out_proj = nn.Linear(q_out, embed_dim, bias=bias, **fk)
-        boolean("qk_norm", qk_norm)
-        positive_number("qk_norm_eps", qk_norm_eps, finite=True)
-        self.q_norm = RMSNorm(head_dim, eps=qk_norm_eps).to(**fk) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, eps=qk_norm_eps).to(**fk) if qk_norm else None
+        if (q_norm is None) != (k_norm is None):
+            raise ValueError("q_norm and k_norm go together (QK-norm): give both or neither")
+        self.q_norm, self.k_norm = q_norm, k_norm
 
     # ---- projections ---------------------------------------------------------------------
 
@@ -245,8 +245,8 @@ class MultiheadAttention(nn.Module):
         """Whether :meth:`step` computes ``query`` itself (else it runs :meth:`forward`): one position, a packed
         softmax self-attention with no window, position bias or QK-norm on the ``auto``/``sdpa`` backend, a moderate
         scale, a plain cache holding only finite entries."""
-        return not (not self.packed or self.position_bias is not None or self.window is not None or self.q_norm is not None
-                    or self.normalize != "softmax" or self.backend not in ("auto", "sdpa") or cache.static
+        return not (not self.packed or self.position_bias is not None or self.window is not None
+                    or self.q_norm is not None or self.normalize != "softmax" or self.backend not in ("auto", "sdpa") or cache.static
                     or cache.window is not None or not cache.finite or (self.scale is not None and abs(self.scale) > 1e3)
                     or query.shape[1] != 1)
 

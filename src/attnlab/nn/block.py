@@ -107,8 +107,8 @@ class LayerSpec:
         backend: attention backend.
         head_dim: per-head width of every attention (default ``dim // num_heads``; T5: ``d_kv``).
         scale: score scale κ of every attention (default ``1 / sqrt(head_dim)``; T5: 1).
-        qk_norm: RMSNorm (ε ``norm_eps``) on each head's query and key of the self-attention
-            (:class:`~attnlab.modules.multihead.MultiheadAttention`'s ``qk_norm``).
+        qk_norm: an RMSNorm (ε ``norm_eps``) on each head's query and key of the self-attention
+            (:class:`~attnlab.modules.multihead.MultiheadAttention`'s ``q_norm`` / ``k_norm``).
 
     Raises:
         ValueError / TypeError: an option is invalid (the message names it). The attention's own
@@ -189,10 +189,12 @@ class _ResidualLayer(nn.Module):
         super().__init__()
         self.spec = spec
         self.dim, self.num_heads, self.norm_first = spec.dim, spec.num_heads, spec.norm_first
+        head_dim = spec.head_dim or spec.dim // spec.num_heads
+        qk_norms = {name: RMSNorm(head_dim, eps=spec.norm_eps) for name in ("q_norm", "k_norm")} if spec.qk_norm else {}
         self.self_attn = MultiheadAttention(spec.dim, spec.num_heads, num_kv_heads=spec.num_kv_heads, bias=spec.bias,
                                             dropout=spec.resolved_attn_dropout, head_dim=spec.head_dim,
                                             scale=spec.scale, rotary=spec.rotary, position_bias=spec.position_bias,
-                                            backend=spec.backend, qk_norm=spec.qk_norm, qk_norm_eps=spec.norm_eps)
+                                            backend=spec.backend, **qk_norms)
         self.ffn = FeedForward(spec.dim, spec.ffn_dim, activation=spec.activation, dropout=spec.resolved_ffn_dropout,
                                bias=spec.bias)
         for i in range(1, num_sublayers + 1):

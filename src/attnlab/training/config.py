@@ -51,6 +51,7 @@ class TrainConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     schedule: str = "cosine"
+    decay_fraction: float = 0.2
     warmup_steps: int = 0
     grad_accum: int = 1
     clip: float = 1.0
@@ -96,6 +97,7 @@ class TrainConfig:
             need((self.muon_lr_scale, self.muon_ns_steps) == (1.0, 5), "muon_lr_scale",
                  "left at its default (1.0, muon_ns_steps 5) unless optimizer='muon'")
         need(self.schedule in SCHEDULES, "schedule", f"one of {list(SCHEDULES)}")
+        need(is_num(self.decay_fraction) and 0 < self.decay_fraction <= 1, "decay_fraction", "a number in (0, 1]")
         need(isinstance(self.dtype, str) and self.dtype.lower() in DTYPE_CHOICES + ("float32", "bfloat16", "float16"),
              "dtype", f"one of {', '.join(DTYPE_CHOICES)}")
         self.dtype = check_dtype_name(self.dtype)
@@ -114,5 +116,5 @@ class TrainConfig:
 
     def schedule_fn(self, total_steps: Optional[int] = None) -> Schedule:
         """The learning-rate schedule over ``total_steps`` (default ``max_steps``)."""
-        return Schedule(self.schedule, lr=float(self.lr), min_lr=float(self.min_lr),
+        return Schedule(self.schedule, lr=float(self.lr), min_lr=float(self.min_lr), decay_fraction=self.decay_fraction,
                         warmup_steps=self.warmup_steps, total_steps=total_steps or self.max_steps)

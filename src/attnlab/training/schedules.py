@@ -14,6 +14,15 @@ With peak rate ``η``, floor ``η_min``, ``w`` warm-up steps and ``S`` total ste
 
 - ``constant``: ``η · (s + 1) / (w + 1)`` while ``s < w``, then ``η``.
 
+- ``wsd`` (warmup–stable–decay, Hu et al. 2024 "MiniCPM"; Hägele et al. 2024): the warm-up above, ``η`` until the
+  last ``f = decay_fraction`` of the steps after it, then a linear decay to ``η_min`` at ``S``::
+
+      d = w + (1 − f)(S − w)
+      η(s) = η                                   w ≤ s < d
+      η(s) = η_min + (η − η_min) (S − s) / (S − d)   d ≤ s ≤ S;    η_min after S
+
+  A run whose length is re-planned (``time_budget``) keeps its stable phase: only where the decay starts moves.
+
 The trainer writes ``lr_at(s)`` into every parameter group before step ``s``; a
 ``torch.optim.lr_scheduler.LambdaLR`` view is available through :meth:`Schedule.lambda_lr`.
 """
@@ -28,7 +37,7 @@ from attnlab._checks import int_at_least, non_negative_number, one_of
 
 __all__ = ["SCHEDULES", "Schedule"]
 
-SCHEDULES = ("cosine", "noam", "constant")
+SCHEDULES = ("cosine", "noam", "constant", "wsd")
 
 
 @dataclass(frozen=True)
@@ -38,9 +47,10 @@ class Schedule:
     Args:
         kind: one of :data:`SCHEDULES`.
         lr: peak learning rate ``η``.
-        min_lr: floor ``η_min`` of the cosine decay (ignored by the others).
+        min_lr: floor ``η_min`` of the cosine and wsd decays (ignored by the others).
         warmup_steps: ``w``; must be >= 1 for ``noam``.
-        total_steps: ``S``, the end of the cosine decay.
+        total_steps: ``S``, the end of the cosine and wsd decays.
+        decay_fraction: ``f`` in ``(0, 1]``, the share of the steps after warm-up that ``wsd`` decays over.
 
     Raises:
         ValueError: unknown ``kind`` or an out-of-range argument (the message names it).
@@ -51,6 +61,7 @@ class Schedule:
     min_lr: float = 0.0
     warmup_steps: int = 0
     total_steps: int = 1
+    decay_fraction: float = 0.2
 
     def __post_init__(self) -> None:
         one_of("schedule", self.kind, SCHEDULES)
@@ -60,6 +71,8 @@ class Schedule:
             raise ValueError(f"min_lr ({self.min_lr}) must be <= lr ({self.lr})")
         for name, lo in (("warmup_steps", 0), ("total_steps", 1)):
             int_at_least(name, getattr(self, name), lo)
+        if not (isinstance(self.decay_fraction, (int, float)) and 0.0 < self.decay_fraction <= 1.0):
+            raise ValueError(f"decay_fraction must be in (0, 1], got {self.decay_fraction!r}")
         if self.kind == "noam" and self.warmup_steps < 1:
             raise ValueError("warmup_steps must be >= 1 for the noam schedule")
 
@@ -77,6 +90,11 @@ class Schedule:
             return self.lr
         if step > self.total_steps or self.total_steps <= w:
             return self.min_lr
+        if self.kind == "wsd":
+            d = w + (1.0 - self.decay_fraction) * (self.total_steps - w)
+            if step < d:
+                return self.lr
+            return self.min_lr + (self.lr - self.min_lr) * (self.total_steps - step) / (self.total_steps - d)
         ratio = (step - w) / (self.total_steps - w)
         return self.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (self.lr - self.min_lr)
 

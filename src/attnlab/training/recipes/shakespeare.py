@@ -153,8 +153,8 @@ class ShakespeareSettings(TrainConfig):
             positive_number("logit_softcap", self.logit_softcap, finite=True)
         if self.arch == "gpt2" and (not self.tie_embeddings or self.logit_softcap is not None or self.qk_norm
                                     or self.value_embeddings):
-            raise ValueError("tie_embeddings=false, logit_softcap, qk_norm and value_embeddings are arch=llama settings "
-                             "(attnlab's GPT-2 is GPT-2's architecture)")
+            raise ValueError("tie_embeddings=false, logit_softcap, qk_norm and value_embeddings are arch=llama "
+                             "settings (attnlab's GPT-2 is GPT-2's architecture)")
         if self.arch == "llama":  # Llama has no dropout and no biases, and a gated MLP (SwiGLU or ReLU²)
             bad = {k: v for k, v in (("dropout", self.dropout), ("attn_dropout", self.attn_dropout)) if v}
             bad.update({k: v for k, v in (("bias", self.bias),) if v})
