@@ -313,3 +313,22 @@ def test_value_embeddings_add_a_token_table_to_the_values(tmp_path):
         ours.save_pretrained(tmp_path / "hf")
     with pytest.raises(ValueError, match="value_embed must be"):
         ours.layers[0](torch.zeros(1, 3, SIZES["hidden_size"]), value_embed=torch.zeros(1, 3, 5))
+
+
+def test_the_training_options_under_bf16_autocast():
+    """QK-norm, value embeddings and ReLU² as the trainer runs them (bf16 autocast, float32 weights): q, k and v keep
+    one dtype (the norms' and tables' float32 parameters do not promote them), the logits are the float32 model's
+    within bf16's round-off, and every option's parameters get a gradient."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SIZES, qk_norm=True, value_embeddings=True, hidden_act="relu2"))
+    ids = torch.randint(0, V, (2, 12))
+    with torch.no_grad():
+        ref = model(ids).logits
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(ids).logits
+    assert (out.float() - ref).abs().max() <= tolerance(ref, dtype=torch.bfloat16, n=SIZES["hidden_size"], depth=2)
+    out.float().square().mean().backward()
+    for name in ("layers.0.self_attn.q_norm.weight", "layers.1.self_attn.k_norm.weight", "value_embeds.1.weight",
+                 "layers.0.ffn.w1.weight"):
+        grad = dict(model.named_parameters())[name].grad
+        assert grad is not None and grad.abs().max() > 0 and torch.isfinite(grad).all()

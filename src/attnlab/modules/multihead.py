@@ -161,7 +161,7 @@ class MultiheadAttention(nn.Module):
             if skip_kv or value_embed.shape != v.shape:
                 want = "values projected in this call" if skip_kv else f"(B, S, Hkv · head_dim) = {tuple(v.shape)}"
                 raise ValueError(f"value_embed must be {want}, got {tuple(value_embed.shape)}")
-            v, qkv = v + value_embed, None  # (the packed projection no longer holds v)
+            v, qkv = v + value_embed.to(v.dtype), None  # (bf16 under autocast; the packed projection no longer holds v)
         # with a cache, one NaN/inf check of the packed projection serves the cache (new k, v) and the pipeline
         # (q): one reduction per step instead of three (RoPE, applied after, cannot make finite values infinite
         # short of overflow, which the pipeline's output check still reports)
@@ -172,11 +172,11 @@ class MultiheadAttention(nn.Module):
             k = k.view(B, S_new, Hkv, Dh).transpose(1, 2)  # (B, Hkv, S, Dh)
             v = v.view(B, S_new, Hkv, Dh).transpose(1, 2)
             if self.k_norm is not None:
-                k = self.k_norm(k)
+                k = self.k_norm(k).to(k.dtype)  # (a bf16 k under autocast stays bf16 with a float32 gain)
             if self.rotary is not None:
                 k = self.rotary(k, torch.arange(past, past + S_new, device=k.device))
         if self.q_norm is not None:
-            q = self.q_norm(q)
+            q = self.q_norm(q).to(q.dtype)
         if self.rotary is not None:
             q = self.rotary(q, torch.arange(past, past + L, device=q.device))
         if cache is not None:
