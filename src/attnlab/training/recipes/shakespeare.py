@@ -87,9 +87,11 @@ class ShakespeareSettings(TrainConfig):
     logits at ``c · tanh(logits / c)``, ``qk_norm`` RMS-normalises each head's query and key, ``activation=relu2_glu``
     gates the MLP with ``max(x, 0)²`` instead of SiLU (``LlamaConfig.hidden_act="relu2"``), ``value_embeddings`` adds
     a per-layer token table to the attention's values (see :class:`~attnlab.models.llama.LlamaConfig`). ``optimizer="muon"`` (a trainer setting) updates the hidden matrices
-    with Muon. Measured alone in this preset's 600 s (2 Zen4 cores, bf16; two baselines 1.503 and 1.497): muon
-    1.517 (better per step, but its Newton–Schulz products cost 14–17 % of the steps), zero_init 1.498,
-    logit_softcap=30 1.497, an untied head 1.527 — none beyond the baselines' spread, so all stay off.
+    with Muon (``muon_lr_scale``, ``muon_ns_steps``). Measured alone in this preset's 600 s (2 Zen4 cores, bf16;
+    ``benchmarks/train.py --levers``; baselines 1.497–1.509 over three runs): muon 1.517 (better per step, but its
+    Newton–Schulz products cost 14–17 % of the steps), with ``muon_lr_scale=2`` 1.487 (and 3 NS steps 1.486),
+    zero_init 1.498, logit_softcap=30 1.497, an untied head 1.527, qk_norm 1.511, relu2_glu 1.530,
+    value_embeddings 1.507 — none beyond the baselines' spread, so all stay off.
     Validation: ``eval_batches`` × ``eval_batch_size`` blocks of the last ``val_fraction`` of the text.
 
     The default plans its length to a 10-minute budget (``time_budget``, see :class:`TrainConfig`):
