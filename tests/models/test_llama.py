@@ -41,6 +41,16 @@ def _pair(tmp_path, attn="sdpa", tie=False):
     return theirs, ours
 
 
+def _incremental(model, ids, mask=None, *, cache=None, prefix=4):
+    """Logits of ``ids`` from a prefill of ``prefix`` tokens, then one cached decoding step per token."""
+    cache = model.new_cache() if cache is None else cache
+    upto = (lambda t: None) if mask is None else (lambda t: mask[:, :t])
+    steps = [model(ids[:, :prefix], attention_mask=upto(prefix), past_key_values=cache, use_cache=True).logits]
+    for t in range(prefix, ids.shape[1]):
+        steps.append(model(ids[:, t:t + 1], attention_mask=upto(t + 1), past_key_values=cache, use_cache=True).logits)
+    return torch.cat(steps, dim=1)
+
+
 def _left_padded(ids):
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
@@ -90,13 +100,7 @@ def test_incremental_decoding_equals_full_forward(tmp_path, static):
     ids, mask = _left_padded(torch.randint(0, V, (3, 10)))
     full = ours(ids, attention_mask=mask).logits
     cache = ours.new_cache(max_length=10 if static else None)
-    out = ours(ids[:, :4], attention_mask=mask[:, :4], past_key_values=cache, use_cache=True)
-    steps = [out.logits]
-    for t in range(4, 10):
-        out = ours(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=out.past_key_values,
-                   use_cache=True)
-        steps.append(out.logits)
-    inc = torch.cat(steps, dim=1)
+    inc = _incremental(ours, ids, mask, cache=cache)
     assert (inc - full)[mask.bool()].abs().max() <= tolerance(full, n=SIZES["hidden_size"], depth=2)
     assert cache[0].self_attn.length == 10
 
@@ -250,14 +254,7 @@ def test_qk_norm_equals_qwen3_and_is_refused_by_to_hf(tmp_path):
     ref = theirs(ids, attention_mask=mask, position_ids=pos).logits
     full = ours(ids, attention_mask=mask).logits
     assert (full - ref)[mask.bool()].abs().max() <= TOL
-    cache = ours.new_cache()
-    out = ours(ids[:, :4], attention_mask=mask[:, :4], past_key_values=cache, use_cache=True)
-    steps = [out.logits]
-    for t in range(4, 10):
-        out = ours(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=out.past_key_values,
-                   use_cache=True)
-        steps.append(out.logits)
-    inc = torch.cat(steps, dim=1)
+    inc = _incremental(ours, ids, mask)
     assert (inc - full)[mask.bool()].abs().max() <= tolerance(full, n=SIZES["hidden_size"], depth=2)
     want = theirs.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(ours.generate(ids, attention_mask=mask, max_new_tokens=6), want)
@@ -301,11 +298,7 @@ def test_value_embeddings_add_a_token_table_to_the_values(tmp_path):
     want, got = plain(ids).logits, ours(ids).logits
     assert (want - LlamaForCausalLM(LlamaConfig(**SIZES)).eval()(ids).logits).abs().max() > 0.1  # not a no-op
     assert (got - want).abs().max() <= tolerance(want, n=SIZES["hidden_size"], depth=2)
-    cache = ours.new_cache()
-    steps = [ours(ids[:, :4], past_key_values=cache, use_cache=True).logits]
-    for t in range(4, 9):
-        steps.append(ours(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
-    assert (torch.cat(steps, 1) - got).abs().max() <= tolerance(got, n=SIZES["hidden_size"], depth=2)
+    assert (_incremental(ours, ids) - got).abs().max() <= tolerance(got, n=SIZES["hidden_size"], depth=2)
     out = ours.generate(ids[:1, :5], max_new_tokens=4)
     tokens["ids"] = out
     assert torch.equal(plain(out).logits[:, 4:-1].argmax(-1), out[:, 5:])
