@@ -7,8 +7,8 @@
                                                   swiglu: silu, relu2_glu: relu2
 
 ``gelu_tanh(x) = ½x(1 + tanh(√(2/π)(x + 0.044715x³)))`` is HF's ``"gelu_new"`` (GPT-2; gated: T5 v1.1's
-``"gated-gelu"``); ``quick_gelu(x) = x · σ(1.702 x)`` is OpenAI CLIP's; ``relu2(x) = max(x, 0)²`` (So et al. 2021, "Primer"; HF's
-``"relu2"``, so a Llama with ``hidden_act="relu2"`` is the gated ``relu2_glu``).
+``"gated-gelu"``); ``quick_gelu(x) = x · σ(1.702 x)`` is OpenAI CLIP's; ``relu2(x) = max(x, 0)²`` (So et al.
+2021, "Primer"; HF's ``"relu2"``, so a Llama with ``hidden_act="relu2"`` is the gated ``relu2_glu``).
 
 Parameter names follow the formula (and Meta's LLaMA code): ``w1``, ``w2`` and, for the gated
 variants, ``w3``. Mapping from other checkpoints:

@@ -26,7 +26,8 @@ class TrainConfig:
     (:func:`attnlab._runtime.resolve_dtype`; the trainer prints and records the choice); ``"bf16"``
     autocasts on CPU or CUDA, ``"fp16"`` (CUDA only) adds a ``GradScaler``. ``compile`` runs the forward through ``torch.compile``.
     ``optimizer="muon"`` only: ``muon_lr_scale`` (the hidden matrices' lr is that times the schedule's) and
-    ``muon_ns_steps`` (Newton–Schulz steps), see :class:`~attnlab.training.optim.Muon`.
+    ``muon_ns_steps`` (Newton–Schulz steps), see :class:`~attnlab.training.optim.Muon`. ``schedule``: one of
+    :data:`~attnlab.training.schedules.SCHEDULES`; ``decay_fraction`` is the share of the steps ``"wsd"`` decays over.
 
     Time limits (seconds of ``fit``):
 
