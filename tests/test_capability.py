@@ -72,6 +72,11 @@ def test_explicit_bf16_without_native_support_warns_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         resolve_dtype("bf16")  # once per process
+    starved = _runtime.Capability("t", "cpu", "AVX2", False, False, False, 2, 2, None, 100.0, 1e-6, 20.0)
+    monkeypatch.setattr(_runtime, "probe", lambda measure=False: starved)  # a probe that read ~nothing under load
+    monkeypatch.setattr(_runtime, "_WARNED", set())
+    with pytest.warns(UserWarning, match=r"run over 100x slower than fp32"):
+        resolve_dtype("bf16")
 
 
 def test_avx2_emulation_changes_the_probe_and_the_choice():
