@@ -91,7 +91,8 @@ class ShakespeareSettings(TrainConfig):
     ``benchmarks/train.py --levers``; baselines 1.497–1.509 over three runs): muon 1.517 (better per step, but its
     Newton–Schulz products cost 14–17 % of the steps), with ``muon_lr_scale=2`` 1.487 (and 3 NS steps 1.486),
     zero_init 1.498, logit_softcap=30 1.497, an untied head 1.527, qk_norm 1.511, relu2_glu 1.530,
-    value_embeddings 1.507 — none beyond the baselines' spread, so all stay off.
+    value_embeddings 1.507, ``schedule=wsd`` 1.496 (lr 4e-3: 1.518) — none beyond the baselines' spread, so all stay
+    off.
     Validation: ``eval_batches`` × ``eval_batch_size`` blocks of the last ``val_fraction`` of the text.
 
     The default plans its length to a 10-minute budget (``time_budget``, see :class:`TrainConfig`):
