@@ -102,6 +102,9 @@ def test_wsd_is_warmup_then_flat_then_a_linear_decay():
     assert s.lr_at(111) == s.lr_at(500) == 0.1
     with pytest.raises(ValueError, match=r"decay_fraction must be in \(0, 1\]"):
         Schedule("wsd", lr=1.0, decay_fraction=0.0)
+    for bad in (True, float("nan")):
+        with pytest.raises(ValueError, match="decay_fraction"):
+            Schedule("wsd", lr=1.0, decay_fraction=bad)
     with pytest.raises(ValueError, match="TrainConfig.decay_fraction must be a number in"):
         TrainConfig(schedule="wsd", decay_fraction=1.5)
     whole = Schedule("wsd", lr=1.0, warmup_steps=0, total_steps=10, decay_fraction=1.0)  # f = 1: linear from step 0

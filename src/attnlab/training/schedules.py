@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnlab._checks import int_at_least, non_negative_number, one_of
+from attnlab._checks import int_at_least, is_real, non_negative_number, one_of
 
 __all__ = ["SCHEDULES", "Schedule"]
 
@@ -71,7 +71,7 @@ class Schedule:
             raise ValueError(f"min_lr ({self.min_lr}) must be <= lr ({self.lr})")
         for name, lo in (("warmup_steps", 0), ("total_steps", 1)):
             int_at_least(name, getattr(self, name), lo)
-        if not (isinstance(self.decay_fraction, (int, float)) and 0.0 < self.decay_fraction <= 1.0):
+        if not (is_real(self.decay_fraction) and 0.0 < self.decay_fraction <= 1.0):  # (a bool is refused; NaN fails the bounds)
             raise ValueError(f"decay_fraction must be in (0, 1], got {self.decay_fraction!r}")
         if self.kind == "noam" and self.warmup_steps < 1:
             raise ValueError("warmup_steps must be >= 1 for the noam schedule")
