@@ -31,7 +31,7 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "matvec.cpp", CSRC / "decode.cpp", CSRC / "flash.cpp")  # compiled; they include CSRC's headers
+SOURCES = (CSRC / "matvec.cpp", CSRC / "decode.cpp", CSRC / "flash.cpp", CSRC / "train.cpp")  # compiled; they include CSRC's headers
 # the kernel's regime: a decode step's rows (batch), by weight dtype. Measured on 2 cores, GPT-2's 48 layer
 # matrices, ms (with the kernel's prefetch): fp32 8 rows 15.9 / 16.8 (AVX-512 / AVX2) against oneDNN on the plain
 # rows 23.2 / 24.1 and its packed layout 17.0 / 21.1, 16 rows 33 against 29-34 plain: fp32 up to 8; bf16 8 rows 19.6
@@ -87,7 +87,8 @@ def _load() -> None:
                       rms_norm=ops.rms_norm.default, decoder_step=ops.decoder_step.default,
                       attend_decode=ops.attend_decode.default, flash_forward=ops.flash_forward.default,
                       flash_backward=ops.flash_backward.default, activate=ops.activate.default,
-                      int4_dequantize=ops.int4_dequantize.default)
+                      int4_dequantize=ops.int4_dequantize.default,
+                      softmax_rows=ops.softmax_rows.default, softmax_rows_backward=ops.softmax_rows_backward.default)
         isa()
     except Exception as e:  # no compiler, no ninja, a failed build: PyTorch's kernels serve instead
         why = " ".join(str(e).split())  # the compiler's message is at the end
@@ -179,6 +180,52 @@ def activate(x: Tensor, activation: str) -> Tensor:
     """
     _need()
     return _state["activate"](x, None, ACTIVATIONS[activation], _state["isa"])
+
+
+def softmax_rows(s: Tensor, *, scale: float, causal: bool, window: Optional[int], cast: bool
+                 ) -> tuple[Tensor, Optional[Tensor]]:
+    """The short backend's masked softmax in one pass: ``s (G, Lq, Lk)`` contiguous float32 or bfloat16 scores ->
+    ``(P float32, P in s's dtype or None)``::
+
+        P_ij = e^(κ s_ij − m_i) / Σ_k e^(κ s_ik − m_i)  over the keys row i sees,  0 elsewhere
+
+    row i sits at position ``t = i + Lk − Lq`` and sees the keys ``causal`` (``j ≤ t``) and ``window`` w (``t − j <
+    w``; without causal ``|t − j| < w``) allow; a row that sees none is all 0. ``cast``: also return P in ``s``'s
+    dtype when that is not float32 (the operand of ``P V``). A NaN or infinite score gives a NaN row.
+
+    Raises:
+        RuntimeError: the native kernels are not :func:`available` (callers check that first).
+    """
+    _need()
+    p, pc = _state["softmax_rows"](s, scale, causal, -1 if window is None else window, cast, _state["isa"])
+    return p, (pc if pc.numel() else None)
+
+
+def softmax_rows_backward(dp: Tensor, p: Tensor, *, scale: float) -> Tensor:
+    """``dS = κ P ∘ (dP − rowsum(dP ∘ P))`` in ``dp``'s dtype (float32 or bfloat16, ``(G, Lq, Lk)``), ``p`` the float32
+    probabilities of :func:`softmax_rows`; ``κ`` folded in for ``dQ = dS K``, ``dK = dSᵀ Q``.
+
+    Raises:
+        RuntimeError: the native kernels are not :func:`available` (callers check that first).
+    """
+    _need()
+    return _state["softmax_rows_backward"](dp, p, scale, _state["isa"])
+
+
+def transformed(t: Tensor) -> bool:
+    """Whether ``t`` is wrapped by a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, …): our autograd
+    Functions (no ``setup_context``) and C++ kernels (no data pointer) cannot run there; PyTorch's operations can."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+def trainable(*xs: Optional[Tensor], contiguous: bool = True) -> bool:
+    """Whether the training passes (:func:`softmax_rows` and its backward) may take ``xs`` (None entries skipped): float32 or bfloat16 CPU tensors of one dtype, contiguous (unless
+    ``contiguous=False``), in eager mode (not traced, compiled or under a ``torch.func`` transform), the kernels
+    :func:`available`."""
+    xs = [x for x in xs if x is not None]
+    return (all(x.device.type == "cpu" and x.dtype == xs[0].dtype and (x.is_contiguous() or not contiguous)
+                and not transformed(x) for x in xs) and xs[0].dtype in (torch.float32, torch.bfloat16)
+            and not torch.jit.is_tracing() and not torch.compiler.is_compiling() and available())
 
 
 def usable(x: Tensor) -> bool:

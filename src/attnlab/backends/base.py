@@ -13,16 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-import torch
-from torch import Tensor
-
-
-def transformed(t: Tensor) -> bool:
-    """Whether ``t`` is wrapped by a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, …): our autograd
-    Functions (no ``setup_context``) and C++ kernels (no data pointer) cannot run there; PyTorch's operations can,
-    so ``auto`` leaves such requests to them."""
-    return torch._C._functorch.is_functorch_wrapped_tensor(t)
-
 
 class BackendUnavailable(RuntimeError):
     """Raised by a backend that finds, while running, that it cannot run here (e.g. its kernel failed to

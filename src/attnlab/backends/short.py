@@ -7,12 +7,17 @@ this whole computation (measured in ``benchmarks/train.py``), so ``auto`` takes 
 on a CPU with at most :data:`SHORT_KEYS` keys, as many key as query heads and no dropout
 (:func:`auto_when`). Asked for by name it computes any softmax request without a score_mod, in O(Lq·Lk)
 memory.
+
+Float32 and bf16 requests whose only constraints are ``causal`` and ``window`` run the softmax and its gradient as
+one C++ pass each (:class:`NativeShortAttention`: ``csrc/train.cpp``, the mask in closed form, no ``M`` built);
+every other request runs :class:`ShortAttention`.
 """
 from __future__ import annotations
 
 import torch
 
-from attnlab.backends.base import transformed
+from attnlab import _native
+from attnlab._native import transformed
 from attnlab.functional.masks import build_mask, split_mask
 
 # Most keys for which auto trains with this backend on a CPU (at 512 keys the fused kernel wins again).
@@ -34,7 +39,7 @@ def unsupported(q, k, v, *, normalize, score_mod, dropout_p, return_weights, **_
 def auto_when(q, k, v, **_) -> bool:
     """Training on a CPU (grad mode on, an input requires grad) with at most :data:`SHORT_KEYS` keys and as
     many key/value as query heads (grouped-query attention keeps the fused kernel, which shares them), outside
-    ``torch.func`` transforms (:func:`~attnlab.backends.base.transformed`)."""
+    ``torch.func`` transforms (:func:`~attnlab._native.transformed`)."""
     return (q.device.type == "cpu" and torch.is_grad_enabled()
             and (q.requires_grad or k.requires_grad or v.requires_grad) and k.shape[2] <= SHORT_KEYS
             and k.shape[1] == q.shape[1] and not transformed(q))
@@ -46,8 +51,11 @@ def attention(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, drop
     (grouped-query k and v repeated to the query heads; autograd sums their gradients back)."""
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
+    scale = D ** -0.5 if scale is None else scale
     if k.shape[1] != H:
         k, v = k.repeat_interleave(H // k.shape[1], dim=1), v.repeat_interleave(H // k.shape[1], dim=1)
+    if mask is None and mask_mod is None and _native.trainable(q, k, v, contiguous=False):
+        return NativeShortAttention.apply(q, k, v, scale, causal, window), None
     bool_mask, bias = split_mask(mask)
     allowed = build_mask(B=B, H=H, Lq=Lq, Lk=Lk, device=q.device, mask=bool_mask, causal=causal,
                          window=window, mask_mod=mask_mod)
@@ -59,7 +67,7 @@ def attention(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, drop
         if allowed is not None:
             full = full.masked_fill(~allowed, float("-inf"))
         full = full.expand(B, H, Lq, Lk)
-    return ShortAttention.apply(q, k, v, full, D ** -0.5 if scale is None else scale), None
+    return ShortAttention.apply(q, k, v, full, scale), None
 
 
 class ShortAttention(torch.autograd.Function):
@@ -104,3 +112,37 @@ class ShortAttention(torch.autograd.Function):
         dq = torch.bmm(ds, k3).mul_(ctx.scale)
         dk = torch.bmm(ds.transpose(1, 2), q3).mul_(ctx.scale)
         return dq.view(B, H, *dq.shape[1:]), dk.view(B, H, *dk.shape[1:]), dv.view(B, H, *dv.shape[1:]), dbias, None
+
+
+class NativeShortAttention(torch.autograd.Function):
+    """:class:`ShortAttention`'s computation with the mask in closed form (``causal``, ``window``) and the softmax and
+    its gradient in one C++ pass each (:func:`attnlab._native.softmax_rows`, :func:`~attnlab._native.softmax_rows_
+    backward`), reading the products' dtype (float32 or bf16) and keeping ``P`` in float32::
+
+        P = softmax(κ Q Kᵀ) on the visible keys (0 elsewhere),  O = P V
+        dV = Pᵀ dO,   dP = dO Vᵀ,   κ dS = κ P ⊙ (dP − rowsum(dP ⊙ P)),   dQ = (κ dS) K,   dK = (κ dS)ᵀ Q
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, window):
+        B, H, Lq, D = q.shape
+        Lk = k.shape[2]
+        q3, k3, v3 = q.reshape(B * H, Lq, D), k.reshape(B * H, Lk, D), v.reshape(B * H, Lk, v.shape[-1])
+        p, p_cast = _native.softmax_rows(torch.bmm(q3, k3.transpose(1, 2)), scale=scale, causal=causal,
+                                         window=window, cast=True)
+        p_mm = p if p_cast is None else p_cast  # P in the products' dtype
+        ctx.save_for_backward(q3, k3, v3, p, p_mm)
+        ctx.scale = scale
+        return torch.bmm(p_mm, v3).view(B, H, Lq, v.shape[-1])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        q3, k3, v3, p, p_mm = ctx.saved_tensors
+        B, H = grad_out.shape[:2]
+        go = grad_out.reshape(q3.shape[0], q3.shape[1], v3.shape[2]).to(v3.dtype)  # (autocast: can be float32)
+        dv = torch.bmm(p_mm.transpose(1, 2), go)
+        ds = _native.softmax_rows_backward(torch.bmm(go, v3.transpose(1, 2)), p, scale=ctx.scale)  # κ dS
+        dq, dk = torch.bmm(ds, k3), torch.bmm(ds.transpose(1, 2), q3)
+        return (dq.view(B, H, *dq.shape[1:]), dk.view(B, H, *dk.shape[1:]), dv.view(B, H, *dv.shape[1:]), None, None,
+                None)
