@@ -17,7 +17,10 @@ same-machine peer where there is one. With ``--ablate`` each recipe also runs wi
 (``git clone https://github.com/karpathy/nanoGPT``), its CPU recipe on the same ``input.txt`` prepared by its own
 ``prepare.py``, in a fresh process, its final model scored on our fixed validation blocks
 (``benchmarks/nanogpt_upstream.py``). Issue #16's target: our whole process in **≤ 0.5×** its wall time, at a val
-loss ≤ its val loss on the same blocks (``vs_upstream`` = our process_s / its process_s).
+loss ≤ its val loss on the same blocks (``vs_upstream`` = our process_s / its process_s). ``--pairs N`` runs its
+``train.py`` and ours alternately N times (theirs, ours, theirs, ours, …): on a machine whose speed drifts by minutes
+(a shared VM) one pair can land either side of the line, so ``vs_upstream`` is then the median of the N pairs' ratios,
+each pair printed and written, and the rows show the median pair.
 
 ``mfu`` (every row run here): matrix-product FLOPs per second of the whole process ÷ this machine's peak for the row's
 dtype, measured in the same run and printed (``benchmarks/_mfu.py`` states the formula: ``tokens · (6·N_mm +
@@ -109,6 +112,26 @@ def resolve_saved(out: Path):
     return resolve_settings(get_recipe(saved["recipe"]), base=saved["settings"])
 
 
+def median_pair(pairs: list[tuple[dict, list[dict]]]) -> tuple[tuple[dict, list[dict]], list[float]]:
+    """``pairs``: (nanoGPT's row, our rows) in run order. The pair whose ratio (our first row's ``vs_upstream``) is the
+    median — the upper of the middle two for an even count: give an odd ``--pairs`` — and every pair's ratio."""
+    ratios = [ours[0]["vs_upstream"] for _, ours in pairs]
+    return sorted(pairs, key=lambda p: p[1][0]["vs_upstream"])[len(pairs) // 2], ratios
+
+
+def run_nanogpt(args, preset: str, work: Path) -> dict:
+    """nanoGPT's own ``train.py`` (``--nanogpt-dir``) in a fresh process, scored on our fixed validation blocks: its row."""
+    s = get_settings(preset)
+    up = run_upstream(args.nanogpt_dir, threads=args.threads, work=work, fixed_blocks=dict(
+        block=s.block_size, batch=s.eval_batch_size, batches=s.eval_batches, seed=s.seed + 1))
+    flops = nanogpt_flops(up["model_args"], steps=up["steps"], batch_size=up["batch_size"])
+    print(f"nanoGPT upstream: {up['process_s']:.1f} s, val loss {up['val_loss_fixed']:.4f}", flush=True)
+    return {"run": "nanoGPT train.py (upstream, this machine)", "preset": preset, "run_s": "", "flops": flops,
+            "mfu": mfu(flops, up["process_s"], "fp32"), "process_s": up["process_s"], "steps": up["steps"],
+            "val_loss": up["val_loss_fixed"], "best_val_loss": "", "dtype": "fp32", "met": "",
+            "target": f"its own val estimate {up['val_loss_own']:.4f} (step {up['scored_iter']})"}
+
+
 def run_peer(*, threads: int) -> dict:
     """``nanogpt_peer.py`` in a fresh process: nanoGPT's CPU run of the ``nanogpt-cpu`` recipe, on this machine."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -135,6 +158,9 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra setting for every run")
     p.add_argument("--nanogpt-dir", type=Path, default=None,
                    help="an upstream nanoGPT checkout: its own train.py is the nanogpt-cpu peer")
+    p.add_argument("--pairs", type=int, default=1,
+                   help="with --nanogpt-dir: run its train.py and our nanogpt-cpu alternately this many times "
+                        "(odd); vs_upstream is the median of the pairs' ratios")
     add_budget_arguments(p)
     add_lever_arguments(p)
     args = p.parse_args()
@@ -143,6 +169,9 @@ def main() -> None:
     if args.compare_budget and args.nanogpt_dir is None:
         raise SystemExit("--compare-budget needs --nanogpt-dir DIR (an upstream nanoGPT checkout: "
                          "git clone https://github.com/karpathy/nanoGPT)")
+    if args.pairs < 1 or (args.pairs > 1 and args.nanogpt_dir is None):
+        raise SystemExit(f"--pairs must be >= 1 and needs --nanogpt-dir (pairs of nanoGPT's train.py and ours), "
+                         f"got {args.pairs}")
     if args.nanogpt_dir is not None:
         args.nanogpt_dir = check_checkout(args.nanogpt_dir)  # before any run: a wrong folder fails at once
     setup(args)
@@ -172,31 +201,31 @@ def main() -> None:
             peer = run_peer(threads=args.threads) if preset == "nanogpt-cpu" and not args.no_peer else None
             if peer:
                 print(f"nanoGPT-equivalent: {peer['run_s']:.1f} s, val loss {peer['val_loss']:.4f}", flush=True)
-            upstream = None
-            if preset == "nanogpt-cpu" and args.nanogpt_dir is not None:
-                work = Path(tmp) / f"nanogpt-{i}"
-                s = get_settings(preset)
-                up = run_upstream(args.nanogpt_dir, threads=args.threads, work=work, fixed_blocks=dict(
-                    block=s.block_size, batch=s.eval_batch_size, batches=s.eval_batches, seed=s.seed + 1))
-                flops = nanogpt_flops(up["model_args"], steps=up["steps"], batch_size=up["batch_size"])
-                upstream = {"run": "nanoGPT train.py (upstream, this machine)", "preset": preset, "run_s": "",
-                            "flops": flops, "mfu": mfu(flops, up["process_s"], "fp32"),
-                            "process_s": up["process_s"], "steps": up["steps"], "val_loss": up["val_loss_fixed"],
-                            "best_val_loss": "", "dtype": "fp32", "met": "",
-                            "target": f"its own val estimate {up['val_loss_own']:.4f} (step {up['scored_iter']})"}
-                print(f"nanoGPT upstream: {up['process_s']:.1f} s, val loss {up['val_loss_fixed']:.4f}", flush=True)
-            for j, (label, overrides) in enumerate(variants):
-                row = run_preset(preset, threads=args.threads, overrides=overrides, out=Path(tmp) / f"{i}-{j}")
-                row["run"] = label
-                ref = peer or NANOGPT.get(preset)
-                if ref:
-                    row["speedup"] = (ref["run_s"] if peer else ref["wall_s"]) / row["run_s"]
-                if upstream:
-                    row["vs_upstream"] = row["process_s"] / upstream["process_s"]
-                    row["upstream_met"] = "yes" if (row["vs_upstream"] <= UPSTREAM_RATIO
-                                                    and row["val_loss"] <= upstream["val_loss"]) else "no"
-                rows.append(row)
-                print(f"{label} {preset}: {row['run_s']:.1f} s, val loss {row['val_loss']:.4f}", flush=True)
+            upstream, pairs = None, []
+            for k in range(args.pairs if preset == "nanogpt-cpu" and args.nanogpt_dir is not None else 1):
+                if preset == "nanogpt-cpu" and args.nanogpt_dir is not None:
+                    upstream = run_nanogpt(args, preset, Path(tmp) / f"nanogpt-{i}-{k}")
+                pair = []
+                for j, (label, overrides) in enumerate(variants):
+                    row = run_preset(preset, threads=args.threads, overrides=overrides, out=Path(tmp) / f"{i}-{j}-{k}")
+                    row["run"] = label
+                    ref = peer or NANOGPT.get(preset)
+                    if ref:
+                        row["speedup"] = (ref["run_s"] if peer else ref["wall_s"]) / row["run_s"]
+                    if upstream:
+                        row["vs_upstream"] = row["process_s"] / upstream["process_s"]
+                        row["upstream_met"] = "yes" if (row["vs_upstream"] <= UPSTREAM_RATIO
+                                                        and row["val_loss"] <= upstream["val_loss"]) else "no"
+                    pair.append(row)
+                    print(f"{label} {preset}: {row['run_s']:.1f} s, val loss {row['val_loss']:.4f}"
+                          + (f", {row['vs_upstream']:.3f}x nanoGPT's" if upstream else ""), flush=True)
+                pairs.append((upstream, pair))
+            if len(pairs) > 1:
+                (upstream, pair), ratios = median_pair(pairs)
+                pair[0]["vs_upstream_pairs"] = ratios
+                print(f"pairs (nanoGPT's train.py, ours) x {len(pairs)}: ratios "
+                      + ", ".join(f"{r:.3f}" for r in ratios) + f"; median {pair[0]['vs_upstream']:.3f}", flush=True)
+            rows.extend(pair)
             if peer:
                 rows.append(peer)
             if upstream:

@@ -90,6 +90,25 @@ def test_compare_budget_needs_a_nanogpt_checkout():
         "git clone https://github.com/karpathy/nanoGPT)")
 
 
+@pytest.mark.parametrize("flags", [["--pairs", "3"], ["--pairs", "0", "--nanogpt-dir", "."]])
+def test_pairs_need_a_nanogpt_checkout_and_a_positive_count(flags):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--recipe", "nanogpt-cpu", *flags], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1 and "machine:" not in proc.stdout
+    assert proc.stderr.strip().splitlines()[-1].startswith("--pairs must be >= 1 and needs --nanogpt-dir")
+
+
+def test_the_pairs_ratio_is_the_median_pairs_and_every_ratio_is_kept():
+    from train import median_pair
+
+    pairs = [({"process_s": t}, [{"vs_upstream": r}, {"vs_upstream": 9.0}]) for t, r in
+             ((100, 0.61), (90, 0.55), (105, 0.70))]
+    (theirs, ours), ratios = median_pair(pairs)
+    assert ratios == [0.61, 0.55, 0.70] and theirs == {"process_s": 100} and ours[0]["vs_upstream"] == 0.61
+    (theirs, _), _ = median_pair(pairs[:2])  # an even count: the upper of the middle two
+    assert theirs == {"process_s": 100}
+
+
 def test_follow_stamps_lines_and_stops_at_the_deadline(tmp_path):
     """A process that would run forever is killed at the deadline; one that ends is read to its end."""
     forever = "import time\nprint('step 0: train loss 4.0, val loss 4.1', flush=True)\nprint('iter 0: loss 4.0')\n" \
