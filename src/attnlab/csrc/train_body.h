@@ -76,19 +76,7 @@ inline void softmax_row(const T* s, int64_t n, int64_t c0, int64_t c1, float sca
       m = std::max(m, p[j]);
     }
     if (nan) m = NAN;
-    VF acc = splat(0.f);
-    for (j = c0; j + L <= c1; j += L) {
-      const VF e = exp_any(load(p + j) - splat(m));
-      acc += e;
-      store(p + j, e);
-    }
-    float sum = hsum(acc);
-    for (; j < c1; ++j) {
-      VF one = splat(0.f);
-      one[0] = p[j] - m;
-      p[j] = exp_any(one)[0];
-      sum += p[j];
-    }
+    const float sum = exp_shifted(p, c0, c1, m);  // (decode_body.h)
     const float r = 1.f / sum;
     for (j = c0; j + L <= c1; j += L) store(p + j, load(p + j) * splat(r));
     for (; j < c1; ++j) p[j] *= r;
