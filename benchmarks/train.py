@@ -120,7 +120,8 @@ def median_pair(pairs: list[tuple[dict, list[dict]]]) -> tuple[tuple[dict, list[
 
 
 def run_nanogpt(args, preset: str, work: Path) -> dict:
-    """nanoGPT's own ``train.py`` (``--nanogpt-dir``) in a fresh process, scored on our fixed validation blocks: its row."""
+    """nanoGPT's own ``train.py`` (``--nanogpt-dir``) in a fresh process, scored on our fixed validation blocks: its
+    row of the table."""
     s = get_settings(preset)
     up = run_upstream(args.nanogpt_dir, threads=args.threads, work=work, fixed_blocks=dict(
         block=s.block_size, batch=s.eval_batch_size, batches=s.eval_batches, seed=s.seed + 1))

@@ -31,7 +31,8 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "matvec.cpp", CSRC / "decode.cpp", CSRC / "flash.cpp", CSRC / "train.cpp")  # compiled; they include CSRC's headers
+# compiled; they include CSRC's headers
+SOURCES = (CSRC / "matvec.cpp", CSRC / "decode.cpp", CSRC / "flash.cpp", CSRC / "train.cpp")
 # the kernel's regime: a decode step's rows (batch), by weight dtype. Measured on 2 cores, GPT-2's 48 layer
 # matrices, ms (with the kernel's prefetch): fp32 8 rows 15.9 / 16.8 (AVX-512 / AVX2) against oneDNN on the plain
 # rows 23.2 / 24.1 and its packed layout 17.0 / 21.1, 16 rows 33 against 29-34 plain: fp32 up to 8; bf16 8 rows 19.6
@@ -219,9 +220,9 @@ def transformed(t: Tensor) -> bool:
 
 
 def trainable(*xs: Optional[Tensor], contiguous: bool = True) -> bool:
-    """Whether the training passes (:func:`softmax_rows` and its backward) may take ``xs`` (None entries skipped): float32 or bfloat16 CPU tensors of one dtype, contiguous (unless
-    ``contiguous=False``), in eager mode (not traced, compiled or under a ``torch.func`` transform), the kernels
-    :func:`available`."""
+    """Whether the training passes (:func:`softmax_rows` and its backward) may take ``xs`` (None entries skipped):
+    float32 or bfloat16 CPU tensors of one dtype, contiguous (unless ``contiguous=False``), in eager mode (not traced,
+    compiled or under a ``torch.func`` transform), the kernels :func:`available`."""
     xs = [x for x in xs if x is not None]
     return (all(x.device.type == "cpu" and x.dtype == xs[0].dtype and (x.is_contiguous() or not contiguous)
                 and not transformed(x) for x in xs) and xs[0].dtype in (torch.float32, torch.bfloat16)
