@@ -37,7 +37,8 @@ this one invocation; a PNG of both val-loss-vs-seconds curves and the table ours
 | ``default`` | best val loss <= 1.50 and run_s <= 600 (nanoGPT 4x256: 1.554 in 9 m 20 s) |
 
 Run: ``python benchmarks/train.py [--recipe nanogpt-cpu|default|all] [--threads 2] [--ablate] [--no-peer]
-[--nanogpt-dir DIR [--pairs N]] [--set key=value ...] [--quick] [--out PATH]`` (``--quick``: the ``tiny`` preset, a smoke run);
+[--nanogpt-dir DIR [--pairs N]] [--set key=value ...] [--quick] [--out PATH]`` (``--quick``: the ``tiny`` preset, a
+smoke run);
 ``python benchmarks/train.py --compare-budget --nanogpt-dir DIR [--budget-s 600] [--nanogpt-iters N] [--set ...]``;
 ``python benchmarks/train.py --levers [LEVER ...]`` (``benchmarks/_levers.py``: the speedrun techniques, each alone in
 the 10-minute default, between two baseline runs).
