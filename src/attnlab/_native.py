@@ -219,22 +219,29 @@ def transformed(t: Tensor) -> bool:
     return torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
+def runs_on(x: Tensor) -> bool:
+    """Whether attnlab's C++ kernels may read ``x`` at all: eager mode (no graph being traced — as
+    ``torch.onnx.export``'s TorchScript exporter does — or compiled or exported by dynamo: those record PyTorch's
+    operations), ``x`` not wrapped by a ``torch.func`` transform (:func:`transformed`), the kernels :func:`available`.
+    The callers add what their kernels need of the dtype, device and layout."""
+    return (not torch.jit.is_tracing() and not torch.compiler.is_compiling() and not transformed(x)
+            and available())
+
+
 def trainable(*xs: Optional[Tensor], contiguous: bool = True) -> bool:
     """Whether the training passes (:func:`softmax_rows` and its backward) may take ``xs`` (None entries skipped):
-    float32 or bfloat16 CPU tensors of one dtype, contiguous (unless ``contiguous=False``), in eager mode (not traced,
-    compiled or under a ``torch.func`` transform), the kernels :func:`available`."""
+    float32 or bfloat16 CPU tensors of one dtype, contiguous (unless ``contiguous=False``), :func:`runs_on` each."""
     xs = [x for x in xs if x is not None]
-    return (all(x.device.type == "cpu" and x.dtype == xs[0].dtype and (x.is_contiguous() or not contiguous)
-                and not transformed(x) for x in xs) and xs[0].dtype in (torch.float32, torch.bfloat16)
-            and not torch.jit.is_tracing() and not torch.compiler.is_compiling() and available())
+    return xs[0].dtype in (torch.float32, torch.bfloat16) and all(
+        x.device.type == "cpu" and x.dtype == xs[0].dtype and (x.is_contiguous() or not contiguous) and runs_on(x)
+        for x in xs)
 
 
 def usable(x: Tensor) -> bool:
-    """Whether a native kernel may take ``x``: float32 on the CPU, no gradient wanted through it (the kernels have no
-    backward), in eager mode (no graph being traced — as ``torch.onnx.export``'s TorchScript exporter does — or
-    compiled or exported by dynamo: those record PyTorch's operations), and the kernels :func:`available`."""
+    """Whether an inference kernel may take ``x``: float32 on the CPU, no gradient wanted through it (the kernels have
+    no backward), :func:`runs_on` it."""
     return (x.dtype == torch.float32 and x.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled())
-            and available() and not torch.jit.is_tracing() and not torch.compiler.is_compiling())
+            and runs_on(x))
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:

@@ -15,7 +15,6 @@ import torch
 from torch import Tensor
 
 from attnlab import _native
-from attnlab._native import transformed
 
 # the C++ kernel's blocks, (query rows, keys) per tile of each pass; measured (B=1, H=8, D=64, 2 cores, AVX-512):
 # causal N=4096, ms: forward (64, 512) 132-142, (128, 256) 129-134, (256, 512) 121-129, (128, 1024) 122-124 (the
@@ -30,12 +29,11 @@ NARROW_WINDOW = 512
 
 def native_applies(q: Tensor) -> bool:
     """Whether the C++ kernel may serve a request on ``q`` (given a mask and mods it computes, :func:`native_request`):
-    a float32/bf16/fp16 CPU tensor, the kernels built, eager mode (a traced or compiled graph records PyTorch
-    operations; ``torch.func`` transforms wrap their tensors, :func:`~attnlab._native.transformed`). Its backward
-    is not differentiable again (``once_differentiable``), as SDPA's CPU flash kernel's is not."""
+    a float32/bf16/fp16 CPU tensor the kernels may read (:func:`attnlab._native.runs_on`: eager mode, no
+    ``torch.func`` transform, the kernels built). Its backward is not differentiable again (``once_differentiable``),
+    as SDPA's CPU flash kernel's is not."""
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and not torch.jit.is_tracing() and not torch.compiler.is_compiling()
-            and not transformed(q) and _native.available())
+            and _native.runs_on(q))
 
 
 def native_request(q: Tensor, k: Tensor, score_mod, mask_mod, captured: list) -> Optional[dict]:

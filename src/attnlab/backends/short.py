@@ -121,6 +121,9 @@ class NativeShortAttention(torch.autograd.Function):
 
         P = softmax(κ Q Kᵀ) on the visible keys (0 elsewhere),  O = P V
         dV = Pᵀ dO,   dP = dO Vᵀ,   κ dS = κ P ⊙ (dP − rowsum(dP ⊙ P)),   dQ = (κ dS) K,   dK = (κ dS)ᵀ Q
+
+    Its backward is not differentiable again (``once_differentiable``: a second-order gradient raises instead of
+    coming out wrong), as the fused kernels' (SDPA's CPU flash kernel, ``tiled``'s C++ path) are not.
     """
 
     @staticmethod
