@@ -142,14 +142,16 @@ inline float exp_shifted(float* s, int64_t c0, int64_t c1, float c) {
     store(s + j, p);
     total += p;
   }
-  float sum = hsum(total);
-  for (; j < c1; ++j) {
-    VF one = splat(0.f);
-    one[0] = s[j] - c;
-    s[j] = exp_any(one)[0];
-    sum += s[j];
+  if (j < c1) {  // the tail as one vector, padded with −∞ (e^−∞ = 0 adds nothing): one exponential, not c1 − j
+    float t[L];
+    const int64_t r = c1 - j;
+    for (int64_t i = 0; i < L; ++i) t[i] = i < r ? s[j + i] - c : -INFINITY;
+    const VF p = exp_any(load(t));
+    store(t, p);
+    for (int64_t i = 0; i < r; ++i) s[j + i] = t[i];
+    total += p;
   }
-  return sum;
+  return hsum(total);
 }
 
 // out (D) = Σ_j softmax(scale · q·K_j)_j V_j over the S rows of K and V (row stride D); s: S floats of scratch

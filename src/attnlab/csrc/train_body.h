@@ -50,41 +50,78 @@ inline void st1(T* p, float x) {
   }
 }
 
+// r ≤ L elements as one vector, the lanes past r filled with `fill` (a row's last, partial vector)
+template <class T>
+inline VF ld_part(const T* p, int64_t r, float fill) {
+  float t[L];
+  for (int64_t i = 0; i < L; ++i) t[i] = i < r ? ld1(p + i) : fill;
+  return load(t);
+}
+template <class T>
+inline void st_part(T* p, VF v, int64_t r) {
+  T t[L];
+  st(t, v);
+  std::memcpy(p, t, r * sizeof(T));
+}
+
+// the lanes of the vector at j whose keys j + i lie in [c0, c1)
+inline VI seen(VI lane, int64_t j, int64_t c0, int64_t c1) {
+  return (lane + static_cast<int32_t>(j) >= static_cast<int32_t>(c0)) &
+         (lane + static_cast<int32_t>(j) < static_cast<int32_t>(c1));
+}
+
 // One row of the softmax of masked, scaled scores:  p_j = e^(κ s_j − m) / Σ_k e^(κ s_k − m) for j in the visible
 // keys [c0, c1), m = max_k κ s_k, and p_j = 0 outside (a row that sees nothing is all 0). Writes p (float32) and,
-// when pc is not null, p again in pc's type. A NaN score makes the row NaN; an infinite one too (∞ − ∞), as softmax.
+// when pc is not null, p again in pc's type. A NaN score makes the row's visible keys NaN; an infinite one too (∞ −
+// ∞), as softmax. Whole vectors throughout, the mask a lane test (a causal row's length varies by one each row:
+// scalar loops over its edges cost more than its exponentials); vectors with no visible key skip the exponential.
 template <class T>
 inline void softmax_row(const T* s, int64_t n, int64_t c0, int64_t c1, float scale, float* p, T* pc) {
-  for (int64_t j = 0; j < c0; ++j) p[j] = 0.f;
-  for (int64_t j = c1; j < n; ++j) p[j] = 0.f;
-  if (c1 > c0) {
-    VF vmax = splat(-INFINITY);
-    int64_t j = c0;
-    VI nans = VI{};  // (a NaN compares false: the max would skip it)
-    for (; j + L <= c1; j += L) {
-      const VF x = ld(s + j) * splat(scale);
-      nans |= x != x;
-      vmax = x > vmax ? x : vmax;
-      st(p + j, x);
-    }
-    float m = -INFINITY;
-    bool nan = false;
-    for (int i = 0; i < L; ++i) m = std::max(m, vmax[i]), nan = nan || nans[i] != 0;
-    for (; j < c1; ++j) {
-      p[j] = ld1(s + j) * scale;
-      nan = nan || std::isnan(p[j]);
-      m = std::max(m, p[j]);
-    }
-    if (nan) m = NAN;
-    const float sum = exp_shifted(p, c0, c1, m);  // (decode_body.h)
-    const float r = 1.f / sum;
-    for (j = c0; j + L <= c1; j += L) store(p + j, load(p + j) * splat(r));
-    for (; j < c1; ++j) p[j] *= r;
-  }
-  if (pc == nullptr) return;
+  VI lane;
+  for (int i = 0; i < L; ++i) lane[i] = i;
+  const int64_t full = n - n % L;  // [full, n): the last, partial vector (read and written through ld_part/st_part)
+  VF vmax = splat(-INFINITY);
+  VI nans = VI{};  // (a NaN compares false: the max would skip it)
+  const auto scaled = [&](int64_t j, VF x) {  // κ s, −∞ where masked
+    x *= splat(scale);
+    if (!(j >= c0 && j + L <= c1)) x = seen(lane, j, c0, c1) ? x : splat(-INFINITY);
+    nans |= x != x;
+    vmax = x > vmax ? x : vmax;
+    return x;
+  };
   int64_t j = 0;
-  for (; j + L <= n; j += L) st(pc + j, load(p + j));
-  for (; j < n; ++j) st1(pc + j, p[j]);
+  for (; j < full; j += L) store(p + j, scaled(j, ld(s + j)));
+  if (j < n) st_part(p + j, scaled(j, ld_part(s + j, n - j, 0.f)), n - j);
+  float m = -INFINITY;
+  bool nan = false;
+  for (int i = 0; i < L; ++i) m = std::max(m, vmax[i]), nan = nan || nans[i] != 0;
+  if (nan) m = NAN;
+  VF total = splat(0.f);
+  const auto exps = [&](int64_t j, VF x) {  // e^(x − m), 0 where masked (a NaN m: the visible lanes NaN)
+    if (j >= c1 || j + L <= c0) return splat(0.f);
+    VF e = exp_any(x - splat(m));
+    if (!(j >= c0 && j + L <= c1)) e = seen(lane, j, c0, c1) ? e : splat(0.f);
+    total += e;
+    return e;
+  };
+  for (j = 0; j < full; j += L) store(p + j, exps(j, load(p + j)));
+  if (j < n) st_part(p + j, exps(j, ld_part(p + j, n - j, -INFINITY)), n - j);
+  const VF inv = splat(c1 > c0 ? 1.f / hsum(total) : 0.f);
+  const auto normed = [&](int64_t j, VF e) {  // e / Σ, 0 where masked (also when Σ is NaN)
+    if (j >= c1 || j + L <= c0) return splat(0.f);
+    e *= inv;
+    return j >= c0 && j + L <= c1 ? e : (seen(lane, j, c0, c1) ? e : splat(0.f));
+  };
+  for (j = 0; j < full; j += L) {  // p ← p / Σ, and its copy in pc's type
+    const VF v = normed(j, load(p + j));
+    store(p + j, v);
+    if (pc != nullptr) st(pc + j, v);
+  }
+  if (j < n) {
+    const VF v = normed(j, ld_part(p + j, n - j, 0.f));
+    st_part(p + j, v, n - j);
+    if (pc != nullptr) st_part(pc + j, v, n - j);
+  }
 }
 
 // One row of the softmax's backward pass, scaled:  ds_j = κ p_j (dp_j − Σ_k dp_k p_k)
