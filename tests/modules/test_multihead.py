@@ -242,3 +242,31 @@ def test_scale_sets_kappa_on_every_path(scale):
 def test_bad_scale_names_the_argument(scale):
     with pytest.raises(ValueError, match="scale must be a positive finite float"):
         MultiheadAttention(16, 2, scale=scale)
+
+
+def test_packed_self_attention_checks_its_projection_once(monkeypatch):
+    """Without a cache, q, k and v cut from one packed projection are checked for NaN/inf as that one tensor (one
+    reduction, not three over strided views), and a NaN in it still takes the pipeline's guarded path."""
+    import attnlab.backends.dispatch as dispatch
+    import attnlab.modules.multihead as multihead
+
+    checked, original = [], dispatch.all_finite
+
+    def counting(*tensors):
+        checked.append([tuple(t.shape) for t in tensors])
+        return original(*tensors)
+
+    monkeypatch.setattr(multihead, "all_finite", counting)
+    monkeypatch.setattr(dispatch, "all_finite", counting)
+    torch.manual_seed(0)
+    mha = MultiheadAttention(16, 2)
+    x = torch.randn(2, 5, 16)
+    out, _ = mha(x, x, x, need_weights=False, is_causal=True)
+    assert checked == [[(2, 5, 48)], [(2, 2, 5, 8)]]  # the packed projection, then the output
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *[t.view(2, 5, 2, 8).transpose(1, 2) for t in mha.in_proj(x).split(16, -1)], is_causal=True)
+    torch.testing.assert_close(out, mha.out_proj(ref.transpose(1, 2).reshape(2, 5, 16)), atol=1e-5, rtol=1e-5)
+    x = x.clone()
+    x[1, 4] = float("nan")  # the last position of sequence 1: causal rows before it never see it
+    out, _ = mha(x, x, x, need_weights=False, is_causal=True)
+    assert out[0].isfinite().all() and out[1, :4].isfinite().all() and out[1, 4].isnan().all()

@@ -162,10 +162,10 @@ class MultiheadAttention(nn.Module):
                 want = "values projected in this call" if skip_kv else f"(B, S, Hkv · head_dim) = {tuple(v.shape)}"
                 raise ValueError(f"value_embed must be {want}, got {tuple(value_embed.shape)}")
             v, qkv = v + value_embed.to(v.dtype), None  # (bf16 under autocast; the packed projection no longer holds v)
-        # with a cache, one NaN/inf check of the packed projection serves the cache (new k, v) and the pipeline
-        # (q): one reduction per step instead of three (RoPE, applied after, cannot make finite values infinite
-        # short of overflow, which the pipeline's output check still reports)
-        fresh_finite = all_finite(qkv) if cache is not None and qkv is not None else None
+        # one NaN/inf check of the packed projection serves the pipeline (q, k, v) and the cache (new k, v): one
+        # reduction instead of three (QK-norm and RoPE, applied after, cannot make finite values infinite short of
+        # overflow, which the pipeline's output check still reports)
+        fresh_finite = all_finite(qkv) if qkv is not None else None
         q = q.view(B, L, H, Dh).transpose(1, 2)  # (B, H, L, Dh)
         if not skip_kv:
             S_new = k.shape[1]
@@ -193,7 +193,7 @@ class MultiheadAttention(nn.Module):
         request = dict(mask=mask, causal=is_causal, window=self.window, scale=self.scale, score_mod=score_mod,
                        mask_mod=None)
         dropout_p = self.dropout if self.training else 0.0
-        kv_finite = cache.finite if cache is not None else None  # the cache checked each entry once
+        kv_finite = cache.finite if cache is not None else fresh_finite  # the cache checked each entry once
         if need_weights and self._weights_from_lse(q, k, v, dropout_p):
             checked = prepare(q, k, v, **request, dropout_p=0.0, normalize="softmax", top_k=None, return_weights=False)
             out, lse = attend(q, k, v, checked, return_lse=True, backend=self.backend, kv_finite=kv_finite,

@@ -101,6 +101,7 @@ class Trainer:
                                          eps=config.eps, weight_decay=config.weight_decay,
                                          ns_dtype=torch.bfloat16 if self.dtype == "bf16" else torch.float32,
                                          muon_lr_scale=config.muon_lr_scale, muon_ns_steps=config.muon_ns_steps)
+        self.params = list(self.model.parameters())  # (clipped each step: a list, not a generator walk per step)
         self.max_steps, self.planned = config.max_steps, False  # max_steps may be planned (time_budget)
         self._eval_s = 0.0  # one evaluation's time, measured by the plan
         self.schedule = config.schedule_fn()
@@ -277,7 +278,7 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         if cfg.clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip)
+            norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.clip)
             if self.scaler is None and not math.isfinite(norm.item()):
                 raise TrainingDivergedError(self._diverged(f"gradient norm is {norm.item()}"))
         if self.scaler is not None:
