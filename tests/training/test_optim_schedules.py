@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from attnlab.models.gpt import GPT2Config, GPT2LMHeadModel
-from attnlab.training.optim import build_optimizer, param_groups
+from attnlab.training.optim import FusedAdamW, build_optimizer, param_groups
 from attnlab.training.config import TrainConfig
 from attnlab.training.schedules import Schedule
 
@@ -48,6 +48,81 @@ def test_adamw_groups_match_a_plain_per_group_adamw():
             opt.step()
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)  # fused vs for-loop kernels: float32 round-off
+
+
+def _torch_fused(model, lr=1e-2):
+    return torch.optim.AdamW([{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+                              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.99), eps=1e-8, fused=True)
+
+
+def _steps(pairs, x, n):
+    for _ in range(n):
+        for m, opt in pairs:
+            opt.zero_grad()
+            m(x).logits.square().mean().backward()
+            opt.step()
+
+
+def test_fused_adamw_equals_torchs_fused_adamw_bit_for_bit_and_shares_its_state_format():
+    """The same kernel on the same inputs: equal parameters after every step, with a changed lr, a parameter without
+    a gradient skipped (no state made for it), and checkpoints crossing between the two in both directions."""
+    torch.manual_seed(0)
+    a, b = small_gpt(), small_gpt()
+    b.load_state_dict(a.state_dict())
+    ours, ref = build_optimizer(a, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1), _torch_fused(b)
+    assert type(ours) is FusedAdamW and ours.defaults["fused"] is True
+    x = torch.randint(0, 11, (2, 8))
+    _steps(((a, ours), (b, ref)), x, 3)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    for opt in (ours, ref):  # the schedule's write
+        for g in opt.param_groups:
+            g["lr"] = 3e-3
+    a.wpe.weight.requires_grad_(False)  # no gradient: skipped, as torch skips it
+    b.wpe.weight.requires_grad_(False)
+    _steps(((a, ours), (b, ref)), x, 2)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    theirs, mine = ref.state_dict(), ours.state_dict()
+    assert [{k: v for k, v in g.items()} for g in mine["param_groups"]] == theirs["param_groups"]
+    assert mine["state"].keys() == theirs["state"].keys()
+    for i, st in theirs["state"].items():
+        assert all(torch.equal(st[k], mine["state"][i][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    # a checkpoint of torch's AdamW continues in ours, and ours in torch's, identically
+    c, d = copy.deepcopy(b), copy.deepcopy(a)
+    for m in (c, d):  # the groups as the run built them (every parameter trainable)
+        m.wpe.weight.requires_grad_(True)
+    ours2 = build_optimizer(c, lr=1.0, betas=(0.5, 0.5), eps=1e-8, weight_decay=0.1)
+    ours2.load_state_dict(copy.deepcopy(theirs))
+    ref2 = _torch_fused(d, lr=1.0)
+    ref2.load_state_dict(copy.deepcopy(mine))
+    assert ours2.param_groups[0]["lr"] == 3e-3 and ours2.param_groups[0]["betas"] == (0.9, 0.99)
+    c.wpe.weight.requires_grad_(False)
+    d.wpe.weight.requires_grad_(False)
+    _steps(((a, ours), (b, ref), (c, ours2), (d, ref2)), x, 2)
+    for p, q, r, t in zip(a.parameters(), b.parameters(), c.parameters(), d.parameters()):
+        assert torch.equal(p, q) and torch.equal(p, r) and torch.equal(p, t)
+    with pytest.raises(ValueError, match="does not match the parameter groups"):
+        ours.load_state_dict({"state": {}, "param_groups": theirs["param_groups"][:1]})
+    with pytest.raises(ValueError, match="floating-point CPU or CUDA"):
+        FusedAdamW([{"params": [torch.zeros(2, dtype=torch.long)]}], lr=1e-3, betas=(0.9, 0.99), eps=1e-8,
+                   weight_decay=0.0)
+
+
+def test_building_and_stepping_adamw_does_not_import_torch_dynamo():
+    """torch.optim's Optimizer imports torch._dynamo at its first add_param_group (~1 s of every process)."""
+    import subprocess
+    import sys
+    code = ("import sys, torch\n"
+            "from attnlab.training.optim import build_optimizer\n"
+            "m = torch.nn.Linear(4, 4)\n"
+            "opt = build_optimizer(m, lr=1e-3, weight_decay=0.1)\n"
+            "m(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()\n"
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
 
 
 def test_adafactor_and_errors():

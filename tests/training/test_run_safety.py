@@ -188,7 +188,8 @@ def _spawn(out: Path, *extra: str) -> subprocess.Popen:
 
 def test_two_processes_on_one_out(tmp_path, shakespeare):
     out = tmp_path / "shared"
-    first = _spawn(out, "--set", "max_steps=400", "--set", "eval_every=0", "--set", "checkpoint_every=100")
+    # the first runs until it is killed below: the second must find it alive however fast either starts
+    first = _spawn(out, "--set", "max_steps=1000000", "--set", "eval_every=0", "--set", "checkpoint_every=100")
     deadline = time.monotonic() + 60
     while not (out / LOCK).is_file() or not (out / LOCK).read_text().strip():
         assert time.monotonic() < deadline and first.poll() is None
@@ -215,7 +216,7 @@ def _kill_and_resume(tmp_path, *, kills: int, max_steps: int):
     killed = 0
     for attempt in range(kills):
         proc = _spawn(out, *settings, *(["--resume"] if attempt or out.exists() else []))
-        time.sleep(rng.uniform(1.5, 4.0))  # start-up takes ~1.5 s; then training and checkpoint writes
+        time.sleep(rng.uniform(1.5, 4.0))  # start-up takes ~1-1.5 s; then training and checkpoint writes
         if proc.poll() is None:
             proc.kill()
             killed += 1
@@ -232,7 +233,8 @@ def _kill_and_resume(tmp_path, *, kills: int, max_steps: int):
 
 
 def test_killed_and_resumed_equals_uninterrupted_quick(tmp_path, shakespeare):
-    _kill_and_resume(tmp_path, kills=2, max_steps=300)
+    # 600 steps: a run outlasts the 4 s a kill may wait (300 ran in ~3.5 s once start-up lost torch._dynamo's import)
+    _kill_and_resume(tmp_path, kills=2, max_steps=600)
 
 
 @pytest.mark.slow
