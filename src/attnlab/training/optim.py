@@ -56,6 +56,14 @@ def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
+def _closure_loss(closure) -> Optional[Tensor]:
+    """An optimiser's ``step(closure)``: the loss the closure recomputes, with gradients enabled, or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def orthogonalize(u: Tensor, *, steps: int = 5, dtype: torch.dtype = torch.float32, eps: float = 1e-7) -> Tensor:
     """``NS_steps(u)`` of the module docstring: ``u (..., A, B)`` (a matrix or a stack of them) with its singular
     values pushed towards 1, computed in ``dtype`` (bf16 where the CPU multiplies it natively, as the training
@@ -106,10 +114,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -168,10 +173,7 @@ class FusedAdamW:
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             lists: dict = {}  # (device, dtype) -> params, grads, exp_avgs, exp_avg_sqs, steps
             for p in group["params"]:
