@@ -105,6 +105,9 @@ def test_fused_adamw_equals_torchs_fused_adamw_bit_for_bit_and_shares_its_state_
         assert torch.equal(p, q) and torch.equal(p, r) and torch.equal(p, t)
     with pytest.raises(ValueError, match="does not match the parameter groups"):
         ours.load_state_dict({"state": {}, "param_groups": theirs["param_groups"][:1]})
+    with pytest.raises(ValueError, match="not AdamW's for these parameters"):  # e.g. Adafactor's state
+        ours.load_state_dict({"state": {0: {"step": torch.tensor(1.0), "row_var": torch.zeros(3)}},
+                              "param_groups": theirs["param_groups"]})
     with pytest.raises(ValueError, match="floating-point CPU or CUDA"):
         FusedAdamW([{"params": [torch.zeros(2, dtype=torch.long)]}], lr=1e-3, betas=(0.9, 0.99), eps=1e-8,
                    weight_decay=0.0)

@@ -221,6 +221,9 @@ class FusedAdamW:
         by_index = {i: p for s, g in zip(saved, self.param_groups) for i, p in zip(s["params"], g["params"])}
         new_state = {}
         for i, st in state.get("state", {}).items():
+            if int(i) not in by_index or not {"step", "exp_avg", "exp_avg_sq"} <= set(st):
+                raise ValueError(f"this optimiser state is not AdamW's for these parameters (entry {i}: "
+                                 f"{sorted(st)[:4]}): resume with the optimizer the run was started with")
             p = by_index[int(i)]
             new_state[p] = {"step": st["step"].to(device=p.device, dtype=torch.float32, copy=True).reshape(()),
                             "exp_avg": st["exp_avg"].to(device=p.device, dtype=p.dtype, copy=True),
