@@ -158,10 +158,15 @@ class FusedAdamW:
                              decoupled_weight_decay=True)
         self.param_groups = [{**self.defaults, **g, "params": list(g["params"])} for g in groups]
         for p in (p for g in self.param_groups for p in g["params"]):
-            if not (p.is_floating_point() and p.device.type in ("cpu", "cuda")):
+            if not self.takes(p):
                 raise ValueError(f"FusedAdamW takes floating-point CPU or CUDA parameters, got {p.dtype} on "
                                  f"{p.device}")
         self.state: dict = {}
+
+    @staticmethod
+    def takes(p: Tensor) -> bool:
+        """Whether the fused kernel can update ``p``: a floating-point tensor on the CPU or a CUDA device."""
+        return p.is_floating_point() and p.device.type in ("cpu", "cuda")
 
     def _state(self, p: Tensor) -> dict:
         st = self.state.get(p)
@@ -332,7 +337,7 @@ def build_optimizer(model: nn.Module, *, name: str = "adamw", lr: float, betas: 
         raise ValueError("optimizer='muon' found no nn.Linear weight to update (besides the head): use adamw")
     if fused is None:
         params = [p for g in groups for p in g["params"]]
-        fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+        fused = all(FusedAdamW.takes(p) for p in params)
     if not groups:
         adamw = None
     elif fused:
