@@ -199,13 +199,13 @@ def test_the_budget_fit_reads_iteration_and_evaluation_times_from_the_stamped_li
 
 def test_levers_run_each_lever_between_two_baselines(tmp_path):
     out = tmp_path / "levers.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--levers", "muon", "softcap-30", "--quick", "--threads", "1",
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--levers", "adamw", "softcap-30", "--quick", "--threads", "1",
                            "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads(out.read_text())
     rows = data["rows"]
-    assert [r["run"] for r in rows] == ["baseline", "muon", "softcap-30", "baseline (again)"]
-    assert rows[1]["overrides"][-1] == "optimizer=muon" and rows[2]["overrides"][-1] == "logit_softcap=30"
+    assert [r["run"] for r in rows] == ["baseline", "adamw", "softcap-30", "baseline (again)"]
+    assert rows[1]["overrides"][-1] == "optimizer=adamw" and rows[2]["overrides"][-1] == "logit_softcap=30"
     base = (rows[0]["best_val_loss"] + rows[3]["best_val_loss"]) / 2
     assert data["baseline_mean"] == pytest.approx(base)
     assert data["noise"] == pytest.approx(abs(rows[0]["best_val_loss"] - rows[3]["best_val_loss"]))

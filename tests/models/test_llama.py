@@ -325,3 +325,50 @@ def test_the_training_options_under_bf16_autocast():
                  "layers.0.ffn.w1.weight"):
         grad = dict(model.named_parameters())[name].grad
         assert grad is not None and grad.abs().max() > 0 and torch.isfinite(grad).all()
+
+
+def test_hidden_dropout_drops_the_embeddings_and_each_branch_output_in_training_only(tmp_path):
+    """``hidden_dropout`` = p: in training, ``Dropout`` on the token embeddings and on each residual branch's output
+    (attention, FFN), as GPT-2's ``embd_pdrop`` / ``resid_pdrop``. Oracle: the same weights without dropout, with hooks
+    that scale the embedding and each branch output (``out_proj``'s, the FFN's) by the masks the dropout modules drew
+    (each ``0`` or ``1/(1-p)``): equal logits. In evaluation the option changes nothing; ``save_pretrained`` leaves it
+    out (HF's Llama has no such field) and the export still loads in transformers."""
+    p = 0.25
+    torch.manual_seed(0)
+    ours = LlamaForCausalLM(LlamaConfig(**SIZES, hidden_dropout=p))
+    plain = LlamaForCausalLM(LlamaConfig(**SIZES))
+    plain.load_state_dict(ours.state_dict())
+    ids = torch.randint(0, V, (3, 16))
+    with torch.no_grad():
+        clean = plain.eval()(ids).logits
+        assert torch.equal(ours.eval()(ids).logits, clean)
+    drops = [ours.drop] + [m for layer in ours.layers for m in (layer.dropout1, layer.dropout2)]
+    assert [m.p for m in drops] == [p] * 5
+    assert all(layer.ffn.dropout.p == 0.0 and layer.self_attn.dropout == 0.0 for layer in ours.layers)
+    masks = []
+    for m in drops:
+        m.register_forward_hook(lambda mod, args, out: masks.append(out / args[0].masked_fill(args[0] == 0, 1.0)))
+    ours.train()
+    with torch.no_grad():
+        got = ours(ids).logits
+    assert len(masks) == 5
+    for mask in masks:
+        kept = mask[mask != 0]
+        assert torch.allclose(kept, torch.full_like(kept, 1 / (1 - p)), rtol=1e-5, atol=0)
+        assert 0.15 < (mask == 0).float().mean() < 0.35  # ~p of 3 x 16 x 32 elements dropped
+    scale = iter(masks)
+    targets = [plain.embed_tokens] + [m for layer in plain.layers for m in (layer.self_attn.out_proj, layer.ffn)]
+    for m in targets:
+        m.register_forward_hook(lambda mod, args, out, s=next(scale): out * s)
+    with torch.no_grad():
+        want = plain.train()(ids).logits
+    assert (got - clean).abs().max() > 0.01  # the dropout moved the logits
+    assert (got - want).abs().max() <= tolerance(want, n=SIZES["hidden_size"], depth=2)
+    ours.eval().save_pretrained(tmp_path / "hf")
+    assert "hidden_dropout" not in (tmp_path / "hf" / "config.json").read_text()
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        want = theirs(ids).logits
+    assert (clean - want).abs().max() <= TOL
+    with pytest.raises(ValueError, match="hidden_dropout"):
+        LlamaConfig(**SIZES, hidden_dropout=1.5)

@@ -24,6 +24,25 @@ def test_parse_set_and_type_conversion():
     assert resolve_settings(r, overrides={"max_steps": 7}).max_steps == 7  # typed values pass through
 
 
+def test_default_preset_is_llama_with_muon_dropout_and_context_256():
+    """The 10-minute default (measured in ShakespeareSettings' docstring); AdamW is one setting away, Muon's
+    settings are refused without Muon unless at a default; ``dropout`` reaches Llama as ``hidden_dropout``."""
+    from attnlab.training.recipes.shakespeare import make_model
+    recipe = get_recipe("shakespeare-char")
+    s = resolve_settings(recipe)
+    got = {k: getattr(s, k) for k in ("arch", "optimizer", "muon_lr_scale", "muon_ns_steps", "dropout", "block_size",
+                                      "batch_size", "n_layer", "n_embd")}
+    assert got == dict(arch="llama", optimizer="muon", muon_lr_scale=2.0, muon_ns_steps=3, dropout=0.05,
+                       block_size=256, batch_size=16, n_layer=4, n_embd=256)
+    model = make_model(s, vocab_size=65)
+    assert model.config.hidden_dropout == 0.05 and model.layers[0].dropout1.p == 0.05 and model.drop.p == 0.05
+    assert resolve_settings(recipe, overrides={"optimizer": "adamw"}).optimizer == "adamw"
+    with pytest.raises(ValueError, match=r"muon_lr_scale must be left at its default \(2.0, muon_ns_steps 3\)"):
+        resolve_settings(recipe, overrides={"optimizer": "adamw", "muon_ns_steps": "4"})
+    for preset in ("nanogpt-cpu", "tiny"):  # nanoGPT's recipe and the smoke run stay on AdamW
+        assert resolve_settings(recipe, preset=preset).optimizer == "adamw"
+
+
 @pytest.mark.parametrize("overrides, match", [
     ({"nope": "1"}, r"unknown setting 'nope' for recipe shakespeare-char; valid settings: max_steps, .*n_layer"),
     ({"n_layer": "abc"}, r"--set n_layer='abc': expected int"),
@@ -56,8 +75,9 @@ def test_nanogpt_cpu_preset_is_nanogpts_recipe():
 
 @pytest.mark.parametrize("overrides, match", [
     ({"arch": "mamba"}, r"arch must be one of 'gpt2', 'llama', got 'mamba'"),
-    ({"arch": "llama", "dropout": "0.1"},
-     r"arch=llama has no dropout, no biases and a gated MLP \(activation swiglu or relu2_glu\); got dropout=0.1"),
+    ({"arch": "llama", "attn_dropout": "0.1"},
+     r"arch=llama has no attention dropout, no biases and a gated MLP \(activation swiglu or relu2_glu\); "
+     r"got attn_dropout=0.1"),
     ({"arch": "llama", "dropout": "0", "bias": "true"}, r"arch=llama .*got bias=True"),
     ({"arch": "llama", "dropout": "0", "activation": "gelu"}, r"arch=llama .*got activation='gelu'"),
     ({"ffn_dim": "0"}, r"ffn_dim must be an int >= 1 or None"),

@@ -215,6 +215,25 @@ def test_config_errors_name_the_field(field, value, match):
         TrainConfig(**{field: value})
 
 
+def test_muon_settings_without_muon_are_refused_unless_at_a_default():
+    """Muon's settings are unused by another optimiser: refused unless at TrainConfig's defaults or at those of a
+    recipe's settings class (so a recipe whose default is Muon can still be run with ``optimizer=adamw``)."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class MuonFirst(TrainConfig):
+        optimizer: str = "muon"
+        muon_lr_scale: float = 2.0
+        muon_ns_steps: int = 3
+
+    assert MuonFirst(optimizer="adamw").muon_lr_scale == 2.0  # the class's defaults: accepted
+    assert MuonFirst(optimizer="adamw", muon_lr_scale=1.0, muon_ns_steps=5).optimizer == "adamw"  # TrainConfig's
+    with pytest.raises(ValueError, match=r"muon_lr_scale must be left at its default \(2.0, muon_ns_steps 3\)"):
+        MuonFirst(optimizer="adamw", muon_ns_steps=4)
+    with pytest.raises(ValueError, match=r"left at its default \(1.0, muon_ns_steps 5\)"):
+        TrainConfig(muon_lr_scale=2.0, muon_ns_steps=3)
+
+
 def test_trainer_argument_errors(tmp_path, tiny_gpt):
     model = tiny_gpt()
     with pytest.raises(TypeError, match="config must be a TrainConfig"):

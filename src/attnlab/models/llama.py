@@ -2,8 +2,8 @@
 
 ::
 
-    h_0 = W_emb[x]
-    h_l = h_{l-1} + Attn(RMSNorm(h_{l-1}));  h_l = h_l + FFN(RMSNorm(h_l))   (pre-norm, causal)
+    h_0 = Dropout(W_emb[x])                      (Dropout: the identity unless hidden_dropout > 0 and training)
+    h_l = h_{l-1} + Dropout(Attn(RMSNorm(h_{l-1})));  h_l = h_l + Dropout(FFN(RMSNorm(h_l)))   (pre-norm, causal)
     logits = RMSNorm_f(h_L) W_headᵀ              (W_head = W_emb when tie_word_embeddings)
     logits ← c · tanh(logits / c)                 (only with final_logit_softcapping = c: not in HF's Llama)
 
@@ -30,16 +30,18 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from attnlab._checks import boolean, one_of, positive_int, positive_number
+from attnlab._checks import boolean, one_of, positive_int, positive_number, rate
 from attnlab.models.causal_lm import DecoderOnlyLM
 from attnlab.models.hub import WeightMap, pack, register, rename
 from attnlab.nn.block import DecoderLayer, LayerSpec
+from attnlab.nn.dropout import Dropout
 from attnlab.nn.norms import RMSNorm
 from attnlab.nn.positional import RotaryEmbedding
 
 _ROPE_TABLE = r"\.rotary_emb\.inv_freq$"  # non-persistent in HF, present in old checkpoints
 HIDDEN_ACTS = {"silu": "swiglu", "relu2": "relu2_glu"}  # HF's hidden_act -> our gated FeedForward activation
 EXTENSIONS = {"final_logit_softcapping": None, "qk_norm": False, "value_embeddings": False}  # not HF's: off values
+TRAINING = ("hidden_dropout",)  # not HF's either, but the identity in evaluation: left out of the export
 
 
 def weight_map(config: "LlamaConfig") -> WeightMap:
@@ -77,6 +79,8 @@ class LlamaConfig:
     ``final_logit_softcapping`` (Gemma 2's name; None = off) caps the logits smoothly at ``±c``; ``qk_norm``
     RMS-normalises each head's query and key (gains ``q_norm``, ``k_norm`` of ``head_dim``, ε ``rms_norm_eps``);
     ``value_embeddings`` adds a per-layer token table to the attention's values (``value_embeds.{l}``, N(0, 0.02)).
+    One training-only extension, left out of :meth:`to_hf` (it changes no evaluation logit): ``hidden_dropout``,
+    GPT-2's dropout on the embeddings and on each residual branch's output (``resid_pdrop``, ``embd_pdrop``).
     """
 
     vocab_size: int = 32000
@@ -99,6 +103,7 @@ class LlamaConfig:
     hidden_act: str = "silu"
     qk_norm: bool = False
     value_embeddings: bool = False
+    hidden_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -128,6 +133,7 @@ class LlamaConfig:
         one_of("hidden_act", self.hidden_act, tuple(HIDDEN_ACTS))
         boolean("qk_norm", self.qk_norm)
         boolean("value_embeddings", self.value_embeddings)
+        rate("hidden_dropout", self.hidden_dropout)
 
     @property
     def head_dim(self) -> int:
@@ -168,7 +174,7 @@ class LlamaConfig:
             if getattr(self, name) != off:
                 raise ValueError(f"{name}={getattr(self, name)} has no equivalent in Hugging Face's Llama: this model "
                                  "cannot be saved in its format (save the attnlab checkpoint)")
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in EXTENSIONS}
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in EXTENSIONS and f.name not in TRAINING}
         return {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
                 "head_dim": self.head_dim, "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
                 **d}
@@ -190,11 +196,12 @@ class LlamaForCausalLM(DecoderOnlyLM):
             raise TypeError(f"config must be a LlamaConfig, got {type(config).__name__}")
         c = self.config = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.drop = Dropout(c.hidden_dropout)
         # one RoPE table (non-persistent buffers) shared by every layer
         rope = RotaryEmbedding(c.head_dim, base=float(c.rope_theta), max_positions=min(c.max_position_embeddings, 4096))
         spec = LayerSpec(c.hidden_size, c.num_attention_heads, ffn_dim=c.intermediate_size,
-                         activation=HIDDEN_ACTS[c.hidden_act], dropout=0.0, norm_first=True, norm="rmsnorm",
-                         norm_eps=c.rms_norm_eps, num_kv_heads=c.num_key_value_heads, bias=False, rotary=rope,
+                         activation=HIDDEN_ACTS[c.hidden_act], dropout=c.hidden_dropout, attn_dropout=0.0,
+                         ffn_dropout=0.0, norm_first=True, norm="rmsnorm", norm_eps=c.rms_norm_eps, num_kv_heads=c.num_key_value_heads, bias=False, rotary=rope,
                          qk_norm=c.qk_norm)
         self.layers = nn.ModuleList(DecoderLayer.from_spec(spec, cross_attention=False)
                                     for _ in range(c.num_hidden_layers))
@@ -210,7 +217,7 @@ class LlamaForCausalLM(DecoderOnlyLM):
 
     def embed(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         """Token embeddings; RoPE in each layer gives positions (relative, so left padding is exact)."""
-        return self.embed_tokens(input_ids)
+        return self.drop(self.embed_tokens(input_ids))
 
     def layer_inputs(self, input_ids: Tensor) -> Optional[list[dict]]:
         """Each layer's ``value_embed`` ``E_l[x] (B, T, Hkv·D)`` with ``value_embeddings``; else None."""

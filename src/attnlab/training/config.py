@@ -94,9 +94,10 @@ class TrainConfig:
         need(self.optimizer in OPTIMIZERS, "optimizer", f"one of {list(OPTIMIZERS)}")
         need(is_num(self.muon_lr_scale) and self.muon_lr_scale > 0, "muon_lr_scale", "a finite number > 0")
         need(is_int(self.muon_ns_steps) and self.muon_ns_steps >= 1, "muon_ns_steps", "an int >= 1")
-        if self.optimizer != "muon":
-            need((self.muon_lr_scale, self.muon_ns_steps) == (1.0, 5), "muon_lr_scale",
-                 "left at its default (1.0, muon_ns_steps 5) unless optimizer='muon'")
+        if self.optimizer != "muon":  # unused: refused unless at TrainConfig's defaults or a recipe's (a subclass's)
+            own = (type(self).muon_lr_scale, type(self).muon_ns_steps)
+            need((self.muon_lr_scale, self.muon_ns_steps) in {(1.0, 5), own}, "muon_lr_scale",
+                 f"left at its default ({own[0]}, muon_ns_steps {own[1]}) unless optimizer='muon'")
         need(self.schedule in SCHEDULES, "schedule", f"one of {list(SCHEDULES)}")
         need(is_num(self.decay_fraction) and 0 < self.decay_fraction <= 1, "decay_fraction", "a number in (0, 1]")
         need(isinstance(self.dtype, str) and self.dtype.lower() in DTYPE_CHOICES + ("float32", "bfloat16", "float16"),

@@ -17,10 +17,11 @@ Two architectures (``arch``), both pre-norm with tied embeddings and GPT-2's ini
   of 1.887, so the preset keeps the biases).
 - ``llama``: :class:`~attnlab.models.llama.LlamaForCausalLM` (rotary positions, RMSNorm, SwiGLU MLP
   ``ffn_dim`` = 8/3 × wide rounded up to a multiple of 32, so the parameters match ``gpt2``'s; no
-  biases, no dropout). The default preset's architecture: it learns faster per step. Measured on
-  2 cores, 10 minutes each (4 × 256, batch 32 × 128, lr 2e-3): gpt2 with dropout 0.1 ended at val loss
-  1.598, gpt2 without dropout 1.540, llama 1.502 and 1.505 (cosine to 2e-4), 1.490 and 1.499 (cosine to 0,
-  the default).
+  biases; ``dropout`` is GPT-2's on the embeddings and the residual branches, ``LlamaConfig.hidden_dropout``).
+  The default preset's architecture: it learns faster per step. Measured on 2 cores, 10 minutes each
+  (4 × 256, batch 32 × 128, lr 2e-3, AdamW, on a host with half today's bf16 rate): gpt2 with dropout 0.1
+  ended at val loss 1.598, gpt2 without dropout 1.540, llama 1.502 and 1.505 (cosine to 2e-4), 1.490 and 1.499
+  (cosine to 0). The default's other choices (Muon, dropout, context 256): :class:`ShakespeareSettings`.
 
 Presets (see :data:`PRESETS`): ``nanogpt-cpu`` is nanoGPT's README CPU run; the default is tuned
 for a 10-minute budget on 2 CPU cores; ``tiny`` is a seconds-long smoke run.
@@ -76,8 +77,8 @@ class ShakespeareSettings(TrainConfig):
 
     Model: ``arch`` (``gpt2`` or ``llama``, see the module docstring), ``n_layer`` × (``n_head`` heads,
     ``n_embd`` wide), context ``block_size``, MLP hidden width ``ffn_dim`` (None: 4 × ``n_embd`` for
-    ``gpt2``, 8/3 × rounded up to a multiple of 32 for ``llama``). ``gpt2`` only: ``dropout`` on
-    embeddings and residual branches, ``attn_dropout`` on attention weights (0 keeps the fused
+    ``gpt2``, 8/3 × rounded up to a multiple of 32 for ``llama``), ``dropout`` on the embeddings and the
+    residual branches. ``gpt2`` only: ``attn_dropout`` on attention weights (0 keeps the fused
     attention kernel), ``activation`` (default ``gelu``), ``bias=False`` drops the biases of linear
     layers and LayerNorms (nanoGPT's ``bias``; default True). ``batch_size`` rows per optimiser
     micro-step (the global batch under DDP).
@@ -86,18 +87,33 @@ class ShakespeareSettings(TrainConfig):
     ``llama`` only: ``tie_embeddings=False`` gives the head its own matrix, ``logit_softcap`` = c caps the
     logits at ``c · tanh(logits / c)``, ``qk_norm`` RMS-normalises each head's query and key, ``activation=relu2_glu``
     gates the MLP with ``max(x, 0)²`` instead of SiLU (``LlamaConfig.hidden_act="relu2"``), ``value_embeddings`` adds
-    a per-layer token table to the attention's values (see :class:`~attnlab.models.llama.LlamaConfig`). ``optimizer="muon"`` (a trainer setting) updates the hidden matrices
-    with Muon (``muon_lr_scale``, ``muon_ns_steps``). Measured alone in this preset's 600 s (2 Zen4 cores, bf16;
-    ``benchmarks/train.py --levers``; baselines 1.497–1.509 over three runs): muon 1.517 (better per step, but its
-    Newton–Schulz products cost 14–17 % of the steps), with ``muon_lr_scale=2`` 1.487 (and 3 NS steps 1.486),
-    zero_init 1.498, logit_softcap=30 1.497, an untied head 1.527, qk_norm 1.511, relu2_glu 1.530,
-    value_embeddings 1.507, ``schedule=wsd`` 1.496 (lr 4e-3: 1.518) — none beyond the baselines' spread, so all stay
-    off. On a host with twice those bf16 products (946–961 GFLOP/s on 2 cores) the default's planned ~2,860 steps
-    overfit (val 1.5049 at step 2,000, 1.5217 at 3,000; half the budget: 1.5056), while ``arch=gpt2 dropout=0.1
-    optimizer=muon muon_lr_scale=2 muon_ns_steps=3`` reached **1.4688** in 600 s (3,022 steps; ``dropout=0.1`` alone
-    1.4922) — but 1.5125 with half the budget, the steps a machine half as fast would take, against the default's
-    1.5056: which is better depends on the machine's speed, so the default stays and these are the settings to pass
-    on a fast one (one run each).
+    a per-layer token table to the attention's values (see :class:`~attnlab.models.llama.LlamaConfig`). Measured alone
+    against the previous default (llama, AdamW, no dropout, 32 × 128; 2 Zen4 cores, bf16 at 430 GFLOP/s; baselines
+    1.497–1.509 over three runs): Muon 1.517 (better per step, but its Newton–Schulz products cost 14–17 % of the
+    steps), with ``muon_lr_scale=2`` 1.487 (and 3 NS steps 1.486), zero_init 1.498, logit_softcap=30 1.497, an untied
+    head 1.527, qk_norm 1.511, relu2_glu 1.530, value_embeddings 1.507, ``schedule=wsd`` 1.496 (lr 4e-3: 1.518).
+
+    The default: ``llama``, ``optimizer="muon"`` for the hidden matrices (a trainer setting; AdamW for the embeddings
+    and gains) at ``muon_lr_scale=2`` with ``muon_ns_steps=3``, ``dropout=0.05``, context 256 × 16 rows (the same
+    4,096 tokens a step as 128 × 32). Chosen on a host whose bf16 products run at 918–961 GFLOP/s on 2 cores, where
+    the previous default's ~3,100 steps overfit; one 600-s run each (``half``: ``time_budget=287.5``, the steps of a
+    machine half as fast):
+
+    ========================================================  ======  =========  ===========
+    settings                                                  steps   best val   half budget
+    ========================================================  ======  =========  ===========
+    previous default (llama, AdamW, no dropout, 128 × 32)     3,119   1.5049     1.5056
+    + Muon (2×, 3 NS)                                         2,667   1.5057
+    + Muon, dropout 0.1                                       2,749   1.4750
+    + Muon, dropout 0.1, 256 × 16                             2,327   1.4699     1.5112
+    + Muon, dropout 0.2, 256 × 16                             2,451   1.4880
+    + Muon, dropout 0.05, 256 × 16 (**the default**)          2,460   1.4708     1.4774
+    gpt2, Muon, dropout 0.1, 128 × 32                         3,022   1.4688     1.5125
+    gpt2, Muon, dropout 0.1, 256 × 16                         2,627   1.4709
+    ========================================================  ======  =========  ===========
+
+    Dropout 0.05 and 0.1 end level in 600 s, but with half the steps 0.05 loses far less (1.4774 vs 1.5112): the
+    default is 0.03 below the previous one at both speeds.
     Validation: ``eval_batches`` × ``eval_batch_size`` blocks of the last ``val_fraction`` of the text.
 
     The default plans its length to a 10-minute budget (``time_budget``, see :class:`TrainConfig`):
@@ -108,10 +124,10 @@ class ShakespeareSettings(TrainConfig):
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 256
-    block_size: int = 128
-    batch_size: int = 32
+    block_size: int = 256
+    batch_size: int = 16
     ffn_dim: Optional[int] = None
-    dropout: float = 0.0
+    dropout: float = 0.05
     attn_dropout: float = 0.0
     activation: Optional[str] = None
     bias: Optional[bool] = None
@@ -126,6 +142,9 @@ class ShakespeareSettings(TrainConfig):
     # trainer defaults for this recipe
     lr: float = 2e-3
     min_lr: float = 0.0  # cosine to zero: 1.490 / 1.499 vs 1.502 / 1.505 ending at 2e-4 (same 10 minutes)
+    optimizer: str = "muon"  # hidden matrices by Muon at 2× the schedule's lr, 3 Newton–Schulz steps (docstring)
+    muon_lr_scale: float = 2.0
+    muon_ns_steps: int = 3
     betas: tuple[float, float] = (0.9, 0.99)
     weight_decay: float = 0.1
     warmup_steps: int = 100
@@ -163,13 +182,12 @@ class ShakespeareSettings(TrainConfig):
                                     or self.value_embeddings):
             raise ValueError("tie_embeddings=false, logit_softcap, qk_norm and value_embeddings are arch=llama "
                              "settings (attnlab's GPT-2 is GPT-2's architecture)")
-        if self.arch == "llama":  # Llama has no dropout and no biases, and a gated MLP (SwiGLU or ReLU²)
-            bad = {k: v for k, v in (("dropout", self.dropout), ("attn_dropout", self.attn_dropout)) if v}
-            bad.update({k: v for k, v in (("bias", self.bias),) if v})
+        if self.arch == "llama":  # Llama: no attention dropout, no biases, a gated MLP (SwiGLU or ReLU²)
+            bad = {k: v for k, v in (("attn_dropout", self.attn_dropout), ("bias", self.bias)) if v}
             bad.update({k: v for k, v in (("activation", self.activation),) if v not in LLAMA_ACTIVATIONS})
             if bad:
-                raise ValueError(f"arch=llama has no dropout, no biases and a gated MLP (activation swiglu or "
-                                 f"relu2_glu); got "
+                raise ValueError(f"arch=llama has no attention dropout, no biases and a gated MLP (activation "
+                                 f"swiglu or relu2_glu); got "
                                  f"{', '.join(f'{k}={v!r}' for k, v in bad.items())} (use arch=gpt2 for these)")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
@@ -188,11 +206,12 @@ PRESETS = {
     # (lr 1e-3 -> 1e-4 cosine, warmup 100, beta2 0.99, weight decay 0.1, clip 1.0)
     "nanogpt-cpu": dict(arch="gpt2", n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12, dropout=0.0,
                         max_steps=2000, lr=1e-3, min_lr=1e-4, warmup_steps=100, betas=(0.9, 0.99), weight_decay=0.1,
-                        clip=1.0, attn_dropout=0.0, dtype="auto", eval_every=0, checkpoint_every=0, log_every=100,
-                        eval_batches=16, eval_batch_size=64, time_budget=None, max_seconds=None),
+                        clip=1.0, attn_dropout=0.0, optimizer="adamw", dtype="auto", eval_every=0, checkpoint_every=0,
+                        log_every=100, eval_batches=16, eval_batch_size=64, time_budget=None, max_seconds=None),
     "tiny": dict(arch="gpt2", n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=8, dropout=0.0, max_steps=40,
-                 lr=1e-2, min_lr=1e-3, warmup_steps=5, dtype="fp32", eval_every=20, checkpoint_every=10, log_every=10,
-                 eval_batches=2, eval_batch_size=16, time_budget=None, max_seconds=None),
+                 optimizer="adamw", lr=1e-2, min_lr=1e-3, warmup_steps=5, dtype="fp32", eval_every=20,
+                 checkpoint_every=10, log_every=10, eval_batches=2, eval_batch_size=16, time_budget=None,
+                 max_seconds=None),
 }
 
 
@@ -288,7 +307,7 @@ def make_model(s: ShakespeareSettings, *, vocab_size: int) -> nn.Module:
                              rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None,
                              final_logit_softcapping=s.logit_softcap, qk_norm=s.qk_norm,
                              value_embeddings=s.value_embeddings,
-                             hidden_act=LLAMA_ACTIVATIONS[s.activation])
+                             hidden_act=LLAMA_ACTIVATIONS[s.activation], hidden_dropout=s.dropout)
         model = LlamaForCausalLM(config)  # N(0, 0.02) everywhere, as HF; then GPT-2's residual scaling
         for layer in model.layers:
             for proj in (layer.self_attn.out_proj, layer.ffn.w2):
