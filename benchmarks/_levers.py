@@ -8,8 +8,8 @@ noise in this run, the yardstick a lever's Δ must clear before it counts. Colum
 
 | lever | settings |
 |---|---|
-| (a control: the default's parts undone one at a time) AdamW for every parameter instead of Muon for the hidden matrices | ``optimizer=adamw`` |
-| Muon at the schedule's lr (not 2×); Muon with 5 Newton–Schulz steps (not 3) | ``muon_lr_scale=1``; ``muon_ns_steps=5`` |
+| (controls: the default's parts undone one at a time) AdamW for all parameters, not Muon | ``optimizer=adamw`` |
+| Muon at the schedule's lr (not 2×); with 5 Newton–Schulz steps (not 3) | ``muon_lr_scale=1``; ``muon_ns_steps=5`` |
 | no dropout; dropout 0.1 (not 0.05) | ``dropout=0``; ``dropout=0.1`` |
 | context 128 with batch 32 (the same tokens a step) instead of 256 × 16 | ``block_size=128 batch_size=32`` |
 | GPT-2's architecture instead of Llama's | ``arch=gpt2`` |

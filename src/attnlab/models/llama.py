@@ -174,7 +174,7 @@ class LlamaConfig:
             if getattr(self, name) != off:
                 raise ValueError(f"{name}={getattr(self, name)} has no equivalent in Hugging Face's Llama: this model "
                                  "cannot be saved in its format (save the attnlab checkpoint)")
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in EXTENSIONS and f.name not in TRAINING}
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in (*EXTENSIONS, *TRAINING)}
         return {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
                 "head_dim": self.head_dim, "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
                 **d}
@@ -201,8 +201,8 @@ class LlamaForCausalLM(DecoderOnlyLM):
         rope = RotaryEmbedding(c.head_dim, base=float(c.rope_theta), max_positions=min(c.max_position_embeddings, 4096))
         spec = LayerSpec(c.hidden_size, c.num_attention_heads, ffn_dim=c.intermediate_size,
                          activation=HIDDEN_ACTS[c.hidden_act], dropout=c.hidden_dropout, attn_dropout=0.0,
-                         ffn_dropout=0.0, norm_first=True, norm="rmsnorm", norm_eps=c.rms_norm_eps, num_kv_heads=c.num_key_value_heads, bias=False, rotary=rope,
-                         qk_norm=c.qk_norm)
+                         ffn_dropout=0.0, norm_first=True, norm="rmsnorm", norm_eps=c.rms_norm_eps,
+                         num_kv_heads=c.num_key_value_heads, bias=False, rotary=rope, qk_norm=c.qk_norm)
         self.layers = nn.ModuleList(DecoderLayer.from_spec(spec, cross_attention=False)
                                     for _ in range(c.num_hidden_layers))
         self.value_embeds = nn.ModuleList(nn.Embedding(c.vocab_size, c.num_key_value_heads * c.head_dim)
