@@ -116,7 +116,9 @@ class ShakespeareSettings(TrainConfig):
 
     Dropout 0.05 and 0.1 end level in 600 s, but with half the steps 0.05 loses far less (1.4774 vs 1.5112): the
     default is 0.03 below the previous one at both speeds, and at nanoGPT's A100 result (1.47) on this host (three
-    runs: 1.4708, 1.4696, 1.4667).
+    runs: 1.4708, 1.4696, 1.4667). Where the CPU has no native bf16 (the same host under
+    ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``: fp32, Muon's Newton–Schulz products in fp32 too) it is
+    0.009 behind the previous default (1.5306 in 864 steps vs 1.5214 in 1,072; one run each).
     Validation: ``eval_batches`` × ``eval_batch_size`` blocks of the last ``val_fraction`` of the text.
 
     The default plans its length to a 10-minute budget (``time_budget``, see :class:`TrainConfig`):
