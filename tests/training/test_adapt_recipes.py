@@ -12,7 +12,8 @@ from attnlab.training.checkpoint import latest_checkpoint, list_checkpoints, loa
 from attnlab.training.distributed import DistInfo
 from attnlab.training.losses import distillation_loss, token_cross_entropy
 from attnlab.training.recipes import evaluate_checkpoint, get_recipe, resolve_settings, run_recipe
-from attnlab.training.recipes.shakespeare import load_run_model, parse_lora_spec
+from attnlab.adapt.lora import parse_lora_spec
+from attnlab.training.recipes.char_runs import load_run_model
 
 RECIPE = "shakespeare-char"
 FAST = {"progress": False}

@@ -152,7 +152,7 @@ def test_training_levers_build_what_they_name():
 
 
 def test_muon_and_the_levers_train_and_resume(tmp_path, shakespeare):
-    from attnlab.training.recipes.shakespeare import load_run_model
+    from attnlab.training.recipes.char_runs import load_run_model
     over = {**FAST, "arch": "llama", "max_steps": 12, "optimizer": "muon", "zero_init": True,
             "tie_embeddings": False, "logit_softcap": 30.0, "qk_norm": True, "activation": "relu2_glu",
             "value_embeddings": True, "muon_lr_scale": 2.0, "muon_ns_steps": 4}
@@ -167,7 +167,7 @@ def test_muon_and_the_levers_train_and_resume(tmp_path, shakespeare):
 
 def test_llama_arch_trains_resumes_and_reloads(tmp_path, shakespeare):
     from attnlab.models.llama import LlamaForCausalLM
-    from attnlab.training.recipes.shakespeare import load_run_model
+    from attnlab.training.recipes.char_runs import load_run_model
     out = tmp_path / "llama"
     over = {**FAST, "arch": "llama", "max_steps": 20}
     m = run_recipe("shakespeare-char", out=out, preset="tiny", overrides=over)
@@ -280,7 +280,7 @@ def test_generate_samples_from_a_run_folder(tmp_path, shakespeare, capsys):
 
     from attnlab import cli
     from attnlab.data.tokenizers import CharTokenizer
-    from attnlab.training.recipes.shakespeare import load_run_model
+    from attnlab.training.recipes.char_runs import load_run_model
 
     out = tmp_path / "run"
     run_recipe("shakespeare-char", out=out, preset="tiny", overrides={**FAST, "max_steps": 3})

@@ -262,6 +262,34 @@ def apply_lora(model: nn.Module, *, r: int, alpha: float, dropout: float = 0.0,
     return model
 
 
+def parse_lora_spec(spec: str) -> dict:
+    """``"r=8"`` or ``"r=8,alpha=16,dropout=0.0"`` -> ``apply_lora`` keywords (``alpha`` defaults to ``r``).
+
+    Raises:
+        ValueError: not comma-separated ``key=value`` items, an unknown key, no ``r``, or a bad value.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"lora must be a spec like 'r=8' or 'r=8,alpha=16,dropout=0.0', got {spec!r}")
+    kinds = {"r": int, "alpha": float, "dropout": float}
+    out: dict = {}
+    for item in spec.split(","):
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or key not in kinds:
+            raise ValueError(f"lora spec {spec!r}: expected comma-separated r=INT, alpha=FLOAT, dropout=FLOAT, "
+                             f"got {item.strip()!r}")
+        try:
+            out[key] = kinds[key](value)
+        except ValueError:
+            raise ValueError(f"lora spec {spec!r}: {key} must be {kinds[key].__name__}, got {value!r}") from None
+    if "r" not in out:
+        raise ValueError(f"lora spec {spec!r} has no rank: expected e.g. 'r=8'")
+    out.setdefault("alpha", float(out["r"]))
+    out.setdefault("dropout", 0.0)
+    if out["r"] < 1 or not out["alpha"] > 0 or not 0.0 <= out["dropout"] < 1.0:
+        raise ValueError(f"lora spec {spec!r}: need r >= 1, alpha > 0, 0 <= dropout < 1")
+    return out
+
+
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, new)

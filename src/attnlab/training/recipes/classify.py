@@ -34,13 +34,12 @@ from torch import Tensor, nn
 
 from attnlab._checks import check_int, fraction
 from attnlab.adapt.classify import EncodedBatch, encode_texts, forward_logits, pad_id_for, probabilities
-from attnlab.adapt.lora import apply_lora, lora_layers, unload_lora
+from attnlab.adapt.lora import apply_lora, lora_layers, parse_lora_spec, unload_lora
 from attnlab.data.batching import GeneratorState
 from attnlab.evaluation.metrics import expected_calibration_error
 from attnlab.models.heads import classification_loss, classifier_from_pretrained
 from attnlab.training.distributed import DistInfo
 from attnlab.training.recipes import Built, Recipe, register
-from attnlab.training.recipes.shakespeare import parse_lora_spec
 from attnlab.training.trainer import TrainConfig
 
 __all__ = ["ClassifySettings", "Example", "read_examples", "macro_f1", "ClassifyBatches", "build"]

@@ -26,7 +26,8 @@ Two architectures (``arch``), both pre-norm with tied embeddings and GPT-2's ini
 Presets (see :data:`PRESETS`): ``nanogpt-cpu`` is nanoGPT's README CPU run; the default is tuned
 for a 10-minute budget on 2 CPU cores; ``tiny`` is a seconds-long smoke run.
 
-Adapting a trained run (each setting names a previous run's output folder; its latest checkpoint is used):
+Adapting a trained run (each setting names a previous run's output folder; its latest checkpoint is used;
+the code: :mod:`attnlab.training.recipes.char_runs`):
 
 - ``init``: start from that run's weights (same shapes; a LoRA run is merged into its base first).
 - ``lora``: ``"r=8"`` or ``"r=8,alpha=16,dropout=0.0"`` (``alpha`` defaults to ``r``): after ``init``,
@@ -42,29 +43,26 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab._checks import check_int, check_rate, one_of, positive_number
-from attnlab.adapt.io import trainable_parameters
-from attnlab.adapt.lora import apply_lora, lora_layers, unload_lora
+from attnlab.adapt.lora import parse_lora_spec
 from attnlab.data.batching import LMBatches, lm_eval_batches
 from attnlab.data.datasets import load_text
 from attnlab.data.tokenizers import CharTokenizer
 from attnlab.evaluation.metrics import expected_calibration_error, perplexity, reliability_diagram
 from attnlab.models.gpt import GPT2Config, GPT2LMHeadModel
 from attnlab.models.llama import LlamaConfig, LlamaForCausalLM
-from attnlab.training.checkpoint import latest_checkpoint, load_checkpoint
 from attnlab.training.distributed import DistInfo
-from attnlab.training.losses import causal_lm_loss, distillation_loss
-from attnlab.training.recipes import Built, Recipe, _read_config, get_recipe, register, resolve_settings
+from attnlab.training.recipes import Built, Recipe, register
+from attnlab.training.recipes.char_runs import adapt_run
 from attnlab.training.trainer import TrainConfig
 
-__all__ = ["ShakespeareSettings", "PRESETS", "ARCHS", "evaluate_lm", "build", "make_model", "ffn_width",
-           "parse_lora_spec", "load_run_model", "load_init"]
+__all__ = ["ShakespeareSettings", "PRESETS", "ARCHS", "evaluate_lm", "build", "make_model", "ffn_width"]
 
 LM_METRICS = ("val_loss", "val_ppl", "val_accuracy", "val_ece")
 ARCHS = ("gpt2", "llama")
@@ -284,7 +282,7 @@ def build(s: ShakespeareSettings, *, out: Path, dist: DistInfo, training: bool) 
     n_train = int(len(data) * (1.0 - s.val_fraction))
     train, val = data[:n_train], data[n_train:]  # (N_train,), (N_val,)
     model = make_model(s, vocab_size=tokenizer.vocab_size)
-    loss_fn, info = _adapt(model, s, out=Path(out), tokenizer=tokenizer, training=training)
+    loss_fn, info = adapt_run(model, s, out=Path(out), tokenizer=tokenizer, training=training)
     batches = LMBatches(train, block_size=s.block_size, batch_size=s.batch_size, seed=s.seed, rank=dist.rank,
                         world_size=dist.world_size) if training else None
     val_batches = lm_eval_batches(val, block_size=s.block_size, batch_size=s.eval_batch_size,
@@ -330,122 +328,6 @@ def ffn_width(s: ShakespeareSettings) -> int:
     if s.ffn_dim:
         return s.ffn_dim
     return 4 * s.n_embd if s.arch == "gpt2" else -(-8 * s.n_embd // (3 * 32)) * 32
-
-
-def _adapt(model: nn.Module, s: ShakespeareSettings, *, out: Path, tokenizer: CharTokenizer,
-           training: bool) -> tuple:
-    """Apply ``init`` (fresh training runs only), ``lora`` (always: checkpoints hold the LoRA model) and
-    ``teacher`` (training only) to a freshly built ``model``; return ``(loss_fn, info for metrics.json)``."""
-    info: dict = {}
-    if training and s.init is not None and latest_checkpoint(out) is None:  # resuming: the checkpoint wins
-        load_init(model, s.init)
-        info["init"] = s.init
-    if s.lora is not None:
-        apply_lora(model, **parse_lora_spec(s.lora))
-        trainable, total = trainable_parameters(model)
-        info.update(lora=s.lora, trainable_parameters=trainable, total_parameters=total,
-                    trainable_fraction=trainable / total)
-    if not training or s.teacher is None:
-        return causal_lm_loss, info
-    teacher = load_run_model(s.teacher, role="teacher")
-    saved_tokenizer = Path(s.teacher) / "tokenizer.json"
-    chars = CharTokenizer.load(saved_tokenizer).chars if saved_tokenizer.is_file() else None
-    if teacher.config.vocab_size != tokenizer.vocab_size or (chars is not None and chars != tokenizer.chars):
-        raise ValueError(f"teacher={s.teacher}: its vocabulary ({teacher.config.vocab_size} characters) is not "
-                         f"this run's ({tokenizer.vocab_size}): a teacher must share the tokenizer")
-    if teacher.max_positions is not None and teacher.max_positions < s.block_size:
-        raise ValueError(f"teacher={s.teacher}: its context ({teacher.max_positions}) is shorter than "
-                         f"block_size={s.block_size}")
-    info.update(teacher=s.teacher, teacher_parameters=sum(p.numel() for p in teacher.parameters()))
-    return functools.partial(_distill_loss, teacher=teacher, temperature=s.distill_temperature,
-                             alpha=s.distill_alpha), info
-
-
-def parse_lora_spec(spec: str) -> dict:
-    """``"r=8"`` or ``"r=8,alpha=16,dropout=0.0"`` -> ``apply_lora`` keywords (``alpha`` defaults to ``r``).
-
-    Raises:
-        ValueError: not comma-separated ``key=value`` items, an unknown key, no ``r``, or a bad value.
-    """
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"lora must be a spec like 'r=8' or 'r=8,alpha=16,dropout=0.0', got {spec!r}")
-    kinds = {"r": int, "alpha": float, "dropout": float}
-    out: dict = {}
-    for item in spec.split(","):
-        key, sep, value = (part.strip() for part in item.partition("="))
-        if not sep or key not in kinds:
-            raise ValueError(f"lora spec {spec!r}: expected comma-separated r=INT, alpha=FLOAT, dropout=FLOAT, "
-                             f"got {item.strip()!r}")
-        try:
-            out[key] = kinds[key](value)
-        except ValueError:
-            raise ValueError(f"lora spec {spec!r}: {key} must be {kinds[key].__name__}, got {value!r}") from None
-    if "r" not in out:
-        raise ValueError(f"lora spec {spec!r} has no rank: expected e.g. 'r=8'")
-    out.setdefault("alpha", float(out["r"]))
-    out.setdefault("dropout", 0.0)
-    if out["r"] < 1 or not out["alpha"] > 0 or not 0.0 <= out["dropout"] < 1.0:
-        raise ValueError(f"lora spec {spec!r}: need r >= 1, alpha > 0, 0 <= dropout < 1")
-    return out
-
-
-def load_run_model(directory: Union[str, Path], *, role: str = "run") -> nn.Module:
-    """The model of a ``shakespeare-char`` output folder at its latest checkpoint, frozen, in eval mode.
-
-    A LoRA run's adapters are merged into the weights (``W + (α/r) B A``), so the result is a plain model.
-
-    Raises:
-        FileNotFoundError: no ``config.json`` or no checkpoint in ``directory``.
-        ValueError: the folder holds another recipe's run, or its checkpoint has no model weights.
-    """
-    directory = Path(directory)
-    saved = _read_config(directory)
-    if saved is None:
-        raise FileNotFoundError(f"{role}={directory}: no config.json there (not an `attnlab train` output folder)")
-    if saved.get("recipe") != "shakespeare-char":
-        raise ValueError(f"{role}={directory} holds a {saved.get('recipe')!r} run, not a shakespeare-char one")
-    settings = resolve_settings(get_recipe("shakespeare-char"), base=saved.get("settings", {}))
-    path = latest_checkpoint(directory)
-    if path is None:
-        raise FileNotFoundError(f"{role}={directory}: no checkpoint (ckpt-*.pt) there")
-    state = load_checkpoint(path).get("model")
-    if state is None:
-        raise ValueError(f"{role}={directory}: {path.name} holds no model weights")
-    model = build(settings, out=directory, dist=DistInfo(), training=False).model
-    model.load_state_dict(state)
-    if lora_layers(model):
-        unload_lora(model, merge=True)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model.eval()
-
-
-def load_init(model: nn.Module, directory: Union[str, Path]) -> None:
-    """Copy the weights of run ``directory`` (see :func:`load_run_model`) into ``model``; shapes must match.
-
-    Raises:
-        ValueError: a parameter missing on either side or of another shape (named in the message).
-    """
-    src = load_run_model(directory, role="init").state_dict()
-    dst = model.state_dict()
-    for name in sorted(set(src) | set(dst)):
-        a, b = src.get(name), dst.get(name)
-        if a is None or b is None or a.shape != b.shape:
-            def shape(t):
-                return "absent" if t is None else tuple(t.shape)
-            raise ValueError(f"init={directory}: {name} is {shape(a)} there but {shape(b)} in this model "
-                             "(n_layer, n_head, n_embd and block_size must match the init run)")
-    model.load_state_dict(src)
-
-
-def _distill_loss(model: nn.Module, batch: tuple[Tensor, Tensor], *, teacher: nn.Module, temperature: float,
-                  alpha: float) -> tuple[Tensor, int]:
-    """The trainer's ``loss_fn`` with a frozen teacher: ``distillation_loss(student, teacher, y)``."""
-    x, y = batch  # (B, T), (B, T)
-    logits = model(x).logits  # (B, T, V)
-    with torch.no_grad():
-        teacher_logits = teacher.to(x.device)(x).logits  # (B, T, V)
-    return distillation_loss(logits, teacher_logits, y, temperature=temperature, alpha=alpha), y.numel()
 
 
 register(Recipe(
