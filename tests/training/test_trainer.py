@@ -232,6 +232,11 @@ def test_muon_settings_without_muon_are_refused_unless_at_a_default():
         MuonFirst(optimizer="adamw", muon_ns_steps=4)
     with pytest.raises(ValueError, match=r"left at its default \(1.0, muon_ns_steps 5\)"):
         TrainConfig(muon_lr_scale=2.0, muon_ns_steps=3)
+    # the trainer's own config of such settings: Muon's fields only with Muon
+    plain = TrainConfig.of(MuonFirst(optimizer="adamw", lr=3e-3))
+    assert type(plain) is TrainConfig and (plain.optimizer, plain.lr) == ("adamw", 3e-3)
+    assert (plain.muon_lr_scale, plain.muon_ns_steps) == (1.0, 5)
+    assert (TrainConfig.of(MuonFirst()).muon_lr_scale, TrainConfig.of(MuonFirst()).muon_ns_steps) == (2.0, 3)
 
 
 def test_trainer_argument_errors(tmp_path, tiny_gpt):

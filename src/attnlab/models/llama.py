@@ -216,8 +216,10 @@ class LlamaForCausalLM(DecoderOnlyLM):
             self.lm_head.weight = self.embed_tokens.weight
 
     def embed(self, input_ids: Tensor, positions: Tensor) -> Tensor:
-        """Token embeddings; RoPE in each layer gives positions (relative, so left padding is exact)."""
-        return self.drop(self.embed_tokens(input_ids))
+        """Token embeddings (dropped out in training); RoPE in each layer gives positions (relative, so left padding
+        is exact)."""
+        h = self.embed_tokens(input_ids)
+        return self.drop(h) if self.training else h  # as the layers: no dropout call in evaluation or decoding
 
     def layer_inputs(self, input_ids: Tensor) -> Optional[list[dict]]:
         """Each layer's ``value_embed`` ``E_l[x] (B, T, Hkv·D)`` with ``value_embeddings``; else None."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
@@ -68,6 +68,13 @@ class TrainConfig:
     max_seconds: Optional[float] = None
     time_budget: Optional[float] = None
     progress: bool = True
+
+    @classmethod
+    def of(cls, settings: "TrainConfig") -> "TrainConfig":
+        """The trainer's fields of ``settings`` (a recipe's subclass), Muon's only with Muon: a recipe's own Muon
+        defaults are not TrainConfig's, and without Muon they are unused."""
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)
+                      if settings.optimizer == "muon" or not f.name.startswith("muon_")})
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, what: str) -> None:

@@ -287,9 +287,7 @@ def run_recipe(name: str, *, out: PathLike, preset: Optional[str] = None,
         built = recipe.build(settings, out=out, dist=dist, training=True)  # missing data fails here
         if dist.is_main:
             write_json(out / "config.json", {**run_info, "world_size": dist.world_size, "torch": torch.__version__})
-        # Muon's settings travel only with Muon: a recipe's own Muon defaults are not TrainConfig's
-        train_cfg = TrainConfig(**{f.name: getattr(settings, f.name) for f in fields(TrainConfig)
-                                   if settings.optimizer == "muon" or not f.name.startswith("muon_")})
+        train_cfg = TrainConfig.of(settings)
         trainer = Trainer(built.model, train_cfg, train_batches=built.train_batches, loss_fn=built.loss_fn,
                           evaluate=built.evaluate, out_dir=out, run_info=run_info)
         metrics = trainer.fit(resume=resume)
