@@ -9,12 +9,12 @@ reads ``y[:-1]`` and is trained on ``y[1:]`` with label smoothing ``ε``::
     loss = (1/N) Σ_n [(1 − ε)(−log p(y_n | y_<n, x)) + ε (1/V) Σ_v −log p(v | y_<n, x)]
 
 Training batches are length-bucketed under a padded-token budget (:class:`TokenBucketBatches`),
-under bf16 autocast on CPU by default. Every ``eval_every`` steps the evaluation is cheap: the
-teacher-forced val loss (``ε = 0``) and greedy BLEU on the first ``eval_sentences`` val sentences.
-The final evaluation averages the parameters of the last ``average_checkpoints`` checkpoints,
-``θ̄ = (1/K) Σ_k θ_k``, and decodes val and test_2016_flickr with beam search (``num_beams``, a
-finished hypothesis scores ``Σ log p / len^α``, ``α = length_penalty``); BLEU and chrF are
-sacreBLEU's, on detokenised, cased text. The test hypotheses are written to
+under bf16 autocast where the CPU computes bf16 natively (``dtype="auto"``), else in fp32. Every
+``eval_every`` steps the evaluation is cheap: the teacher-forced val loss (``ε = 0``) and greedy BLEU
+on the first ``eval_sentences`` val sentences. The final evaluation averages the parameters of the last
+``average_checkpoints`` checkpoints, ``θ̄ = (1/K) Σ_k θ_k``, and decodes val and test_2016_flickr with beam
+search (``num_beams``, a finished hypothesis scores ``Σ log p / len^α``, ``α = length_penalty``); BLEU and
+chrF are sacreBLEU's, on detokenised, cased text. The test hypotheses are written to
 ``test_2016_flickr.hyp.en`` so ``attnlab eval --hyp`` can rescore them.
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ SCORES = ("loss", "bleu", "chrf")
 
 @dataclass
 class Multi30kSettings(TrainConfig):
-    """The default preset (30-minute budget on 2 cores); every :class:`TrainConfig` field is a setting too.
+    """The default preset (1,800 steps: ~20–30 minutes on 2 cores); every :class:`TrainConfig` field is a setting too.
 
     Data: a joint BPE of ``vocab_size`` ids; training pairs longer than ``max_len`` tokens are dropped
     (``train_pairs``: keep only the first N pairs, for smoke runs); batches hold at most ``max_tokens``
@@ -63,9 +63,13 @@ class Multi30kSettings(TrainConfig):
     (training on a CPU at these lengths takes ``short``, explicit products with a hand-written backward: a training
     step of this model measured 0.96× the ``"reference"`` path's time under bf16 on an AVX-512 CPU and 0.95× in
     fp32 as AVX2; it was ``"reference"``, set when that path beat SDPA's slow bf16 backward). Evaluation: greedy
-    BLEU on ``eval_sentences`` val sentences during training; the final one averages ``average_checkpoints`` checkpoints and decodes ``decode_batch`` sentences at a
-    time with ``num_beams`` beams and ``length_penalty``, under ``eval_dtype`` (only the first
-    ``final_max_batches`` batches of each split when set: smoke runs).
+    BLEU on ``eval_sentences`` val sentences during training; the final one averages ``average_checkpoints``
+    checkpoints and decodes ``decode_batch`` sentences at a time with ``num_beams`` beams and ``length_penalty``,
+    under ``eval_dtype`` (only the first ``final_max_batches`` batches of each split when set: smoke runs).
+
+    Measured (2 Zen4 cores as a CPU without native bf16: ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``,
+    ``dtype="auto"`` → fp32): the 1,800 steps in 1,163 s, test_2016_flickr sacreBLEU 38.9 (chrF 58.2; val 39.7)
+    after 1,194 s in all. No wall-clock stop (``max_seconds``): a slower machine takes longer for the same model.
     """
 
     vocab_size: int = 8000
@@ -105,7 +109,7 @@ class Multi30kSettings(TrainConfig):
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
     log_every: int = 50
-    max_seconds: Optional[float] = 1650.0
+    max_seconds: Optional[float] = None  # no wall-clock stop: a slower CPU takes longer, not a cut-off schedule
 
     def __post_init__(self) -> None:
         super().__post_init__()
