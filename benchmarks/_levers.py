@@ -10,7 +10,7 @@ noise in this run, the yardstick a lever's Δ must clear before it counts. Colum
 |---|---|
 | (controls: the default's parts undone one at a time) AdamW for all parameters, not Muon | ``optimizer=adamw`` |
 | Muon at the schedule's lr (not 2×); with 5 Newton–Schulz steps (not 3) | ``muon_lr_scale=1``; ``muon_ns_steps=5`` |
-| no dropout; dropout 0.1 (not 0.05) | ``dropout=0``; ``dropout=0.1`` |
+| dropout 0; 0.05; 0.1 (the default: 0.05 in bf16, 0 in fp32) | ``dropout=0``; ``dropout=0.05``; ``dropout=0.1`` |
 | context 128 with batch 32 (the same tokens a step) instead of 256 × 16 | ``block_size=128 batch_size=32`` |
 | GPT-2's architecture instead of Llama's | ``arch=gpt2`` |
 | zero-initialised output projections | ``zero_init=true`` |
@@ -35,6 +35,7 @@ LEVERS = {
     "muon-lr1": ["muon_lr_scale=1"],
     "muon-ns5": ["muon_ns_steps=5"],
     "no-dropout": ["dropout=0"],
+    "dropout-0.05": ["dropout=0.05"],
     "dropout-0.1": ["dropout=0.1"],
     "block-128": ["block_size=128", "batch_size=32"],
     "gpt2": ["arch=gpt2"],
@@ -66,7 +67,8 @@ def run_levers(args: argparse.Namespace, *, run_preset) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, settings) in enumerate(plan):
-            row = run_preset(preset, threads=args.threads, overrides=args.set + extra + settings, out=Path(tmp) / str(i))
+            row = run_preset(preset, threads=args.threads, overrides=args.set + extra + settings,
+                             out=Path(tmp) / str(i))
             row.update(run=name, settings=" ".join(settings) or "(preset)", s_per_step=row["wall_s"] / row["steps"])
             rows.append(row)
             print(f"{name}: best val {row['best_val_loss']:.4f} in {row['steps']} steps "

@@ -27,20 +27,53 @@ def test_parse_set_and_type_conversion():
 def test_default_preset_is_llama_with_muon_dropout_and_context_256():
     """The 10-minute default (measured in ShakespeareSettings' docstring); AdamW is one setting away, Muon's
     settings are refused without Muon unless at a default; ``dropout`` reaches Llama as ``hidden_dropout``."""
-    from attnlab.training.recipes.shakespeare import make_model
+    from attnlab.training.recipes.shakespeare import make_model, train_dropout
     recipe = get_recipe("shakespeare-char")
     s = resolve_settings(recipe)
     got = {k: getattr(s, k) for k in ("arch", "optimizer", "muon_lr_scale", "muon_ns_steps", "dropout", "block_size",
                                       "batch_size", "n_layer", "n_embd")}
-    assert got == dict(arch="llama", optimizer="muon", muon_lr_scale=2.0, muon_ns_steps=3, dropout=0.05,
+    assert got == dict(arch="llama", optimizer="muon", muon_lr_scale=2.0, muon_ns_steps=3, dropout=None,
                        block_size=256, batch_size=16, n_layer=4, n_embd=256)
-    model = make_model(s, vocab_size=65)
+    model = make_model(s, vocab_size=65, dropout=0.05)
     assert model.config.hidden_dropout == 0.05 and model.layers[0].dropout1.p == 0.05 and model.drop.p == 0.05
+    assert make_model(s, vocab_size=65).config.hidden_dropout == 0.0  # dropout=None and no rate given: none
     assert resolve_settings(recipe, overrides={"optimizer": "adamw"}).optimizer == "adamw"
     with pytest.raises(ValueError, match=r"muon_lr_scale must be left at its default \(2.0, muon_ns_steps 3\)"):
         resolve_settings(recipe, overrides={"optimizer": "adamw", "muon_ns_steps": "4"})
     for preset in ("nanogpt-cpu", "tiny"):  # nanoGPT's recipe and the smoke run stay on AdamW
         assert resolve_settings(recipe, preset=preset).optimizer == "adamw"
+
+
+def test_default_dropout_follows_the_dtype_the_run_computes_in(tmp_path, shakespeare, monkeypatch):
+    """dropout=None: 0.05 where the run computes in bf16 (enough steps to overfit), none in fp32; a set rate wins;
+    the rate and its reason land in metrics.json."""
+    import torch
+
+    from attnlab.training.recipes import shakespeare as recipe_module
+    m = run_recipe("shakespeare-char", out=tmp_path / "run", preset="tiny",
+                   overrides={**FAST, "arch": "llama", "dropout": "none", "max_steps": 2})  # tiny: fp32
+    assert m["dropout"] == 0.0 and m["dropout_reason"].startswith("fp32")
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["dropout"] == 0.0
+    recipe, cpu = get_recipe("shakespeare-char"), torch.device("cpu")
+    assert recipe_module.train_dropout(resolve_settings(recipe, overrides={"dtype": "fp32"}), cpu)[0] == 0.0
+    assert recipe_module.train_dropout(resolve_settings(recipe, overrides={"dtype": "fp32", "dropout": "0.1"}),
+                                       cpu) == (0.1, "asked for")
+    seen = []
+    monkeypatch.setattr(recipe_module, "resolve_dtype", lambda value, device, name: seen.append((value, device))
+                        or ("bf16", "native bf16"))  # a CPU with native bf16, whatever this one has
+    rate, why = recipe_module.train_dropout(resolve_settings(recipe), cpu)
+    assert (rate, seen) == (0.05, [("auto", cpu)]) and why.startswith("bf16")
+    with pytest.raises(ValueError, match=r"dropout must be"):
+        resolve_settings(recipe, overrides={"dropout": "1.5"})
+
+
+@pytest.mark.parametrize("name", ["multi30k-de-en", "mlm", "classify", "digits-vit"])
+def test_fixed_length_recipes_never_stop_on_the_clock(name):
+    """A slower CPU takes longer, never gets a worse model: only shakespeare-char's default is defined by its
+    10 minutes (``time_budget``); every other recipe's default runs its ``max_steps`` whatever the machine."""
+    s = resolve_settings(get_recipe(name))
+    assert s.max_seconds is None and s.time_budget is None and s.max_steps > 0
+    assert resolve_settings(get_recipe("shakespeare-char")).time_budget == 575.0
 
 
 @pytest.mark.parametrize("overrides, match", [
