@@ -27,7 +27,7 @@ def test_parse_set_and_type_conversion():
 def test_default_preset_is_llama_with_muon_dropout_and_context_256():
     """The 10-minute default (measured in ShakespeareSettings' docstring); AdamW is one setting away, Muon's
     settings are refused without Muon unless at a default; ``dropout`` reaches Llama as ``hidden_dropout``."""
-    from attnlab.training.recipes.shakespeare import make_model, train_dropout
+    from attnlab.training.recipes.shakespeare import make_model
     recipe = get_recipe("shakespeare-char")
     s = resolve_settings(recipe)
     got = {k: getattr(s, k) for k in ("arch", "optimizer", "muon_lr_scale", "muon_ns_steps", "dropout", "block_size",
