@@ -110,13 +110,14 @@ class ShakespeareSettings(TrainConfig):
     + Muon, dropout 0.05, 256 × 16 (**the default**)          2,460   1.4708     1.4774
     the default again (``train.py --compare-budget``'s run)   2,487   1.4696
     the default a third time                                  2,324   1.4667
+    the default a fourth time (``dropout`` left None → 0.05)  2,441   1.4661
     gpt2, Muon, dropout 0.1, 128 × 32                         3,022   1.4688     1.5125
     gpt2, Muon, dropout 0.1, 256 × 16                         2,627   1.4709
     ========================================================  ======  =========  ===========
 
     Dropout 0.05 and 0.1 end level in 600 s, but with half the steps 0.05 loses far less (1.4774 vs 1.5112): the
-    default is 0.03 below the previous one at both speeds, and at nanoGPT's A100 result (1.47) on this host (three
-    runs: 1.4708, 1.4696, 1.4667).
+    default is 0.03 below the previous one at both speeds, and at nanoGPT's A100 result (1.47) on this host (four
+    runs: 1.4708, 1.4696, 1.4667, 1.4661).
 
     Where the CPU has no native bf16 (the same host under ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``:
     ``dtype="auto"`` → fp32, Muon's Newton–Schulz products in fp32 too) a step takes ~0.62 s and the 10 minutes
