@@ -6,13 +6,12 @@ import pytest
 import torch
 
 from attnlab import cli
-from attnlab.adapt.lora import lora_layers
+from attnlab.adapt.lora import lora_layers, parse_lora_spec
 from attnlab.data.tokenizers import CharTokenizer
 from attnlab.training.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from attnlab.training.distributed import DistInfo
 from attnlab.training.losses import distillation_loss, token_cross_entropy
 from attnlab.training.recipes import evaluate_checkpoint, get_recipe, resolve_settings, run_recipe
-from attnlab.adapt.lora import parse_lora_spec
 from attnlab.training.recipes.char_runs import load_run_model
 
 RECIPE = "shakespeare-char"
