@@ -120,10 +120,13 @@ def test_the_ops_refuse_what_they_cannot_read():
 
 @needs_native
 @pytest.mark.parametrize("causal,window,Lq,Lk,Hkv", [(True, None, 64, 64, 4), (True, 9, 40, 40, 2),
-                                                     (False, None, 33, 33, 4), (True, None, 8, 30, 4)])
+                                                     (False, None, 33, 33, 4), (True, None, 8, 30, 4),
+                                                     (True, None, 131, 131, 4), (True, 50, 128, 140, 2),
+                                                     (False, None, 130, 130, 4)])
 def test_the_short_backend_takes_the_native_softmax_and_equals_the_reference(causal, window, Lq, Lk, Hkv, monkeypatch):
     """float32: out and every gradient against the float64 reference backend, to the products' rounding
-    (``tolerance``: an Lk- or D-term sum per layer, two layers)."""
+    (``tolerance``: an Lk- or D-term sum per layer, two layers). From 128 causal queries the backend runs two query
+    blocks (``causal_blocks``; an odd count, a window, keys past the queries: a cache)."""
     from attnlab import attention
     from attnlab.backends import short
     from _tolerance import tolerance
@@ -140,17 +143,19 @@ def test_the_short_backend_takes_the_native_softmax_and_equals_the_reference(cau
     ref = attention(q64, k64, v64, causal=causal, window=window, backend="reference")
     ref_grads = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
     assert calls == [1]
+    assert len(short.causal_blocks(Lq, Lk, causal)) == (2 if causal and Lq >= short.CAUSAL_BLOCK_QUERIES else 1)
     for got, want in zip((out, *grads), (ref, *ref_grads)):
         assert (got.double() - want).abs().max() <= tolerance(want, n=max(Lk, 32), depth=2)
 
 
 @needs_native
-def test_the_short_backend_in_bf16_equals_the_float64_reference_to_bf16_rounding():
+@pytest.mark.parametrize("L", [64, 128])  # one block, two
+def test_the_short_backend_in_bf16_equals_the_float64_reference_to_bf16_rounding(L):
     """bf16 q, k, v: the scores, P and every product are rounded to bf16 once each (u = 2⁻⁸): the output within
     u (2 max|κ s| + 4) max|v|, each gradient within u (2 max|κ s| + 8) of its scale."""
     from attnlab import attention
     gen = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(3, 4, 64, 32, generator=gen).to(torch.bfloat16).requires_grad_() for _ in range(3))
+    q, k, v = (torch.randn(3, 4, L, 32, generator=gen).to(torch.bfloat16).requires_grad_() for _ in range(3))
     out = attention(q, k, v, causal=True, backend="short")
     dout = torch.randn(out.shape, generator=gen).to(torch.bfloat16)
     grads = torch.autograd.grad(out, (q, k, v), dout)

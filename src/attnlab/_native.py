@@ -89,7 +89,10 @@ def _load() -> None:
                       attend_decode=ops.attend_decode.default, flash_forward=ops.flash_forward.default,
                       flash_backward=ops.flash_backward.default, activate=ops.activate.default,
                       int4_dequantize=ops.int4_dequantize.default,
-                      softmax_rows=ops.softmax_rows.default, softmax_rows_backward=ops.softmax_rows_backward.default)
+                      softmax_rows=ops.softmax_rows.default, softmax_rows_backward=ops.softmax_rows_backward.default,
+                      rms_norm_train=ops.rms_norm_train.default,
+                      rms_norm_train_backward=ops.rms_norm_train_backward.default, rope_train=ops.rope_train.default,
+                      act_train=ops.act_train.default, act_train_backward=ops.act_train_backward.default)
         isa()
     except Exception as e:  # no compiler, no ninja, a failed build: PyTorch's kernels serve instead
         why = " ".join(str(e).split())  # the compiler's message is at the end
@@ -211,6 +214,72 @@ def softmax_rows_backward(dp: Tensor, p: Tensor, *, scale: float) -> Tensor:
     """
     _need()
     return _state["softmax_rows_backward"](dp, p, scale, _state["isa"])
+
+
+def rms_norm_train(x: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """RMSNorm's training forward in one pass: ``x (..., E)`` contiguous float32 or bfloat16, ``w (E,)`` float32 ->
+    ``(y, r)``, ``y = (x · r) ⊙ w`` in ``x``'s dtype and ``r = (mean(x²) + ε)^(-1/2)`` float32, one per row (what
+    :func:`rms_norm_train_backward` needs beside ``x``).
+
+    Raises:
+        RuntimeError: the native kernels are not :func:`available` (callers check that first).
+    """
+    _need()
+    return _state["rms_norm_train"](x, w, eps, _state["isa"])
+
+
+def rms_norm_train_backward(dy: Tensor, x: Tensor, w: Tensor, r: Tensor) -> tuple[Tensor, Tensor]:
+    """RMSNorm's gradients in one pass over the rows, ``x̂ = x · r``, ``h = dy ⊙ w``::
+
+        dx = r (h − x̂ · mean(h ⊙ x̂)),    dw = Σ_rows dy ⊙ x̂  (float32)
+
+    ``dy`` like ``x`` (contiguous, same dtype), ``w`` and ``r`` from :func:`rms_norm_train`.
+
+    Raises:
+        RuntimeError: the native kernels are not :func:`available` (callers check that first).
+    """
+    _need()
+    return _state["rms_norm_train_backward"](dy, x, w, r, _state["isa"])
+
+
+def rope_train(x: Tensor, cos: Tensor, sin: Tensor, *, inverse: bool = False) -> Tensor:
+    """Rotary embedding of ``x (B, H, L, D)`` (float32 or bfloat16, any strides with the last one 1) in one pass,
+    half-split pairs ``(i, i + D/2)`` rotated by ``φ`` (``-φ`` with ``inverse``: the backward, ``Rᵀ = R(−φ)``)::
+
+        y_i = x_i cos φ_i − x_{i+D/2} sin φ_i,    y_{i+D/2} = x_{i+D/2} cos φ_i + x_i sin φ_i
+
+    ``cos``, ``sin`` ``(L, D/2)`` contiguous float32; the arithmetic in float32, one rounding to ``x``'s dtype; ``y``
+    contiguous.
+
+    Raises:
+        RuntimeError: the native kernels are not :func:`available` (callers check that first).
+    """
+    _need()
+    return _state["rope_train"](x, cos, sin, -1.0 if inverse else 1.0, _state["isa"])
+
+
+def act_train(g: Tensor, u: Optional[Tensor], activation: str) -> Tensor:
+    """An FFN's activation in one pass, ``h = act(g) ⊙ u`` (gated, ``activation`` one of :data:`GATES`) or ``act(g)``
+    (``u`` None, one of :data:`ACTIVATIONS`); ``g``, ``u`` contiguous float32 or bfloat16 of one shape and dtype, the
+    arithmetic in float32 (``decode_body.h``: e^x within ~1 ulp, erf within 1.5e-7).
+
+    Raises:
+        RuntimeError: the native kernels are not :func:`available` (callers check that first).
+    """
+    _need()
+    return _state["act_train"](g, u, (GATES if u is not None else ACTIVATIONS)[activation], _state["isa"])
+
+
+def act_train_backward(dh: Tensor, g: Tensor, u: Optional[Tensor], activation: str) -> tuple[Tensor, Optional[Tensor]]:
+    """:func:`act_train`'s gradients in one pass: ``dg = dh ⊙ u ⊙ act'(g)``, ``du = dh ⊙ act(g)`` (None without ``u``).
+
+    Raises:
+        RuntimeError: the native kernels are not :func:`available` (callers check that first).
+    """
+    _need()
+    dg, du = _state["act_train_backward"](dh, g, u, (GATES if u is not None else ACTIVATIONS)[activation],
+                                          _state["isa"])
+    return dg, (du if u is not None else None)
 
 
 def transformed(t: Tensor) -> bool:

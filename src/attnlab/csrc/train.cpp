@@ -9,6 +9,15 @@
 //       p float32, and with `cast` p again in s's dtype (the operand of P V).         (the short backend's forward)
 //   attnlab::softmax_rows_backward(dp, p, scale) -> ds
 //       ds_ij = κ p_ij (dp_ij − Σ_k dp_ik p_ik), in dp's dtype (κ folded in: dQ = dS K, dK = dSᵀ Q)
+//   attnlab::rms_norm_train(x, w, eps) -> (y, r)
+//       y = (x r) ⊙ w row by row, r = (mean(x²) + ε)^(-1/2) float32 (rows,), y in x's dtype      (RMSNorm's forward)
+//   attnlab::rms_norm_train_backward(dy, x, w, r) -> (dx, dw)
+//       x̂ = x r, h = dy ⊙ w: dx = r (h − x̂ mean(h ⊙ x̂)), dw = Σ_rows dy ⊙ x̂ (float32)
+//   attnlab::rope_train(x, cos, sin, sign) -> y
+//       x (B, H, L, D) (any strides, the last 1): pairs (i, i + D/2) of position l rotated by sign · φ_li
+//       (cos, sin (L, D/2) float32); y contiguous in x's dtype. sign −1 is the backward (Rᵀ = R(−φ))
+//   attnlab::act_train(g, u, act) -> h  /  attnlab::act_train_backward(dh, g, u, act) -> (dg, du)
+//       h = act(g) ⊙ u (u absent: 1); dg = dh ⊙ u ⊙ act'(g), du = dh ⊙ act(g)          (an FFN's (gated) activation)
 //
 // Rows are split over torch's threads; the vector code is the caller's instruction set
 // (isa_regions.h). A NaN stays a NaN through every pass (the pipeline reports it).
@@ -16,6 +25,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -94,14 +105,157 @@ at::Tensor softmax_rows_backward(const at::Tensor& dp, const at::Tensor& p, doub
   return ds;
 }
 
+// x viewed as (rows, n), n its last dimension
+int64_t last(const at::Tensor& x) { return x.dim() ? x.size(-1) : 1; }
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_train(const at::Tensor& x, const at::Tensor& w, double eps, int64_t isa) {
+  check_fb(x, "rms_norm_train", "x");
+  attnlab_native::check_f32(w, "rms_norm_train", "w");
+  const int64_t n = last(x), rows = n ? x.numel() / n : 0;
+  ATTNLAB_CHECK(w.dim() == 1 && w.size(0) == n, "attnlab::rms_norm_train: w must be (", n, ",), got ", w.sizes());
+  at::Tensor y = at::empty_like(x);
+  at::Tensor r = at::empty({rows}, x.options().dtype(at::kFloat));
+  const auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T* X = data<T>(x);
+    T* Y = data<T>(y);
+    const float* W = w.data_ptr<float>();
+    float* R = r.data_ptr<float>();
+    const auto row = ISA_FN(rms_norm_train_row<T>);
+    at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / std::max<int64_t>(1, n)), [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0; i < r1; ++i) R[i] = row(X + i * n, W, n, static_cast<float>(eps), Y + i * n);
+    });
+  };
+  x.scalar_type() == at::kFloat ? run(float{}) : run(uint16_t{});
+  return {y, r};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_train_backward(const at::Tensor& dy, const at::Tensor& x,
+                                                           const at::Tensor& w, const at::Tensor& r, int64_t isa) {
+  check_fb(x, "rms_norm_train_backward", "x");
+  check_fb(dy, "rms_norm_train_backward", "dy");
+  attnlab_native::check_f32(w, "rms_norm_train_backward", "w");
+  attnlab_native::check_f32(r, "rms_norm_train_backward", "r");
+  const int64_t n = last(x), rows = n ? x.numel() / n : 0;
+  ATTNLAB_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type() && w.numel() == n && r.numel() == rows,
+                "attnlab::rms_norm_train_backward: dy must match x ", x.sizes(), " ", x.scalar_type(), ", w (", n,
+                ",) and r (", rows, ",); got dy ", dy.sizes(), " ", dy.scalar_type(), ", w ", w.sizes(), ", r ", r.sizes());
+  at::Tensor dx = at::empty_like(x);
+  at::Tensor part = at::zeros({at::get_num_threads(), n}, w.options());  // each thread's Σ dy ⊙ x̂
+  const auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T *DY = data<T>(dy), *X = data<T>(x);
+    T* DX = data<T>(dx);
+    const float *W = w.data_ptr<float>(), *R = r.data_ptr<float>();
+    float* P = part.data_ptr<float>();
+    const auto row = ISA_FN(rms_norm_grad_row<T>);
+    at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / std::max<int64_t>(1, n)), [&](int64_t r0, int64_t r1) {
+      float* dw = P + at::get_thread_num() * n;
+      for (int64_t i = r0; i < r1; ++i) row(DY + i * n, X + i * n, W, R[i], n, DX + i * n, dw);
+    });
+  };
+  x.scalar_type() == at::kFloat ? run(float{}) : run(uint16_t{});
+  return {dx, part.sum(0)};
+}
+
+at::Tensor rope_train(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, double sign, int64_t isa) {
+  ATTNLAB_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.dim() == 4 && x.stride(3) == 1 && x.size(3) % 2 == 0,
+                "attnlab::rope_train: x must be a float32 or bfloat16 CPU tensor (B, H, L, D), D even, its last ",
+                "dimension contiguous; got ", x.scalar_type(), " ", x.sizes());
+  const int64_t B = x.size(0), H = x.size(1), Lx = x.size(2), D = x.size(3), h = D / 2;
+  attnlab_native::check_f32(cos, "rope_train", "cos");
+  attnlab_native::check_f32(sin, "rope_train", "sin");
+  ATTNLAB_CHECK(cos.dim() == 2 && cos.size(0) == Lx && cos.size(1) == h && sin.sizes() == cos.sizes(),
+                "attnlab::rope_train: cos and sin must be (L, D/2) = (", Lx, ", ", h, "), got ", cos.sizes(), " and ",
+                sin.sizes());
+  at::Tensor y = at::empty({B, H, Lx, D}, x.options());
+  const int64_t sb = x.stride(0), sh = x.stride(1), sl = x.stride(2);
+  const auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T* X = data<T>(x);
+    T* Y = data<T>(y);
+    const float *C = cos.data_ptr<float>(), *S = sin.data_ptr<float>();
+    const auto row = ISA_FN(rope_row<T>);
+    at::parallel_for(0, B * H * Lx, std::max<int64_t>(1, 8192 / D), [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0; i < r1; ++i) {
+        const int64_t l = i % Lx, bh = i / Lx, b = bh / H, hd = bh % H;
+        row(X + b * sb + hd * sh + l * sl, C + l * h, S + l * h, h, static_cast<float>(sign), Y + i * D);
+      }
+    });
+  };
+  x.scalar_type() == at::kFloat ? run(float{}) : run(uint16_t{});
+  return y;
+}
+
+void check_act(const at::Tensor& g, const std::optional<at::Tensor>& u, int64_t act, const char* op) {
+  check_fb(g, op, "g");
+  ATTNLAB_CHECK(0 <= act && act <= 6, "attnlab::", op, ": act must be an activation code 0-6, got ", act);
+  if (u) {
+    check_fb(*u, op, "u");
+    ATTNLAB_CHECK(u->sizes() == g.sizes() && u->scalar_type() == g.scalar_type(), "attnlab::", op,
+                  ": u must have g's shape and dtype ", g.sizes(), " ", g.scalar_type(), ", got ", u->sizes(), " ",
+                  u->scalar_type());
+  }
+}
+
+constexpr int64_t ACT_GRAIN = 1 << 14;  // elements a task
+
+at::Tensor act_train(const at::Tensor& g, const std::optional<at::Tensor>& u, int64_t act, int64_t isa) {
+  check_act(g, u, act, "act_train");
+  at::Tensor h = at::empty_like(g);
+  const auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T *G = data<T>(g), *U = u ? data<T>(*u) : nullptr;
+    T* Hp = data<T>(h);
+    const auto span = ISA_FN(act_train_span<T>);
+    at::parallel_for(0, g.numel(), ACT_GRAIN, [&](int64_t i0, int64_t i1) {
+      span(act, G + i0, U ? U + i0 : nullptr, i1 - i0, Hp + i0);
+    });
+  };
+  g.scalar_type() == at::kFloat ? run(float{}) : run(uint16_t{});
+  return h;
+}
+
+std::tuple<at::Tensor, at::Tensor> act_train_backward(const at::Tensor& dh, const at::Tensor& g,
+                                                      const std::optional<at::Tensor>& u, int64_t act, int64_t isa) {
+  check_act(g, u, act, "act_train_backward");
+  check_fb(dh, "act_train_backward", "dh");
+  ATTNLAB_CHECK(dh.sizes() == g.sizes() && dh.scalar_type() == g.scalar_type(), "attnlab::act_train_backward: dh must ",
+                "have g's shape and dtype ", g.sizes(), " ", g.scalar_type(), ", got ", dh.sizes(), " ", dh.scalar_type());
+  at::Tensor dg = at::empty_like(g);
+  at::Tensor du = u ? at::empty_like(g) : at::empty({0}, g.options());
+  const auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T *DH = data<T>(dh), *G = data<T>(g), *U = u ? data<T>(*u) : nullptr;
+    T *DG = data<T>(dg), *DU = u ? data<T>(du) : nullptr;
+    const auto span = ISA_FN(act_grad_span<T>);
+    at::parallel_for(0, g.numel(), ACT_GRAIN, [&](int64_t i0, int64_t i1) {
+      span(act, DH + i0, G + i0, U ? U + i0 : nullptr, i1 - i0, DG + i0, DU ? DU + i0 : nullptr);
+    });
+  };
+  g.scalar_type() == at::kFloat ? run(float{}) : run(uint16_t{});
+  return {dg, du};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("softmax_rows(Tensor s, float scale, bool causal, int window, bool cast, int isa) -> (Tensor, Tensor)");
   m.def("softmax_rows_backward(Tensor dp, Tensor p, float scale, int isa) -> Tensor");
+  m.def("rms_norm_train(Tensor x, Tensor w, float eps, int isa) -> (Tensor, Tensor)");
+  m.def("rms_norm_train_backward(Tensor dy, Tensor x, Tensor w, Tensor r, int isa) -> (Tensor, Tensor)");
+  m.def("rope_train(Tensor x, Tensor cos, Tensor sin, float sign, int isa) -> Tensor");
+  m.def("act_train(Tensor g, Tensor? u, int act, int isa) -> Tensor");
+  m.def("act_train_backward(Tensor dh, Tensor g, Tensor? u, int act, int isa) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
   m.impl("softmax_rows", &softmax_rows);
   m.impl("softmax_rows_backward", &softmax_rows_backward);
+  m.impl("rms_norm_train", &rms_norm_train);
+  m.impl("rms_norm_train_backward", &rms_norm_train_backward);
+  m.impl("rope_train", &rope_train);
+  m.impl("act_train", &act_train);
+  m.impl("act_train_backward", &act_train_backward);
 }

@@ -135,3 +135,162 @@ inline void softmax_grad_row(const T* dp, const float* p, int64_t n, float scale
   for (j = 0; j + L <= n; j += L) st(ds + j, splat(scale) * load(p + j) * (ld(dp + j) - splat(dot)));
   for (; j < n; ++j) st1(ds + j, scale * p[j] * (ld1(dp + j) - dot));
 }
+
+// One row of RMSNorm in training:  y_j = (x_j r) w_j,  r = (Σ_k x_k² / n + ε)^(-1/2);  returns r (the backward's).
+template <class T>
+inline float rms_norm_train_row(const T* x, const float* w, int64_t n, float eps, T* y) {
+  VF acc = splat(0.f);
+  int64_t j = 0;
+  for (; j + L <= n; j += L) {
+    const VF v = ld(x + j);
+    acc += v * v;
+  }
+  float ss = hsum(acc);
+  for (; j < n; ++j) ss += ld1(x + j) * ld1(x + j);
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (j = 0; j + L <= n; j += L) st(y + j, (ld(x + j) * splat(r)) * load(w + j));
+  for (; j < n; ++j) st1(y + j, (ld1(x + j) * r) * w[j]);
+  return r;
+}
+
+// Its backward, x̂ = x r recomputed, h = dy ⊙ w:  dx = r (h − x̂ · mean(h ⊙ x̂)),  dw += dy ⊙ x̂ (dw: this thread's row)
+template <class T>
+inline void rms_norm_grad_row(const T* dy, const T* x, const float* w, float r, int64_t n, T* dx, float* dw) {
+  VF acc = splat(0.f);
+  int64_t j = 0;
+  for (; j + L <= n; j += L) {
+    const VF xh = ld(x + j) * splat(r), g = ld(dy + j);
+    acc += (g * load(w + j)) * xh;
+    store(dw + j, load(dw + j) + g * xh);
+  }
+  float sum = hsum(acc);
+  for (; j < n; ++j) {
+    const float xh = ld1(x + j) * r, g = ld1(dy + j);
+    sum += (g * w[j]) * xh;
+    dw[j] += g * xh;
+  }
+  const float c = sum / static_cast<float>(n);
+  for (j = 0; j + L <= n; j += L) {
+    const VF xh = ld(x + j) * splat(r);
+    st(dx + j, splat(r) * (ld(dy + j) * load(w + j) - xh * splat(c)));
+  }
+  for (; j < n; ++j) st1(dx + j, r * (ld1(dy + j) * w[j] - (ld1(x + j) * r) * c));
+}
+
+// One row of rotary embedding, half-split pairs (i, i + h):  y_i = x_i cos_i − σ x_{i+h} sin_i,
+// y_{i+h} = x_{i+h} cos_i + σ x_i sin_i;  σ = 1 rotates by +φ (the forward), σ = −1 by −φ (its backward: Rᵀ = R(−φ)).
+template <class T>
+inline void rope_row(const T* x, const float* c, const float* s, int64_t h, float sigma, T* y) {
+  int64_t i = 0;
+  for (; i + L <= h; i += L) {
+    const VF a = ld(x + i), b = ld(x + h + i), cv = load(c + i), sv = load(s + i) * splat(sigma);
+    st(y + i, a * cv - b * sv);
+    st(y + h + i, b * cv + a * sv);
+  }
+  for (; i < h; ++i) {
+    const float a = ld1(x + i), b = ld1(x + h + i), sv = s[i] * sigma;
+    st1(y + i, a * c[i] - b * sv);
+    st1(y + h + i, b * c[i] + a * sv);
+  }
+}
+
+// act(a) and act'(a) lane by lane, the codes of native.h's Act (NaN in, NaN out, except ReLU's derivative: 0)
+inline void act_and_grad(int64_t act, VF a, VF& f, VF& df) {
+  switch (act) {
+    case 0: {  // σ(a): σ (1 − σ)
+      f = sigmoid(a);
+      df = f * (splat(1.f) - f);
+      return;
+    }
+    case 1: {  // a Φ(a): Φ(a) + a φ(a), φ(a) = e^(−a²/2) / √(2π)
+      const VF phi = splat(0.5f) * (splat(1.f) + erf_as(a * splat(0.70710678118654752f)));
+      f = a * phi;
+      df = phi + a * splat(0.39894228040143268f) * exp_any(splat(-0.5f) * a * a);
+      return;
+    }
+    case 2: {  // ½ a (1 + tanh u), u = √(2/π)(a + 0.044715 a³): ½ (1 + tanh u) + ½ a (1 − tanh² u) u'
+      const VF u = splat(0.79788456080286536f) * (a + splat(0.044715f) * a * a * a);
+      const VF th = splat(1.f) - splat(2.f) / (splat(1.f) + exp_any(splat(2.f) * u));
+      const VF du = splat(0.79788456080286536f) * (splat(1.f) + splat(3.f * 0.044715f) * a * a);
+      f = splat(0.5f) * a * (splat(1.f) + th);
+      df = splat(0.5f) * (splat(1.f) + th) + splat(0.5f) * a * (splat(1.f) - th * th) * du;
+      return;
+    }
+    case 3: {  // a σ(a): σ (1 + a (1 − σ))
+      const VF sg = sigmoid(a);
+      f = a * sg;
+      df = sg * (splat(1.f) + a * (splat(1.f) - sg));
+      return;
+    }
+    case 4: {  // max(a, 0): [a > 0]
+      f = a < splat(0.f) ? splat(0.f) : a;
+      df = a > splat(0.f) ? splat(1.f) : splat(0.f);
+      return;
+    }
+    case 6: {  // max(a, 0)²: 2 max(a, 0)
+      const VF r = a < splat(0.f) ? splat(0.f) : a;
+      f = r * r;
+      df = splat(2.f) * r;
+      return;
+    }
+    default: {  // a σ(1.702 a): σ + 1.702 a σ (1 − σ)
+      const VF sg = sigmoid(splat(1.702f) * a);
+      f = a * sg;
+      df = sg + splat(1.702f) * a * sg * (splat(1.f) - sg);
+      return;
+    }
+  }
+}
+
+// n elements of a (gated) activation in training:  h = act(g) ⊙ u  (u null: 1); ACT a compile-time code
+template <int64_t ACT, class T>
+inline void act_span(const T* g, const T* u, int64_t n, T* h) {
+  const auto one = [&](VF a, VF uv) {
+    VF f, df;
+    act_and_grad(ACT, a, f, df);  // (df unused: the compiler drops it)
+    return f * uv;
+  };
+  int64_t i = 0;
+  for (; i + L <= n; i += L) st(h + i, one(ld(g + i), u ? ld(u + i) : splat(1.f)));
+  if (i < n) st_part(h + i, one(ld_part(g + i, n - i, 0.f), u ? ld_part(u + i, n - i, 0.f) : splat(1.f)), n - i);
+}
+
+// Its backward:  dg = dh ⊙ u ⊙ act'(g),  du = dh ⊙ act(g)  (u, du null: the plain activation)
+template <int64_t ACT, class T>
+inline void act_grad(const T* dh, const T* g, const T* u, int64_t n, T* dg, T* du) {
+  const auto one = [&](int64_t i, VF d, VF a, VF uv) {
+    VF f, df;
+    act_and_grad(ACT, a, f, df);
+    if (i + L <= n) {
+      st(dg + i, d * uv * df);
+      if (du) st(du + i, d * f);
+    } else {
+      st_part(dg + i, d * uv * df, n - i);
+      if (du) st_part(du + i, d * f, n - i);
+    }
+  };
+  int64_t i = 0;
+  for (; i + L <= n; i += L) one(i, ld(dh + i), ld(g + i), u ? ld(u + i) : splat(1.f));
+  if (i < n) one(i, ld_part(dh + i, n - i, 0.f), ld_part(g + i, n - i, 0.f), u ? ld_part(u + i, n - i, 0.f) : splat(1.f));
+}
+
+// the two above for a code known at run time: one branch per call, none per element
+#define ATTNLAB_ACT_CASES(fn, ...)                 \
+  switch (act) {                                  \
+    case 0: return fn<0, T>(__VA_ARGS__);         \
+    case 1: return fn<1, T>(__VA_ARGS__);         \
+    case 2: return fn<2, T>(__VA_ARGS__);         \
+    case 3: return fn<3, T>(__VA_ARGS__);         \
+    case 4: return fn<4, T>(__VA_ARGS__);         \
+    case 6: return fn<6, T>(__VA_ARGS__);         \
+    default: return fn<5, T>(__VA_ARGS__);        \
+  }
+template <class T>
+inline void act_train_span(int64_t act, const T* g, const T* u, int64_t n, T* h) {
+  ATTNLAB_ACT_CASES(act_span, g, u, n, h)
+}
+template <class T>
+inline void act_grad_span(int64_t act, const T* dh, const T* g, const T* u, int64_t n, T* dg, T* du) {
+  ATTNLAB_ACT_CASES(act_grad, dh, g, u, n, dg, du)
+}
+#undef ATTNLAB_ACT_CASES

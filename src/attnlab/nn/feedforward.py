@@ -26,6 +26,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from attnlab import _native
 from attnlab._checks import one_of, positive_int, rate
@@ -58,6 +59,26 @@ GATED_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "relu2_glu": relu2,
 }
 FFN_ACTIVATIONS = tuple(ACTIVATIONS) + tuple(GATED_ACTIVATIONS)
+
+
+class _GatedActivation(torch.autograd.Function):
+    """``h = act(g) ⊙ u`` and its gradients ``∂L/∂g = ∂L/∂h ⊙ u ⊙ act'(g)``, ``∂L/∂u = ∂L/∂h ⊙ act(g)``, one C++ pass
+    each (:func:`attnlab._native.act_train`, float32 arithmetic, one rounding to the inputs' dtype) instead of the
+    activation, its backward and three products. On (16, 256, 704) bfloat16, SwiGLU, 2 cores: 0.61 + 0.91 ms against
+    0.69 + 1.03 ms. (A plain GELU stays PyTorch's: its erf is faster than ours.)"""
+
+    @staticmethod
+    def forward(ctx, g: Tensor, u: Tensor, activation: str) -> Tensor:
+        ctx.activation = activation
+        ctx.save_for_backward(g, u)
+        return _native.act_train(g, u, activation)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        g, u = ctx.saved_tensors
+        dg, du = _native.act_train_backward(grad.contiguous(), g, u, ctx.activation)
+        return dg, du, None
 
 
 class FeedForward(nn.Module):
@@ -105,10 +126,15 @@ class FeedForward(nn.Module):
             if h is not None:
                 return self.w2(h)
         h = self.w1(x)  # (B, L, hidden)
-        native = self.activation in _native.FASTER_ACTIVATIONS and h.is_contiguous() and _native.usable(h)
-        h = _native.activate(h, self.activation) if native else self.act(h)
         if self.w3 is not None:
-            h = h * self.w3(x)
+            u = self.w3(x)
+            if h.requires_grad and torch.is_grad_enabled() and h.numel() and _native.trainable(h, u):
+                h = _GatedActivation.apply(h, u, self.activation)  # training: one pass each way
+            else:
+                h = self.act(h) * u
+        else:
+            native = self.activation in _native.FASTER_ACTIVATIONS and h.is_contiguous() and _native.usable(h)
+            h = _native.activate(h, self.activation) if native else self.act(h)
         return self.w2(self.dropout(h) if self.training else h)  # (B, L, dim)
 
     def _gated_native(self, x: Tensor) -> Optional[Tensor]:

@@ -62,12 +62,23 @@ class _RMSNormFunction(torch.autograd.Function):
         ∂L/∂g = Σ_rows ∂L/∂y ⊙ x̂
         ∂L/∂x = r · (h − x̂ · mean(h ⊙ x̂)),   h = ∂L/∂y ⊙ g
 
-    (autograd through the forward's ops takes ~2× the time on CPU). Same forward values as the
-    plain formula; float32/float64 inputs (half precision goes through the plain path).
+    (autograd through the forward's ops takes ~2× the time on CPU). Where attnlab's C++ kernels take ``x`` (float32
+    on the CPU, eager) each direction is one pass (:func:`attnlab._native.rms_norm_train` and its backward, ``x̂``
+    recomputed from the saved ``x`` and ``r``): on a (16, 256, 256) float32 ``x``, 2 cores, 0.07 + 0.09 ms against
+    0.2 + 1.6 ms for the PyTorch operations below. Same forward values as the plain formula (the same float32
+    operations in the same order; ``r`` as ``1/√`` instead of ``rsqrt``, within an ulp); float32/float64 inputs
+    (half precision goes through the plain path).
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        ctx.native = (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.numel() > 0
+                      and _native.trainable(x, weight, contiguous=False))
+        if ctx.native:
+            x = x.contiguous()
+            y, r = _native.rms_norm_train(x, weight.contiguous(), eps)
+            ctx.save_for_backward(x, r, weight)
+            return y
         r = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)  # (..., 1)
         xhat = x * r
         ctx.save_for_backward(xhat, r, weight)
@@ -76,6 +87,10 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # a second derivative would need the graph of x̂ and r: refused, not wrong
     def backward(ctx, grad: Tensor):
+        if ctx.native:
+            x, r, weight = ctx.saved_tensors
+            grad_x, grad_w = _native.rms_norm_train_backward(grad.contiguous(), x, weight, r)
+            return (grad_x if ctx.needs_input_grad[0] else None), (grad_w if ctx.needs_input_grad[1] else None), None
         xhat, r, weight = ctx.saved_tensors
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:

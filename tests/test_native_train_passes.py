@@ -1,0 +1,240 @@
+"""attnlab's C++ element-wise training passes beside the attention's (csrc/train.cpp: RMSNorm, rotary embedding, an
+FFN's gated activation, each forward and backward) against float64 oracles on every instruction set this CPU runs, in
+float32 and bf16, and the modules that take them in training (RMSNorm, RotaryEmbedding, a gated FeedForward).
+
+Tolerances (ε = 2⁻²⁴ per float32 rounding; a bf16 result is rounded once more, u = 2⁻⁸ of it; bf16 inputs are exact
+in float64, so the oracles see the same numbers):
+- RMSNorm forward: the n-term Σx² (n ε), the root and the division (3 ε), two products (2 ε): ≤ (n + 6) ε |y|.
+  Backward: ``r (h − x̂ c)`` with ``c`` an n-term mean: ≤ (n + 8) ε r (|h| + |x̂| mean|h x̂|) + (n + 6) ε |dx|; ``dw``
+  a sum over the rows: ≤ (rows + n + 8) ε Σ_rows |dy x̂|.
+- RoPE: two products and a sum in float32 (3 ε of |a cos| + |b sin|); its inverse undoes it to the same order.
+- Activations: ``act`` from e^x within ~2 ulps and erf within 1.5e-7 (Abramowitz & Stegun 7.1.26), a few products:
+  ≤ 64 ε + 2e-7 of the scale of each result (``max(1, |a|)`` for act'(a) · a terms).
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnlab import _native
+from _native_isas import EPS32, ISA_IDS, ISAS, isa, needs_native  # noqa: F401 (isa: a fixture)
+
+U_BF16 = 2.0**-8
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+def _rounded(dtype):
+    """The last rounding of a result in ``dtype``, relative."""
+    return U_BF16 if dtype == torch.bfloat16 else 0.0
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
+@DTYPES
+@pytest.mark.parametrize("rows,n", [(64, 256), (9, 37), (5, 3)])
+def test_rms_norm_train_and_its_backward_equal_float64(isa, dtype, rows, n):
+    gen = torch.Generator().manual_seed(rows + n)
+    x = (torch.randn(rows, n, generator=gen) * 3).to(dtype)
+    w = torch.rand(n, generator=gen) + 0.5
+    dy = torch.randn(rows, n, generator=gen).to(dtype)
+    eps = 1e-6
+    y, r = _native.rms_norm_train(x, w, eps)
+    xd, wd, dyd = x.double().requires_grad_(), w.double().requires_grad_(), dy.double()
+    rd = torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+    yd = xd * rd * wd
+    yd.backward(dyd)
+    assert y.dtype == dtype and r.dtype == torch.float32 and r.shape == (rows,)
+    assert ((r.double() - rd.detach().squeeze(-1)).abs() <= (n + 4) * EPS32 * rd.detach().squeeze(-1)).all()
+    assert ((y.double() - yd.detach()).abs() <= ((n + 6) * EPS32 + _rounded(dtype)) * yd.detach().abs() + 1e-30).all()
+
+    dx, dw = _native.rms_norm_train_backward(dy, x, w, r)
+    xhat, h = (xd * rd).detach(), dyd * wd.detach()
+    rr = rd.detach()
+    tol = (n + 8) * EPS32 * rr * (h.abs() + xhat.abs() * (h * xhat).abs().mean(-1, keepdim=True))
+    tol = tol + ((n + 6) * EPS32 + _rounded(dtype)) * xd.grad.abs()
+    assert dx.dtype == dtype and ((dx.double() - xd.grad).abs() <= tol + 1e-30).all()
+    assert dw.dtype == torch.float32
+    assert ((dw.double() - wd.grad).abs() <= (rows + n + 8) * EPS32 * (dyd * xhat).abs().sum(0) + 1e-30).all()
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
+@DTYPES
+@pytest.mark.parametrize("D", [64, 38, 2])
+def test_rope_train_rotates_like_apply_rope_and_its_inverse_undoes_it(isa, dtype, D):
+    from attnlab.functional.positional import apply_rope, rope_frequencies
+    gen = torch.Generator().manual_seed(D)
+    L = 19
+    packed = (torch.randn(2, L, 3 * 3 * D, generator=gen) * 2).to(dtype)  # a packed q, k, v projection: q a view
+    x = packed[..., : 3 * D].view(2, L, 3, D).transpose(1, 2)  # (B, H, L, D), strided
+    cos, sin = rope_frequencies(D, torch.arange(L))
+    y = _native.rope_train(x, cos, sin)
+    ref = apply_rope(x.double(), cos.double(), sin.double())
+    a, b = x.double()[..., : D // 2], x.double()[..., D // 2:]
+    terms = (a.abs() + b.abs()).repeat(1, 1, 1, 2)  # |a| + |b| of each pair, at both of its places (|cos|, |sin| ≤ 1)
+    assert y.dtype == dtype and y.is_contiguous() and y.shape == x.shape
+    assert ((y.double() - ref).abs() <= 3 * EPS32 * terms + _rounded(dtype) * ref.abs() + 1e-30).all()
+    back = _native.rope_train(y, cos, sin, inverse=True)  # Rᵀ R = (cos² + sin²) 1, cos and sin float32 roundings
+    assert ((back.double() - x.double()).abs() <= 10 * EPS32 * terms + 3 * _rounded(dtype) * terms + 1e-30).all()
+
+
+GATED = {"swiglu": F.silu, "geglu": F.gelu, "geglu_tanh": lambda a: F.gelu(a, approximate="tanh"),
+         "glu": torch.sigmoid, "relu2_glu": lambda a: F.relu(a).square()}
+PLAIN = {"gelu": F.gelu, "gelu_tanh": lambda a: F.gelu(a, approximate="tanh"), "relu": F.relu,
+         "quick_gelu": lambda a: a * torch.sigmoid(1.702 * a), "relu2": lambda a: F.relu(a).square()}
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
+@DTYPES
+@pytest.mark.parametrize("activation", list(GATED) + list(PLAIN))
+def test_act_train_and_its_backward_equal_float64_autograd(isa, dtype, activation):
+    gated = activation in GATED
+    gen = torch.Generator().manual_seed(len(activation))
+    n = 3 * 16 + 5  # whole vectors of every width and a tail
+    g = (torch.randn(7, n, generator=gen) * 3).to(dtype)
+    u = (torch.randn(7, n, generator=gen) * 2).to(dtype) if gated else None
+    dh = torch.randn(7, n, generator=gen).to(dtype)
+    g[0, :3] = torch.tensor([0.0, -0.0, 1e-3]).to(dtype)  # ReLU's kink and the tiny arguments
+    h = _native.act_train(g, u, activation)
+    dg, du = _native.act_train_backward(dh, g, u, activation)
+    gd = g.double().requires_grad_()
+    ud = u.double().requires_grad_() if gated else None
+    fn = (GATED if gated else PLAIN)[activation]
+    hd = fn(gd) * (ud if gated else 1.0)
+    hd.backward(dh.double())
+    scale_g = gd.detach().abs().clamp_min(1.0) * (ud.detach().abs() if gated else 1.0)
+    tol = lambda want, scale: (64 * EPS32 + 2e-7) * scale + _rounded(dtype) * want.abs() + 1e-30  # noqa: E731
+    assert h.dtype == dtype and ((h.double() - hd.detach()).abs() <= tol(hd.detach(), scale_g)).all()
+    assert dg.dtype == dtype and ((dg.double() - gd.grad).abs() <= tol(gd.grad, scale_g * dh.double().abs())).all()
+    if gated:
+        assert du.dtype == dtype
+        assert ((du.double() - ud.grad).abs() <= tol(ud.grad, gd.detach().abs().clamp_min(1.0) * dh.double().abs())).all()
+    else:
+        assert du is None
+
+
+@needs_native
+def test_the_passes_keep_a_nan_visible():
+    x = torch.randn(3, 16)
+    x[1, 4] = float("nan")
+    y, r = _native.rms_norm_train(x, torch.ones(16), 1e-6)
+    assert y[1].isnan().all() and y[[0, 2]].isfinite().all()
+    g = torch.randn(2, 20)
+    g[0, 3] = float("nan")
+    h = _native.act_train(g, torch.ones(2, 20), "swiglu")
+    assert h[0, 3].isnan() and h.isnan().sum() == 1
+    q = torch.randn(1, 1, 4, 8)
+    q[0, 0, 2, 1] = float("nan")
+    cos, sin = torch.rand(4, 4), torch.rand(4, 4)
+    out = _native.rope_train(q, cos, sin)
+    assert out[0, 0, 2, [1, 5]].isnan().all() and out.isnan().sum() == 2  # the NaN's pair only
+
+
+@needs_native
+def test_the_passes_refuse_what_they_cannot_read():
+    with pytest.raises(RuntimeError, match="x must be a contiguous float32 or bfloat16 CPU tensor"):
+        _native.rms_norm_train(torch.randn(4, 8, dtype=torch.float64), torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match=r"w must be \(8,\)"):
+        _native.rms_norm_train(torch.randn(4, 8), torch.ones(7), 1e-6)
+    with pytest.raises(RuntimeError, match="dy must match x"):
+        _native.rms_norm_train_backward(torch.randn(4, 7), torch.randn(4, 8), torch.ones(8), torch.ones(4))
+    with pytest.raises(RuntimeError, match="last dimension contiguous"):
+        _native.rope_train(torch.randn(1, 2, 3, 8).transpose(2, 3), torch.ones(8, 2), torch.ones(8, 2))
+    with pytest.raises(RuntimeError, match=r"cos and sin must be \(L, D/2\)"):
+        _native.rope_train(torch.randn(1, 2, 3, 8), torch.ones(3, 3), torch.ones(3, 3))
+    with pytest.raises(RuntimeError, match="u must have g's shape and dtype"):
+        _native.act_train(torch.randn(4, 8), torch.randn(4, 8).bfloat16(), "swiglu")
+    with pytest.raises(RuntimeError, match="dh must have g's shape"):
+        _native.act_train_backward(torch.randn(4, 9), torch.randn(4, 8), None, "gelu")
+
+
+# ---- the modules that take them ----------------------------------------------------------------------------------
+
+def _count_calls(monkeypatch, name):
+    calls = []
+    orig = getattr(_native, name)
+    monkeypatch.setattr(_native, name, lambda *a, **k: calls.append(1) or orig(*a, **k))
+    return calls
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(2, 5, 64), (3, 33)])
+def test_rmsnorm_trains_through_the_native_pass_and_equals_float64(shape, monkeypatch):
+    from attnlab.nn import RMSNorm
+    fwd, bwd = _count_calls(monkeypatch, "rms_norm_train"), _count_calls(monkeypatch, "rms_norm_train_backward")
+    gen = torch.Generator().manual_seed(3)
+    norm = RMSNorm(shape[-1])
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(shape[-1], generator=gen) + 0.5)
+    x = (torch.randn(shape, generator=gen) * 2).requires_grad_()
+    dy = torch.randn(shape, generator=gen)
+    y = norm(x)
+    gx, gw = torch.autograd.grad(y, (x, norm.weight), dy)
+    x64, w64 = x.detach().double().requires_grad_(), norm.weight.detach().double().requires_grad_()
+    y64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + norm.eps) * w64
+    gx64, gw64 = torch.autograd.grad(y64, (x64, w64), dy.double())
+    assert fwd == [1] and bwd == [1]
+    n = shape[-1]
+    assert (y.double() - y64).abs().max() <= (n + 6) * EPS32 * y64.abs().max()
+    assert (gx.double() - gx64).abs().max() <= 4 * (n + 8) * EPS32 * gx64.abs().max().clamp_min(1)
+    assert (gw.double() - gw64).abs().max() <= 4 * (x.numel() + 8) * EPS32 * gw64.abs().max().clamp_min(1)
+    if x.dim() == 2:  # a non-contiguous x is copied first: the same values
+        y_t = norm(x.detach().t().contiguous().t().requires_grad_())
+        assert fwd == [1, 1] and torch.equal(y_t, y)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rotary_embedding_trains_through_the_native_pass(dtype, monkeypatch):
+    from attnlab.functional.positional import apply_rope
+    from attnlab.nn import RotaryEmbedding
+    calls = _count_calls(monkeypatch, "rope_train")
+    gen = torch.Generator().manual_seed(5)
+    rope = RotaryEmbedding(16)
+    packed = torch.randn(2, 7, 3 * 16 * 2, generator=gen).to(dtype).requires_grad_()
+    x = packed[..., :32].view(2, 7, 2, 16).transpose(1, 2)  # (B, H, L, D) a view of the packed projection
+    pos = torch.arange(7)
+    y = rope(x, pos)
+    dy = torch.randn(y.shape, generator=gen).to(dtype)
+    (gp,) = torch.autograd.grad(y, packed, dy)
+    assert calls == [1, 1]  # the forward and the backward (the rotation by −φ)
+    cos, sin = rope.cos_cached[:7].double(), rope.sin_cached[:7].double()
+    p64 = packed.detach().double().requires_grad_()
+    y64 = apply_rope(p64[..., :32].view(2, 7, 2, 16).transpose(1, 2), cos, sin)
+    (gp64,) = torch.autograd.grad(y64, p64, dy.double())
+    u = 4 * EPS32 + 2 * _rounded(dtype)
+    assert y.dtype == dtype and (y.double() - y64).abs().max() <= u * 2 * y64.abs().max()
+    assert gp.dtype == dtype and (gp.double() - gp64).abs().max() <= u * 2 * gp64.abs().max()
+    assert gp[..., 32:].eq(0).all()  # k and v's columns: no gradient from q's rotation
+    with torch.no_grad():  # evaluation: PyTorch's apply_rope, the same values
+        assert (rope(x, pos).double() - y64).abs().max() <= u * 4 * y64.abs().max()
+    assert len(calls) == 2
+
+
+@needs_native
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "relu2_glu"])
+def test_a_gated_feedforward_trains_through_the_native_pass_and_equals_float64(activation, monkeypatch):
+    from attnlab.nn import FeedForward
+    fwd = _count_calls(monkeypatch, "act_train")
+    bwd = _count_calls(monkeypatch, "act_train_backward")
+    torch.manual_seed(0)
+    ffn = FeedForward(16, 40, activation=activation)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    out = ffn(x)
+    dout = torch.randn(out.shape)
+    grads = torch.autograd.grad(out, (x, *ffn.parameters()), dout)
+    ffn64 = FeedForward(16, 40, activation=activation).double()
+    ffn64.load_state_dict(ffn.state_dict())
+    x64 = x.detach().double().requires_grad_()
+    out64 = ffn64(x64)
+    grads64 = torch.autograd.grad(out64, (x64, *ffn64.parameters()), dout.double())
+    assert fwd == [1] and bwd == [1]
+    assert (out.double() - out64).abs().max() <= 64 * EPS32 * math.sqrt(40) * out64.abs().max().clamp_min(1)
+    for got, want in zip(grads, grads64):
+        assert (got.double() - want).abs().max() <= 64 * EPS32 * math.sqrt(40) * want.abs().max().clamp_min(1)
+    ffn.eval()
+    with torch.no_grad():  # evaluation: no native training pass
+        ffn(x)
+    assert fwd == [1]
