@@ -6,8 +6,8 @@ one PNG. This is the one measurement where the result depends on the machine's s
 is already time-limited: ``time_budget`` plans its steps, ``max_seconds`` is its hard stop).
 
 1. Ours: ``attnlab train shakespeare-char`` (the ``default`` preset, ``--set`` applied) in a fresh process, with
-   the preset's ``time_budget`` and ``max_seconds`` scaled by ``budget_s / 600`` (unchanged at 600 s), so it stops
-   itself. Its curve: the evaluations in ``metrics.jsonl`` (fixed validation blocks), each at its ``elapsed_s``
+   the preset's ``time_budget``, ``max_seconds`` and its step cap ``max_steps`` scaled by ``budget_s / 600``
+   (unchanged at 600 s), so it stops itself (at the cap where the machine is fast enough to reach it earlier). Its curve: the evaluations in ``metrics.jsonl`` (fixed validation blocks), each at its ``elapsed_s``
    plus the process's time outside the trainer (``process_s - wall_s``, start-up before the trainer counted in
    full: the curve is never earlier than it was).
 2. nanoGPT: its own ``train.py`` (an upstream checkout, :func:`nanogpt_upstream.budget_flags`) at our resolved
@@ -58,7 +58,8 @@ def compare_budget(args: argparse.Namespace, *, run_preset) -> dict:
     recipe = get_recipe("shakespeare-char")
     preset = resolve_settings(recipe)  # the default preset: its time limits are for 600 s
     scale = args.budget_s / 600.0
-    ours_sets = [f"time_budget={preset.time_budget * scale}", f"max_seconds={preset.max_seconds * scale}", *args.set]
+    ours_sets = [f"time_budget={preset.time_budget * scale}", f"max_seconds={preset.max_seconds * scale}",
+                 f"max_steps={max(1, round(preset.max_steps * scale))}", *args.set]
     s = resolve_settings(recipe, overrides=parse_set(ours_sets))
     if (args.nanogpt_iters is not None and args.nanogpt_iters < 1) or args.nanogpt_eval_iters < 1:
         raise SystemExit("--nanogpt-iters and --nanogpt-eval-iters must be >= 1")

@@ -31,9 +31,10 @@ def test_default_preset_is_llama_with_muon_dropout_and_context_256():
     recipe = get_recipe("shakespeare-char")
     s = resolve_settings(recipe)
     got = {k: getattr(s, k) for k in ("arch", "optimizer", "muon_lr_scale", "muon_ns_steps", "dropout", "block_size",
-                                      "batch_size", "n_layer", "n_embd")}
+                                      "batch_size", "n_layer", "n_embd", "time_budget", "max_steps")}
     assert got == dict(arch="llama", optimizer="muon", muon_lr_scale=2.0, muon_ns_steps=3, dropout=None,
-                       block_size=256, batch_size=16, n_layer=4, n_embd=256)
+                       block_size=256, batch_size=16, n_layer=4, n_embd=256, time_budget=575.0,
+                       max_steps=2400)  # planned to 10 minutes, but never past ~9.8 epochs (it overfits there)
     model = make_model(s, vocab_size=65, dropout=0.05)
     assert model.config.hidden_dropout == 0.05 and model.layers[0].dropout1.p == 0.05 and model.drop.p == 0.05
     assert make_model(s, vocab_size=65).config.hidden_dropout == 0.0  # dropout=None and no rate given: none

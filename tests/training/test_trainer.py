@@ -271,6 +271,20 @@ class FakeClock:
         return loss
 
 
+def test_a_budget_that_holds_more_steps_than_max_steps_stops_at_max_steps(tmp_path, make_trainer, monkeypatch):
+    """max_steps caps the plan (the shakespeare-char default's ~9.8 epochs): a fast machine ends the same run early,
+    its cosine complete at the cap, instead of training past it."""
+    from attnlab.training.trainer import PLAN_AT
+    clock = FakeClock(monkeypatch)
+    cap = PLAN_AT + 30
+    m = make_trainer(tmp_path / "a", max_steps=cap, time_budget=60.0, eval_every=0, log_every=5,
+                     loss_fn=clock.ticking(seconds=0.005)).fit()
+    recs = read_jsonl(tmp_path / "a" / "metrics.jsonl")
+    (plan,) = [r for r in recs if r["kind"] == "plan"]
+    assert plan["max_steps"] == cap and m["steps"] == cap and m["wall_s"] < 5.0  # 60 s would have held ~11,000
+    assert [r["lr"] for r in recs if r["kind"] == "train"][-1] == pytest.approx(1e-3, rel=0.05)  # at min_lr
+
+
 def test_time_budget_plans_the_run_and_resume_keeps_the_plan(tmp_path, make_trainer, monkeypatch):
     from attnlab.training.trainer import PLAN_AT
     clock = FakeClock(monkeypatch)

@@ -31,7 +31,7 @@
 
 namespace {
 
-#define ATTNLAB_BODY "decode_body.h"
+#define ATTNLAB_BODY "train_body.h"  // decode_body.h, and the float32 / bf16 rows RMSNorm shares with training
 #include "isa_regions.h"
 
 using attnlab_native::check_f32;
@@ -161,7 +161,7 @@ at::Tensor norm(const char* op, const at::Tensor& x, const Opt& w, const Opt& b,
   ATTNLAB_CHECK(x.dim() >= 1 && (!rms || w), "attnlab::", op, ": RMSNorm needs x (..., E) and its weight");
   at::Tensor y = at::empty_like(x);
   const int64_t E = x.size(-1), rows = E ? x.numel() / E : 0;
-  const auto rms_fn = ISA_FN(rms_norm_row);
+  const auto rms_fn = ISA_FN(rms_norm_row<float>);
   const auto ln_fn = ISA_FN(layer_norm_row);
   const float *xp = x.data_ptr<float>(), *wp = ptr(w), *bp = ptr(b);
   float* yp = y.data_ptr<float>();
@@ -169,7 +169,7 @@ at::Tensor norm(const char* op, const at::Tensor& x, const Opt& w, const Opt& b,
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       if (rms) {
-        rms_fn(xp + r * E, wp, yp + r * E, E, static_cast<float>(eps));
+        rms_fn(xp + r * E, wp, E, static_cast<float>(eps), yp + r * E);
       } else {
         ln_fn(xp + r * E, wp, bp, yp + r * E, E, static_cast<float>(eps));
       }

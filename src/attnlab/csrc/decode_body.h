@@ -97,22 +97,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// y[i] = x[i] · r · w[i], r = (Σ x² / n + ε)^(-1/2)
-inline void rms_norm_row(const float* x, const float* w, float* y, int64_t n, float eps) {
-  VF acc = splat(0.f);
-  int64_t i = 0;
-  for (; i + L <= n; i += L) {
-    const VF v = load(x + i);
-    acc += v * v;
-  }
-  float ss = hsum(acc);
-  for (; i < n; ++i) ss += x[i] * x[i];
-  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-  i = 0;
-  for (; i + L <= n; i += L) store(y + i, (load(x + i) * splat(r)) * load(w + i));
-  for (; i < n; ++i) y[i] = (x[i] * r) * w[i];
-}
-
 // y[i] = (x[i] − μ) · r · w[i] + b[i], μ = Σ x / n, r = (Σ (x − μ)² / n + ε)^(-1/2) (torch's LayerNorm: biased
 // variance; w, b may be null: 1 and 0)
 inline void layer_norm_row(const float* x, const float* w, const float* b, float* y, int64_t n, float eps) {

@@ -121,7 +121,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_train(const at::Tensor& x, const at:
     T* Y = data<T>(y);
     const float* W = w.data_ptr<float>();
     float* R = r.data_ptr<float>();
-    const auto row = ISA_FN(rms_norm_train_row<T>);
+    const auto row = ISA_FN(rms_norm_row<T>);
     at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / std::max<int64_t>(1, n)), [&](int64_t r0, int64_t r1) {
       for (int64_t i = r0; i < r1; ++i) R[i] = row(X + i * n, W, n, static_cast<float>(eps), Y + i * n);
     });
@@ -139,9 +139,14 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_train_backward(const at::Tensor& dy,
   const int64_t n = last(x), rows = n ? x.numel() / n : 0;
   ATTNLAB_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type() && w.numel() == n && r.numel() == rows,
                 "attnlab::rms_norm_train_backward: dy must match x ", x.sizes(), " ", x.scalar_type(), ", w (", n,
-                ",) and r (", rows, ",); got dy ", dy.sizes(), " ", dy.scalar_type(), ", w ", w.sizes(), ", r ", r.sizes());
+                ",) and r (", rows, ",); got dy ", dy.sizes(), " ", dy.scalar_type(), ", w ", w.sizes(), ", r ",
+                r.sizes());
   at::Tensor dx = at::empty_like(x);
-  at::Tensor part = at::zeros({at::get_num_threads(), n}, w.options());  // each thread's Σ dy ⊙ x̂
+  // dw: each block of rows sums its own part (a fixed partition: the same bits on any number of threads), then
+  // torch's sum over the blocks — (block + log₂ blocks) roundings a term instead of one chain over every row
+  constexpr int64_t block = 32;
+  const int64_t blocks = (rows + block - 1) / block;
+  at::Tensor part = at::zeros({std::max<int64_t>(blocks, 1), n}, w.options());
   const auto run = [&](auto tag) {
     using T = decltype(tag);
     const T *DY = data<T>(dy), *X = data<T>(x);
@@ -149,9 +154,13 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_train_backward(const at::Tensor& dy,
     const float *W = w.data_ptr<float>(), *R = r.data_ptr<float>();
     float* P = part.data_ptr<float>();
     const auto row = ISA_FN(rms_norm_grad_row<T>);
-    at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / std::max<int64_t>(1, n)), [&](int64_t r0, int64_t r1) {
-      float* dw = P + at::get_thread_num() * n;
-      for (int64_t i = r0; i < r1; ++i) row(DY + i * n, X + i * n, W, R[i], n, DX + i * n, dw);
+    const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(1, n * block));
+    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        for (int64_t i = b * block; i < std::min(rows, (b + 1) * block); ++i) {
+          row(DY + i * n, X + i * n, W, R[i], n, DX + i * n, P + b * n);
+        }
+      }
     });
   };
   x.scalar_type() == at::kFloat ? run(float{}) : run(uint16_t{});
@@ -222,7 +231,8 @@ std::tuple<at::Tensor, at::Tensor> act_train_backward(const at::Tensor& dh, cons
   check_act(g, u, act, "act_train_backward");
   check_fb(dh, "act_train_backward", "dh");
   ATTNLAB_CHECK(dh.sizes() == g.sizes() && dh.scalar_type() == g.scalar_type(), "attnlab::act_train_backward: dh must ",
-                "have g's shape and dtype ", g.sizes(), " ", g.scalar_type(), ", got ", dh.sizes(), " ", dh.scalar_type());
+                "have g's shape and dtype ", g.sizes(), " ", g.scalar_type(), ", got ", dh.sizes(), " ",
+                dh.scalar_type());
   at::Tensor dg = at::empty_like(g);
   at::Tensor du = u ? at::empty_like(g) : at::empty({0}, g.options());
   const auto run = [&](auto tag) {

@@ -136,9 +136,9 @@ inline void softmax_grad_row(const T* dp, const float* p, int64_t n, float scale
   for (; j < n; ++j) st1(ds + j, scale * p[j] * (ld1(dp + j) - dot));
 }
 
-// One row of RMSNorm in training:  y_j = (x_j r) w_j,  r = (Σ_k x_k² / n + ε)^(-1/2);  returns r (the backward's).
+// One row of RMSNorm:  y_j = (x_j r) w_j,  r = (Σ_k x_k² / n + ε)^(-1/2);  returns r (the training backward's)
 template <class T>
-inline float rms_norm_train_row(const T* x, const float* w, int64_t n, float eps, T* y) {
+inline float rms_norm_row(const T* x, const float* w, int64_t n, float eps, T* y) {
   VF acc = splat(0.f);
   int64_t j = 0;
   for (; j + L <= n; j += L) {
@@ -153,7 +153,7 @@ inline float rms_norm_train_row(const T* x, const float* w, int64_t n, float eps
   return r;
 }
 
-// Its backward, x̂ = x r recomputed, h = dy ⊙ w:  dx = r (h − x̂ · mean(h ⊙ x̂)),  dw += dy ⊙ x̂ (dw: this thread's row)
+// Its backward, x̂ = x r recomputed, h = dy ⊙ w:  dx = r (h − x̂ · mean(h ⊙ x̂)),  dw += dy ⊙ x̂ (dw: its block's)
 template <class T>
 inline void rms_norm_grad_row(const T* dy, const T* x, const float* w, float r, int64_t n, T* dx, float* dw) {
   VF acc = splat(0.f);
@@ -271,7 +271,9 @@ inline void act_grad(const T* dh, const T* g, const T* u, int64_t n, T* dg, T* d
   };
   int64_t i = 0;
   for (; i + L <= n; i += L) one(i, ld(dh + i), ld(g + i), u ? ld(u + i) : splat(1.f));
-  if (i < n) one(i, ld_part(dh + i, n - i, 0.f), ld_part(g + i, n - i, 0.f), u ? ld_part(u + i, n - i, 0.f) : splat(1.f));
+  if (i < n) {
+    one(i, ld_part(dh + i, n - i, 0.f), ld_part(g + i, n - i, 0.f), u ? ld_part(u + i, n - i, 0.f) : splat(1.f));
+  }
 }
 
 // the two above for a code known at run time: one branch per call, none per element

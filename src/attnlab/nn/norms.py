@@ -71,9 +71,14 @@ class _RMSNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    def native(x: Tensor, weight: Tensor) -> bool:
+        """Whether the C++ passes take this call: float32 ``x`` and ``weight`` the kernels may read."""
+        return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.numel() > 0
+                and _native.trainable(x, weight, contiguous=False))
+
+    @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        ctx.native = (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.numel() > 0
-                      and _native.trainable(x, weight, contiguous=False))
+        ctx.native = _RMSNormFunction.native(x, weight)
         if ctx.native:
             x = x.contiguous()
             y, r = _native.rms_norm_train(x, weight.contiguous(), eps)

@@ -217,7 +217,8 @@ class _Rotate(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: Tensor):
         cos, sin = ctx.saved_tensors
-        return _native.rope_train(grad if grad.stride(-1) == 1 else grad.contiguous(), cos, sin, inverse=True), None, None
+        grad = grad if grad.stride(-1) == 1 else grad.contiguous()
+        return _native.rope_train(grad, cos, sin, inverse=True), None, None
 
 
 class ALiBi(nn.Module):

@@ -1,0 +1,172 @@
+"""attnlab's C++ training passes against the PyTorch operations they replace, and the training step with and without.
+
+(a) Each pass, forward + backward, at the ``shakespeare-char`` default preset's shapes (16 × 256 tokens, width 256,
+    4 heads of 64, FFN 704), float32 and bf16, ours and PyTorch's timed round-robin in one process:
+
+    - RMSNorm: ``_native.rms_norm_train`` + backward (``nn.RMSNorm`` in training) against PyTorch's operations of the
+      same formula under autograd (``x · rsqrt(mean(x²) + ε) · g``);
+    - RoPE: ``_native.rope_train`` on q as a strided view of a packed projection, and the rotation by −φ for the
+      backward (``nn.RotaryEmbedding`` in training) against ``functional.positional.apply_rope`` under autograd;
+    - SwiGLU's gate ``silu(g) ⊙ u``: ``_native.act_train`` + backward against ``F.silu(g) * u`` under autograd;
+    - causal attention (the ``short`` backend): two query blocks (``short.causal_blocks``) against one.
+
+(b) The default preset's training step (llama 4 × 256, AdamW, bf16 autocast where the CPU has native bf16, else
+    float32), with every pass above against with none, each switched at the point the model calls it, timed in
+    interleaved rounds in one process: ``ratio`` < 1 is the passes paying.
+
+``ratio`` = ours / PyTorch's (lower is better). Medians. The machine line says which CPU and ISA gave the numbers.
+
+Run: ``python benchmarks/train_passes.py [--quick] [--threads 2] [--out PATH]``.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import compare, parser, print_table, setup, write_json  # noqa: E402
+
+from attnlab import _native, _runtime  # noqa: E402
+from attnlab.backends import short  # noqa: E402
+from attnlab.backends.dispatch import attention  # noqa: E402
+from attnlab.functional.positional import apply_rope, rope_frequencies  # noqa: E402
+from attnlab.nn import feedforward, norms, positional  # noqa: E402
+
+B, L, E, H, FFN = 16, 256, 256, 4, 704
+
+
+def _backward(fn, inputs, grad):
+    def call():
+        for t in inputs:
+            t.grad = None
+        fn().backward(grad)
+    return call
+
+
+def pass_rows(dtype: torch.dtype, repeat: int, scale: int) -> list[dict]:
+    b = max(1, B // scale)
+    eps = 1e-6
+    rows = []
+
+    def row(name, shape, ours, theirs):
+        t = compare({"ours": ours, "pytorch": theirs}, repeat=repeat)
+        rows.append({"pass": name, "dtype": str(dtype).replace("torch.", ""), "shape": shape,
+                     "ours_ms": t["ours"], "pytorch_ms": t["pytorch"], "ratio": t["ours"] / t["pytorch"]})
+
+    x = torch.randn(b, L, E, requires_grad=True)  # the residual stream stays float32 under autocast
+    w = (torch.rand(E) + 0.5).requires_grad_()
+    dy = torch.randn(b, L, E)
+    norm = norms.RMSNorm(E)
+    row("rmsnorm fwd+bwd", f"{b}x{L}x{E} float32", _backward(lambda: norm(x), (x, norm.weight), dy),
+        _backward(lambda: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w, (x, w), dy))
+
+    packed = torch.randn(b, L, 3 * E).to(dtype).requires_grad_()
+    cos, sin = rope_frequencies(E // H, torch.arange(L))
+    rope = positional.RotaryEmbedding(E // H)
+    positions = torch.arange(L)
+    q = lambda: packed[..., :E].view(b, L, H, E // H).transpose(1, 2)  # noqa: E731
+    dq = torch.randn(b, H, L, E // H).to(dtype)
+    row("rope fwd+bwd (q)", f"{b}x{H}x{L}x{E // H}", _backward(lambda: rope(q(), positions), (packed,), dq),
+        _backward(lambda: apply_rope(q(), cos, sin), (packed,), dq))
+
+    g, u = (torch.randn(b, L, FFN).to(dtype).requires_grad_() for _ in range(2))
+    dh = torch.randn(b, L, FFN).to(dtype)
+    row("swiglu gate fwd+bwd", f"{b}x{L}x{FFN}", _backward(lambda: feedforward._GatedActivation.apply(g, u, "swiglu"),
+                                                           (g, u), dh),
+        _backward(lambda: F.silu(g) * u, (g, u), dh))
+
+    qkv = [torch.randn(b, H, L, E // H).to(dtype).requires_grad_() for _ in range(3)]
+    do = torch.randn(b, H, L, E // H).to(dtype)
+    two_blocks = _backward(lambda: attention(*qkv, causal=True, backend="short"), qkv, do)
+
+    def one_block():
+        with _one_query_block():
+            two_blocks()
+    row("causal attention fwd+bwd: 2 query blocks (ours) vs 1", f"{b}x{H}x{L}x{E // H}", two_blocks, one_block)
+    return rows
+
+
+@contextlib.contextmanager
+def _one_query_block():
+    before = short.CAUSAL_BLOCK_QUERIES
+    short.CAUSAL_BLOCK_QUERIES = 1 << 30
+    try:
+        yield
+    finally:
+        short.CAUSAL_BLOCK_QUERIES = before
+
+
+@contextlib.contextmanager
+def _without_passes():
+    """The model's call sites of the passes switched to PyTorch's operations (and back after)."""
+    saved = norms._RMSNormFunction.native
+    norms._RMSNormFunction.native = staticmethod(lambda x, w: False)  # the Function's PyTorch branch
+    positional._Rotate.apply = staticmethod(lambda x, c, s: apply_rope(x, c, s))
+    feedforward._GatedActivation.apply = staticmethod(lambda g, u, a: feedforward.GATED_ACTIVATIONS[a](g) * u)
+    try:
+        with _one_query_block():
+            yield
+    finally:
+        norms._RMSNormFunction.native = staticmethod(saved)
+        del positional._Rotate.apply, feedforward._GatedActivation.apply  # autograd.Function's own again
+
+
+def step_rows(steps: int, rounds: int, scale: int) -> list[dict]:
+    from attnlab._runtime import resolve_dtype
+    from attnlab.training.optim import build_optimizer
+    from attnlab.training.recipes.shakespeare import ShakespeareSettings, make_model
+
+    settings = ShakespeareSettings(batch_size=max(1, B // scale))
+    dtype_name, _ = resolve_dtype("auto")
+    dtype = torch.bfloat16 if dtype_name == "bf16" else None
+    model = make_model(settings, vocab_size=65, dropout=0.0)
+    opt = build_optimizer(model, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    data = torch.randint(0, 65, (8, settings.batch_size, settings.block_size + 1))
+
+    def step(i):
+        x, y = data[i % 8, :, :-1], data[i % 8, :, 1:]
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            loss = F.cross_entropy(model(x).logits.flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    times = {"ours": [], "pytorch": []}
+    for _ in range(rounds):
+        for name in times:
+            with (contextlib.nullcontext() if name == "ours" else _without_passes()):
+                step(0)
+                for i in range(steps):
+                    t = time.perf_counter()
+                    step(i)
+                    times[name].append((time.perf_counter() - t) * 1e3)
+    ours, theirs = statistics.median(times["ours"]), statistics.median(times["pytorch"])
+    return [{"pass": "default preset's training step (every pass)", "dtype": dtype_name,
+             "shape": f"{settings.batch_size}x{settings.block_size} tokens", "ours_ms": ours, "pytorch_ms": theirs,
+             "ratio": ours / theirs}]
+
+
+def main(argv=None) -> None:
+    args = parser(__doc__.splitlines()[0], "train_passes.json").parse_args(argv)
+    setup(args)
+    _runtime.reuse_freed_memory()  # as the trainer does
+    if not _native.available():
+        raise SystemExit(f"attnlab's native kernels are unavailable here: {_native.status()}")
+    scale, repeat = (8, 3) if args.quick else (1, 15)
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        rows += pass_rows(dtype, repeat, scale)
+    rows += step_rows(steps=2 if args.quick else 10, rounds=1 if args.quick else 3, scale=scale)
+    print_table(rows, ["pass", "dtype", "shape", "ours_ms", "pytorch_ms", "ratio"])
+    write_json(args.out, rows, quick=args.quick)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
