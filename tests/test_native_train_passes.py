@@ -239,3 +239,17 @@ def test_a_gated_feedforward_trains_through_the_native_pass_and_equals_float64(a
     with torch.no_grad():  # evaluation: no native training pass
         ffn(x)
     assert fwd == [1]
+
+
+@needs_native
+@pytest.mark.parametrize("isa,calls", [(2, 1), (1, 0)], ids=["avx512", "avx2"])
+def test_a_bf16_gate_takes_the_native_pass_only_where_it_pays(isa, calls, monkeypatch):
+    """bf16: ours is faster than PyTorch's with AVX-512 only (``benchmarks/train_passes.py``); float32 on every ISA."""
+    from attnlab.nn import FeedForward
+    monkeypatch.setitem(_native._state, "isa", isa)
+    fwd = _count_calls(monkeypatch, "act_train")
+    ffn = FeedForward(16, 32, activation="swiglu").to(torch.bfloat16)
+    out = ffn(torch.randn(2, 3, 16, dtype=torch.bfloat16, requires_grad=True))
+    assert out.dtype == torch.bfloat16 and len(fwd) == calls
+    FeedForward(16, 32, activation="swiglu")(torch.randn(2, 3, 16, requires_grad=True))
+    assert len(fwd) == calls + 1

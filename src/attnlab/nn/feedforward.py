@@ -64,8 +64,10 @@ FFN_ACTIVATIONS = tuple(ACTIVATIONS) + tuple(GATED_ACTIVATIONS)
 class _GatedActivation(torch.autograd.Function):
     """``h = act(g) ⊙ u`` and its gradients ``∂L/∂g = ∂L/∂h ⊙ u ⊙ act'(g)``, ``∂L/∂u = ∂L/∂h ⊙ act(g)``, one C++ pass
     each (:func:`attnlab._native.act_train`, float32 arithmetic, one rounding to the inputs' dtype) instead of the
-    activation, its backward and three products. On (16, 256, 704) bfloat16, SwiGLU, 2 cores: 0.61 + 0.91 ms against
-    0.69 + 1.03 ms. (A plain GELU stays PyTorch's: its erf is faster than ours.)"""
+    activation, its backward and three products. SwiGLU on (16, 256, 704), fwd + bwd, 2 cores
+    (``benchmarks/train_passes.py``): float32 0.57× PyTorch's time (AVX-512 and AVX2), bfloat16 0.90× with AVX-512 but
+    1.18× with AVX2 (whose bf16 is emulated anyway: there bf16 stays on PyTorch's operations). A plain GELU stays
+    PyTorch's: its erf is faster than ours."""
 
     @staticmethod
     def forward(ctx, g: Tensor, u: Tensor, activation: str) -> Tensor:
@@ -128,7 +130,8 @@ class FeedForward(nn.Module):
         h = self.w1(x)  # (B, L, hidden)
         if self.w3 is not None:
             u = self.w3(x)
-            if h.requires_grad and torch.is_grad_enabled() and h.numel() and _native.trainable(h, u):
+            if (h.requires_grad and torch.is_grad_enabled() and h.numel() and _native.trainable(h, u)
+                    and (h.dtype == torch.float32 or _native.isa() == 2)):
                 h = _GatedActivation.apply(h, u, self.activation)  # training: one pass each way
             else:
                 h = self.act(h) * u
