@@ -57,21 +57,60 @@ inline VF erf_as(VF x) {
   return x < splat(0.f) ? -y : y;
 }
 
-// y[i] = act(y[i]) (⊙ g[i] when g is given), the codes of native.h's Act; NaN stays NaN
-inline VF act_vec(int64_t act, VF a) {
+// act(a) and act'(a) lane by lane, the codes of native.h's Act (NaN in, NaN out, except ReLU's derivative: 0); where
+// only act(a) is used (act_vec) the compiler drops act'
+inline void act_and_grad(int64_t act, VF a, VF& f, VF& df) {
   switch (act) {
-    case 0: return sigmoid(a);                                                       // GLU's gate
-    case 1: return splat(0.5f) * a * (splat(1.f) + erf_as(a * splat(0.70710678118654752f)));  // GELU
-    case 2: {                                                                        // GELU, tanh form
-      const VF u = splat(0.79788456080286536f) * (a + splat(0.044715f) * a * a * a);
-      const VF th = splat(1.f) - splat(2.f) / (splat(1.f) + exp_any(splat(2.f) * u));  // tanh u
-      return splat(0.5f) * a * (splat(1.f) + th);
+    case 0: {  // σ(a): σ (1 − σ)
+      f = sigmoid(a);
+      df = f * (splat(1.f) - f);
+      return;
     }
-    case 3: return a * sigmoid(a);                                                   // SiLU
-    case 4: return a < splat(0.f) ? splat(0.f) : a;                                  // ReLU (NaN: a)
-    case 6: { const VF r = a < splat(0.f) ? splat(0.f) : a; return r * r; }           // ReLU² (NaN: a²)
-    default: return a * sigmoid(splat(1.702f) * a);                                  // quick GELU
+    case 1: {  // a Φ(a), Φ(a) = ½ (1 + erf(a/√2)): Φ(a) + a φ(a), φ(a) = e^(−a²/2) / √(2π)
+      const VF e = splat(1.f) + erf_as(a * splat(0.70710678118654752f));
+      f = splat(0.5f) * a * e;
+      df = splat(0.5f) * e + a * splat(0.39894228040143268f) * exp_any(splat(-0.5f) * a * a);
+      return;
+    }
+    case 2: {  // ½ a (1 + tanh u), u = √(2/π)(a + 0.044715 a³): ½ (1 + tanh u) + ½ a (1 − tanh² u) u'
+      const VF u = splat(0.79788456080286536f) * (a + splat(0.044715f) * a * a * a);
+      const VF th = splat(1.f) - splat(2.f) / (splat(1.f) + exp_any(splat(2.f) * u));
+      const VF du = splat(0.79788456080286536f) * (splat(1.f) + splat(3.f * 0.044715f) * a * a);
+      f = splat(0.5f) * a * (splat(1.f) + th);
+      df = splat(0.5f) * (splat(1.f) + th) + splat(0.5f) * a * (splat(1.f) - th * th) * du;
+      return;
+    }
+    case 3: {  // a σ(a): σ (1 + a (1 − σ))
+      const VF sg = sigmoid(a);
+      f = a * sg;
+      df = sg * (splat(1.f) + a * (splat(1.f) - sg));
+      return;
+    }
+    case 4: {  // max(a, 0): [a > 0]
+      f = a < splat(0.f) ? splat(0.f) : a;
+      df = a > splat(0.f) ? splat(1.f) : splat(0.f);
+      return;
+    }
+    case 6: {  // max(a, 0)²: 2 max(a, 0)
+      const VF r = a < splat(0.f) ? splat(0.f) : a;
+      f = r * r;
+      df = splat(2.f) * r;
+      return;
+    }
+    default: {  // a σ(1.702 a): σ + 1.702 a σ (1 − σ)
+      const VF sg = sigmoid(splat(1.702f) * a);
+      f = a * sg;
+      df = sg + splat(1.702f) * a * sg * (splat(1.f) - sg);
+      return;
+    }
   }
+}
+
+// act(a), the codes of native.h's Act; NaN stays NaN
+inline VF act_vec(int64_t act, VF a) {
+  VF f, df;
+  act_and_grad(act, a, f, df);
+  return f;
 }
 
 inline void activate_row(int64_t act, float* y, const float* g, int64_t n) {

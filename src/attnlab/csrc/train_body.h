@@ -194,62 +194,10 @@ inline void rope_row(const T* x, const float* c, const float* s, int64_t h, floa
   }
 }
 
-// act(a) and act'(a) lane by lane, the codes of native.h's Act (NaN in, NaN out, except ReLU's derivative: 0)
-inline void act_and_grad(int64_t act, VF a, VF& f, VF& df) {
-  switch (act) {
-    case 0: {  // σ(a): σ (1 − σ)
-      f = sigmoid(a);
-      df = f * (splat(1.f) - f);
-      return;
-    }
-    case 1: {  // a Φ(a): Φ(a) + a φ(a), φ(a) = e^(−a²/2) / √(2π)
-      const VF phi = splat(0.5f) * (splat(1.f) + erf_as(a * splat(0.70710678118654752f)));
-      f = a * phi;
-      df = phi + a * splat(0.39894228040143268f) * exp_any(splat(-0.5f) * a * a);
-      return;
-    }
-    case 2: {  // ½ a (1 + tanh u), u = √(2/π)(a + 0.044715 a³): ½ (1 + tanh u) + ½ a (1 − tanh² u) u'
-      const VF u = splat(0.79788456080286536f) * (a + splat(0.044715f) * a * a * a);
-      const VF th = splat(1.f) - splat(2.f) / (splat(1.f) + exp_any(splat(2.f) * u));
-      const VF du = splat(0.79788456080286536f) * (splat(1.f) + splat(3.f * 0.044715f) * a * a);
-      f = splat(0.5f) * a * (splat(1.f) + th);
-      df = splat(0.5f) * (splat(1.f) + th) + splat(0.5f) * a * (splat(1.f) - th * th) * du;
-      return;
-    }
-    case 3: {  // a σ(a): σ (1 + a (1 − σ))
-      const VF sg = sigmoid(a);
-      f = a * sg;
-      df = sg * (splat(1.f) + a * (splat(1.f) - sg));
-      return;
-    }
-    case 4: {  // max(a, 0): [a > 0]
-      f = a < splat(0.f) ? splat(0.f) : a;
-      df = a > splat(0.f) ? splat(1.f) : splat(0.f);
-      return;
-    }
-    case 6: {  // max(a, 0)²: 2 max(a, 0)
-      const VF r = a < splat(0.f) ? splat(0.f) : a;
-      f = r * r;
-      df = splat(2.f) * r;
-      return;
-    }
-    default: {  // a σ(1.702 a): σ + 1.702 a σ (1 − σ)
-      const VF sg = sigmoid(splat(1.702f) * a);
-      f = a * sg;
-      df = sg + splat(1.702f) * a * sg * (splat(1.f) - sg);
-      return;
-    }
-  }
-}
-
 // n elements of a (gated) activation in training:  h = act(g) ⊙ u  (u null: 1); ACT a compile-time code
 template <int64_t ACT, class T>
 inline void act_span(const T* g, const T* u, int64_t n, T* h) {
-  const auto one = [&](VF a, VF uv) {
-    VF f, df;
-    act_and_grad(ACT, a, f, df);  // (df unused: the compiler drops it)
-    return f * uv;
-  };
+  const auto one = [&](VF a, VF uv) { return act_vec(ACT, a) * uv; };
   int64_t i = 0;
   for (; i + L <= n; i += L) st(h + i, one(ld(g + i), u ? ld(u + i) : splat(1.f)));
   if (i < n) st_part(h + i, one(ld_part(g + i, n - i, 0.f), u ? ld_part(u + i, n - i, 0.f) : splat(1.f)), n - i);
