@@ -7,9 +7,10 @@ is already time-limited: ``time_budget`` plans its steps, ``max_seconds`` is its
 
 1. Ours: ``attnlab train shakespeare-char`` (the ``default`` preset, ``--set`` applied) in a fresh process, with
    the preset's ``time_budget``, ``max_seconds`` and its step cap ``max_steps`` scaled by ``budget_s / 600``
-   (unchanged at 600 s), so it stops itself (at the cap where the machine is fast enough to reach it earlier). Its curve: the evaluations in ``metrics.jsonl`` (fixed validation blocks), each at its ``elapsed_s``
-   plus the process's time outside the trainer (``process_s - wall_s``, start-up before the trainer counted in
-   full: the curve is never earlier than it was).
+   (unchanged at 600 s), so it stops itself (at the cap where the machine is fast enough to reach it earlier). Its
+   curve: the evaluations in ``metrics.jsonl`` (fixed validation blocks), each at its ``elapsed_s`` plus the
+   process's time outside the trainer (``process_s - wall_s``, start-up before the trainer counted in full: the
+   curve is never earlier than it was).
 2. nanoGPT: its own ``train.py`` (an upstream checkout, :func:`nanogpt_upstream.budget_flags`) at our resolved
    ``n_layer``, ``n_head``, ``n_embd``, ``block_size``, ``batch_size``, for ``--nanogpt-iters`` iterations with its
    cosine over them; by default as many as fit its time on this machine (:func:`nanogpt_upstream.fitted_iters`: a

@@ -253,3 +253,22 @@ def test_a_bf16_gate_takes_the_native_pass_only_where_it_pays(isa, calls, monkey
     assert out.dtype == torch.bfloat16 and len(fwd) == calls
     FeedForward(16, 32, activation="swiglu")(torch.randn(2, 3, 16, requires_grad=True))
     assert len(fwd) == calls + 1
+
+
+@needs_native
+def test_rms_norm_train_backward_gives_the_same_bits_on_any_number_of_threads():
+    """dw sums fixed blocks of 32 rows, then the blocks: the partition does not follow the threads."""
+    gen = torch.Generator().manual_seed(7)
+    x, dy = torch.randn(1000, 64, generator=gen), torch.randn(1000, 64, generator=gen)
+    w = torch.rand(64, generator=gen) + 0.5
+    _, r = _native.rms_norm_train(x, w, 1e-6)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(_native.rms_norm_train_backward(dy, x, w, r))
+    finally:
+        torch.set_num_threads(before)
+    for dx, dw in outs[1:]:
+        assert torch.equal(dx, outs[0][0]) and torch.equal(dw, outs[0][1])

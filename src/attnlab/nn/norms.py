@@ -65,9 +65,9 @@ class _RMSNormFunction(torch.autograd.Function):
     (autograd through the forward's ops takes ~2× the time on CPU). Where attnlab's C++ kernels take ``x`` (float32
     on the CPU, eager) each direction is one pass (:func:`attnlab._native.rms_norm_train` and its backward, ``x̂``
     recomputed from the saved ``x`` and ``r``): fwd + bwd of a (16, 256, 256) float32 ``x``, 2 cores, 0.30× the
-    time of the PyTorch operations below (``benchmarks/train_passes.py``). Same forward values as the plain formula (the same float32
-    operations in the same order; ``r`` as ``1/√`` instead of ``rsqrt``, within an ulp); float32/float64 inputs
-    (half precision goes through the plain path).
+    time of the PyTorch operations below (``benchmarks/train_passes.py``). The same formula, its sums in another
+    order (``r`` as ``1/√`` instead of ``rsqrt``): within float32's rounding of it, tested against float64;
+    float32/float64 inputs (half precision goes through the plain path).
     """
 
     @staticmethod
