@@ -92,7 +92,9 @@ def _load() -> None:
                       softmax_rows=ops.softmax_rows.default, softmax_rows_backward=ops.softmax_rows_backward.default,
                       rms_norm_train=ops.rms_norm_train.default,
                       rms_norm_train_backward=ops.rms_norm_train_backward.default, rope_train=ops.rope_train.default,
-                      act_train=ops.act_train.default, act_train_backward=ops.act_train_backward.default)
+                      act_train=ops.act_train.default, act_train_backward=ops.act_train_backward.default,
+                      quantize_rows=ops.quantize_rows.default, quantize_rows_cols=ops.quantize_rows_cols.default,
+                      dequantize=ops.dequantize.default)
         isa()
     except Exception as e:  # no compiler, no ninja, a failed build: PyTorch's kernels serve instead
         why = " ".join(str(e).split())  # the compiler's message is at the end
@@ -280,6 +282,39 @@ def act_train_backward(dh: Tensor, g: Tensor, u: Optional[Tensor], activation: s
     dg, du = _state["act_train_backward"](dh, g, u, (GATES if u is not None else ACTIVATIONS)[activation],
                                           _state["isa"])
     return dg, (du if u is not None else None)
+
+
+def quantize_rows(x: Tensor, levels: int, c: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Symmetric int8 with one scale a row: ``s_r = max_j |x_rj c_j| / levels``, ``q_rj = round(x_rj c_j / s_r)``
+    (half to even) ``∈ [−levels, levels]``; ``x (R, n)`` contiguous float32 or bfloat16, ``c (n,)`` float32 or None
+    (1). Returns ``(q int8 (R, n), s float32 (R,))``; a zero row has ``s = 0``, a row holding a NaN or an infinity
+    ``s = NaN`` (its products come out NaN) and ``q = 0``.
+
+    Raises:
+        RuntimeError: the native kernels are not :func:`available` (callers check that first).
+    """
+    _need()
+    return _state["quantize_rows"](x, c, levels, _state["isa"])
+
+
+def quantize_rows_cols(x: Tensor, levels: int, col_levels: int, c: Optional[Tensor] = None
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`quantize_rows` of ``x ⊙ c`` and, in the same two reads of ``x``, ``x`` rounded with one scale a column
+    (``sc_j = max_r |x_rj| / col_levels``, ``c`` not applied), and the column sums ``Σ_r x_rj`` in float32 (fixed
+    blocks of rows: the same bits on any thread count). Returns ``(q, s, qc (R, n), sc (n,), sum (n,))``."""
+    _need()
+    return _state["quantize_rows_cols"](x, c, levels, col_levels, _state["isa"])
+
+
+def dequantize(acc: Tensor, rs: Tensor, cs: Optional[Tensor] = None, bias: Optional[Tensor] = None, *,
+               dtype: torch.dtype = torch.float32) -> Tensor:
+    """An int8 product back to floating point: ``y_rj = acc_rj (rs_r cs_j) + b_j`` for ``acc (R, n)`` int32
+    (``torch._int_mm``'s), ``rs (R,)``, ``cs (n,)`` (None: 1), ``bias (n,)`` (None: 0), all float32; ``y`` in
+    ``dtype`` (float32 or bfloat16)."""
+    _need()
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+    return _state["dequantize"](acc, rs, cs, bias, dtype == torch.bfloat16, _state["isa"])
 
 
 def transformed(t: Tensor) -> bool:

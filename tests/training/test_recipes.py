@@ -24,6 +24,14 @@ def test_parse_set_and_type_conversion():
     assert resolve_settings(r, overrides={"max_steps": 7}).max_steps == 7  # typed values pass through
 
 
+def test_nanogpt_cpu_preset_runs_int8_products_and_one_setting_turns_them_off():
+    """nanoGPT's CPU recipe with int8 products (measured in the shakespeare module's docstring); the default does not."""
+    recipe = get_recipe("shakespeare-char")
+    assert resolve_settings(recipe, preset="nanogpt-cpu").int8_training is True
+    assert resolve_settings(recipe, preset="nanogpt-cpu", overrides={"int8_training": "false"}).int8_training is False
+    assert resolve_settings(recipe).int8_training is False
+
+
 def test_default_preset_is_llama_with_muon_dropout_and_context_256():
     """The 10-minute default (measured in ShakespeareSettings' docstring); AdamW is one setting away, Muon's
     settings are refused without Muon unless at a default; ``dropout`` reaches Llama as ``hidden_dropout``."""

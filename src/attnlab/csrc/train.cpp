@@ -18,6 +18,16 @@
 //       (cos, sin (L, D/2) float32); y contiguous in x's dtype. sign −1 is the backward (Rᵀ = R(−φ))
 //   attnlab::act_train(g, u, act) -> h  /  attnlab::act_train_backward(dh, g, u, act) -> (dg, du)
 //       h = act(g) ⊙ u (u absent: 1); dg = dh ⊙ u ⊙ act'(g), du = dh ⊙ act(g)          (an FFN's (gated) activation)
+//   attnlab::quantize_rows(x, c, levels) -> (q, s)
+//       x (R, n), c (n,) float32 or absent (1): s_r = max_j |x_rj c_j| / k, q_rj = round(x_rj c_j / s_r) ∈ [−k, k]
+//       int8 (k = levels; round half to even; a zero row: s 0, q 0; a row with a NaN or an infinity: s NaN, q 0)
+//   attnlab::quantize_rows_cols(x, c, levels, col_levels) -> (q, s, qc, sc, sum)
+//       quantize_rows, and in the same two reads of x the same with one scale per column and no c (sc_j =
+//       max_r |x_rj| / k', qc (R, n) int8), and sum_j = Σ_r x_rj float32 (blocks of 32 rows, then the blocks in
+//       order: the same bits on any thread count)
+//   attnlab::dequantize(acc, rs, cs, b, bf16) -> y
+//       acc (R, n) int32 (an int8 product): y_rj = acc_rj (rs_r cs_j) + b_j (cs absent: 1, b absent: 0), float32
+//       or bfloat16
 //
 // Rows are split over torch's threads; the vector code is the caller's instruction set
 // (isa_regions.h). A NaN stays a NaN through every pass (the pipeline reports it).
@@ -35,6 +45,7 @@
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <utility>
 
 #include "native.h"
 
@@ -248,6 +259,145 @@ std::tuple<at::Tensor, at::Tensor> act_train_backward(const at::Tensor& dh, cons
   return {dg, du};
 }
 
+void check_levels(int64_t levels, const char* op) {
+  ATTNLAB_CHECK(1 <= levels && levels <= 127, "attnlab::", op, ": levels must be in [1, 127], got ", levels);
+}
+
+// the scale of a row or column whose largest |value| is m, and its inverse (0 for a zero row, NaN for NaN or ∞)
+std::pair<float, float> scale_of(float m, int64_t levels) {
+  if (!std::isfinite(m)) return {NAN, 0.f};
+  if (m == 0.f) return {0.f, 0.f};
+  return {m / static_cast<float>(levels), static_cast<float>(levels) / m};
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const std::optional<at::Tensor>& c,
+                                                 int64_t levels, int64_t isa) {
+  check_fb(x, "quantize_rows", "x");
+  check_levels(levels, "quantize_rows");
+  ATTNLAB_CHECK(x.dim() == 2, "attnlab::quantize_rows: x must be (rows, n), got ", x.sizes());
+  const int64_t R = x.size(0), n = x.size(1);
+  if (c) {
+    attnlab_native::check_f32(*c, "quantize_rows", "c");
+    ATTNLAB_CHECK(c->dim() == 1 && c->size(0) == n, "attnlab::quantize_rows: c must be (", n, ",), got ", c->sizes());
+  }
+  at::Tensor q = at::empty({R, n}, x.options().dtype(at::kChar));
+  at::Tensor s = at::empty({R}, x.options().dtype(at::kFloat));
+  const auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T* X = data<T>(x);
+    const float* C = c ? c->data_ptr<float>() : nullptr;
+    int8_t* Q = q.data_ptr<int8_t>();
+    float* S = s.data_ptr<float>();
+    const auto amax = ISA_FN(absmax_row<T>);
+    const auto quant = ISA_FN(quantize_row<T>);
+    at::parallel_for(0, R, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, n)), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const auto [scale, inv] = scale_of(amax(X + r * n, C, n), levels);
+        S[r] = scale;
+        if (inv == 0.f) {
+          std::memset(Q + r * n, 0, n);
+        } else {
+          quant(X + r * n, C, n, inv, Q + r * n);
+        }
+      }
+    });
+  };
+  x.scalar_type() == at::kFloat ? run(float{}) : run(uint16_t{});
+  return {q, s};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_rows_cols(
+    const at::Tensor& x, const std::optional<at::Tensor>& c, int64_t levels, int64_t col_levels, int64_t isa) {
+  check_fb(x, "quantize_rows_cols", "x");
+  check_levels(levels, "quantize_rows_cols");
+  check_levels(col_levels, "quantize_rows_cols");
+  ATTNLAB_CHECK(x.dim() == 2, "attnlab::quantize_rows_cols: x must be (rows, n), got ", x.sizes());
+  const int64_t R = x.size(0), n = x.size(1);
+  if (c) {
+    attnlab_native::check_f32(*c, "quantize_rows_cols", "c");
+    ATTNLAB_CHECK(c->dim() == 1 && c->size(0) == n, "attnlab::quantize_rows_cols: c must be (", n, ",), got ",
+                  c->sizes());
+  }
+  const auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor q = at::empty({R, n}, x.options().dtype(at::kChar)), qc = at::empty({R, n}, q.options());
+  at::Tensor s = at::empty({R}, f32), sc = at::empty({n}, f32), sum = at::empty({n}, f32), inv = at::empty({R}, f32);
+  at::Tensor cinv = at::empty({n}, f32);
+  // pass 1: each block of rows its rows' maxima and its columns' partial maxima and sums (a fixed partition: the
+  // same bits on any thread count); then the columns over the blocks in order. Pass 2: both roundings in one read
+  constexpr int64_t block = 32;
+  const int64_t blocks = std::max<int64_t>(1, (R + block - 1) / block);
+  at::Tensor pm = at::zeros({blocks, n}, f32), ps = at::zeros({blocks, n}, f32);
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, n));
+  const auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T* X = data<T>(x);
+    const float* C = c ? c->data_ptr<float>() : nullptr;
+    float *S = s.data_ptr<float>(), *SC = sc.data_ptr<float>(), *SUM = sum.data_ptr<float>();
+    float *INV = inv.data_ptr<float>(), *CINV = cinv.data_ptr<float>();
+    float *PM = pm.data_ptr<float>(), *PS = ps.data_ptr<float>();
+    const auto stats = ISA_FN(row_col_stats<T>);
+    at::parallel_for(0, blocks, std::max<int64_t>(1, grain / block), [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        for (int64_t r = b * block; r < std::min(R, (b + 1) * block); ++r) {
+          std::tie(S[r], INV[r]) = scale_of(stats(X + r * n, C, n, PM + b * n, PS + b * n), levels);
+        }
+      }
+    });
+    for (int64_t j = 0; j < n; ++j) {
+      float m = 0.f, total = 0.f;
+      for (int64_t b = 0; b < blocks; ++b) m = std::max(m, PM[b * n + j]), total += PS[b * n + j];
+      SUM[j] = total;
+      std::tie(SC[j], CINV[j]) = scale_of(std::isnan(total) ? NAN : m, col_levels);
+    }
+    bool bad = false;  // a column with a NaN or an infinity gets q 0 like such a row (its x · 0 is NaN)
+    for (int64_t j = 0; j < n; ++j) bad |= std::isnan(SC[j]);
+    int8_t *Q = q.data_ptr<int8_t>(), *QC = qc.data_ptr<int8_t>();
+    const auto quant = ISA_FN(quantize_row_col<T>);
+    at::parallel_for(0, R, grain, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        quant(X + r * n, C, n, INV[r], CINV, Q + r * n, QC + r * n);
+        if (INV[r] == 0.f) std::memset(Q + r * n, 0, n);
+        for (int64_t j = 0; bad && j < n; ++j) {
+          if (std::isnan(SC[j])) QC[r * n + j] = 0;
+        }
+      }
+    });
+  };
+  x.scalar_type() == at::kFloat ? run(float{}) : run(uint16_t{});
+  return {q, s, qc, sc, sum};
+}
+
+at::Tensor dequantize(const at::Tensor& acc, const at::Tensor& rs, const std::optional<at::Tensor>& cs,
+                      const std::optional<at::Tensor>& b, bool bf16, int64_t isa) {
+  ATTNLAB_CHECK(acc.device().is_cpu() && acc.scalar_type() == at::kInt && acc.dim() == 2 && acc.is_contiguous(),
+                "attnlab::dequantize: acc must be a contiguous int32 CPU tensor (rows, n), got ", acc.scalar_type(),
+                " ", acc.sizes());
+  const int64_t R = acc.size(0), n = acc.size(1);
+  attnlab_native::check_f32(rs, "dequantize", "rs");
+  ATTNLAB_CHECK(rs.dim() == 1 && rs.size(0) == R, "attnlab::dequantize: rs must be (", R, ",), got ", rs.sizes());
+  for (const auto* t : {&cs, &b}) {
+    if (*t) {
+      attnlab_native::check_f32(**t, "dequantize", t == &cs ? "cs" : "b");
+      ATTNLAB_CHECK((*t)->dim() == 1 && (*t)->size(0) == n, "attnlab::dequantize: ", t == &cs ? "cs" : "b",
+                    " must be (", n, ",), got ", (*t)->sizes());
+    }
+  }
+  at::Tensor y = at::empty({R, n}, acc.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  const auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const int32_t* A = acc.data_ptr<int32_t>();
+    const float *RS = rs.data_ptr<float>(), *CS = cs ? cs->data_ptr<float>() : nullptr;
+    const float* B = b ? b->data_ptr<float>() : nullptr;
+    T* Y = data<T>(y);
+    const auto row = ISA_FN(dequant_row<T>);
+    at::parallel_for(0, R, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, n)), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) row(A + r * n, RS[r], CS, B, n, Y + r * n);
+    });
+  };
+  bf16 ? run(uint16_t{}) : run(float{});
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(attnlab, m) {
@@ -258,6 +408,10 @@ TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("rope_train(Tensor x, Tensor cos, Tensor sin, float sign, int isa) -> Tensor");
   m.def("act_train(Tensor g, Tensor? u, int act, int isa) -> Tensor");
   m.def("act_train_backward(Tensor dh, Tensor g, Tensor? u, int act, int isa) -> (Tensor, Tensor)");
+  m.def("quantize_rows(Tensor x, Tensor? c, int levels, int isa) -> (Tensor, Tensor)");
+  m.def("quantize_rows_cols(Tensor x, Tensor? c, int levels, int col_levels, int isa) -> (Tensor, Tensor, Tensor, "
+        "Tensor, Tensor)");
+  m.def("dequantize(Tensor acc, Tensor rs, Tensor? cs, Tensor? b, bool bf16, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
@@ -268,4 +422,7 @@ TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
   m.impl("rope_train", &rope_train);
   m.impl("act_train", &act_train);
   m.impl("act_train_backward", &act_train_backward);
+  m.impl("quantize_rows", &quantize_rows);
+  m.impl("quantize_rows_cols", &quantize_rows_cols);
+  m.impl("dequantize", &dequantize);
 }

@@ -244,3 +244,133 @@ inline void act_grad_span(int64_t act, const T* dh, const T* g, const T* u, int6
   ATTNLAB_ACT_CASES(act_grad, dh, g, u, n, dg, du)
 }
 #undef ATTNLAB_ACT_CASES
+
+// ---- int8 products (attnlab.adapt.int8_training): symmetric quantisation with one scale per row or column ----
+
+using VB = int8_t __attribute__((vector_size(L)));
+
+// |a| lane by lane; a NaN stays a NaN
+inline VF vabs(VF a) {
+  VI bits;
+  std::memcpy(&bits, &a, sizeof bits);
+  bits &= 0x7FFFFFFF;  // the sign bit cleared (one AND, where a select costs a compare and a blend)
+  std::memcpy(&a, &bits, sizeof a);
+  return a;
+}
+inline VF vmax(VF m, VF a) { return a > m ? a : m; }  // drops a NaN of a: callers also sum (a NaN sum flags it)
+// round half to even (|v| < 2²²), then to int8: v holds values in [−127, 127]
+inline void st_q(int8_t* q, VF v) {
+  const VF r = (v + splat(12582912.f)) - splat(12582912.f);
+  const VB b = __builtin_convertvector(__builtin_convertvector(r, VI), VB);
+  std::memcpy(q, &b, sizeof b);
+}
+inline int8_t round_q(float v) { return static_cast<int8_t>(static_cast<int32_t>((v + 12582912.f) - 12582912.f)); }
+// the largest lane, and whether a lane is NaN: halving trees (log₂ L steps deep, not L)
+inline float tree_max(VF v) {
+  float t[L];
+  std::memcpy(t, &v, sizeof t);
+  for (int w = L / 2; w >= 1; w /= 2) {
+    for (int i = 0; i < w; ++i) t[i] = t[i + w] > t[i] ? t[i + w] : t[i];
+  }
+  return t[0];
+}
+inline bool any_nan(VF v) {
+  float t[L];
+  std::memcpy(t, &v, sizeof t);
+  for (int w = L / 2; w >= 1; w /= 2) {
+    for (int i = 0; i < w; ++i) t[i] += t[i + w];  // a NaN lane makes the sum NaN
+  }
+  return std::isnan(t[0]);
+}
+
+// m = max_j |x_j c_j| over a row (c null: 1); NaN if the row holds a NaN. Four accumulators: the max is a chain
+template <class T>
+inline float absmax_row(const T* x, const float* c, int64_t n) {
+  const auto at = [&](int64_t j) { return vabs(c ? ld(x + j) * load(c + j) : ld(x + j)); };
+  VF m0 = splat(0.f), m1 = m0, m2 = m0, m3 = m0, s = m0;
+  int64_t j = 0;
+  for (; j + 4 * L <= n; j += 4 * L) {
+    const VF a0 = at(j), a1 = at(j + L), a2 = at(j + 2 * L), a3 = at(j + 3 * L);
+    m0 = vmax(m0, a0), m1 = vmax(m1, a1), m2 = vmax(m2, a2), m3 = vmax(m3, a3);
+    s += (a0 + a1) + (a2 + a3);
+  }
+  for (; j + L <= n; j += L) {
+    const VF a = at(j);
+    m0 = vmax(m0, a), s += a;
+  }
+  float r = tree_max(vmax(vmax(m0, m1), vmax(m2, m3)));
+  bool nan = any_nan(s);
+  for (; j < n; ++j) {
+    const float a = std::fabs(c ? ld1(x + j) * c[j] : ld1(x + j));
+    r = a > r ? a : r, nan |= std::isnan(a);
+  }
+  return nan ? NAN : r;
+}
+
+// q_j = round(x_j c_j inv) (c null: 1)
+template <class T>
+inline void quantize_row(const T* x, const float* c, int64_t n, float inv, int8_t* q) {
+  int64_t j = 0;
+  for (; j + L <= n; j += L) st_q(q + j, (c ? ld(x + j) * load(c + j) : ld(x + j)) * splat(inv));
+  for (; j < n; ++j) q[j] = round_q((c ? ld1(x + j) * c[j] : ld1(x + j)) * inv);
+}
+
+// One row's part of both quantisations: returns max_j |x_j c_j| (c null: 1; NaN if the row holds a NaN) and folds
+// the row into its block's column partials: m_j = max(m_j, |x_j|), sum_j += x_j (NaN kept in sum_j)
+template <class T>
+inline float row_col_stats(const T* x, const float* c, int64_t n, float* m, float* sum) {
+  VF rm0 = splat(0.f), rm1 = rm0, rs = rm0;
+  int64_t j = 0;
+  for (; j + 2 * L <= n; j += 2 * L) {
+    const VF a0 = ld(x + j), a1 = ld(x + j + L);
+    const VF b0 = vabs(a0), b1 = vabs(a1);
+    const VF r0 = c ? vabs(a0 * load(c + j)) : b0, r1 = c ? vabs(a1 * load(c + j + L)) : b1;
+    rm0 = vmax(rm0, r0), rm1 = vmax(rm1, r1), rs += r0 + r1;
+    store(m + j, vmax(load(m + j), b0)), store(m + j + L, vmax(load(m + j + L), b1));
+    store(sum + j, load(sum + j) + a0), store(sum + j + L, load(sum + j + L) + a1);
+  }
+  for (; j + L <= n; j += L) {
+    const VF a = ld(x + j), b = vabs(a), r = c ? vabs(a * load(c + j)) : b;
+    rm0 = vmax(rm0, r), rs += r;
+    store(m + j, vmax(load(m + j), b)), store(sum + j, load(sum + j) + a);
+  }
+  float r = tree_max(vmax(rm0, rm1));
+  bool nan = any_nan(rs);
+  for (; j < n; ++j) {
+    const float a = ld1(x + j), b = std::fabs(a), rc = c ? std::fabs(a * c[j]) : b;
+    r = rc > r ? rc : r, nan |= std::isnan(rc);
+    m[j] = b > m[j] ? b : m[j], sum[j] += a;
+  }
+  return nan ? NAN : r;
+}
+
+// q_j = round(x_j c_j inv) and qc_j = round(x_j cinv_j): a row of both quantisations in one read
+template <class T>
+inline void quantize_row_col(const T* x, const float* c, int64_t n, float inv, const float* cinv, int8_t* q,
+                             int8_t* qc) {
+  int64_t j = 0;
+  for (; j + L <= n; j += L) {
+    const VF a = ld(x + j);
+    st_q(q + j, (c ? a * load(c + j) : a) * splat(inv));
+    st_q(qc + j, a * load(cinv + j));
+  }
+  for (; j < n; ++j) {
+    const float a = ld1(x + j);
+    q[j] = round_q((c ? a * c[j] : a) * inv);
+    qc[j] = round_q(a * cinv[j]);
+  }
+}
+
+// y_j = acc_j (rs cs_j) + b_j  (cs null: 1, b null: 0): a row of an int32 product back to float
+template <class T>
+inline void dequant_row(const int32_t* acc, float rs, const float* cs, const float* b, int64_t n, T* y) {
+  int64_t j = 0;
+  for (; j + L <= n; j += L) {
+    VI a;
+    std::memcpy(&a, acc + j, sizeof a);
+    VF v = __builtin_convertvector(a, VF) * (cs ? splat(rs) * load(cs + j) : splat(rs));
+    if (b) v += load(b + j);
+    st(y + j, v);
+  }
+  for (; j < n; ++j) st1(y + j, static_cast<float>(acc[j]) * (cs ? rs * cs[j] : rs) + (b ? b[j] : 0.f));
+}

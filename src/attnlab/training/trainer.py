@@ -27,7 +27,9 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from attnlab import _native
 from attnlab._runtime import resolve_dtype
+from attnlab.adapt.int8_training import int8_training
 from attnlab.training import distributed as D
 from attnlab.training.activation_checkpointing import enable_gradient_checkpointing
 from attnlab.training.checkpoint import (latest_checkpoint, latest_intact_checkpoint, rng_state, save_checkpoint,
@@ -95,6 +97,7 @@ class Trainer:
         # "auto" -> what this machine computes natively (bf16 or fp32); printed once in fit, kept in metrics
         self.dtype, self.dtype_reason = resolve_dtype(config.dtype, self.device, name="TrainConfig.dtype")
         self.model = model.to(self.device)
+        self.int8_layers = self._int8(config)
         if config.grad_checkpointing:
             enable_gradient_checkpointing(self.model)
         self.optimizer = build_optimizer(self.model, name=config.optimizer, lr=config.lr, betas=config.betas,
@@ -114,6 +117,16 @@ class Trainer:
         self.history: list[dict] = []
         self.run_info = run_info
         self._window = LogWindow()  # checkpointed: the log after a resume equals the uninterrupted one
+
+    def _int8(self, config: TrainConfig) -> list[str]:
+        """``int8_training``: the model's linear layers (but an output head) made int8-product layers, in place."""
+        if not config.int8_training:
+            return []
+        if self.device.type != "cpu":
+            raise ValueError(f"TrainConfig.int8_training runs on the CPU; the device is {self.device}")
+        if not _native.available():
+            raise ValueError(f"TrainConfig.int8_training needs attnlab's native kernels: {_native.status()}")
+        return int8_training(self.model)
 
     # ---- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -231,6 +244,8 @@ class Trainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             if cfg.progress:  # quiet runs still record it in metrics.json
                 print(f"dtype: {self.dtype} ({self.dtype_reason})", file=sys.stderr)
+                if self.int8_layers:
+                    print(f"int8 products: {len(self.int8_layers)} linear layers", file=sys.stderr)
         latest = D.broadcast_object(latest_checkpoint(self.out_dir) if main else None)
         if latest is not None and not resume:
             raise ValueError(f"{self.out_dir} already holds checkpoints (latest {latest.name}): "
@@ -359,7 +374,7 @@ class Trainer:
         metrics = {"steps": self.step, "train_tokens": self.tokens,
                    "train_tokens_per_s": self.tokens / self.train_time if self.train_time > 0 else 0.0,
                    "train_time_s": self.train_time, "wall_s": wall,
-                   "dtype": self.dtype, "dtype_reason": self.dtype_reason}
+                   "dtype": self.dtype, "dtype_reason": self.dtype_reason, "int8_layers": len(self.int8_layers)}
         train = [r for r in self.history if r.get("kind") == "train"]
         if train:
             metrics["train_loss"] = train[-1]["loss"]

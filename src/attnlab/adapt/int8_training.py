@@ -1,0 +1,119 @@
+"""Int8 products in training: a linear layer's three matrix products in int8 × int8 → int32, each operand
+quantised at run time with one scale per row or column (the "int8 mixed-precision training" of torchao and
+SwitchBack, Wortsman et al. 2023, with the weight gradient in int8 too). For ``Y = X Wᵀ + b`` (``X (T, in)`` the
+tokens, ``W (out, in)``), writing ``q_k(A)`` for symmetric rounding to ``[−k, k]`` with the scales ``s``::
+
+    forward        X ≈ diag(s_x) q_127(X) (a scale per token),  W ≈ diag(s_w) q_63(W) (per output row)
+                   Y = diag(s_x) (q(X) q(W)ᵀ) diag(s_w) + b
+    ∂L/∂X          G = ∂L/∂Y;  G W = (G diag(s_w)) q(W):  Z = G diag(s_w) ≈ diag(s_z) q_127(Z) (per token)
+                   ∂L/∂X = diag(s_z) (q(Z) q(W))
+    ∂L/∂W          Gᵀ X: G ≈ q_127(G) diag(s_g), X ≈ q_63(X) diag(s_c) (a scale per column, over the tokens)
+                   ∂L/∂W = diag(s_g) (q(G)ᵀ q(X)) diag(s_c),   ∂L/∂b = Σ_t G_t (float32)
+
+Every scale sits on an index the product keeps (a row of the left operand, a column of the right), so each
+product is one integer matrix product and one rescaling pass. The right operand is rounded to 7 bits (±63): on
+CPUs without VNNI (AVX2, AVX-512 without VNNI) oneDNN multiplies ``u8 × s8`` pairs into 16-bit sums, which
+saturate at 8-bit × 8-bit (measured: ``torch._int_mm`` wrong by up to ~10⁶ with both at ±127) and are exact
+at 8 × 7 bits; the same rounding everywhere keeps the result the same on every CPU. The int32 sums are exact, so
+the products are: only the roundings (and the float32 rescaling) differ from a float product.
+
+Why: on 2 cores ``torch._int_mm`` at the ``nanogpt-cpu`` preset's shapes runs 440 GFLOP/s with AVX2 (fp32: ~205)
+and 1,600 with AVX512-VNNI (bf16: ~360) — ``benchmarks/train.py`` measures the whole step. What it costs: the
+roundings of 8- and 7-bit operands (relative error up to 1/254 and 1/126 of the row's largest value) in every
+product; ``nanogpt-cpu``'s val loss is unchanged within its seed-to-seed spread (the recipe's docstring table).
+
+Evaluation and inference are not quantised: the layer is an ``nn.Linear`` (same parameters, same state dict) whose
+training forward takes this path; in ``eval()`` mode, or where the native kernels are not built, it is the float
+layer. :func:`int8_training` swaps the layers of a model in place.
+"""
+from __future__ import annotations
+
+import fnmatch
+from typing import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from attnlab import _native
+
+LEFT, RIGHT = 127, 63  # levels of the left (8-bit) and right (7-bit) operands of torch._int_mm
+MAX_INNER = (2 ** 31 - 1) // (LEFT * RIGHT)  # the longest sum of products an int32 holds exactly (268,400 terms)
+
+
+def _mm(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` for int8 ``a (M, K)`` (≤ ±127) and ``b (K, N)`` (≤ ±63) in int32, in parts of :data:`MAX_INNER`
+    terms along K (each part exact; their sum too while it fits, which the callers' K never exceeds in practice)."""
+    if a.shape[1] <= MAX_INNER:
+        return torch._int_mm(a, b)
+    out = torch._int_mm(a[:, :MAX_INNER], b[:MAX_INNER])
+    for k0 in range(MAX_INNER, a.shape[1], MAX_INNER):
+        out = out + torch._int_mm(a[:, k0:k0 + MAX_INNER], b[k0:k0 + MAX_INNER])
+    return out
+
+
+class _Int8Product(torch.autograd.Function):
+    """``Y = X Wᵀ + b`` with the three products in int8 (module docstring); X float32 or bfloat16 (autocast's), the
+    output in the autocast dtype under autocast, else X's."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        x2 = x2 if x2.is_contiguous() else x2.contiguous()
+        if ctx.needs_input_grad[1]:  # X by columns too, for ∂L/∂W
+            qx, sx, qxc, sxc, _ = _native.quantize_rows_cols(x2, LEFT, RIGHT)
+        else:
+            (qx, sx), qxc, sxc = _native.quantize_rows(x2, LEFT), None, None
+        qw, sw = _native.quantize_rows(weight.detach(), RIGHT)
+        y = _native.dequantize(_mm(qx, qw.t()), sx, sw, None if bias is None else bias.detach().float(),
+                               dtype=out_dtype)
+        ctx.save_for_backward(qw, sw, qxc, sxc)
+        ctx.x_shape, ctx.x_dtype, ctx.has_bias = shape, x.dtype, bias is not None
+        return y.reshape(*shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        qw, sw, qxc, sxc = ctx.saved_tensors
+        g = dy.reshape(-1, dy.shape[-1])
+        g = g if g.is_contiguous() else g.contiguous()
+        if g.dtype not in (torch.float32, torch.bfloat16):
+            g = g.float()
+        dx = dw = db = None
+        qz, sz, qg, sg, gsum = _native.quantize_rows_cols(g, LEFT, LEFT, sw)  # G diag(s_w) by rows, G by columns
+        if ctx.needs_input_grad[0]:
+            dx = _native.dequantize(_mm(qz, qw), sz, dtype=ctx.x_dtype).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            dw = _native.dequantize(_mm(qg.t(), qxc), sg, sxc)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = gsum
+        return dx, dw, db, None
+
+
+class Int8TrainingLinear(nn.Linear):
+    """An ``nn.Linear`` whose training forward runs its three products in int8 (module docstring); ``eval()``
+    mode, inputs other than float32/bfloat16 on the CPU, or no native kernels: the float layer. Same parameters
+    and state dict as ``nn.Linear``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (self.training and torch.is_grad_enabled() and x.device.type == "cpu"
+                and x.dtype in (torch.float32, torch.bfloat16) and self.weight.dtype == torch.float32
+                and _native.runs_on(x)):
+            return super().forward(x)
+        out_dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
+        if out_dtype not in (torch.float32, torch.bfloat16):
+            return super().forward(x)
+        with torch.autocast("cpu", enabled=False):
+            return _Int8Product.apply(x, self.weight, self.bias, out_dtype)
+
+
+def int8_training(model: nn.Module, *, skip: Iterable[str] = ("*lm_head*", "*head")) -> list[str]:
+    """Make every ``nn.Linear`` of ``model`` (in place) an :class:`Int8TrainingLinear`, except those whose
+    qualified name matches a pattern of ``skip`` (``fnmatch``; default: the output head, whose products are a
+    vocabulary's logits). Returns the names converted. The parameters and state dict do not change."""
+    skip = list(skip)
+    done = []
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear and not any(fnmatch.fnmatchcase(name, p) for p in skip):
+            module.__class__ = Int8TrainingLinear
+            done.append(name)
+    return done

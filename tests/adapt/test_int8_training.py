@@ -1,0 +1,293 @@
+"""Int8 products in training (attnlab.adapt.int8_training and its C++ passes in csrc/train.cpp) against float64.
+
+Oracles and tolerances (ε = 2⁻²⁴ per float32 rounding):
+- Quantisation: the scale is the float32 quotient max|x c| / k, so it is compared exactly; every rounded value
+  satisfies |q s − x c| ≤ s/2 + 3 ε |x c| + ε s (s and 1/s are float32 roundings; without FMA, the portable code,
+  x c / s is rounded once more before the rounding to an integer), q ∈ [−k, k], and q is round-half-even of the
+  exact product except within a few ulps of a tie.
+- Dequantisation ``acc (rs cs) + b``: two float32 products and a sum, ≤ 3 ε (|acc rs cs| + |b|).
+- The layer: the int32 sums are exact, so its forward equals diag(s_x) (q_x q_wᵀ) diag(s_w) + b computed in
+  float64 from the same integers within the rescaling's 3 ε; against the float layer x Wᵀ + b it is off by at most
+  the roundings' bound Σ_j (s_x/2 |W_oj| + s_wo/2 |x_j| + s_x s_wo / 4) — the same for both gradients.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnlab import _native
+from attnlab.adapt import int8_training as I
+from _native_isas import EPS32, ISA_IDS, ISAS, isa, needs_native  # noqa: F401 (isa: a fixture)
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+SHAPES = pytest.mark.parametrize("rows,n", [(96, 128), (37, 19), (3, 5)])
+
+
+def _half_even(v: torch.Tensor) -> torch.Tensor:
+    return torch.round(v)  # torch.round rounds half to even
+
+
+def _check_rounding(q, s, x, levels):
+    """q, s of x (float64, rows) rounded with one scale per row: the scale exact, every value within s/2."""
+    assert q.dtype == torch.int8 and (q.abs() <= levels).all()
+    m = x.abs().amax(-1)
+    assert torch.equal(s, (m.float() / levels))  # float32's own quotient
+    err = (q.double() * s.double()[:, None] - x).abs()
+    assert (err <= s.double()[:, None] * (0.5 + EPS32) + 3 * EPS32 * x.abs() + 1e-30).all()  # s and 1/s rounded
+    inv = (torch.tensor(float(levels)) / m.float()).double()
+    exact = _half_even(x * inv[:, None])  # the exact product, rounded once (what an FMA gives)
+    near_tie = ((x * inv[:, None]).frac().abs() - 0.5).abs() <= 4 * EPS32 * (x * inv[:, None]).abs()
+    assert ((q.double() == exact) | near_tie).all()
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
+@DTYPES
+@SHAPES
+@pytest.mark.parametrize("levels", [127, 63])
+def test_quantize_rows_rounds_each_row_to_its_own_scale(isa, dtype, rows, n, levels):
+    gen = torch.Generator().manual_seed(rows * n + levels)
+    x = (torch.randn(rows, n, generator=gen) * torch.rand(rows, 1, generator=gen) * 4).to(dtype)
+    c = torch.rand(n, generator=gen) + 0.5
+    q, s = _native.quantize_rows(x, levels)
+    _check_rounding(q, s, x.double(), levels)
+    q, s = _native.quantize_rows(x, levels, c)
+    _check_rounding(q, s, (x.float() * c).double(), levels)  # x c is a float32 product in the kernel too
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
+@DTYPES
+@SHAPES
+def test_quantize_rows_cols_gives_the_rows_and_the_columns_and_their_sums(isa, dtype, rows, n):
+    gen = torch.Generator().manual_seed(rows + n)
+    x = (torch.randn(rows, n, generator=gen) * torch.rand(1, n, generator=gen) * 3).to(dtype)
+    c = torch.rand(n, generator=gen) + 0.5
+    q, s, qc, sc, total = _native.quantize_rows_cols(x, 127, 63, c)
+    q1, s1 = _native.quantize_rows(x, 127, c)
+    assert torch.equal(q, q1) and torch.equal(s, s1)  # the row part is quantize_rows'
+    _check_rounding(qc.t().contiguous(), sc, x.double().t(), 63)
+    xd = x.double()
+    assert total.dtype == torch.float32
+    assert ((total.double() - xd.sum(0)).abs() <= (rows + 2) * EPS32 * xd.abs().sum(0) + 1e-30).all()
+
+
+@needs_native
+def test_the_column_sums_are_the_same_bits_on_any_thread_count():
+    x = torch.randn(1000, 96, generator=torch.Generator().manual_seed(0))
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(_native.quantize_rows_cols(x, 127, 63))
+    finally:
+        torch.set_num_threads(before)
+    for out in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], out))
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
+def test_a_zero_row_scales_to_0_and_a_nan_or_infinite_row_or_column_to_nan(isa):
+    x = torch.randn(6, 20)
+    x[1] = 0
+    x[2, 3] = float("nan")
+    x[4, 7] = float("inf")
+    q, s, qc, sc, total = _native.quantize_rows_cols(x, 127, 127)
+    assert s[1] == 0 and (q[1] == 0).all()
+    assert s[2].isnan() and s[4].isnan() and (q[2] == 0).all() and (q[4] == 0).all()
+    assert sc[3].isnan() and sc[7].isnan() and (qc[:, 3] == 0).all() and (qc[:, 7] == 0).all()
+    assert total[3].isnan() and total[7].isinf()
+    assert torch.isfinite(s[[0, 1, 3, 5]]).all() and torch.isfinite(sc[[0, 1, 2, 4]]).all()
+    acc = torch._int_mm(q, torch.ones(20, 8, dtype=torch.int8))
+    y = _native.dequantize(acc, s)
+    assert y[2].isnan().all() and y[4].isnan().all() and not y[[0, 1, 3, 5]].isnan().any()  # NaN is never lost
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
+@DTYPES
+@SHAPES
+def test_dequantize_rescales_an_int32_product(isa, dtype, rows, n):
+    gen = torch.Generator().manual_seed(n)
+    acc = torch.randint(-2**24, 2**24, (rows, n), generator=gen, dtype=torch.int32)
+    rs, cs, b = torch.rand(rows, generator=gen), torch.rand(n, generator=gen), torch.randn(n, generator=gen)
+    for kw, ref in (({}, acc.double() * rs.double()[:, None]),
+                    ({"cs": cs, "bias": b}, acc.double() * (rs[:, None] * cs).double() + b.double())):
+        y = _native.dequantize(acc, rs, dtype=dtype, **kw)
+        bound = 3 * EPS32 * (ref.abs() + 1) + (2.0**-8 if dtype == torch.bfloat16 else 0) * ref.abs()
+        assert y.dtype == dtype and ((y.double() - ref).abs() <= bound).all()
+
+
+@needs_native
+def test_bad_arguments_are_refused_naming_them():
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="levels must be in"):
+        _native.quantize_rows(x, 128)
+    with pytest.raises(RuntimeError, match="c must be"):
+        _native.quantize_rows(x, 127, torch.ones(3))
+    with pytest.raises(RuntimeError, match="x must be"):
+        _native.quantize_rows_cols(x.long(), 127, 63)
+    with pytest.raises(RuntimeError, match="acc must be"):
+        _native.dequantize(torch.ones(4, 8), torch.ones(4))
+    with pytest.raises(RuntimeError, match="cs must be"):
+        _native.dequantize(torch.ones(4, 8, dtype=torch.int32), torch.ones(4), torch.ones(3))
+    with pytest.raises(ValueError, match="dtype must be"):
+        _native.dequantize(torch.ones(4, 8, dtype=torch.int32), torch.ones(4), dtype=torch.float16)
+
+
+def test_int_mm_is_exact_with_8_bit_left_and_7_bit_right_operands():
+    """The premise of the 7-bit right operand: oneDNN's products on this CPU (and as AVX2) are exact there."""
+    gen = torch.Generator().manual_seed(1)
+    sign = lambda *s: torch.where(torch.rand(*s, generator=gen) < 0.5, 1, -1)  # noqa: E731
+    a = (sign(300, 512) * I.LEFT).to(torch.int8)  # the worst case: every pair at full magnitude
+    b = (sign(512, 96) * I.RIGHT).to(torch.int8)
+    ref = a.double() @ b.double()
+    assert torch.equal(torch._int_mm(a, b).double(), ref)
+    assert torch.equal(torch._int_mm(a, b.t().contiguous().t()).double(), ref)
+    assert torch.equal(torch._int_mm(a.t().contiguous().t(), b).double(), ref)
+
+
+def test_a_sum_longer_than_an_int32_holds_runs_in_exact_parts(monkeypatch):
+    gen = torch.Generator().manual_seed(2)
+    a = torch.randint(-127, 128, (16, 200), generator=gen, dtype=torch.int8)
+    b = torch.randint(-63, 64, (200, 24), generator=gen, dtype=torch.int8)
+    whole = I._mm(a, b)
+    monkeypatch.setattr(I, "MAX_INNER", 48)
+    assert torch.equal(I._mm(a, b), whole) and torch.equal(whole.double(), a.double() @ b.double())
+
+
+def _layer(i, o, bias=True, seed=0):
+    torch.manual_seed(seed)
+    lin = nn.Linear(i, o, bias=bias)
+    with torch.no_grad():
+        lin.weight.normal_(0, 0.5)
+        if bias:
+            lin.bias.normal_(0, 1)
+    return lin
+
+
+def _emulated(x, w, b):
+    """The int8 layer's forward and gradients computed in float64 from the same integers (module docstring)."""
+    qx, sx = _native.quantize_rows(x, I.LEFT)
+    qw, sw = _native.quantize_rows(w, I.RIGHT)
+    qxc, sxc = _native.quantize_rows(x.t().contiguous(), I.RIGHT)
+    y = sx.double()[:, None] * (qx.double() @ qw.double().t()) * sw.double() + (b.double() if b is not None else 0)
+    return y, (qw, sw, qxc, sxc)
+
+
+@needs_native
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(2, 40, 64), (70, 33)])
+def test_the_layer_equals_its_integer_formula_and_stays_within_the_roundings_of_the_float_layer(bias, shape):
+    lin = _layer(shape[-1], 48, bias)
+    ref_lin = _layer(shape[-1], 48, bias)
+    I.int8_training(lin, skip=())
+    assert type(lin) is I.Int8TrainingLinear and lin.training
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(*shape, generator=gen) * 2).requires_grad_()
+    y = lin(x)
+    x2 = x.detach().reshape(-1, shape[-1])
+    y_int, (qw, sw, qxc, sxc) = _emulated(x2, lin.weight.detach(), lin.bias)
+    assert y.dtype == torch.float32 and y.shape == (*shape[:-1], 48)
+    assert ((y.detach().reshape(-1, 48).double() - y_int).abs() <= 3 * EPS32 * (y_int.abs() + 1)).all()
+
+    xd = x.detach().double().requires_grad_()
+    yd = F.linear(xd, ref_lin.weight.double(), None if not bias else ref_lin.bias.double())
+    _, sx = _native.quantize_rows(x2, I.LEFT)
+    W = lin.weight.detach().double()
+    bound = (sx.double()[:, None] / 2 * W.abs().sum(1) + sw.double() / 2 * x2.double().abs().sum(1, keepdim=True)
+             + sx.double()[:, None] * sw.double() / 4 * shape[-1])
+    assert ((y.detach().reshape(-1, 48).double() - yd.detach().reshape(-1, 48)).abs() <= bound * 1.001).all()
+
+    g = torch.randn(*shape[:-1], 48, generator=gen)
+    y.backward(g)
+    yd.backward(g.double())
+    g2 = g.reshape(-1, 48).double()
+    # ∂L/∂x = diag(s_z) q(Z) q(W) with Z = G diag(s_w); ∂L/∂W = diag(s_g) q(G)ᵀ q(X) diag(s_c), from the same integers
+    qz, sz = _native.quantize_rows(g.reshape(-1, 48), I.LEFT, sw)
+    dx_int = sz.double()[:, None] * (qz.double() @ qw.double())
+    assert ((x.grad.reshape(-1, shape[-1]).double() - dx_int).abs() <= 3 * EPS32 * (dx_int.abs() + 1)).all()
+    qg, sg = _native.quantize_rows(g.reshape(-1, 48).t().contiguous(), I.LEFT)
+    dw_int = sg.double()[:, None] * (qg.double() @ qxc.double().t()) * sxc.double()
+    assert ((lin.weight.grad.double() - dw_int).abs() <= 3 * EPS32 * (dw_int.abs() + 1)).all()
+    if bias:
+        assert ((lin.bias.grad.double() - g2.sum(0)).abs() <= (g2.shape[0] + 2) * EPS32 * g2.abs().sum(0)).all()
+    else:
+        assert lin.bias is None
+    # and each gradient within its roundings of the float layer's (relative to its scale: the bound's form above)
+    for got, ref in ((x.grad, xd.grad), (lin.weight.grad, ref_lin.weight.grad)):
+        err = (got.double() - ref).abs().max() / ref.abs().max()
+        assert err < 0.05, f"relative error {err:.3g}: beyond 8- and 7-bit roundings"
+
+
+@needs_native
+def test_under_bf16_autocast_the_output_is_bf16_and_the_gradients_keep_the_parameters_float32():
+    lin = _layer(64, 32)
+    I.int8_training(lin, skip=())
+    x = torch.randn(10, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lin(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and lin.weight.grad.dtype == torch.float32 and lin.bias.grad is not None
+    xb = torch.randn(10, 64).bfloat16().requires_grad_()
+    lin(xb).sum().backward()  # bf16 in: bf16 out and its gradient bf16
+    assert xb.grad.dtype == torch.bfloat16
+
+
+def test_evaluation_no_grad_and_other_dtypes_run_the_float_layer_exactly():
+    lin, ref = _layer(16, 8), _layer(16, 8)
+    I.int8_training(lin, skip=())
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        assert torch.equal(lin(x), ref(x))
+    lin.eval()
+    assert torch.equal(lin(x), ref(x))
+    lin.train()
+    lin.double(), ref.double()
+    assert torch.equal(lin(x.double()), ref(x.double()))
+    assert lin.state_dict().keys() == ref.state_dict().keys()
+
+
+def test_int8_training_converts_every_linear_layer_but_the_head():
+    from attnlab.models.gpt import GPT2Config, GPT2LMHeadModel
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+    names = I.int8_training(model)
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    heads = [n for n in linears if n not in names]
+    assert len(names) == 8 and heads == ["lm_head"]
+    assert all(type(dict(model.named_modules())[n]) is I.Int8TrainingLinear for n in names)
+
+
+@needs_native
+def test_training_with_int8_products_learns_and_the_trainer_records_it(tmp_path):
+    from attnlab.training.config import TrainConfig
+    from attnlab.training.trainer import Trainer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    gen = torch.Generator().manual_seed(0)
+    W = torch.randn(16, 16, generator=gen)
+
+    def batches():
+        while True:
+            x = torch.randn(64, 16, generator=gen)
+            yield x, x @ W
+
+    def loss_fn(m, batch):
+        return F.mse_loss(m(batch[0]), batch[1]), batch[0].shape[0]
+
+    cfg = TrainConfig(max_steps=300, lr=1e-2, min_lr=1e-3, int8_training=True, progress=False, log_every=50)
+    trainer = Trainer(model, cfg, train_batches=batches(), loss_fn=loss_fn, out_dir=tmp_path)
+    assert all(type(m) is I.Int8TrainingLinear for m in (model[0], model[2]))
+    metrics = trainer.fit()
+    losses = [r["loss"] for r in trainer.history if r.get("kind") == "train"]
+    assert metrics["int8_layers"] == 2 and losses[-1] < 0.05 * losses[0]
+
+
+def test_int8_training_must_be_a_bool():
+    from attnlab.training.config import TrainConfig
+    with pytest.raises(ValueError, match="int8_training"):
+        TrainConfig(int8_training="yes")
