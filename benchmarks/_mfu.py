@@ -17,12 +17,16 @@ settings), so the two MFUs compare the same work measure.
 ``MFU = FLOPs / wall_s / peak``: ``wall_s`` is the whole process (start-up, data, evaluations, files
 included), ``peak`` the matrix-product rate this machine measured in the same benchmark run for the dtype
 the run computed in (:func:`attnlab._runtime.probe` with ``measure=True``: the best of a short run of
-512 × 512 products, at the benchmark's thread count).
+512 × 512 products, at the benchmark's thread count); a run with ``int8_training`` is measured against the int8
+products' peak (:func:`int8_gflops`), though its attention and head products stay in its float dtype.
 """
 from __future__ import annotations
 
-__all__ = ["matmul_params", "train_flops", "run_flops", "settings_flops", "nanogpt_flops", "peak_gflops", "mfu",
-           "shown"]
+import functools
+import time
+
+__all__ = ["matmul_params", "train_flops", "run_flops", "settings_flops", "nanogpt_flops", "peak_gflops",
+           "int8_gflops", "mfu", "shown"]
 
 
 def matmul_params(*, n_layer: int, n_embd: int, ffn_dim: int, vocab_size: int, gated: bool) -> int:
@@ -60,13 +64,35 @@ def nanogpt_flops(model_args: dict, *, steps: int, batch_size: int) -> float:
 
 
 def peak_gflops(dtype: str) -> float:
-    """This machine's measured matrix-product GFLOP/s for ``dtype`` (``fp32`` or ``bf16``), from the probe."""
+    """This machine's measured matrix-product GFLOP/s for ``dtype``: ``fp32`` or ``bf16`` from the probe, ``int8``
+    (a run with ``int8_training``: its linear layers' products) from :func:`int8_gflops`."""
     from attnlab._runtime import probe
 
+    if dtype == "int8":
+        return int8_gflops()
     cap = probe(measure=True)  # cached per process: the figure the benchmark's header printed
     if dtype not in ("fp32", "bf16"):
-        raise ValueError(f"dtype must be fp32 or bf16 for a CPU peak, got {dtype!r}")
+        raise ValueError(f"dtype must be fp32, bf16 or int8 for a CPU peak, got {dtype!r}")
     return cap.fp32_gflops if dtype == "fp32" else cap.bf16_gflops
+
+
+@functools.lru_cache(maxsize=1)
+def int8_gflops(n: int = 512, seconds: float = 0.1) -> float:
+    """GFLOP/s (2n³ integer multiply-adds counted as flops) of ``torch._int_mm`` on ``n × n`` int8 operands as
+    :mod:`attnlab.adapt.int8_training` calls it (the right operand within ±63), the best of ``seconds`` of them."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(-127, 128, (n, n), generator=gen, dtype=torch.int8)
+    b = torch.randint(-63, 64, (n, n), generator=gen, dtype=torch.int8)
+    torch._int_mm(a, b)
+    best, end, done = float("inf"), time.perf_counter() + seconds, 0
+    while time.perf_counter() < end or done < 8:
+        done += 1
+        t = time.perf_counter()
+        torch._int_mm(a, b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best / 1e9
 
 
 def mfu(flops: float, wall_s: float, dtype: str) -> float:

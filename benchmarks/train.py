@@ -102,7 +102,8 @@ def run_preset(preset: str, *, threads: int, overrides: list[str], out: Path) ->
             "target": f"{key} <= {limit} in <= {budget:.0f} s", "met": "yes" if met else "no",
             "parameters": m.get("parameters"), "overrides": overrides, "dtype": m.get("dtype"),
             "dtype_reason": m.get("dtype_reason"), "wall_s": m["wall_s"], "train_tokens": m["train_tokens"],
-            "flops": flops, "mfu": mfu(flops, process_s, m["dtype"])}
+            "flops": flops, "mfu": mfu(flops, process_s, "int8" if m.get("int8_layers") else m["dtype"]),
+            "int8_layers": m.get("int8_layers", 0)}
 
 
 def resolve_saved(out: Path):
@@ -180,8 +181,9 @@ def main() -> None:
     if not os.environ.get("ATTNLAB_DATA_DIR"):
         print("note: ATTNLAB_DATA_DIR is not set; the data comes from ~/.cache/attnlab (or a download)")
     print(f"peak (measured now, attnlab._runtime probe: 512² products, {args.threads} threads): "
-          f"fp32 {peak_gflops('fp32'):.1f}, bf16 {peak_gflops('bf16'):.1f} GFLOP/s; mfu = matrix-product FLOP/s of "
-          "the whole process / the peak of the row's dtype", flush=True)
+          f"fp32 {peak_gflops('fp32'):.1f}, bf16 {peak_gflops('bf16'):.1f}, int8 {peak_gflops('int8'):.1f} GFLOP/s "
+          "(torch._int_mm, right operand ±63); mfu = matrix-product FLOP/s of the whole process / the peak of the "
+          "row's dtype (int8 for a run with int8_training)", flush=True)
     if args.compare_budget:
         if args.out == p.get_default("out"):
             args.out = str(Path(args.out).with_name("train_budget.json"))
@@ -247,7 +249,7 @@ def main() -> None:
         print(f"vs_upstream: our process wall / nanoGPT's own train.py wall; target <= {UPSTREAM_RATIO} at a val loss "
               "<= its val loss on the same fixed blocks (upstream_met)")
     write_json(args.out, rows, quick=args.quick, threads=args.threads, nanogpt_recorded=NANOGPT,
-               peak_gflops={d: peak_gflops(d) for d in ("fp32", "bf16")},
+               peak_gflops={d: peak_gflops(d) for d in ("fp32", "bf16", "int8")},
                nanogpt_dir=None if args.nanogpt_dir is None else str(args.nanogpt_dir))
     print(f"wrote {args.out}")
 

@@ -71,14 +71,23 @@ def test_quick_run_has_an_mfu_column_from_the_printed_peak(quick):
     header = next(line.split() for line in stdout.splitlines() if line.split()[:2] == ["run", "preset"])
     assert "peak (measured now" in stdout and "mfu" in header
     peak = data["peak_gflops"]
-    assert peak["fp32"] > 0 and peak["bf16"] > 0
+    assert peak["fp32"] > 0 and peak["bf16"] > 0 and peak["int8"] > 0
     (row,) = data["rows"]
+    assert row["int8_layers"] == 0  # tiny: float products, so its MFU is against fp32's peak
     assert row["preset"] == "tiny" and row["steps"] == 20 and row["dtype"] == "fp32"
     assert row["train_tokens"] == 20 * 8 * 32  # steps x batch x block
     assert row["flops"] == 20 * 8 * 32 * (6 * 26_656 + 12 * 2 * 32 * 32)  # tiny: gpt2 2 x 32, vocab 65
     assert row["mfu"] == pytest.approx(row["flops"] / row["process_s"] / (peak["fp32"] * 1e9))
     assert 0 < row["mfu"] < 1
     assert f"{100 * row['mfu']:.2f}%" in stdout
+
+
+def test_an_int8_run_is_measured_against_the_int8_products_peak():
+    from _mfu import int8_gflops, mfu, peak_gflops
+    assert peak_gflops("int8") == int8_gflops() > 0
+    assert mfu(1e12, 2.0, "int8") == pytest.approx(1e12 / 2.0 / (int8_gflops() * 1e9))
+    with pytest.raises(ValueError, match="fp32, bf16 or int8"):
+        peak_gflops("fp16")
 
 
 def test_compare_budget_needs_a_nanogpt_checkout():
