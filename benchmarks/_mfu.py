@@ -23,7 +23,6 @@ products' peak (:func:`int8_gflops`), though its attention and head products sta
 from __future__ import annotations
 
 import functools
-import time
 
 __all__ = ["matmul_params", "train_flops", "run_flops", "settings_flops", "nanogpt_flops", "peak_gflops",
            "int8_gflops", "mfu", "shown"]
@@ -82,17 +81,12 @@ def int8_gflops(n: int = 512, seconds: float = 0.1) -> float:
     :mod:`attnlab.adapt.int8_training` calls it (the right operand within ±63), the best of ``seconds`` of them."""
     import torch
 
+    from attnlab._runtime import product_gflops
+
     gen = torch.Generator().manual_seed(0)
     a = torch.randint(-127, 128, (n, n), generator=gen, dtype=torch.int8)
     b = torch.randint(-63, 64, (n, n), generator=gen, dtype=torch.int8)
-    torch._int_mm(a, b)
-    best, end, done = float("inf"), time.perf_counter() + seconds, 0
-    while time.perf_counter() < end or done < 8:
-        done += 1
-        t = time.perf_counter()
-        torch._int_mm(a, b)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best / 1e9
+    return product_gflops(torch._int_mm, a, b, seconds=seconds)
 
 
 def mfu(flops: float, wall_s: float, dtype: str) -> float:

@@ -118,14 +118,20 @@ def _matmul_gflops(dtype, *, n: int = 512, seconds: float = 0.1, at_least: int =
     import torch
 
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    a @ b  # warm-up: first call picks the kernel
+    return product_gflops(torch.matmul, a, b, seconds=seconds, at_least=at_least)
+
+
+def product_gflops(product, a, b, *, seconds: float = 0.1, at_least: int = 8) -> float:
+    """GFLOP/s of ``product(a, b)`` for ``a (m, k)``, ``b (k, n)`` (2mkn flops each), the best of the calls that fit
+    in ``seconds`` (``at_least`` however slow), after one warm-up call (the first picks the kernel)."""
+    product(a, b)
     best, end, done = float("inf"), time.perf_counter() + seconds, 0
     while time.perf_counter() < end or done < at_least:
         done += 1
         t = time.perf_counter()
-        a @ b
+        product(a, b)
         best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best / 1e9
+    return 2 * a.shape[0] * a.shape[1] * b.shape[1] / best / 1e9
 
 
 def _copy_gbps(*, mib: int = 64, repeats: int = 5) -> float:

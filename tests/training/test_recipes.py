@@ -25,11 +25,13 @@ def test_parse_set_and_type_conversion():
 
 
 def test_nanogpt_cpu_preset_runs_int8_products_and_one_setting_turns_them_off():
-    """nanoGPT's CPU recipe with int8 products (measured in the shakespeare module's docstring); the default does not."""
+    """nanoGPT's CPU recipe with int8 products (measured in the shakespeare module's docstring); the default where
+    its products would be fp32 (the trainer decides: tests/adapt/test_int8_training.py)."""
     recipe = get_recipe("shakespeare-char")
     assert resolve_settings(recipe, preset="nanogpt-cpu").int8_training is True
     assert resolve_settings(recipe, preset="nanogpt-cpu", overrides={"int8_training": "false"}).int8_training is False
-    assert resolve_settings(recipe).int8_training is False
+    assert resolve_settings(recipe).int8_training is None  # the default: where the products would be fp32
+    assert resolve_settings(recipe, overrides={"int8_training": "none"}).int8_training is None
 
 
 def test_default_preset_is_llama_with_muon_dropout_and_context_256():

@@ -26,9 +26,11 @@ class TrainConfig:
     (:func:`attnlab._runtime.resolve_dtype`; the trainer prints and records the choice); ``"bf16"``
     autocasts on CPU or CUDA, ``"fp16"`` (CUDA only) adds a ``GradScaler``. ``compile`` runs the forward through ``torch.compile``.
     ``optimizer="muon"`` only: ``muon_lr_scale`` (the hidden matrices' lr is that times the schedule's) and
-    ``int8_training``: the linear layers' three products in int8 on the CPU (all but an output head;
-    :mod:`attnlab.adapt.int8_training`), the rest in ``dtype``. ``muon_ns_steps`` (Newton–Schulz steps), see :class:`~attnlab.training.optim.Muon`. ``schedule``: one of
+    ``muon_ns_steps`` (Newton–Schulz steps), see :class:`~attnlab.training.optim.Muon`. ``schedule``: one of
     :data:`~attnlab.training.schedules.SCHEDULES`; ``decay_fraction`` is the share of the steps ``"wsd"`` decays over.
+    ``int8_training``: the linear layers' three products in int8 on the CPU (all but an output head;
+    :mod:`attnlab.adapt.int8_training`), the rest in ``dtype``; None: where the run's products would be fp32 on
+    the CPU (no native bf16, or ``dtype="fp32"``), there int8 runs them ~2× as fast.
 
     Time limits (seconds of ``fit``):
 
@@ -58,7 +60,7 @@ class TrainConfig:
     grad_accum: int = 1
     clip: float = 1.0
     dtype: str = "fp32"
-    int8_training: bool = False
+    int8_training: Optional[bool] = False
     grad_checkpointing: bool = False
     compile: bool = False
     eval_every: int = 0
@@ -115,7 +117,9 @@ class TrainConfig:
         for name in ("max_seconds", "time_budget"):
             v = getattr(self, name)
             need(v is None or (is_num(v) and v > 0), name, "None or a number > 0")
-        for name in ("int8_training", "grad_checkpointing", "compile", "progress"):
+        need(self.int8_training is None or isinstance(self.int8_training, bool), "int8_training",
+             "True, False or None (auto)")
+        for name in ("grad_checkpointing", "compile", "progress"):
             need(isinstance(getattr(self, name), bool), name, "a bool")
         need(isinstance(self.device, str) and bool(self.device), "device", "a device string ('cpu', 'cuda', 'auto')")
         if self.device != "auto":

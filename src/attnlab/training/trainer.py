@@ -119,8 +119,15 @@ class Trainer:
         self._window = LogWindow()  # checkpointed: the log after a resume equals the uninterrupted one
 
     def _int8(self, config: TrainConfig) -> list[str]:
-        """``int8_training``: the model's linear layers (but an output head) made int8-product layers, in place."""
-        if not config.int8_training:
+        """``int8_training``: the model's linear layers (but an output head) made int8-product layers, in place;
+        None: so where the products would be fp32 on the CPU and the native kernels are built."""
+        want = config.int8_training
+        if want is None:
+            want = self.device.type == "cpu" and self.dtype == "fp32" and _native.available()
+            self.int8_reason = "auto: the products would be fp32 here" if want else ""
+        else:
+            self.int8_reason = "asked for"
+        if not want:
             return []
         if self.device.type != "cpu":
             raise ValueError(f"TrainConfig.int8_training runs on the CPU; the device is {self.device}")
@@ -245,7 +252,7 @@ class Trainer:
             if cfg.progress:  # quiet runs still record it in metrics.json
                 print(f"dtype: {self.dtype} ({self.dtype_reason})", file=sys.stderr)
                 if self.int8_layers:
-                    print(f"int8 products: {len(self.int8_layers)} linear layers", file=sys.stderr)
+                    print(f"int8 products: {len(self.int8_layers)} linear layers ({self.int8_reason})", file=sys.stderr)
         latest = D.broadcast_object(latest_checkpoint(self.out_dir) if main else None)
         if latest is not None and not resume:
             raise ValueError(f"{self.out_dir} already holds checkpoints (latest {latest.name}): "
