@@ -287,6 +287,16 @@ def test_training_with_int8_products_learns_and_the_trainer_records_it(tmp_path)
     assert metrics["int8_layers"] == 2 and losses[-1] < 0.05 * losses[0]
 
 
+def test_int8_training_asked_for_with_compile_is_refused(tmp_path):
+    from attnlab.training.config import TrainConfig
+    from attnlab.training.trainer import Trainer
+
+    cfg = TrainConfig(int8_training=True, compile=True, progress=False)
+    with pytest.raises(ValueError, match="int8_training runs eagerly: compile=True"):
+        Trainer(nn.Linear(4, 4), cfg, train_batches=iter([]), loss_fn=lambda m, b: (m(b).sum(), 1),
+                out_dir=tmp_path)
+
+
 def test_int8_training_must_be_a_bool_or_none():
     from attnlab.training.config import TrainConfig
     with pytest.raises(ValueError, match="int8_training must be True, False or None"):
@@ -294,13 +304,13 @@ def test_int8_training_must_be_a_bool_or_none():
 
 
 @needs_native
-@pytest.mark.parametrize("dtype,converted", [("fp32", 2), ("bf16", 0)])
-def test_int8_training_none_takes_int8_where_the_products_would_be_fp32(tmp_path, dtype, converted):
+@pytest.mark.parametrize("dtype,compile,converted", [("fp32", False, 2), ("bf16", False, 0), ("fp32", True, 0)])
+def test_int8_training_none_takes_int8_where_the_products_would_be_fp32(tmp_path, dtype, compile, converted):
     from attnlab.training.config import TrainConfig
     from attnlab.training.trainer import Trainer
 
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
-    cfg = TrainConfig(max_steps=1, dtype=dtype, int8_training=None, progress=False)
+    cfg = TrainConfig(max_steps=1, dtype=dtype, int8_training=None, compile=compile, progress=False)
     trainer = Trainer(model, cfg, train_batches=iter([]), loss_fn=lambda m, b: (m(b).sum(), 1), out_dir=tmp_path)
     assert len(trainer.int8_layers) == converted
     assert sum(type(m) is I.Int8TrainingLinear for m in model) == converted

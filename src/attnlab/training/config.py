@@ -30,7 +30,8 @@ class TrainConfig:
     :data:`~attnlab.training.schedules.SCHEDULES`; ``decay_fraction`` is the share of the steps ``"wsd"`` decays over.
     ``int8_training``: the linear layers' three products in int8 on the CPU (all but an output head;
     :mod:`attnlab.adapt.int8_training`), the rest in ``dtype``; None: where the run's products would be fp32 on
-    the CPU (no native bf16, or ``dtype="fp32"``), there int8 runs them ~2× as fast.
+    the CPU (no native bf16, or ``dtype="fp32"``) of an eager run, there int8 runs them ~2× as fast. Under DDP each
+    rank rounds its own tokens' columns for ∂L/∂W: N ranks × B rows equal N·B rows up to those roundings.
 
     Time limits (seconds of ``fit``):
 

@@ -123,7 +123,8 @@ class Trainer:
         None: so where the products would be fp32 on the CPU and the native kernels are built."""
         want = config.int8_training
         if want is None:
-            want = self.device.type == "cpu" and self.dtype == "fp32" and _native.available()
+            want = (self.device.type == "cpu" and self.dtype == "fp32" and not config.compile
+                    and _native.available())
             self.int8_reason = "auto: the products would be fp32 here" if want else ""
         else:
             self.int8_reason = "asked for"
@@ -131,6 +132,9 @@ class Trainer:
             return []
         if self.device.type != "cpu":
             raise ValueError(f"TrainConfig.int8_training runs on the CPU; the device is {self.device}")
+        if config.compile:
+            raise ValueError("TrainConfig.int8_training runs eagerly: compile=True traces PyTorch's operations, "
+                             "not attnlab's kernels (set one of them False)")
         if not _native.available():
             raise ValueError(f"TrainConfig.int8_training needs attnlab's native kernels: {_native.status()}")
         return int8_training(self.model)
