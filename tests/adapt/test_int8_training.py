@@ -149,13 +149,20 @@ def test_int_mm_is_exact_with_8_bit_left_and_7_bit_right_operands():
     assert torch.equal(torch._int_mm(a.t().contiguous().t(), b).double(), ref)
 
 
+@needs_native
 def test_a_sum_longer_than_an_int32_holds_runs_in_exact_parts(monkeypatch):
     gen = torch.Generator().manual_seed(2)
     a = torch.randint(-127, 128, (16, 200), generator=gen, dtype=torch.int8)
     b = torch.randint(-63, 64, (200, 24), generator=gen, dtype=torch.int8)
-    whole = I._mm(a, b)
-    monkeypatch.setattr(I, "MAX_INNER", 48)
-    assert torch.equal(I._mm(a, b), whole) and torch.equal(whole.double(), a.double() @ b.double())
+    rs, cs, bias = torch.rand(16, generator=gen), torch.rand(24, generator=gen), torch.randn(24, generator=gen)
+    exact = rs.double()[:, None] * (a.double() @ b.double()) * cs.double() + bias.double()
+    whole = I._product(a, b, rs, cs, bias)
+    monkeypatch.setattr(I, "MAX_INNER", 48)  # five parts
+    parts = I._product(a, b, rs, cs, bias)
+    terms = rs.double()[:, None] * (a.double().abs() @ b.double().abs()) * cs.double() + bias.abs().double()
+    for got, roundings in ((whole, 3), (parts, 3 + 5)):  # the rescaling's, and each part's sum in float32
+        assert ((got.double() - exact).abs() <= roundings * EPS32 * (terms + 1)).all()
+    assert I._product(a, b, rs, dtype=torch.bfloat16).dtype == torch.bfloat16
 
 
 def _layer(i, o, bias=True, seed=0):

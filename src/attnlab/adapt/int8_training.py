@@ -40,15 +40,17 @@ LEFT, RIGHT = 127, 63  # levels of the left (8-bit) and right (7-bit) operands o
 MAX_INNER = (2 ** 31 - 1) // (LEFT * RIGHT)  # the longest sum of products an int32 holds exactly (268,400 terms)
 
 
-def _mm(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` for int8 ``a (M, K)`` (≤ ±127) and ``b (K, N)`` (≤ ±63) in int32, in parts of :data:`MAX_INNER`
-    terms along K (each part exact; their sum too while it fits, which the callers' K never exceeds in practice)."""
+def _product(a: Tensor, b: Tensor, rs: Tensor, cs: Tensor | None = None, bias: Tensor | None = None, *,
+             dtype: torch.dtype = torch.float32) -> Tensor:
+    """``diag(rs) (a b) diag(cs) + bias`` for int8 ``a (M, K)`` (≤ ±127) and ``b (K, N)`` (≤ ±63): the int32
+    product (exact) rescaled in one pass. Past :data:`MAX_INNER` terms along K an int32 could overflow, so the
+    product runs in parts of that many, each exact and rescaled, summed in float32."""
     if a.shape[1] <= MAX_INNER:
-        return torch._int_mm(a, b)
-    out = torch._int_mm(a[:, :MAX_INNER], b[:MAX_INNER])
-    for k0 in range(MAX_INNER, a.shape[1], MAX_INNER):
-        out = out + torch._int_mm(a[:, k0:k0 + MAX_INNER], b[k0:k0 + MAX_INNER])
-    return out
+        return _native.dequantize(torch._int_mm(a, b), rs, cs, bias, dtype=dtype)
+    out = bias.float().expand(a.shape[0], b.shape[1]).clone() if bias is not None else 0
+    for k0 in range(0, a.shape[1], MAX_INNER):
+        out = out + _native.dequantize(torch._int_mm(a[:, k0:k0 + MAX_INNER], b[k0:k0 + MAX_INNER]), rs, cs)
+    return out.to(dtype)
 
 
 class _Int8Product(torch.autograd.Function):
@@ -65,8 +67,7 @@ class _Int8Product(torch.autograd.Function):
         else:
             (qx, sx), qxc, sxc = _native.quantize_rows(x2, LEFT), None, None
         qw, sw = _native.quantize_rows(weight.detach(), RIGHT)
-        y = _native.dequantize(_mm(qx, qw.t()), sx, sw, None if bias is None else bias.detach().float(),
-                               dtype=out_dtype)
+        y = _product(qx, qw.t(), sx, sw, None if bias is None else bias.detach().float(), dtype=out_dtype)
         ctx.save_for_backward(qw, sw, qxc, sxc)
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = shape, x.dtype, bias is not None
         return y.reshape(*shape[:-1], weight.shape[0])
@@ -81,9 +82,9 @@ class _Int8Product(torch.autograd.Function):
         dx = dw = db = None
         qz, sz, qg, sg, gsum = _native.quantize_rows_cols(g, LEFT, LEFT, sw)  # G diag(s_w) by rows, G by columns
         if ctx.needs_input_grad[0]:
-            dx = _native.dequantize(_mm(qz, qw), sz, dtype=ctx.x_dtype).reshape(ctx.x_shape)
+            dx = _product(qz, qw, sz, dtype=ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            dw = _native.dequantize(_mm(qg.t(), qxc), sg, sxc)
+            dw = _product(qg.t(), qxc, sg, sxc)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = gsum
         return dx, dw, db, None
