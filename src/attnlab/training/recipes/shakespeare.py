@@ -156,6 +156,7 @@ class ShakespeareSettings(TrainConfig):
     the fp32 default again (``dropout`` left None → 0)        907     1.5026
     the same with the C++ training passes (race, session 22)  898     1.5059
     **+ int8 products** (``int8_training`` None → on in fp32)  1,296   1.4842
+    the same (``train.py --compare-budget``'s run)            1,274   1.4759
     ========================================================  ======  =========
 
     ``int8_training`` (None: on where the products would be fp32, :class:`TrainConfig`) runs the linear layers'
