@@ -230,6 +230,18 @@ def test_the_layer_equals_its_integer_formula_and_stays_within_the_roundings_of_
 
 
 @needs_native
+def test_a_frozen_layer_gives_its_input_the_same_gradient_and_its_weight_none():
+    lin, frozen = _layer(24, 16), _layer(24, 16)
+    I.int8_training(lin, skip=()), I.int8_training(frozen, skip=())
+    frozen.requires_grad_(False)
+    x = torch.randn(9, 24, generator=torch.Generator().manual_seed(5))
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    lin(xa).square().sum().backward()
+    frozen(xb).square().sum().backward()
+    assert torch.equal(xa.grad, xb.grad) and frozen.weight.grad is None and frozen.bias.grad is None
+
+
+@needs_native
 def test_under_bf16_autocast_the_output_is_bf16_and_the_gradients_keep_the_parameters_float32():
     lin = _layer(64, 32)
     I.int8_training(lin, skip=())

@@ -80,7 +80,10 @@ class _Int8Product(torch.autograd.Function):
         if g.dtype not in (torch.float32, torch.bfloat16):
             g = g.float()
         dx = dw = db = None
-        qz, sz, qg, sg, gsum = _native.quantize_rows_cols(g, LEFT, LEFT, sw)  # G diag(s_w) by rows, G by columns
+        if ctx.needs_input_grad[1] or (ctx.has_bias and ctx.needs_input_grad[2]):
+            qz, sz, qg, sg, gsum = _native.quantize_rows_cols(g, LEFT, LEFT, sw)  # G diag(s_w) by rows, G by columns
+        else:  # a frozen layer (LoRA's base, say): only ∂L/∂X
+            qz, sz = _native.quantize_rows(g, LEFT, sw)
         if ctx.needs_input_grad[0]:
             dx = _product(qz, qw, sz, dtype=ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
