@@ -3,12 +3,12 @@
 (a) Each pass, forward + backward, at the ``shakespeare-char`` default preset's shapes (16 × 256 tokens, width 256,
     4 heads of 64, FFN 704), float32 and bf16, ours and PyTorch's timed round-robin in one process:
 
-    - RMSNorm: ``_native.rms_norm_train`` + backward (``nn.RMSNorm`` in training) against PyTorch's operations of the
+    - RMSNorm: ``_native_train.rms_norm_train`` + backward (``nn.RMSNorm`` in training) against PyTorch's operations of the
       same formula under autograd (``x · rsqrt(mean(x²) + ε) · g``), float32 only (the residual stream it reads is
       float32 under bf16 autocast too);
-    - RoPE: ``_native.rope_train`` on q as a strided view of a packed projection, and the rotation by −φ for the
+    - RoPE: ``_native_train.rope_train`` on q as a strided view of a packed projection, and the rotation by −φ for the
       backward (``nn.RotaryEmbedding`` in training) against ``functional.positional.apply_rope`` under autograd;
-    - SwiGLU's gate ``silu(g) ⊙ u``: ``_native.act_train`` + backward against ``F.silu(g) * u`` under autograd;
+    - SwiGLU's gate ``silu(g) ⊙ u``: ``_native_train.act_train`` + backward against ``F.silu(g) * u`` under autograd;
     - causal attention (the ``short`` backend): two query blocks (``short.causal_blocks``) against one.
 
 (b) The default preset's training step (llama 4 × 256, AdamW, bf16 autocast where the CPU has native bf16, else
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import compare, parser, print_table, setup, write_json  # noqa: E402
 
-from attnlab import _native, _runtime  # noqa: E402
+from attnlab import _native, _native_train, _runtime  # noqa: E402
 from attnlab.backends import short  # noqa: E402
 from attnlab.backends.dispatch import attention  # noqa: E402
 from attnlab.functional.positional import apply_rope, rope_frequencies  # noqa: E402

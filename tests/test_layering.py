@@ -20,6 +20,7 @@ ROOT = Path(attnlab.__file__).parent
 # Lowest first; a unit may import only units of a strictly lower layer. Keep in step with the docs.
 LAYERS: list[set[str]] = [
     {"_checks", "_io", "_runtime", "_native"},
+    {"_native_train"},
     {"functional"},
     {"backends"},
     {"modules"},

@@ -11,7 +11,8 @@ Oracles and tolerances (ε = 2⁻²⁴ per float32 rounding; a bf16 result is ro
 import pytest
 import torch
 
-from attnlab import _native
+
+from attnlab import _native_train
 from _native_isas import EPS32, ISA_IDS, ISAS, isa, needs_native  # noqa: F401 (isa: a fixture)
 
 U_BF16 = 2.0**-8
@@ -50,7 +51,7 @@ def test_softmax_rows_equals_the_float64_softmax(isa, dtype, Lq, Lk, causal, win
     gen = torch.Generator().manual_seed(Lq * 100 + Lk)
     s = (torch.randn(6, Lq, Lk, generator=gen) * 6).to(dtype)
     scale = 0.3
-    p, pc = _native.softmax_rows(s, scale=scale, causal=causal, window=window, cast=True)
+    p, pc = _native_train.softmax_rows(s, scale=scale, causal=causal, window=window, cast=True)
     visible = _visible(Lq, Lk, causal, window)
     ref = _softmax64(s, scale, visible)
     assert p.dtype == torch.float32 and p.shape == s.shape
@@ -72,13 +73,13 @@ def test_softmax_rows_keeps_a_nan_or_infinite_score_visible(isa):
     s = torch.randn(2, 20, 20)
     s[0, 10, 3] = float("nan")
     s[1, 15, 0] = float("inf")
-    p, _ = _native.softmax_rows(s, scale=1.0, causal=True, window=None, cast=False)
+    p, _ = _native_train.softmax_rows(s, scale=1.0, causal=True, window=None, cast=False)
     assert p[0, 10, :11].isnan().all() and p[1, 15, :16].isnan().all()
     assert p[0, 10, 11:].eq(0).all()  # the masked keys stay 0
     assert p[0, 9].isfinite().all() and p[1, 14].isfinite().all()  # the other rows are untouched
     s = torch.randn(1, 20, 20)
     s[0, :, 15] = float("nan")  # key 15 is hidden from rows 0-14 by the causal mask: only rows 15-19 see it
-    p, _ = _native.softmax_rows(s, scale=1.0, causal=True, window=None, cast=False)
+    p, _ = _native_train.softmax_rows(s, scale=1.0, causal=True, window=None, cast=False)
     assert p[0, :15].isfinite().all() and p[0, 15:, :16].isnan().all()
 
 
@@ -89,9 +90,9 @@ def test_softmax_rows_keeps_a_nan_or_infinite_score_visible(isa):
 def test_softmax_rows_backward_equals_the_float64_formula(isa, dtype, n):
     gen = torch.Generator().manual_seed(n)
     s = torch.randn(4, n, n, generator=gen) * 3
-    p, _ = _native.softmax_rows(s, scale=0.5, causal=True, window=None, cast=False)
+    p, _ = _native_train.softmax_rows(s, scale=0.5, causal=True, window=None, cast=False)
     dp = (torch.randn(4, n, n, generator=gen) * 2).to(dtype)
-    ds = _native.softmax_rows_backward(dp, p, scale=0.5)
+    ds = _native_train.softmax_rows_backward(dp, p, scale=0.5)
     pd, dpd = p.double(), dp.double()
     ref = 0.5 * pd * (dpd - (dpd * pd).sum(-1, keepdim=True))
     tol = 0.5 * pd * (n + 4) * EPS32 * ((dpd * pd).abs().sum(-1, keepdim=True) + dpd.abs())
@@ -104,16 +105,16 @@ def test_softmax_rows_backward_equals_the_float64_formula(isa, dtype, n):
 @needs_native
 def test_the_ops_refuse_what_they_cannot_read():
     with pytest.raises(RuntimeError, match="s must be a contiguous float32 or bfloat16 CPU tensor"):
-        _native.softmax_rows(torch.randn(2, 4, 4, dtype=torch.float64), scale=1.0, causal=True, window=None,
+        _native_train.softmax_rows(torch.randn(2, 4, 4, dtype=torch.float64), scale=1.0, causal=True, window=None,
                              cast=False)
     with pytest.raises(RuntimeError, match=r"s must be \(G, Lq, Lk\)"):
-        _native.softmax_rows(torch.randn(4, 4), scale=1.0, causal=True, window=None, cast=False)
+        _native_train.softmax_rows(torch.randn(4, 4), scale=1.0, causal=True, window=None, cast=False)
     with pytest.raises(RuntimeError, match="not contiguous"):
-        _native.softmax_rows(torch.randn(2, 4, 4).transpose(1, 2), scale=1.0, causal=True, window=None, cast=False)
+        _native_train.softmax_rows(torch.randn(2, 4, 4).transpose(1, 2), scale=1.0, causal=True, window=None, cast=False)
     with pytest.raises(RuntimeError, match="dp and p must be the same"):
-        _native.softmax_rows_backward(torch.randn(2, 4, 4), torch.rand(2, 4, 5), scale=1.0)
+        _native_train.softmax_rows_backward(torch.randn(2, 4, 4), torch.rand(2, 4, 5), scale=1.0)
     with pytest.raises(RuntimeError, match="p must be a contiguous float32 CPU tensor"):
-        _native.softmax_rows_backward(torch.randn(2, 4, 4), torch.rand(2, 4, 4).bfloat16(), scale=1.0)
+        _native_train.softmax_rows_backward(torch.randn(2, 4, 4), torch.rand(2, 4, 4).bfloat16(), scale=1.0)
 
 
 # ---- the backend that takes them ---------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from attnlab import _native
+
+from attnlab import _native_train
 from _native_isas import EPS32, ISA_IDS, ISAS, isa, needs_native  # noqa: F401 (isa: a fixture)
 
 U_BF16 = 2.0**-8
@@ -39,7 +41,7 @@ def test_rms_norm_train_and_its_backward_equal_float64(isa, dtype, rows, n):
     w = torch.rand(n, generator=gen) + 0.5
     dy = torch.randn(rows, n, generator=gen).to(dtype)
     eps = 1e-6
-    y, r = _native.rms_norm_train(x, w, eps)
+    y, r = _native_train.rms_norm_train(x, w, eps)
     xd, wd, dyd = x.double().requires_grad_(), w.double().requires_grad_(), dy.double()
     rd = torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
     yd = xd * rd * wd
@@ -48,7 +50,7 @@ def test_rms_norm_train_and_its_backward_equal_float64(isa, dtype, rows, n):
     assert ((r.double() - rd.detach().squeeze(-1)).abs() <= (n + 4) * EPS32 * rd.detach().squeeze(-1)).all()
     assert ((y.double() - yd.detach()).abs() <= ((n + 6) * EPS32 + _rounded(dtype)) * yd.detach().abs() + 1e-30).all()
 
-    dx, dw = _native.rms_norm_train_backward(dy, x, w, r)
+    dx, dw = _native_train.rms_norm_train_backward(dy, x, w, r)
     xhat, h = (xd * rd).detach(), dyd * wd.detach()
     rr = rd.detach()
     tol = (n + 8) * EPS32 * rr * (h.abs() + xhat.abs() * (h * xhat).abs().mean(-1, keepdim=True))
@@ -69,13 +71,13 @@ def test_rope_train_rotates_like_apply_rope_and_its_inverse_undoes_it(isa, dtype
     packed = (torch.randn(2, L, 3 * 3 * D, generator=gen) * 2).to(dtype)  # a packed q, k, v projection: q a view
     x = packed[..., : 3 * D].view(2, L, 3, D).transpose(1, 2)  # (B, H, L, D), strided
     cos, sin = rope_frequencies(D, torch.arange(L))
-    y = _native.rope_train(x, cos, sin)
+    y = _native_train.rope_train(x, cos, sin)
     ref = apply_rope(x.double(), cos.double(), sin.double())
     a, b = x.double()[..., : D // 2], x.double()[..., D // 2:]
     terms = (a.abs() + b.abs()).repeat(1, 1, 1, 2)  # |a| + |b| of each pair, at both of its places (|cos|, |sin| ≤ 1)
     assert y.dtype == dtype and y.is_contiguous() and y.shape == x.shape
     assert ((y.double() - ref).abs() <= 3 * EPS32 * terms + _rounded(dtype) * ref.abs() + 1e-30).all()
-    back = _native.rope_train(y, cos, sin, inverse=True)  # Rᵀ R = (cos² + sin²) 1, cos and sin float32 roundings
+    back = _native_train.rope_train(y, cos, sin, inverse=True)  # Rᵀ R = (cos² + sin²) 1, cos and sin float32 roundings
     assert ((back.double() - x.double()).abs() <= 10 * EPS32 * terms + 3 * _rounded(dtype) * terms + 1e-30).all()
 
 
@@ -97,8 +99,8 @@ def test_act_train_and_its_backward_equal_float64_autograd(isa, dtype, activatio
     u = (torch.randn(7, n, generator=gen) * 2).to(dtype) if gated else None
     dh = torch.randn(7, n, generator=gen).to(dtype)
     g[0, :3] = torch.tensor([0.0, -0.0, 1e-3]).to(dtype)  # ReLU's kink and the tiny arguments
-    h = _native.act_train(g, u, activation)
-    dg, du = _native.act_train_backward(dh, g, u, activation)
+    h = _native_train.act_train(g, u, activation)
+    dg, du = _native_train.act_train_backward(dh, g, u, activation)
     gd = g.double().requires_grad_()
     ud = u.double().requires_grad_() if gated else None
     fn = (GATED if gated else PLAIN)[activation]
@@ -120,43 +122,43 @@ def test_act_train_and_its_backward_equal_float64_autograd(isa, dtype, activatio
 def test_the_passes_keep_a_nan_visible():
     x = torch.randn(3, 16)
     x[1, 4] = float("nan")
-    y, r = _native.rms_norm_train(x, torch.ones(16), 1e-6)
+    y, r = _native_train.rms_norm_train(x, torch.ones(16), 1e-6)
     assert y[1].isnan().all() and y[[0, 2]].isfinite().all()
     g = torch.randn(2, 20)
     g[0, 3] = float("nan")
-    h = _native.act_train(g, torch.ones(2, 20), "swiglu")
+    h = _native_train.act_train(g, torch.ones(2, 20), "swiglu")
     assert h[0, 3].isnan() and h.isnan().sum() == 1
     q = torch.randn(1, 1, 4, 8)
     q[0, 0, 2, 1] = float("nan")
     cos, sin = torch.rand(4, 4), torch.rand(4, 4)
-    out = _native.rope_train(q, cos, sin)
+    out = _native_train.rope_train(q, cos, sin)
     assert out[0, 0, 2, [1, 5]].isnan().all() and out.isnan().sum() == 2  # the NaN's pair only
 
 
 @needs_native
 def test_the_passes_refuse_what_they_cannot_read():
     with pytest.raises(RuntimeError, match="x must be a contiguous float32 or bfloat16 CPU tensor"):
-        _native.rms_norm_train(torch.randn(4, 8, dtype=torch.float64), torch.ones(8), 1e-6)
+        _native_train.rms_norm_train(torch.randn(4, 8, dtype=torch.float64), torch.ones(8), 1e-6)
     with pytest.raises(RuntimeError, match=r"w must be \(8,\)"):
-        _native.rms_norm_train(torch.randn(4, 8), torch.ones(7), 1e-6)
+        _native_train.rms_norm_train(torch.randn(4, 8), torch.ones(7), 1e-6)
     with pytest.raises(RuntimeError, match="dy must match x"):
-        _native.rms_norm_train_backward(torch.randn(4, 7), torch.randn(4, 8), torch.ones(8), torch.ones(4))
+        _native_train.rms_norm_train_backward(torch.randn(4, 7), torch.randn(4, 8), torch.ones(8), torch.ones(4))
     with pytest.raises(RuntimeError, match="last dimension contiguous"):
-        _native.rope_train(torch.randn(1, 2, 3, 8).transpose(2, 3), torch.ones(8, 2), torch.ones(8, 2))
+        _native_train.rope_train(torch.randn(1, 2, 3, 8).transpose(2, 3), torch.ones(8, 2), torch.ones(8, 2))
     with pytest.raises(RuntimeError, match=r"cos and sin must be \(L, D/2\)"):
-        _native.rope_train(torch.randn(1, 2, 3, 8), torch.ones(3, 3), torch.ones(3, 3))
+        _native_train.rope_train(torch.randn(1, 2, 3, 8), torch.ones(3, 3), torch.ones(3, 3))
     with pytest.raises(RuntimeError, match="u must have g's shape and dtype"):
-        _native.act_train(torch.randn(4, 8), torch.randn(4, 8).bfloat16(), "swiglu")
+        _native_train.act_train(torch.randn(4, 8), torch.randn(4, 8).bfloat16(), "swiglu")
     with pytest.raises(RuntimeError, match="dh must have g's shape"):
-        _native.act_train_backward(torch.randn(4, 9), torch.randn(4, 8), None, "gelu")
+        _native_train.act_train_backward(torch.randn(4, 9), torch.randn(4, 8), None, "gelu")
 
 
 # ---- the modules that take them ----------------------------------------------------------------------------------
 
 def _count_calls(monkeypatch, name):
     calls = []
-    orig = getattr(_native, name)
-    monkeypatch.setattr(_native, name, lambda *a, **k: calls.append(1) or orig(*a, **k))
+    orig = getattr(_native_train, name)
+    monkeypatch.setattr(_native_train, name, lambda *a, **k: calls.append(1) or orig(*a, **k))
     return calls
 
 
@@ -261,13 +263,13 @@ def test_rms_norm_train_backward_gives_the_same_bits_on_any_number_of_threads():
     gen = torch.Generator().manual_seed(7)
     x, dy = torch.randn(1000, 64, generator=gen), torch.randn(1000, 64, generator=gen)
     w = torch.rand(64, generator=gen) + 0.5
-    _, r = _native.rms_norm_train(x, w, 1e-6)
+    _, r = _native_train.rms_norm_train(x, w, 1e-6)
     before = torch.get_num_threads()
     try:
         outs = []
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            outs.append(_native.rms_norm_train_backward(dy, x, w, r))
+            outs.append(_native_train.rms_norm_train_backward(dy, x, w, r))
     finally:
         torch.set_num_threads(before)
     for dx, dw in outs[1:]:

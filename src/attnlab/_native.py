@@ -12,6 +12,9 @@ The library is compiled with :func:`torch.utils.cpp_extension.load` (a C++ compi
 be built or loaded (no compiler, ``ATTNLAB_NATIVE=0``), :func:`available` is False, one log line says why, and
 callers use PyTorch's kernels: the same products up to float32 summation order.
 
+The training passes' wrappers (the short backend's softmax, RMSNorm, RoPE, an FFN's activation, int8 roundings;
+``csrc/train.cpp``) are :mod:`attnlab._native_train`; this module loads the library and holds the rest.
+
 The instruction set follows torch's (:func:`torch.backends.cpu.get_cpu_capability`): AVX-512, AVX2 + FMA, or
 portable C++, so ``ATEN_CPU_CAPABILITY=avx2`` runs the AVX2 code here as it does in ATen.
 """
@@ -186,135 +189,6 @@ def activate(x: Tensor, activation: str) -> Tensor:
     """
     _need()
     return _state["activate"](x, None, ACTIVATIONS[activation], _state["isa"])
-
-
-def softmax_rows(s: Tensor, *, scale: float, causal: bool, window: Optional[int], cast: bool
-                 ) -> tuple[Tensor, Optional[Tensor]]:
-    """The short backend's masked softmax in one pass: ``s (G, Lq, Lk)`` contiguous float32 or bfloat16 scores ->
-    ``(P float32, P in s's dtype or None)``::
-
-        P_ij = e^(κ s_ij − m_i) / Σ_k e^(κ s_ik − m_i)  over the keys row i sees,  0 elsewhere
-
-    row i sits at position ``t = i + Lk − Lq`` and sees the keys ``causal`` (``j ≤ t``) and ``window`` w (``t − j <
-    w``; without causal ``|t − j| < w``) allow; a row that sees none is all 0. ``cast``: also return P in ``s``'s
-    dtype when that is not float32 (the operand of ``P V``). A NaN or infinite score gives a NaN row.
-
-    Raises:
-        RuntimeError: the native kernels are not :func:`available` (callers check that first).
-    """
-    _need()
-    p, pc = _state["softmax_rows"](s, scale, causal, -1 if window is None else window, cast, _state["isa"])
-    return p, (pc if pc.numel() else None)
-
-
-def softmax_rows_backward(dp: Tensor, p: Tensor, *, scale: float) -> Tensor:
-    """``dS = κ P ∘ (dP − rowsum(dP ∘ P))`` in ``dp``'s dtype (float32 or bfloat16, ``(G, Lq, Lk)``), ``p`` the float32
-    probabilities of :func:`softmax_rows`; ``κ`` folded in for ``dQ = dS K``, ``dK = dSᵀ Q``.
-
-    Raises:
-        RuntimeError: the native kernels are not :func:`available` (callers check that first).
-    """
-    _need()
-    return _state["softmax_rows_backward"](dp, p, scale, _state["isa"])
-
-
-def rms_norm_train(x: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """RMSNorm's training forward in one pass: ``x (..., E)`` contiguous float32 or bfloat16, ``w (E,)`` float32 ->
-    ``(y, r)``, ``y = (x · r) ⊙ w`` in ``x``'s dtype and ``r = (mean(x²) + ε)^(-1/2)`` float32, one per row (what
-    :func:`rms_norm_train_backward` needs beside ``x``).
-
-    Raises:
-        RuntimeError: the native kernels are not :func:`available` (callers check that first).
-    """
-    _need()
-    return _state["rms_norm_train"](x, w, eps, _state["isa"])
-
-
-def rms_norm_train_backward(dy: Tensor, x: Tensor, w: Tensor, r: Tensor) -> tuple[Tensor, Tensor]:
-    """RMSNorm's gradients in one pass over the rows, ``x̂ = x · r``, ``h = dy ⊙ w``::
-
-        dx = r (h − x̂ · mean(h ⊙ x̂)),    dw = Σ_rows dy ⊙ x̂  (float32)
-
-    ``dy`` like ``x`` (contiguous, same dtype), ``w`` and ``r`` from :func:`rms_norm_train`.
-
-    Raises:
-        RuntimeError: the native kernels are not :func:`available` (callers check that first).
-    """
-    _need()
-    return _state["rms_norm_train_backward"](dy, x, w, r, _state["isa"])
-
-
-def rope_train(x: Tensor, cos: Tensor, sin: Tensor, *, inverse: bool = False) -> Tensor:
-    """Rotary embedding of ``x (B, H, L, D)`` (float32 or bfloat16, any strides with the last one 1) in one pass,
-    half-split pairs ``(i, i + D/2)`` rotated by ``φ`` (``-φ`` with ``inverse``: the backward, ``Rᵀ = R(−φ)``)::
-
-        y_i = x_i cos φ_i − x_{i+D/2} sin φ_i,    y_{i+D/2} = x_{i+D/2} cos φ_i + x_i sin φ_i
-
-    ``cos``, ``sin`` ``(L, D/2)`` contiguous float32; the arithmetic in float32, one rounding to ``x``'s dtype; ``y``
-    contiguous.
-
-    Raises:
-        RuntimeError: the native kernels are not :func:`available` (callers check that first).
-    """
-    _need()
-    return _state["rope_train"](x, cos, sin, -1.0 if inverse else 1.0, _state["isa"])
-
-
-def act_train(g: Tensor, u: Optional[Tensor], activation: str) -> Tensor:
-    """An FFN's activation in one pass, ``h = act(g) ⊙ u`` (gated, ``activation`` one of :data:`GATES`) or ``act(g)``
-    (``u`` None, one of :data:`ACTIVATIONS`); ``g``, ``u`` contiguous float32 or bfloat16 of one shape and dtype, the
-    arithmetic in float32 (``decode_body.h``: e^x within ~1 ulp, erf within 1.5e-7).
-
-    Raises:
-        RuntimeError: the native kernels are not :func:`available` (callers check that first).
-    """
-    _need()
-    return _state["act_train"](g, u, (GATES if u is not None else ACTIVATIONS)[activation], _state["isa"])
-
-
-def act_train_backward(dh: Tensor, g: Tensor, u: Optional[Tensor], activation: str) -> tuple[Tensor, Optional[Tensor]]:
-    """:func:`act_train`'s gradients in one pass: ``dg = dh ⊙ u ⊙ act'(g)``, ``du = dh ⊙ act(g)`` (None without ``u``).
-
-    Raises:
-        RuntimeError: the native kernels are not :func:`available` (callers check that first).
-    """
-    _need()
-    dg, du = _state["act_train_backward"](dh, g, u, (GATES if u is not None else ACTIVATIONS)[activation],
-                                          _state["isa"])
-    return dg, (du if u is not None else None)
-
-
-def quantize_rows(x: Tensor, levels: int, c: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """Symmetric int8 with one scale a row: ``s_r = max_j |x_rj c_j| / levels``, ``q_rj = round(x_rj c_j / s_r)``
-    (half to even) ``∈ [−levels, levels]``; ``x (R, n)`` contiguous float32 or bfloat16, ``c (n,)`` float32 or None
-    (1). Returns ``(q int8 (R, n), s float32 (R,))``; a zero row has ``s = 0``, a row holding a NaN or an infinity
-    ``s = NaN`` (its products come out NaN) and ``q = 0``.
-
-    Raises:
-        RuntimeError: the native kernels are not :func:`available` (callers check that first).
-    """
-    _need()
-    return _state["quantize_rows"](x, c, levels, _state["isa"])
-
-
-def quantize_rows_cols(x: Tensor, levels: int, col_levels: int, c: Optional[Tensor] = None
-                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """:func:`quantize_rows` of ``x ⊙ c`` and, in the same two reads of ``x``, ``x`` rounded with one scale a column
-    (``sc_j = max_r |x_rj| / col_levels``, ``c`` not applied), and the column sums ``Σ_r x_rj`` in float32 (fixed
-    blocks of rows: the same bits on any thread count). Returns ``(q, s, qc (R, n), sc (n,), sum (n,))``."""
-    _need()
-    return _state["quantize_rows_cols"](x, c, levels, col_levels, _state["isa"])
-
-
-def dequantize(acc: Tensor, rs: Tensor, cs: Optional[Tensor] = None, bias: Optional[Tensor] = None, *,
-               dtype: torch.dtype = torch.float32) -> Tensor:
-    """An int8 product back to floating point: ``y_rj = acc_rj (rs_r cs_j) + b_j`` for ``acc (R, n)`` int32
-    (``torch._int_mm``'s), ``rs (R,)``, ``cs (n,)`` (None: 1), ``bias (n,)`` (None: 0), all float32; ``y`` in
-    ``dtype`` (float32 or bfloat16)."""
-    _need()
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
-    return _state["dequantize"](acc, rs, cs, bias, dtype == torch.bfloat16, _state["isa"])
 
 
 def transformed(t: Tensor) -> bool:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnlab import _native
+from attnlab import _native_train
 from attnlab.adapt import int8_training as I
 from _native_isas import EPS32, ISA_IDS, ISAS, isa, needs_native  # noqa: F401 (isa: a fixture)
 
@@ -49,9 +49,9 @@ def test_quantize_rows_rounds_each_row_to_its_own_scale(isa, dtype, rows, n, lev
     gen = torch.Generator().manual_seed(rows * n + levels)
     x = (torch.randn(rows, n, generator=gen) * torch.rand(rows, 1, generator=gen) * 4).to(dtype)
     c = torch.rand(n, generator=gen) + 0.5
-    q, s = _native.quantize_rows(x, levels)
+    q, s = _native_train.quantize_rows(x, levels)
     _check_rounding(q, s, x.double(), levels)
-    q, s = _native.quantize_rows(x, levels, c)
+    q, s = _native_train.quantize_rows(x, levels, c)
     _check_rounding(q, s, (x.float() * c).double(), levels)  # x c is a float32 product in the kernel too
 
 
@@ -63,8 +63,8 @@ def test_quantize_rows_cols_gives_the_rows_and_the_columns_and_their_sums(isa, d
     gen = torch.Generator().manual_seed(rows + n)
     x = (torch.randn(rows, n, generator=gen) * torch.rand(1, n, generator=gen) * 3).to(dtype)
     c = torch.rand(n, generator=gen) + 0.5
-    q, s, qc, sc, total = _native.quantize_rows_cols(x, 127, 63, c)
-    q1, s1 = _native.quantize_rows(x, 127, c)
+    q, s, qc, sc, total = _native_train.quantize_rows_cols(x, 127, 63, c)
+    q1, s1 = _native_train.quantize_rows(x, 127, c)
     assert torch.equal(q, q1) and torch.equal(s, s1)  # the row part is quantize_rows'
     _check_rounding(qc.t().contiguous(), sc, x.double().t(), 63)
     xd = x.double()
@@ -80,7 +80,7 @@ def test_the_column_sums_are_the_same_bits_on_any_thread_count():
         outs = []
         for t in (1, 2, 3):
             torch.set_num_threads(t)
-            outs.append(_native.quantize_rows_cols(x, 127, 63))
+            outs.append(_native_train.quantize_rows_cols(x, 127, 63))
     finally:
         torch.set_num_threads(before)
     for out in outs[1:]:
@@ -94,14 +94,14 @@ def test_a_zero_row_scales_to_0_and_a_nan_or_infinite_row_or_column_to_nan(isa):
     x[1] = 0
     x[2, 3] = float("nan")
     x[4, 7] = float("inf")
-    q, s, qc, sc, total = _native.quantize_rows_cols(x, 127, 127)
+    q, s, qc, sc, total = _native_train.quantize_rows_cols(x, 127, 127)
     assert s[1] == 0 and (q[1] == 0).all()
     assert s[2].isnan() and s[4].isnan() and (q[2] == 0).all() and (q[4] == 0).all()
     assert sc[3].isnan() and sc[7].isnan() and (qc[:, 3] == 0).all() and (qc[:, 7] == 0).all()
     assert total[3].isnan() and total[7].isinf()
     assert torch.isfinite(s[[0, 1, 3, 5]]).all() and torch.isfinite(sc[[0, 1, 2, 4]]).all()
     acc = torch._int_mm(q, torch.ones(20, 8, dtype=torch.int8))
-    y = _native.dequantize(acc, s)
+    y = _native_train.dequantize(acc, s)
     assert y[2].isnan().all() and y[4].isnan().all() and not y[[0, 1, 3, 5]].isnan().any()  # NaN is never lost
 
 
@@ -115,7 +115,7 @@ def test_dequantize_rescales_an_int32_product(isa, dtype, rows, n):
     rs, cs, b = torch.rand(rows, generator=gen), torch.rand(n, generator=gen), torch.randn(n, generator=gen)
     for kw, ref in (({}, acc.double() * rs.double()[:, None]),
                     ({"cs": cs, "bias": b}, acc.double() * (rs[:, None] * cs).double() + b.double())):
-        y = _native.dequantize(acc, rs, dtype=dtype, **kw)
+        y = _native_train.dequantize(acc, rs, dtype=dtype, **kw)
         bound = 3 * EPS32 * (ref.abs() + 1) + (2.0**-8 if dtype == torch.bfloat16 else 0) * ref.abs()
         assert y.dtype == dtype and ((y.double() - ref).abs() <= bound).all()
 
@@ -124,17 +124,17 @@ def test_dequantize_rescales_an_int32_product(isa, dtype, rows, n):
 def test_bad_arguments_are_refused_naming_them():
     x = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="levels must be in"):
-        _native.quantize_rows(x, 128)
+        _native_train.quantize_rows(x, 128)
     with pytest.raises(RuntimeError, match="c must be"):
-        _native.quantize_rows(x, 127, torch.ones(3))
+        _native_train.quantize_rows(x, 127, torch.ones(3))
     with pytest.raises(RuntimeError, match="x must be"):
-        _native.quantize_rows_cols(x.long(), 127, 63)
+        _native_train.quantize_rows_cols(x.long(), 127, 63)
     with pytest.raises(RuntimeError, match="acc must be"):
-        _native.dequantize(torch.ones(4, 8), torch.ones(4))
+        _native_train.dequantize(torch.ones(4, 8), torch.ones(4))
     with pytest.raises(RuntimeError, match="cs must be"):
-        _native.dequantize(torch.ones(4, 8, dtype=torch.int32), torch.ones(4), torch.ones(3))
+        _native_train.dequantize(torch.ones(4, 8, dtype=torch.int32), torch.ones(4), torch.ones(3))
     with pytest.raises(ValueError, match="dtype must be"):
-        _native.dequantize(torch.ones(4, 8, dtype=torch.int32), torch.ones(4), dtype=torch.float16)
+        _native_train.dequantize(torch.ones(4, 8, dtype=torch.int32), torch.ones(4), dtype=torch.float16)
 
 
 def test_int_mm_is_exact_with_8_bit_left_and_7_bit_right_operands():
@@ -177,9 +177,9 @@ def _layer(i, o, bias=True, seed=0):
 
 def _emulated(x, w, b):
     """The int8 layer's forward and gradients computed in float64 from the same integers (module docstring)."""
-    qx, sx = _native.quantize_rows(x, I.LEFT)
-    qw, sw = _native.quantize_rows(w, I.RIGHT)
-    qxc, sxc = _native.quantize_rows(x.t().contiguous(), I.RIGHT)
+    qx, sx = _native_train.quantize_rows(x, I.LEFT)
+    qw, sw = _native_train.quantize_rows(w, I.RIGHT)
+    qxc, sxc = _native_train.quantize_rows(x.t().contiguous(), I.RIGHT)
     y = sx.double()[:, None] * (qx.double() @ qw.double().t()) * sw.double() + (b.double() if b is not None else 0)
     return y, (qw, sw, qxc, sxc)
 
@@ -202,7 +202,7 @@ def test_the_layer_equals_its_integer_formula_and_stays_within_the_roundings_of_
 
     xd = x.detach().double().requires_grad_()
     yd = F.linear(xd, ref_lin.weight.double(), None if not bias else ref_lin.bias.double())
-    _, sx = _native.quantize_rows(x2, I.LEFT)
+    _, sx = _native_train.quantize_rows(x2, I.LEFT)
     W = lin.weight.detach().double()
     bound = (sx.double()[:, None] / 2 * W.abs().sum(1) + sw.double() / 2 * x2.double().abs().sum(1, keepdim=True)
              + sx.double()[:, None] * sw.double() / 4 * shape[-1])
@@ -213,10 +213,10 @@ def test_the_layer_equals_its_integer_formula_and_stays_within_the_roundings_of_
     yd.backward(g.double())
     g2 = g.reshape(-1, 48).double()
     # ∂L/∂x = diag(s_z) q(Z) q(W) with Z = G diag(s_w); ∂L/∂W = diag(s_g) q(G)ᵀ q(X) diag(s_c), from the same integers
-    qz, sz = _native.quantize_rows(g.reshape(-1, 48), I.LEFT, sw)
+    qz, sz = _native_train.quantize_rows(g.reshape(-1, 48), I.LEFT, sw)
     dx_int = sz.double()[:, None] * (qz.double() @ qw.double())
     assert ((x.grad.reshape(-1, shape[-1]).double() - dx_int).abs() <= 3 * EPS32 * (dx_int.abs() + 1)).all()
-    qg, sg = _native.quantize_rows(g.reshape(-1, 48).t().contiguous(), I.LEFT)
+    qg, sg = _native_train.quantize_rows(g.reshape(-1, 48).t().contiguous(), I.LEFT)
     dw_int = sg.double()[:, None] * (qg.double() @ qxc.double().t()) * sxc.double()
     assert ((lin.weight.grad.double() - dw_int).abs() <= 3 * EPS32 * (dw_int.abs() + 1)).all()
     if bias:

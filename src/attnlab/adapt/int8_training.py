@@ -36,6 +36,8 @@ from torch import Tensor, nn
 
 from attnlab import _native
 
+from attnlab import _native_train
+
 LEFT, RIGHT = 127, 63  # levels of the left (8-bit) and right (7-bit) operands of torch._int_mm
 MAX_INNER = (2 ** 31 - 1) // (LEFT * RIGHT)  # the longest sum of products an int32 holds exactly (268,400 terms)
 
@@ -46,10 +48,10 @@ def _product(a: Tensor, b: Tensor, rs: Tensor, cs: Tensor | None = None, bias: T
     product (exact) rescaled in one pass. Past :data:`MAX_INNER` terms along K an int32 could overflow, so the
     product runs in parts of that many, each exact and rescaled, summed in float32."""
     if a.shape[1] <= MAX_INNER:
-        return _native.dequantize(torch._int_mm(a, b), rs, cs, bias, dtype=dtype)
+        return _native_train.dequantize(torch._int_mm(a, b), rs, cs, bias, dtype=dtype)
     out = bias.float().expand(a.shape[0], b.shape[1]).clone() if bias is not None else 0
     for k0 in range(0, a.shape[1], MAX_INNER):
-        out = out + _native.dequantize(torch._int_mm(a[:, k0:k0 + MAX_INNER], b[k0:k0 + MAX_INNER]), rs, cs)
+        out = out + _native_train.dequantize(torch._int_mm(a[:, k0:k0 + MAX_INNER], b[k0:k0 + MAX_INNER]), rs, cs)
     return out.to(dtype)
 
 
@@ -63,10 +65,10 @@ class _Int8Product(torch.autograd.Function):
         x2 = x.reshape(-1, shape[-1])
         x2 = x2 if x2.is_contiguous() else x2.contiguous()
         if ctx.needs_input_grad[1]:  # X by columns too, for ∂L/∂W
-            qx, sx, qxc, sxc, _ = _native.quantize_rows_cols(x2, LEFT, RIGHT)
+            qx, sx, qxc, sxc, _ = _native_train.quantize_rows_cols(x2, LEFT, RIGHT)
         else:
-            (qx, sx), qxc, sxc = _native.quantize_rows(x2, LEFT), None, None
-        qw, sw = _native.quantize_rows(weight.detach(), RIGHT)
+            (qx, sx), qxc, sxc = _native_train.quantize_rows(x2, LEFT), None, None
+        qw, sw = _native_train.quantize_rows(weight.detach(), RIGHT)
         y = _product(qx, qw.t(), sx, sw, None if bias is None else bias.detach().float(), dtype=out_dtype)
         ctx.save_for_backward(qw, sw, qxc, sxc)
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = shape, x.dtype, bias is not None
@@ -81,9 +83,9 @@ class _Int8Product(torch.autograd.Function):
             g = g.float()
         dx = dw = db = None
         if ctx.needs_input_grad[1] or (ctx.has_bias and ctx.needs_input_grad[2]):
-            qz, sz, qg, sg, gsum = _native.quantize_rows_cols(g, LEFT, LEFT, sw)  # G diag(s_w) by rows, G by columns
+            qz, sz, qg, sg, gsum = _native_train.quantize_rows_cols(g, LEFT, LEFT, sw)  # G diag(s_w) by rows, G by columns
         else:  # a frozen layer (LoRA's base, say): only ∂L/∂X
-            qz, sz = _native.quantize_rows(g, LEFT, sw)
+            qz, sz = _native_train.quantize_rows(g, LEFT, sw)
         if ctx.needs_input_grad[0]:
             dx = _product(qz, qw, sz, dtype=ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 
 from attnlab import _native
+
+from attnlab import _native_train
 from attnlab._native import transformed
 from attnlab.functional.masks import build_mask, split_mask
 
@@ -133,7 +135,7 @@ def causal_blocks(Lq: int, Lk: int, causal: bool) -> list[tuple[int, int, int]]:
 
 class NativeShortAttention(torch.autograd.Function):
     """:class:`ShortAttention`'s computation with the mask in closed form (``causal``, ``window``) and the softmax and
-    its gradient in one C++ pass each (:func:`attnlab._native.softmax_rows`, :func:`~attnlab._native.softmax_rows_
+    its gradient in one C++ pass each (:func:`attnlab._native_train.softmax_rows`, :func:`~attnlab._native.softmax_rows_
     backward`), reading the products' dtype (float32 or bf16) and keeping ``P`` in float32::
 
         P = softmax(κ Q Kᵀ) on the visible keys (0 elsewhere),  O = P V
@@ -154,7 +156,7 @@ class NativeShortAttention(torch.autograd.Function):
         ctx.blocks = causal_blocks(Lq, Lk, causal)
         outs, ps = [], []
         for q0, q1, keys in ctx.blocks:
-            p, p_cast = _native.softmax_rows(torch.bmm(q3[:, q0:q1], k3[:, :keys].transpose(1, 2)), scale=scale,
+            p, p_cast = _native_train.softmax_rows(torch.bmm(q3[:, q0:q1], k3[:, :keys].transpose(1, 2)), scale=scale,
                                              causal=causal, window=window, cast=True)
             p_mm = p if p_cast is None else p_cast  # P in the products' dtype
             outs.append(torch.bmm(p_mm, v3[:, :keys]))
@@ -173,7 +175,7 @@ class NativeShortAttention(torch.autograd.Function):
         dq, dk, dv = [], None, None
         for (q0, q1, keys), p, p_mm in zip(reversed(ctx.blocks), reversed(ps[0::2]), reversed(ps[1::2])):
             gb = go[:, q0:q1]
-            ds = _native.softmax_rows_backward(torch.bmm(gb, v3[:, :keys].transpose(1, 2)), p, scale=ctx.scale)  # κ dS
+            ds = _native_train.softmax_rows_backward(torch.bmm(gb, v3[:, :keys].transpose(1, 2)), p, scale=ctx.scale)  # κ dS
             dq.append(torch.bmm(ds, k3[:, :keys]))
             dk_b, dv_b = torch.bmm(ds.transpose(1, 2), q3[:, q0:q1]), torch.bmm(p_mm.transpose(1, 2), gb)
             if dk is None:  # the last block sees every key

@@ -29,6 +29,8 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from attnlab import _native
+
+from attnlab import _native_train
 from attnlab._checks import one_of, positive_int, rate
 from attnlab.nn.dropout import Dropout
 
@@ -63,7 +65,7 @@ FFN_ACTIVATIONS = tuple(ACTIVATIONS) + tuple(GATED_ACTIVATIONS)
 
 class _GatedActivation(torch.autograd.Function):
     """``h = act(g) ⊙ u`` and its gradients ``∂L/∂g = ∂L/∂h ⊙ u ⊙ act'(g)``, ``∂L/∂u = ∂L/∂h ⊙ act(g)``, one C++ pass
-    each (:func:`attnlab._native.act_train`, float32 arithmetic, one rounding to the inputs' dtype) instead of the
+    each (:func:`attnlab._native_train.act_train`, float32 arithmetic, one rounding to the inputs' dtype) instead of the
     activation, its backward and three products. SwiGLU on (16, 256, 704), fwd + bwd, 2 cores
     (``benchmarks/train_passes.py``): float32 0.57× PyTorch's time (AVX-512 and AVX2), bfloat16 0.90× with AVX-512 but
     1.18× with AVX2 (whose bf16 is emulated anyway: there bf16 stays on PyTorch's operations). A plain GELU stays
@@ -73,13 +75,13 @@ class _GatedActivation(torch.autograd.Function):
     def forward(ctx, g: Tensor, u: Tensor, activation: str) -> Tensor:
         ctx.activation = activation
         ctx.save_for_backward(g, u)
-        return _native.act_train(g, u, activation)
+        return _native_train.act_train(g, u, activation)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor):
         g, u = ctx.saved_tensors
-        dg, du = _native.act_train_backward(grad.contiguous(), g, u, ctx.activation)
+        dg, du = _native_train.act_train_backward(grad.contiguous(), g, u, ctx.activation)
         return dg, du, None
 
 

@@ -13,6 +13,8 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from attnlab import _native
+
+from attnlab import _native_train
 from attnlab._checks import one_of, positive_int, positive_number
 
 NORMS = ("layernorm", "rmsnorm")
@@ -63,7 +65,7 @@ class _RMSNormFunction(torch.autograd.Function):
         ∂L/∂x = r · (h − x̂ · mean(h ⊙ x̂)),   h = ∂L/∂y ⊙ g
 
     (autograd through the forward's ops takes ~2× the time on CPU). Where attnlab's C++ kernels take ``x`` (float32
-    on the CPU, eager) each direction is one pass (:func:`attnlab._native.rms_norm_train` and its backward, ``x̂``
+    on the CPU, eager) each direction is one pass (:func:`attnlab._native_train.rms_norm_train` and its backward, ``x̂``
     recomputed from the saved ``x`` and ``r``): fwd + bwd of a (16, 256, 256) float32 ``x``, 2 cores, 0.30× the
     time of the PyTorch operations below (``benchmarks/train_passes.py``). The same formula, its sums in another
     order (``r`` as ``1/√`` instead of ``rsqrt``): within float32's rounding of it, tested against float64;
@@ -81,7 +83,7 @@ class _RMSNormFunction(torch.autograd.Function):
         ctx.native = _RMSNormFunction.native(x, weight)
         if ctx.native:
             x = x.contiguous()
-            y, r = _native.rms_norm_train(x, weight.contiguous(), eps)
+            y, r = _native_train.rms_norm_train(x, weight.contiguous(), eps)
             ctx.save_for_backward(x, r, weight)
             return y
         r = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)  # (..., 1)
@@ -94,7 +96,7 @@ class _RMSNormFunction(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         if ctx.native:
             x, r, weight = ctx.saved_tensors
-            grad_x, grad_w = _native.rms_norm_train_backward(grad.contiguous(), x, weight, r)
+            grad_x, grad_w = _native_train.rms_norm_train_backward(grad.contiguous(), x, weight, r)
             return (grad_x if ctx.needs_input_grad[0] else None), (grad_w if ctx.needs_input_grad[1] else None), None
         xhat, r, weight = ctx.saved_tensors
         grad_x = grad_w = None

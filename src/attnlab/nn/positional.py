@@ -20,6 +20,8 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from attnlab import _native
+
+from attnlab import _native_train
 from attnlab._checks import int_at_least, tensor
 from attnlab.functional.positional import (ScoreMod, alibi_score_mod, alibi_slopes, apply_rope, rope_frequencies,
                                            sinusoidal_table, t5_relative_buckets)
@@ -204,7 +206,7 @@ class RotaryEmbedding(nn.Module):
 
 class _Rotate(torch.autograd.Function):
     """:func:`~attnlab.functional.positional.apply_rope` (half-split pairs, every dim rotated) of a float32 or bfloat16
-    ``x (B, H, L, D)`` in one C++ pass (:func:`attnlab._native.rope_train`, the arithmetic in float32 and one rounding,
+    ``x (B, H, L, D)`` in one C++ pass (:func:`attnlab._native_train.rope_train`, the arithmetic in float32 and one rounding,
     where ``apply_rope`` rounds each product in ``x``'s dtype), and its backward, the rotation by ``−φ`` (``R(φ)ᵀ =
     R(−φ)``): ``∂L/∂x = R(−φ) ∂L/∂y``. fwd + bwd of q (16, 4, 256, 64), 2 cores: 0.39× ``apply_rope``'s time under
     autograd in float32, 0.54× in bfloat16 (``benchmarks/train_passes.py``)."""
@@ -212,14 +214,14 @@ class _Rotate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         ctx.save_for_backward(cos, sin)
-        return _native.rope_train(x, cos, sin)
+        return _native_train.rope_train(x, cos, sin)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor):
         cos, sin = ctx.saved_tensors
         grad = grad if grad.stride(-1) == 1 else grad.contiguous()
-        return _native.rope_train(grad, cos, sin, inverse=True), None, None
+        return _native_train.rope_train(grad, cos, sin, inverse=True), None, None
 
 
 class ALiBi(nn.Module):
