@@ -46,6 +46,9 @@
 #include <optional>
 #include <tuple>
 #include <utility>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
 
 #include "native.h"
 
