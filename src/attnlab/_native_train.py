@@ -127,8 +127,10 @@ def quantize_rows(x: Tensor, levels: int, c: Optional[Tensor] = None) -> tuple[T
 def quantize_rows_cols(x: Tensor, levels: int, col_levels: int, c: Optional[Tensor] = None
                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """:func:`quantize_rows` of ``x ⊙ c`` and, in the same two reads of ``x``, ``x`` rounded with one scale a column
-    (``sc_j = max_r |x_rj| / col_levels``, ``c`` not applied), and the column sums ``Σ_r x_rj`` in float32 (fixed
-    blocks of rows: the same bits on any thread count). Returns ``(q, s, qc (R, n), sc (n,), sum (n,))``."""
+    (``sc_j = max_r |x_rj| / col_levels``, ``c`` not applied) written transposed, ``qct_jr = round(x_rj / sc_j)``
+    (contiguous ``(n, R)``: the operand of a product over the rows, which oneDNN runs fastest so), and the column sums
+    ``Σ_r x_rj`` in float32 (fixed blocks of rows: the same bits on any thread count). Returns ``(q, s, qct (n, R),
+    sc (n,), sum (n,))``."""
     _native._need()
     return _native._state["quantize_rows_cols"](x, c, levels, col_levels, _native._state["isa"])
 

@@ -20,7 +20,7 @@ from attnlab.adapt import int8_training as I
 from _native_isas import EPS32, ISA_IDS, ISAS, isa, needs_native  # noqa: F401 (isa: a fixture)
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-SHAPES = pytest.mark.parametrize("rows,n", [(96, 128), (37, 19), (3, 5)])
+SHAPES = pytest.mark.parametrize("rows,n", [(96, 128), (37, 19), (3, 5)])  # whole and partial 16 × 16 tiles
 
 
 def _half_even(v: torch.Tensor) -> torch.Tensor:
@@ -63,10 +63,11 @@ def test_quantize_rows_cols_gives_the_rows_and_the_columns_and_their_sums(isa, d
     gen = torch.Generator().manual_seed(rows + n)
     x = (torch.randn(rows, n, generator=gen) * torch.rand(1, n, generator=gen) * 3).to(dtype)
     c = torch.rand(n, generator=gen) + 0.5
-    q, s, qc, sc, total = _native_train.quantize_rows_cols(x, 127, 63, c)
+    q, s, qct, sc, total = _native_train.quantize_rows_cols(x, 127, 63, c)
     q1, s1 = _native_train.quantize_rows(x, 127, c)
     assert torch.equal(q, q1) and torch.equal(s, s1)  # the row part is quantize_rows'
-    _check_rounding(qc.t().contiguous(), sc, x.double().t(), 63)
+    assert qct.shape == (n, rows) and qct.is_contiguous()  # the columns' rounding is written transposed
+    _check_rounding(qct, sc, x.double().t(), 63)
     xd = x.double()
     assert total.dtype == torch.float32
     assert ((total.double() - xd.sum(0)).abs() <= (rows + 2) * EPS32 * xd.abs().sum(0) + 1e-30).all()
@@ -94,10 +95,10 @@ def test_a_zero_row_scales_to_0_and_a_nan_or_infinite_row_or_column_to_nan(isa):
     x[1] = 0
     x[2, 3] = float("nan")
     x[4, 7] = float("inf")
-    q, s, qc, sc, total = _native_train.quantize_rows_cols(x, 127, 127)
+    q, s, qct, sc, total = _native_train.quantize_rows_cols(x, 127, 127)
     assert s[1] == 0 and (q[1] == 0).all()
     assert s[2].isnan() and s[4].isnan() and (q[2] == 0).all() and (q[4] == 0).all()
-    assert sc[3].isnan() and sc[7].isnan() and (qc[:, 3] == 0).all() and (qc[:, 7] == 0).all()
+    assert sc[3].isnan() and sc[7].isnan() and (qct[3] == 0).all() and (qct[7] == 0).all()
     assert total[3].isnan() and total[7].isinf()
     assert torch.isfinite(s[[0, 1, 3, 5]]).all() and torch.isfinite(sc[[0, 1, 2, 4]]).all()
     acc = torch._int_mm(q, torch.ones(20, 8, dtype=torch.int8))

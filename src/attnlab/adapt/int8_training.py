@@ -65,31 +65,31 @@ class _Int8Product(torch.autograd.Function):
         x2 = x.reshape(-1, shape[-1])
         x2 = x2 if x2.is_contiguous() else x2.contiguous()
         if ctx.needs_input_grad[1]:  # X by columns too, for ∂L/∂W
-            qx, sx, qxc, sxc, _ = _native_train.quantize_rows_cols(x2, LEFT, RIGHT)
+            qx, sx, qxt, sxc, _ = _native_train.quantize_rows_cols(x2, LEFT, RIGHT)  # qxt = q(X)ᵀ contiguous
         else:
-            (qx, sx), qxc, sxc = _native_train.quantize_rows(x2, LEFT), None, None
+            (qx, sx), qxt, sxc = _native_train.quantize_rows(x2, LEFT), None, None
         qw, sw = _native_train.quantize_rows(weight.detach(), RIGHT)
         y = _product(qx, qw.t(), sx, sw, None if bias is None else bias.detach().float(), dtype=out_dtype)
-        ctx.save_for_backward(qw, sw, qxc, sxc)
+        ctx.save_for_backward(qw, sw, qxt, sxc)
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = shape, x.dtype, bias is not None
         return y.reshape(*shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        qw, sw, qxc, sxc = ctx.saved_tensors
+        qw, sw, qxt, sxc = ctx.saved_tensors
         g = dy.reshape(-1, dy.shape[-1])
         g = g if g.is_contiguous() else g.contiguous()
         if g.dtype not in (torch.float32, torch.bfloat16):
             g = g.float()
         dx = dw = db = None
         if ctx.needs_input_grad[1] or (ctx.has_bias and ctx.needs_input_grad[2]):
-            qz, sz, qg, sg, gsum = _native_train.quantize_rows_cols(g, LEFT, LEFT, sw)  # G diag(s_w) by rows, G by columns
+            qz, sz, qgt, sg, gsum = _native_train.quantize_rows_cols(g, LEFT, LEFT, sw)  # G diag(s_w) by rows, Gᵀ
         else:  # a frozen layer (LoRA's base, say): only ∂L/∂X
             qz, sz = _native_train.quantize_rows(g, LEFT, sw)
         if ctx.needs_input_grad[0]:
             dx = _product(qz, qw, sz, dtype=ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            dw = _product(qg.t(), qxc, sg, sxc)
+            dw = _product(qgt, qxt.t(), sg, sxc)  # both stored transposed: as AVX2 ~30 % faster than q(G)ᵀ a view
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = gsum
         return dx, dw, db, None

@@ -23,8 +23,9 @@
 //       int8 (k = levels; round half to even; a zero row: s 0, q 0; a row with a NaN or an infinity: s NaN, q 0)
 //   attnlab::quantize_rows_cols(x, c, levels, col_levels) -> (q, s, qc, sc, sum)
 //       quantize_rows, and in the same two reads of x the same with one scale per column and no c (sc_j =
-//       max_r |x_rj| / k', qc (R, n) int8), and sum_j = Σ_r x_rj float32 (blocks of 32 rows, then the blocks in
-//       order: the same bits on any thread count)
+//       max_r |x_rj| / k'), written transposed: qct (n, R) int8, qct_jr = round(x_rj / sc_j) (the contiguous
+//       operand of a product over the rows, ∂L/∂W = Gᵀ X); and sum_j = Σ_r x_rj float32 (blocks of 32 rows, then
+//       the blocks in order: the same bits on any thread count)
 //   attnlab::dequantize(acc, rs, cs, b, bf16) -> y
 //       acc (R, n) int32 (an int8 product): y_rj = acc_rj (rs_r cs_j) + b_j (cs absent: 1, b absent: 0), float32
 //       or bfloat16
@@ -46,6 +47,7 @@
 #include <optional>
 #include <tuple>
 #include <utility>
+#include <vector>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #endif
@@ -322,7 +324,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
                   c->sizes());
   }
   const auto f32 = x.options().dtype(at::kFloat);
-  at::Tensor q = at::empty({R, n}, x.options().dtype(at::kChar)), qc = at::empty({R, n}, q.options());
+  at::Tensor q = at::empty({R, n}, x.options().dtype(at::kChar)), qct = at::empty({n, R}, q.options());
   at::Tensor s = at::empty({R}, f32), sc = at::empty({n}, f32), sum = at::empty({n}, f32), inv = at::empty({R}, f32);
   at::Tensor cinv = at::empty({n}, f32);
   // pass 1: each block of rows its rows' maxima and its columns' partial maxima and sums (a fixed partition: the
@@ -354,20 +356,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
     }
     bool bad = false;  // a column with a NaN or an infinity gets q 0 like such a row (its x · 0 is NaN)
     for (int64_t j = 0; j < n; ++j) bad |= std::isnan(SC[j]);
-    int8_t *Q = q.data_ptr<int8_t>(), *QC = qc.data_ptr<int8_t>();
+    int8_t *Q = q.data_ptr<int8_t>(), *QCT = qct.data_ptr<int8_t>();
     const auto quant = ISA_FN(quantize_row_col<T>);
-    at::parallel_for(0, R, grain, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        quant(X + r * n, C, n, INV[r], CINV, Q + r * n, QC + r * n);
-        if (INV[r] == 0.f) std::memset(Q + r * n, 0, n);
-        for (int64_t j = 0; bad && j < n; ++j) {
-          if (std::isnan(SC[j])) QC[r * n + j] = 0;
+    const auto transpose = ISA_FN(transpose_bytes);
+    constexpr int64_t tile = 16;  // rows rounded by columns into a tile's buffer, then written transposed
+    at::parallel_for(0, (R + tile - 1) / tile, std::max<int64_t>(1, grain / tile), [&](int64_t t0, int64_t t1) {
+      std::vector<int8_t> buf(tile * n);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t r0 = t * tile, rows = std::min(tile, R - r0);
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t r = r0 + i;
+          quant(X + r * n, C, n, INV[r], CINV, Q + r * n, buf.data() + i * n);
+          if (INV[r] == 0.f) std::memset(Q + r * n, 0, n);
+          for (int64_t j = 0; bad && j < n; ++j) {
+            if (std::isnan(SC[j])) buf[i * n + j] = 0;
+          }
         }
+        transpose(buf.data(), n, rows, n, QCT + r0, R);
       }
     });
   };
   x.scalar_type() == at::kFloat ? run(float{}) : run(uint16_t{});
-  return {q, s, qc, sc, sum};
+  return {q, s, qct, sc, sum};
 }
 
 at::Tensor dequantize(const at::Tensor& acc, const at::Tensor& rs, const std::optional<at::Tensor>& cs,

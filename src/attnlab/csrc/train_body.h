@@ -391,6 +391,29 @@ inline void quantize_row_col(const T* x, const float* c, int64_t n, float inv, c
   }
 }
 
+// dst[c · ds + r] = src[r · ss + c] for r < rows, c < cols: a block of bytes transposed, by 16 × 16 tiles (on x86
+// four rounds of byte interleaves of rows i and i + 8: each round rotates the 8 bits of (row, column) by one)
+inline void transpose_bytes(const int8_t* src, int64_t ss, int64_t rows, int64_t cols, int8_t* dst, int64_t ds) {
+  int64_t c0 = 0;
+#if defined(__x86_64__) || defined(_M_X64)
+  for (; rows == 16 && c0 + 16 <= cols; c0 += 16) {
+    __m128i a[16], b[16];
+    for (int i = 0; i < 16; ++i) a[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * ss + c0));
+    for (int round = 0; round < 4; ++round) {
+      for (int i = 0; i < 8; ++i) {
+        b[2 * i] = _mm_unpacklo_epi8(a[i], a[i + 8]);
+        b[2 * i + 1] = _mm_unpackhi_epi8(a[i], a[i + 8]);
+      }
+      for (int i = 0; i < 16; ++i) a[i] = b[i];
+    }
+    for (int i = 0; i < 16; ++i) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (c0 + i) * ds), a[i]);
+  }
+#endif
+  for (int64_t c = c0; c < cols; ++c) {
+    for (int64_t r = 0; r < rows; ++r) dst[c * ds + r] = src[r * ss + c];
+  }
+}
+
 // y_j = acc_j (rs cs_j) + b_j  (cs null: 1, b null: 0): a row of an int32 product back to float
 template <class T>
 inline void dequant_row(const int32_t* acc, float rs, const float* cs, const float* b, int64_t n, T* y) {
