@@ -144,3 +144,46 @@ def dequantize(acc: Tensor, rs: Tensor, cs: Optional[Tensor] = None, bias: Optio
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     return _native._state["dequantize"](acc, rs, cs, bias, dtype == torch.bfloat16, _native._state["isa"])
+
+
+def int8_product(a: Tensor, b: Tensor, rs: Tensor, cs: Optional[Tensor] = None, bias: Optional[Tensor] = None, *,
+                 dtype: torch.dtype = torch.float32, max_inner: int) -> Tensor:
+    """``diag(rs) (a b) diag(cs) + bias`` for int8 ``a (M, K)``, ``b (K, N)`` (any strides): ``torch._int_mm``'s exact
+    int32 sums rescaled by :func:`dequantize`, in parts of ``max_inner`` terms along K (each rescaled, the parts summed
+    in float32) where a longer int32 sum could overflow."""
+    _native._need()
+    return _native._state["int8_product"](a, b, rs, cs, bias, dtype == torch.bfloat16, max_inner, _native._state["isa"])
+
+
+def int8_linear(x: Tensor, w: Tensor, b: Optional[Tensor], *, left: int, right: int, cols: bool, dtype: torch.dtype
+                ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """An int8 linear layer's training forward in one call (:mod:`attnlab.adapt.int8_training`): ``x (T, in)``
+    contiguous float32 or bfloat16 by rows to ``±left``, ``w (out, in)`` float32 by rows to ``±right``, ``b (out,)``
+    float32 or None::
+
+        y = diag(s_x) (q(x) q(w)ᵀ) diag(s_w) + b          (in ``dtype``, float32 or bfloat16)
+
+    Returns ``(y, qw, sw, qxt, sxc)``: with ``cols`` also ``x`` by columns to ``±right``, transposed (``qxt (in, T)``,
+    ``sxc (in,)``: the weight gradient's operand), else those two None."""
+    _native._need()
+    y, qw, sw, qxt, sxc = _native._state["int8_linear"](x, w, b, left, right, cols, dtype == torch.bfloat16,
+                                                        _native._state["isa"])
+    return (y, qw, sw, qxt, sxc) if cols else (y, qw, sw, None, None)
+
+
+def int8_linear_backward(g: Tensor, qw: Tensor, sw: Tensor, qxt: Optional[Tensor], sxc: Optional[Tensor], *,
+                         left: int, right: int, dx: bool, dw: bool, db: bool, dx_dtype: torch.dtype
+                         ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """:func:`int8_linear`'s gradients from ``g = ∂L/∂y (T, out)`` (contiguous float32 or bfloat16), each only where
+    asked for (else None)::
+
+        Z = g diag(s_w) ≈ diag(s_z) q_left(Z):   ∂L/∂x = diag(s_z) (q(Z) q(w))                (in ``dx_dtype``)
+        g ≈ q_left(g) diag(s_g) by columns:       ∂L/∂w = diag(s_g) (q(g)ᵀ q(x)) diag(s_xc)    (float32)
+        ∂L/∂b = Σ_t g_t                                                                        (float32)
+    """
+    _native._need()
+    empty = qw.new_empty(0)
+    out = _native._state["int8_linear_backward"](g, qw, sw, qxt if qxt is not None else empty,
+                                                 sxc if sxc is not None else empty.float(), left, right, dx, dw, db,
+                                                 dx_dtype == torch.bfloat16, _native._state["isa"])
+    return tuple(t if want else None for t, want in zip(out, (dx, dw, db)))

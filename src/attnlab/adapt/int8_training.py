@@ -46,31 +46,25 @@ def _product(a: Tensor, b: Tensor, rs: Tensor, cs: Tensor | None = None, bias: T
              dtype: torch.dtype = torch.float32) -> Tensor:
     """``diag(rs) (a b) diag(cs) + bias`` for int8 ``a (M, K)`` (≤ ±127) and ``b (K, N)`` (≤ ±63): the int32
     product (exact) rescaled in one pass. Past :data:`MAX_INNER` terms along K an int32 could overflow, so the
-    product runs in parts of that many, each exact and rescaled, summed in float32."""
-    if a.shape[1] <= MAX_INNER:
-        return _native_train.dequantize(torch._int_mm(a, b), rs, cs, bias, dtype=dtype)
-    out = bias.float().expand(a.shape[0], b.shape[1]).clone() if bias is not None else 0
-    for k0 in range(0, a.shape[1], MAX_INNER):
-        out = out + _native_train.dequantize(torch._int_mm(a[:, k0:k0 + MAX_INNER], b[k0:k0 + MAX_INNER]), rs, cs)
-    return out.to(dtype)
+    product runs in parts of that many, each exact and rescaled, summed in float32 (the layer's own calls do the same
+    in C++: ``_native_train.int8_linear``)."""
+    return _native_train.int8_product(a, b, rs, cs, bias, dtype=dtype, max_inner=MAX_INNER)
 
 
 class _Int8Product(torch.autograd.Function):
     """``Y = X Wᵀ + b`` with the three products in int8 (module docstring); X float32 or bfloat16 (autocast's), the
-    output in the autocast dtype under autocast, else X's."""
+    output in the autocast dtype under autocast, else X's. Each direction is one native call
+    (:func:`~attnlab._native_train.int8_linear` and its backward): the roundings, products and rescalings of a layer
+    without Python between them."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        x2 = x2 if x2.is_contiguous() else x2.contiguous()
-        if ctx.needs_input_grad[1]:  # X by columns too, for ∂L/∂W
-            qx, sx, qxt, sxc, _ = _native_train.quantize_rows_cols(x2, LEFT, RIGHT)  # qxt = q(X)ᵀ contiguous
-        else:
-            (qx, sx), qxt, sxc = _native_train.quantize_rows(x2, LEFT), None, None
-        qw, sw = _native_train.quantize_rows(weight.detach(), RIGHT)
-        y = _product(qx, qw.t(), sx, sw, None if bias is None else bias.detach().float(), dtype=out_dtype)
-        ctx.save_for_backward(qw, sw, qxt, sxc)
+        y, qw, sw, qxt, sxc = _native_train.int8_linear(x2 if x2.is_contiguous() else x2.contiguous(), weight, bias,
+                                                        left=LEFT, right=RIGHT, cols=ctx.needs_input_grad[1],
+                                                        dtype=out_dtype)
+        ctx.save_for_backward(qw, sw, qxt, sxc)  # qxt = q(X)ᵀ by columns (None where W takes no gradient)
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = shape, x.dtype, bias is not None
         return y.reshape(*shape[:-1], weight.shape[0])
 
@@ -81,18 +75,10 @@ class _Int8Product(torch.autograd.Function):
         g = g if g.is_contiguous() else g.contiguous()
         if g.dtype not in (torch.float32, torch.bfloat16):
             g = g.float()
-        dx = dw = db = None
-        if ctx.needs_input_grad[1] or (ctx.has_bias and ctx.needs_input_grad[2]):
-            qz, sz, qgt, sg, gsum = _native_train.quantize_rows_cols(g, LEFT, LEFT, sw)  # G diag(s_w) by rows, Gᵀ
-        else:  # a frozen layer (LoRA's base, say): only ∂L/∂X
-            qz, sz = _native_train.quantize_rows(g, LEFT, sw)
-        if ctx.needs_input_grad[0]:
-            dx = _product(qz, qw, sz, dtype=ctx.x_dtype).reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            dw = _product(qgt, qxt.t(), sg, sxc)  # both stored transposed: as AVX2 ~30 % faster than q(G)ᵀ a view
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = gsum
-        return dx, dw, db, None
+        need = ctx.needs_input_grad
+        dx, dw, db = _native_train.int8_linear_backward(g, qw, sw, qxt, sxc, left=LEFT, right=RIGHT, dx=need[0],
+                                                        dw=need[1], db=ctx.has_bias and need[2], dx_dtype=ctx.x_dtype)
+        return (dx.reshape(ctx.x_shape) if dx is not None else None), dw, db, None
 
 
 class Int8TrainingLinear(nn.Linear):

@@ -29,11 +29,22 @@
 //   attnlab::dequantize(acc, rs, cs, b, bf16) -> y
 //       acc (R, n) int32 (an int8 product): y_rj = acc_rj (rs_r cs_j) + b_j (cs absent: 1, b absent: 0), float32
 //       or bfloat16
+//   attnlab::int8_product(a, b, rs, cs, bias, bf16, max_inner) -> y
+//       y = diag(rs) (a b) diag(cs) + bias for int8 a (M, K), b (K, N): torch._int_mm's exact int32 sums, in parts
+//       of max_inner terms along K (each rescaled, the parts summed in float32) where an int32 could overflow
+//   attnlab::int8_linear(x, w, b, left, right, cols, bf16) -> (y, qw, sw, qxt, sxc)
+//       an int8 linear layer's forward (attnlab/adapt/int8_training.py): x by rows to ±left, w by rows to ±right,
+//       y = diag(s_x) (q(x) q(w)ᵀ) diag(s_w) + b; with `cols` also x by columns to ±right, transposed (qxt, sxc:
+//       the weight gradient's operand), else qxt and sxc empty
+//   attnlab::int8_linear_backward(g, qw, sw, qxt, sxc, left, right, dx, dw, db, dx_bf16) -> (dx, dw, db)
+//       its gradients: Z = g diag(s_w) by rows, dx = diag(s_z) (q(Z) q(w)); g by columns transposed, dw =
+//       diag(s_g) (q(g)ᵀ q(x)) diag(s_x cols); db = Σ_rows g; each only where asked for (else empty)
 //
 // Rows are split over torch's threads; the vector code is the caller's instruction set
 // (isa_regions.h). A NaN stays a NaN through every pass (the pipeline reports it).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_int_mm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/sum.h>
@@ -411,6 +422,70 @@ at::Tensor dequantize(const at::Tensor& acc, const at::Tensor& rs, const std::op
   return y;
 }
 
+at::Tensor int8_product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& rs, const std::optional<at::Tensor>& cs,
+                        const std::optional<at::Tensor>& bias, bool bf16, int64_t max_inner, int64_t isa) {
+  ATTNLAB_CHECK(a.scalar_type() == at::kChar && b.scalar_type() == at::kChar && a.dim() == 2 && b.dim() == 2 &&
+                    a.size(1) == b.size(0),
+                "attnlab::int8_product: a (M, K) and b (K, N) must be int8, got ", a.scalar_type(), " ", a.sizes(),
+                " and ", b.scalar_type(), " ", b.sizes());
+  ATTNLAB_CHECK(max_inner >= 1, "attnlab::int8_product: max_inner must be >= 1, got ", max_inner);
+  const int64_t K = a.size(1);
+  if (K <= max_inner) return dequantize(at::_int_mm(a, b), rs, cs, bias, bf16, isa);
+  at::Tensor out;
+  for (int64_t k0 = 0; k0 < K; k0 += max_inner) {
+    const int64_t k1 = std::min(K, k0 + max_inner);
+    at::Tensor part = dequantize(at::_int_mm(a.slice(1, k0, k1), b.slice(0, k0, k1)), rs, cs,
+                                 k0 == 0 ? bias : std::nullopt, false, isa);
+    out = k0 == 0 ? part : out.add_(part);
+  }
+  return bf16 ? out.to(at::kBFloat16) : out;
+}
+
+// the longest sum of products of ±left and ±right integers an int32 holds exactly
+int64_t max_terms(int64_t left, int64_t right) {
+  check_levels(left, "int8_linear"), check_levels(right, "int8_linear");
+  return ((int64_t{1} << 31) - 1) / (left * right);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> int8_linear(
+    const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, int64_t left, int64_t right,
+    bool cols, bool bf16, int64_t isa) {
+  check_fb(x, "int8_linear", "x");
+  attnlab_native::check_f32(w, "int8_linear", "w");
+  ATTNLAB_CHECK(x.dim() == 2 && w.dim() == 2 && w.size(1) == x.size(1), "attnlab::int8_linear: x (T, in) and w (out, in) ",
+                "must agree, got ", x.sizes(), " and ", w.sizes());
+  auto [qw, sw] = quantize_rows(w, std::nullopt, right, isa);
+  at::Tensor qx, sx, qxt, sxc;
+  if (cols) {
+    std::tie(qx, sx, qxt, sxc, std::ignore) = quantize_rows_cols(x, std::nullopt, left, right, isa);
+  } else {
+    std::tie(qx, sx) = quantize_rows(x, std::nullopt, left, isa);
+    qxt = at::empty({0}, qx.options()), sxc = at::empty({0}, sx.options());
+  }
+  at::Tensor y = int8_product(qx, qw.t(), sx, sw, b, bf16, max_terms(left, right), isa);
+  return {y, qw, sw, qxt, sxc};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_linear_backward(
+    const at::Tensor& g, const at::Tensor& qw, const at::Tensor& sw, const at::Tensor& qxt, const at::Tensor& sxc,
+    int64_t left, int64_t right, bool dx, bool dw, bool db, bool dx_bf16, int64_t isa) {
+  check_fb(g, "int8_linear_backward", "g");
+  ATTNLAB_CHECK(g.dim() == 2 && qw.dim() == 2 && g.size(1) == qw.size(0), "attnlab::int8_linear_backward: g (T, out) ",
+                "and qw (out, in) must agree, got ", g.sizes(), " and ", qw.sizes());
+  at::Tensor qz, sz, qgt, sg, gsum, none = at::empty({0}, g.options().dtype(at::kFloat));
+  if (dw || db) {
+    std::tie(qz, sz, qgt, sg, gsum) = quantize_rows_cols(g, sw, left, left, isa);  // G diag(s_w) by rows, Gᵀ
+  } else {
+    std::tie(qz, sz) = quantize_rows(g, sw, left, isa);  // a frozen layer: only ∂L/∂X
+  }
+  const int64_t max_inner = max_terms(left, right);
+  ATTNLAB_CHECK(!dw || (qxt.dim() == 2 && qxt.size(1) == g.size(0)), "attnlab::int8_linear_backward: qxt must be ",
+                "(in, ", g.size(0), ") for dw, got ", qxt.sizes());
+  return {dx ? int8_product(qz, qw, sz, std::nullopt, std::nullopt, dx_bf16, max_inner, isa) : none,
+          dw ? int8_product(qgt, qxt.t(), sg, sxc, std::nullopt, false, max_inner, isa) : none,
+          db ? gsum : none};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(attnlab, m) {
@@ -425,6 +500,12 @@ TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("quantize_rows_cols(Tensor x, Tensor? c, int levels, int col_levels, int isa) -> (Tensor, Tensor, Tensor, "
         "Tensor, Tensor)");
   m.def("dequantize(Tensor acc, Tensor rs, Tensor? cs, Tensor? b, bool bf16, int isa) -> Tensor");
+  m.def("int8_product(Tensor a, Tensor b, Tensor rs, Tensor? cs, Tensor? bias, bool bf16, int max_inner, int isa) "
+        "-> Tensor");
+  m.def("int8_linear(Tensor x, Tensor w, Tensor? b, int left, int right, bool cols, bool bf16, int isa) -> (Tensor, "
+        "Tensor, Tensor, Tensor, Tensor)");
+  m.def("int8_linear_backward(Tensor g, Tensor qw, Tensor sw, Tensor qxt, Tensor sxc, int left, int right, bool dx, "
+        "bool dw, bool db, bool dx_bf16, int isa) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
@@ -438,4 +519,7 @@ TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
   m.impl("quantize_rows", &quantize_rows);
   m.impl("quantize_rows_cols", &quantize_rows_cols);
   m.impl("dequantize", &dequantize);
+  m.impl("int8_product", &int8_product);
+  m.impl("int8_linear", &int8_linear);
+  m.impl("int8_linear_backward", &int8_linear_backward);
 }
