@@ -166,6 +166,56 @@ def test_a_sum_longer_than_an_int32_holds_runs_in_exact_parts(monkeypatch):
     assert I._product(a, b, rs, dtype=torch.bfloat16).dtype == torch.bfloat16
 
 
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
+@pytest.mark.parametrize("cols", [True, False])
+@DTYPES
+def test_int8_linear_is_its_roundings_product_and_rescaling_in_one_call(isa, cols, dtype):
+    """The layer's native calls against the passes they are made of, bit for bit."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(37, 40, generator=gen).to(dtype)
+    w, b = torch.randn(24, 40, generator=gen), torch.randn(24, generator=gen)
+    y, qw, sw, qxt, sxc = _native_train.int8_linear(x, w, b, left=I.LEFT, right=I.RIGHT, cols=cols, dtype=dtype)
+    qx, sx = _native_train.quantize_rows(x, I.LEFT)
+    qw1, sw1 = _native_train.quantize_rows(w, I.RIGHT)
+    assert torch.equal(qw, qw1) and torch.equal(sw, sw1)
+    want = _native_train.dequantize(torch._int_mm(qx, qw1.t()), sx, sw1, b, dtype=dtype)
+    assert y.dtype == dtype and torch.equal(y, want)
+    if cols:
+        _, _, qxt1, sxc1, _ = _native_train.quantize_rows_cols(x, I.LEFT, I.RIGHT)
+        assert torch.equal(qxt, qxt1) and torch.equal(sxc, sxc1)
+    else:
+        assert qxt is None and sxc is None
+
+    g = torch.randn(37, 24, generator=gen).to(dtype)
+    if not cols:
+        _, _, qxt, sxc, _ = _native_train.quantize_rows_cols(x, I.LEFT, I.RIGHT)
+    dx, dw, db = _native_train.int8_linear_backward(g, qw, sw, qxt, sxc, left=I.LEFT, right=I.RIGHT, dx=True, dw=True,
+                                                    db=True, dx_dtype=dtype)
+    qz, sz, qgt, sg, gsum = _native_train.quantize_rows_cols(g, I.LEFT, I.LEFT, sw)  # G diag(s_w) by rows, Gᵀ
+    assert dx.dtype == dtype and torch.equal(dx, _native_train.dequantize(torch._int_mm(qz, qw), sz, dtype=dtype))
+    assert dw.dtype == torch.float32 and torch.equal(dw, _native_train.dequantize(torch._int_mm(qgt, qxt.t()), sg, sxc))
+    assert torch.equal(db, gsum)
+    only_dx = _native_train.int8_linear_backward(g, qw, sw, None, None, left=I.LEFT, right=I.RIGHT, dx=True, dw=False,
+                                                 db=False, dx_dtype=dtype)
+    assert torch.equal(only_dx[0], dx) and only_dx[1:] == (None, None)  # a frozen layer: rows only, the same ∂L/∂x
+
+
+@needs_native
+def test_the_layer_calls_refuse_operands_that_do_not_agree_naming_them():
+    x, w = torch.randn(8, 16), torch.randn(4, 12)
+    with pytest.raises(RuntimeError, match=r"x \(T, in\) and w \(out, in\) must agree"):
+        _native_train.int8_linear(x, w, None, left=I.LEFT, right=I.RIGHT, cols=True, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="levels must be in"):
+        _native_train.int8_linear(x, torch.randn(4, 16), None, left=200, right=I.RIGHT, cols=True, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="must be int8"):
+        I._product(torch.ones(4, 8), torch.ones(8, 2, dtype=torch.int8), torch.ones(4))
+    qw, sw = _native_train.quantize_rows(torch.randn(4, 16), I.RIGHT)
+    with pytest.raises(RuntimeError, match="qxt must be"):
+        _native_train.int8_linear_backward(torch.randn(8, 4), qw, sw, None, None, left=I.LEFT, right=I.RIGHT, dx=True,
+                                           dw=True, db=False, dx_dtype=torch.float32)
+
+
 def _layer(i, o, bias=True, seed=0):
     torch.manual_seed(seed)
     lin = nn.Linear(i, o, bias=bias)
