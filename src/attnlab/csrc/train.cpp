@@ -422,8 +422,9 @@ at::Tensor dequantize(const at::Tensor& acc, const at::Tensor& rs, const std::op
   return y;
 }
 
-at::Tensor int8_product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& rs, const std::optional<at::Tensor>& cs,
-                        const std::optional<at::Tensor>& bias, bool bf16, int64_t max_inner, int64_t isa) {
+at::Tensor int8_product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& rs,
+                        const std::optional<at::Tensor>& cs, const std::optional<at::Tensor>& bias, bool bf16,
+                        int64_t max_inner, int64_t isa) {
   ATTNLAB_CHECK(a.scalar_type() == at::kChar && b.scalar_type() == at::kChar && a.dim() == 2 && b.dim() == 2 &&
                     a.size(1) == b.size(0),
                 "attnlab::int8_product: a (M, K) and b (K, N) must be int8, got ", a.scalar_type(), " ", a.sizes(),
@@ -452,8 +453,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> int8_line
     bool cols, bool bf16, int64_t isa) {
   check_fb(x, "int8_linear", "x");
   attnlab_native::check_f32(w, "int8_linear", "w");
-  ATTNLAB_CHECK(x.dim() == 2 && w.dim() == 2 && w.size(1) == x.size(1), "attnlab::int8_linear: x (T, in) and w (out, in) ",
-                "must agree, got ", x.sizes(), " and ", w.sizes());
+  ATTNLAB_CHECK(x.dim() == 2 && w.dim() == 2 && w.size(1) == x.size(1),
+                "attnlab::int8_linear: x (T, in) and w (out, in) must agree, got ", x.sizes(), " and ", w.sizes());
   auto [qw, sw] = quantize_rows(w, std::nullopt, right, isa);
   at::Tensor qx, sx, qxt, sxc;
   if (cols) {
