@@ -370,7 +370,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
     int8_t *Q = q.data_ptr<int8_t>(), *QCT = qct.data_ptr<int8_t>();
     const auto quant = ISA_FN(quantize_row_col<T>);
     const auto transpose = ISA_FN(transpose_bytes);
-    constexpr int64_t tile = 16;  // rows rounded by columns into a tile's buffer, then written transposed
+    constexpr int64_t tile = 64;  // rows rounded by columns into a buffer, then written transposed: 64 bytes a line
     at::parallel_for(0, (R + tile - 1) / tile, std::max<int64_t>(1, grain / tile), [&](int64_t t0, int64_t t1) {
       std::vector<int8_t> buf(tile * n);
       for (int64_t t = t0; t < t1; ++t) {

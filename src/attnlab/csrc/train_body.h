@@ -391,22 +391,28 @@ inline void quantize_row_col(const T* x, const float* c, int64_t n, float inv, c
   }
 }
 
-// dst[c · ds + r] = src[r · ss + c] for r < rows, c < cols: a block of bytes transposed, by 16 × 16 tiles (on x86
-// four rounds of byte interleaves of rows i and i + 8: each round rotates the 8 bits of (row, column) by one)
+// dst[c · ds + r] = src[r · ss + c] for r < rows, c < cols: a block of bytes transposed by 16 × 16 tiles (on x86 four
+// rounds of byte interleaves of rows i and i + 8: each round rotates the 8 bits of (row, column) by one), a column of
+// tiles at a time so each row of dst receives its bytes of the block in one run
 inline void transpose_bytes(const int8_t* src, int64_t ss, int64_t rows, int64_t cols, int8_t* dst, int64_t ds) {
-  int64_t c0 = 0;
+  int64_t c0 = 0, whole = rows - rows % 16;
 #if defined(__x86_64__) || defined(_M_X64)
-  for (; rows == 16 && c0 + 16 <= cols; c0 += 16) {
-    __m128i a[16], b[16];
-    for (int i = 0; i < 16; ++i) a[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * ss + c0));
-    for (int round = 0; round < 4; ++round) {
-      for (int i = 0; i < 8; ++i) {
-        b[2 * i] = _mm_unpacklo_epi8(a[i], a[i + 8]);
-        b[2 * i + 1] = _mm_unpackhi_epi8(a[i], a[i + 8]);
+  for (; whole && c0 + 16 <= cols; c0 += 16) {
+    for (int64_t r0 = 0; r0 < whole; r0 += 16) {
+      __m128i a[16], b[16];
+      for (int i = 0; i < 16; ++i) a[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (r0 + i) * ss + c0));
+      for (int round = 0; round < 4; ++round) {
+        for (int i = 0; i < 8; ++i) {
+          b[2 * i] = _mm_unpacklo_epi8(a[i], a[i + 8]);
+          b[2 * i + 1] = _mm_unpackhi_epi8(a[i], a[i + 8]);
+        }
+        for (int i = 0; i < 16; ++i) a[i] = b[i];
       }
-      for (int i = 0; i < 16; ++i) a[i] = b[i];
+      for (int i = 0; i < 16; ++i) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (c0 + i) * ds + r0), a[i]);
     }
-    for (int i = 0; i < 16; ++i) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (c0 + i) * ds), a[i]);
+    for (int64_t c = c0; c < c0 + 16; ++c) {  // the rows past the whole tiles
+      for (int64_t r = whole; r < rows; ++r) dst[c * ds + r] = src[r * ss + c];
+    }
   }
 #endif
   for (int64_t c = c0; c < cols; ++c) {
