@@ -37,7 +37,9 @@ seed=S``, the run's own val blocks; "as AVX2": ``ATEN_CPU_CAPABILITY=avx2 ONEDNN
     2     val loss             1.8950   1.8949
 
 (*: beside another process; the other float runs took 29.0 s.) The roundings move the loss by less than a
-change of seed does.
+change of seed does. Since, the int8 layers' C++ calls (one a direction, AVX2's narrowing by packs, the weight
+gradient's operands stored transposed) brought the seed-0 int8 run to 26.8 s (AVX-512) and 42.0 s (as AVX2), the
+run's own wall in ``benchmarks/train.py``'s quietest pairs, at the same val loss to the last digit.
 
 Adapting a trained run (each setting names a previous run's output folder; its latest checkpoint is used;
 the code: :mod:`attnlab.training.recipes.char_runs`):
