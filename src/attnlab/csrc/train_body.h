@@ -279,7 +279,6 @@ inline void act_grad_span(int64_t act, const T* dh, const T* g, const T* u, int6
 
 // ---- int8 products (attnlab.adapt.int8_training): symmetric quantisation with one scale per row or column ----
 
-
 // |a| lane by lane; a NaN stays a NaN
 inline VF vabs(VF a) {
   VI bits;
