@@ -151,19 +151,18 @@ def test_int_mm_is_exact_with_8_bit_left_and_7_bit_right_operands():
 
 
 @needs_native
-def test_a_sum_longer_than_an_int32_holds_runs_in_exact_parts(monkeypatch):
+def test_a_sum_longer_than_an_int32_holds_runs_in_exact_parts():
     gen = torch.Generator().manual_seed(2)
     a = torch.randint(-127, 128, (16, 200), generator=gen, dtype=torch.int8)
     b = torch.randint(-63, 64, (200, 24), generator=gen, dtype=torch.int8)
     rs, cs, bias = torch.rand(16, generator=gen), torch.rand(24, generator=gen), torch.randn(24, generator=gen)
     exact = rs.double()[:, None] * (a.double() @ b.double()) * cs.double() + bias.double()
-    whole = I._product(a, b, rs, cs, bias)
-    monkeypatch.setattr(I, "MAX_INNER", 48)  # five parts
-    parts = I._product(a, b, rs, cs, bias)
+    whole = _native_train.int8_product(a, b, rs, cs, bias, max_inner=I.MAX_INNER)
+    parts = _native_train.int8_product(a, b, rs, cs, bias, max_inner=48)  # five parts
     terms = rs.double()[:, None] * (a.double().abs() @ b.double().abs()) * cs.double() + bias.abs().double()
     for got, roundings in ((whole, 3), (parts, 3 + 5)):  # the rescaling's, and each part's sum in float32
         assert ((got.double() - exact).abs() <= roundings * EPS32 * (terms + 1)).all()
-    assert I._product(a, b, rs, dtype=torch.bfloat16).dtype == torch.bfloat16
+    assert _native_train.int8_product(a, b, rs, dtype=torch.bfloat16, max_inner=48).dtype == torch.bfloat16
 
 
 @needs_native
@@ -209,11 +208,18 @@ def test_the_layer_calls_refuse_operands_that_do_not_agree_naming_them():
     with pytest.raises(RuntimeError, match="levels must be in"):
         _native_train.int8_linear(x, torch.randn(4, 16), None, left=200, right=I.RIGHT, cols=True, dtype=torch.float32)
     with pytest.raises(RuntimeError, match="must be int8"):
-        I._product(torch.ones(4, 8), torch.ones(8, 2, dtype=torch.int8), torch.ones(4))
+        _native_train.int8_product(torch.ones(4, 8), torch.ones(8, 2, dtype=torch.int8), torch.ones(4), max_inner=48)
     qw, sw = _native_train.quantize_rows(torch.randn(4, 16), I.RIGHT)
     with pytest.raises(RuntimeError, match="qxt must be"):
         _native_train.int8_linear_backward(torch.randn(8, 4), qw, sw, None, None, left=I.LEFT, right=I.RIGHT, dx=True,
                                            dw=True, db=False, dx_dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="qxt must be"):  # a transposed operand of the wrong width
+        _native_train.int8_linear_backward(torch.randn(8, 4), qw, sw, torch.zeros(15, 8, dtype=torch.int8), sw,
+                                           left=I.LEFT, right=I.RIGHT, dx=True, dw=True, db=False,
+                                           dx_dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="qw must be int8"):
+        _native_train.int8_linear_backward(torch.randn(8, 4), qw.float(), sw, None, None, left=I.LEFT, right=I.RIGHT,
+                                           dx=True, dw=False, db=False, dx_dtype=torch.float32)
 
 
 def _layer(i, o, bias=True, seed=0):

@@ -39,16 +39,9 @@ from attnlab import _native
 from attnlab import _native_train
 
 LEFT, RIGHT = 127, 63  # levels of the left (8-bit) and right (7-bit) operands of torch._int_mm
-MAX_INNER = (2 ** 31 - 1) // (LEFT * RIGHT)  # the longest sum of products an int32 holds exactly (268,400 terms)
-
-
-def _product(a: Tensor, b: Tensor, rs: Tensor, cs: Tensor | None = None, bias: Tensor | None = None, *,
-             dtype: torch.dtype = torch.float32) -> Tensor:
-    """``diag(rs) (a b) diag(cs) + bias`` for int8 ``a (M, K)`` (≤ ±127) and ``b (K, N)`` (≤ ±63): the int32
-    product (exact) rescaled in one pass. Past :data:`MAX_INNER` terms along K an int32 could overflow, so the
-    product runs in parts of that many, each exact and rescaled, summed in float32 (the layer's own calls do the same
-    in C++: ``_native_train.int8_linear``)."""
-    return _native_train.int8_product(a, b, rs, cs, bias, dtype=dtype, max_inner=MAX_INNER)
+# the longest sum of products an int32 holds exactly (268,400 terms): past it csrc's int8_linear (same formula, from
+# the levels it is given) sums the product in parts, each exact and rescaled, the parts in float32
+MAX_INNER = (2 ** 31 - 1) // (LEFT * RIGHT)
 
 
 class _Int8Product(torch.autograd.Function):

@@ -473,15 +473,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_linear_backward(
   check_fb(g, "int8_linear_backward", "g");
   ATTNLAB_CHECK(g.dim() == 2 && qw.dim() == 2 && g.size(1) == qw.size(0), "attnlab::int8_linear_backward: g (T, out) ",
                 "and qw (out, in) must agree, got ", g.sizes(), " and ", qw.sizes());
+  ATTNLAB_CHECK(qw.scalar_type() == at::kChar, "attnlab::int8_linear_backward: qw must be int8, got ",
+                qw.scalar_type());
+  ATTNLAB_CHECK(!dw || (qxt.scalar_type() == at::kChar && qxt.dim() == 2 && qxt.size(0) == qw.size(1) &&
+                        qxt.size(1) == g.size(0)),
+                "attnlab::int8_linear_backward: qxt must be int8 (", qw.size(1), ", ", g.size(0), ") for dw, got ",
+                qxt.scalar_type(), " ", qxt.sizes());
+  const int64_t max_inner = max_terms(left, right);  // (operands checked before the rounding pass runs)
   at::Tensor qz, sz, qgt, sg, gsum, none = at::empty({0}, g.options().dtype(at::kFloat));
   if (dw || db) {
     std::tie(qz, sz, qgt, sg, gsum) = quantize_rows_cols(g, sw, left, left, isa);  // G diag(s_w) by rows, Gᵀ
   } else {
     std::tie(qz, sz) = quantize_rows(g, sw, left, isa);  // a frozen layer: only ∂L/∂X
   }
-  const int64_t max_inner = max_terms(left, right);
-  ATTNLAB_CHECK(!dw || (qxt.dim() == 2 && qxt.size(1) == g.size(0)), "attnlab::int8_linear_backward: qxt must be ",
-                "(in, ", g.size(0), ") for dw, got ", qxt.sizes());
   return {dx ? int8_product(qz, qw, sz, std::nullopt, std::nullopt, dx_bf16, max_inner, isa) : none,
           dw ? int8_product(qgt, qxt.t(), sg, sxc, std::nullopt, false, max_inner, isa) : none,
           db ? gsum : none};
