@@ -182,8 +182,8 @@ def int8_linear_backward(g: Tensor, qw: Tensor, sw: Tensor, qxt: Optional[Tensor
         ∂L/∂b = Σ_t g_t                                                                        (float32)
     """
     _native._need()
-    empty = qw.new_empty(0)
-    out = _native._state["int8_linear_backward"](g, qw, sw, qxt if qxt is not None else empty,
-                                                 sxc if sxc is not None else empty.float(), left, right, dx, dw, db,
+    if qxt is None:  # a frozen layer's: the op takes empty tensors for them
+        qxt, sxc = qw.new_empty(0), sw.new_empty(0)
+    out = _native._state["int8_linear_backward"](g, qw, sw, qxt, sxc, left, right, dx, dw, db,
                                                  dx_dtype == torch.bfloat16, _native._state["isa"])
     return tuple(t if want else None for t, want in zip(out, (dx, dw, db)))
