@@ -9,6 +9,10 @@
     - RoPE: ``_native_train.rope_train`` on q as a strided view of a packed projection, and the rotation by −φ for the
       backward (``nn.RotaryEmbedding`` in training) against ``functional.positional.apply_rope`` under autograd;
     - SwiGLU's gate ``silu(g) ⊙ u``: ``_native_train.act_train`` + backward against ``F.silu(g) * u`` under autograd;
+    - a plain GELU (nanoGPT's MLP): the same pass without ``u`` against ``F.gelu`` at (12, 64, 512), nanogpt-cpu's
+      shape;
+    - gradient clipping: ``training.optim.clip_grad_norm_`` (one C++ call) against ``torch.nn.utils.clip_grad_norm_`` on
+      nanogpt-cpu's parameters' shapes (0.8 M float32 gradients, every one clipped);
     - causal attention (the ``short`` backend): two query blocks (``short.causal_blocks``) against one.
 
 (b) The default preset's training step (llama 4 × 256, AdamW, bf16 autocast where the CPU has native bf16, else
@@ -38,8 +42,22 @@ from attnlab.backends import short  # noqa: E402
 from attnlab.backends.dispatch import attention  # noqa: E402
 from attnlab.functional.positional import apply_rope, rope_frequencies  # noqa: E402
 from attnlab.nn import feedforward, norms, positional  # noqa: E402
+from attnlab.training.optim import clip_grad_norm_  # noqa: E402
 
 B, L, E, H, FFN = 16, 256, 256, 4, 704
+# nanogpt-cpu's parameters (4 × 128, FFN 512, 65 characters, block 64): embeddings, per layer LN, qkv, out, LN, fc,
+# proj (weights and biases), the final LN
+_NANOGPT_CPU_SHAPES = [(65, 128), (64, 128)] + [(128,), (128,), (384, 128), (384,), (128, 128), (128,), (128,), (128,),
+                                                (512, 128), (512,), (128, 512), (128,)] * 4 + [(128,), (128,)]
+
+
+def _params(grads):
+    params = []
+    for g in grads:
+        p = torch.nn.Parameter(torch.zeros_like(g))
+        p.grad = g.clone()
+        params.append(p)
+    return params
 
 
 def _backward(fn, inputs, grad):
@@ -79,9 +97,20 @@ def pass_rows(dtype: torch.dtype, repeat: int, scale: int) -> list[dict]:
 
     g, u = (torch.randn(b, L, FFN).to(dtype).requires_grad_() for _ in range(2))
     dh = torch.randn(b, L, FFN).to(dtype)
-    row("swiglu gate fwd+bwd", f"{b}x{L}x{FFN}", _backward(lambda: feedforward._GatedActivation.apply(g, u, "swiglu"),
+    row("swiglu gate fwd+bwd", f"{b}x{L}x{FFN}", _backward(lambda: feedforward._Activation.apply(g, u, "swiglu"),
                                                            (g, u), dh),
         _backward(lambda: F.silu(g) * u, (g, u), dh))
+
+    a = torch.randn(12, 64, 512).to(dtype).requires_grad_()
+    da = torch.randn(12, 64, 512).to(dtype)
+    row("gelu fwd+bwd", "12x64x512", _backward(lambda: feedforward._Activation.apply(a, None, "gelu"), (a,), da),
+        _backward(lambda: F.gelu(a), (a,), da))
+
+    if dtype == torch.float32:  # the trainer's gradients are float32 (master weights) under autocast too
+        grads = [torch.randn(s) for s in _NANOGPT_CPU_SHAPES]
+        mine, theirs = _params(grads), _params(grads)
+        row("clip grad norm (0.8 M grads)", f"{len(grads)} tensors",
+            lambda: clip_grad_norm_(mine, 1e-3), lambda: torch.nn.utils.clip_grad_norm_(theirs, 1e-3))
 
     qkv = [torch.randn(b, H, L, E // H).to(dtype).requires_grad_() for _ in range(3)]
     do = torch.randn(b, H, L, E // H).to(dtype)
@@ -110,13 +139,14 @@ def _without_passes():
     saved = norms._RMSNormFunction.native
     norms._RMSNormFunction.native = staticmethod(lambda x, w: False)  # the Function's PyTorch branch
     positional._Rotate.apply = staticmethod(lambda x, c, s: apply_rope(x, c, s))
-    feedforward._GatedActivation.apply = staticmethod(lambda g, u, a: feedforward.GATED_ACTIVATIONS[a](g) * u)
+    feedforward._Activation.apply = staticmethod(
+        lambda g, u, a: feedforward.GATED_ACTIVATIONS[a](g) * u if u is not None else feedforward.ACTIVATIONS[a](g))
     try:
         with _one_query_block():
             yield
     finally:
         norms._RMSNormFunction.native = staticmethod(saved)
-        del positional._Rotate.apply, feedforward._GatedActivation.apply  # autograd.Function's own again
+        del positional._Rotate.apply, feedforward._Activation.apply  # autograd.Function's own again
 
 
 def step_rows(steps: int, rounds: int, scale: int) -> list[dict]:

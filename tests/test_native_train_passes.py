@@ -217,8 +217,8 @@ def test_rotary_embedding_trains_through_the_native_pass(dtype, monkeypatch):
 
 
 @needs_native
-@pytest.mark.parametrize("activation", ["swiglu", "geglu", "relu2_glu"])
-def test_a_gated_feedforward_trains_through_the_native_pass_and_equals_float64(activation, monkeypatch):
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "relu2_glu", "gelu", "relu2", "quick_gelu"])
+def test_a_feedforward_trains_through_the_native_pass_and_equals_float64(activation, monkeypatch):
     from attnlab.nn import FeedForward
     fwd = _count_calls(monkeypatch, "act_train")
     bwd = _count_calls(monkeypatch, "act_train_backward")
@@ -255,6 +255,112 @@ def test_a_bf16_gate_takes_the_native_pass_only_where_it_pays(isa, calls, monkey
     assert out.dtype == torch.bfloat16 and len(fwd) == calls
     FeedForward(16, 32, activation="swiglu")(torch.randn(2, 3, 16, requires_grad=True))
     assert len(fwd) == calls + 1
+
+
+@needs_native
+@pytest.mark.parametrize("isa", [2, 1], ids=["avx512", "avx2"])
+def test_a_plain_bf16_activation_takes_the_native_pass_except_gelu_with_avx512(isa, monkeypatch):
+    """Plain activations, bf16 (``benchmarks/train_passes.py``): ours is faster everywhere but GELU with AVX-512 (1.05×
+    PyTorch's there: it stays PyTorch's)."""
+    from attnlab.nn import FeedForward
+    monkeypatch.setitem(_native._state, "isa", isa)
+    fwd = _count_calls(monkeypatch, "act_train")
+    x = torch.randn(2, 3, 16, dtype=torch.bfloat16, requires_grad=True)
+    FeedForward(16, 32, activation="gelu").to(torch.bfloat16)(x)
+    assert len(fwd) == (0 if isa == 2 else 1)
+    FeedForward(16, 32, activation="relu2").to(torch.bfloat16)(x)
+    assert len(fwd) == (1 if isa == 2 else 2)
+    with torch.no_grad():  # no gradient wanted: PyTorch's (or the inference kernels')
+        FeedForward(16, 32, activation="relu2").to(torch.bfloat16)(x)
+    assert len(fwd) == (1 if isa == 2 else 2)
+
+
+def _with_grads(grads):
+    params = []
+    for g in grads:
+        p = torch.nn.Parameter(torch.zeros_like(g))
+        p.grad = g.clone()
+        params.append(p)
+    return params
+
+
+CLIP_SHAPES = [(65, 128), (384, 128), (384,), (512, 128), (1,), (70000,)]  # whole and partial 2^14 chunks
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
+@pytest.mark.parametrize("max_norm", [1.0, 1e6])
+def test_clip_grad_norm_equals_torch_and_float64(isa, max_norm):
+    """The norm within the float32 rounding of a double sum (the chunks' float32 lanes: ≤ 2^14 / L terms each, so
+    ≤ 2^12 ε relative), the clipped gradients within 2 ε of torch's (the same factor, rounded from a norm that close);
+    a norm below max_norm leaves the gradients' bits as they were."""
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(s, generator=gen) * 0.01 for s in CLIP_SHAPES]
+    want64 = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+    ref = _with_grads(grads)
+    norm_torch = torch.nn.utils.clip_grad_norm_(ref, max_norm)
+    ours = [g.clone() for g in grads]
+    norm = _native_train.clip_grad_norm_(ours, max_norm)
+    assert norm.dtype == torch.float32 and norm.dim() == 0
+    assert abs(norm.item() - want64) <= 2**12 * EPS32 * want64
+    assert abs(norm.item() - norm_torch.item()) <= 2**12 * EPS32 * want64
+    for got, want, before in zip(ours, ref, grads):
+        if max_norm >= want64:
+            assert torch.equal(got, before)
+        else:
+            assert (got - want.grad).abs().max() <= 2**13 * EPS32 * want.grad.abs().max()
+            assert (got.double().square().sum() > 0)
+    if max_norm < want64:
+        after = math.sqrt(sum(float(g.double().square().sum()) for g in ours))
+        assert abs(after - max_norm) <= 2**12 * EPS32 * max_norm
+
+
+@needs_native
+def test_clip_grad_norm_gives_the_same_bits_on_any_number_of_threads():
+    gen = torch.Generator().manual_seed(5)
+    grads = [torch.randn(s, generator=gen) for s in CLIP_SHAPES]
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            ours = [g.clone() for g in grads]
+            outs.append((_native_train.clip_grad_norm_(ours, 0.5), ours))
+    finally:
+        torch.set_num_threads(before)
+    for norm, ours in outs[1:]:
+        assert torch.equal(norm, outs[0][0]) and all(torch.equal(a, b) for a, b in zip(ours, outs[0][1]))
+
+
+@needs_native
+def test_clip_grad_norm_makes_a_nan_visible_and_refuses_what_it_cannot_read():
+    grads = [torch.randn(10), torch.randn(3, 4)]
+    grads[1][2, 1] = float("nan")
+    norm = _native_train.clip_grad_norm_(grads, 1.0)
+    assert norm.isnan() and grads[0].isnan().all()  # as torch's: scaled by a NaN factor
+    with pytest.raises(RuntimeError, match=r"grads\[1\] must be a contiguous float32 CPU tensor.*BFloat16"):
+        _native_train.clip_grad_norm_([torch.randn(3), torch.randn(3).bfloat16()], 1.0)
+    with pytest.raises(RuntimeError, match=r"grads\[0\].*not contiguous"):
+        _native_train.clip_grad_norm_([torch.randn(4, 3).t()], 1.0)
+    with pytest.raises(RuntimeError, match="max_norm must be a positive finite number, got 0"):
+        _native_train.clip_grad_norm_([torch.randn(3)], 0.0)
+
+
+@needs_native
+def test_the_trainers_clip_takes_the_native_call_for_float32_and_torchs_otherwise(monkeypatch):
+    from attnlab.training.optim import clip_grad_norm_
+    calls = _count_calls(monkeypatch, "clip_grad_norm_")
+    gen = torch.Generator().manual_seed(9)
+    grads = [torch.randn(s, generator=gen) for s in [(8, 4), (4,)]]
+    params = _with_grads(grads) + [torch.nn.Parameter(torch.zeros(3))]  # one without a gradient: skipped
+    ref = _with_grads(grads)
+    norm = clip_grad_norm_(params, 0.5)
+    want = torch.nn.utils.clip_grad_norm_(ref, 0.5)
+    assert len(calls) == 1 and abs(norm.item() - want.item()) <= 16 * EPS32 * want.item()
+    assert all((p.grad - r.grad).abs().max() <= 16 * EPS32 for p, r in zip(params, ref))
+    half = _with_grads([g.bfloat16() for g in grads])
+    norm = clip_grad_norm_(half, 0.5)  # bf16 gradients: PyTorch's clip
+    assert len(calls) == 1 and norm.dtype == torch.bfloat16
 
 
 @needs_native

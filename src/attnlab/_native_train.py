@@ -111,6 +111,20 @@ def act_train_backward(dh: Tensor, g: Tensor, u: Optional[Tensor], activation: s
     return dg, (du if u is not None else None)
 
 
+def clip_grad_norm_(grads: list[Tensor], max_norm: float) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for contiguous float32 CPU gradients in one call: ``‖g‖ = (Σ g²)^½`` over
+    all of them and, where ``c = max_norm / (‖g‖ + 1e-6) < 1`` (or NaN), every gradient scaled by ``c`` in place;
+    returns ``‖g‖`` (float32, 0-d). One pass of fixed chunks (the same bits on any thread count) where PyTorch's CPU
+    path runs a norm and a product per tensor.
+
+    Raises:
+        RuntimeError: the native kernels are not :func:`~attnlab._native.available` (callers check that first), or a
+            gradient is not a contiguous float32 CPU tensor, or ``max_norm`` is not positive and finite.
+    """
+    _native._need()
+    return _native._state["clip_grad_norm_"](grads, float(max_norm), _native._state["isa"])
+
+
 def quantize_rows(x: Tensor, levels: int, c: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Symmetric int8 with one scale a row: ``s_r = max_j |x_rj c_j| / levels``, ``q_rj = round(x_rj c_j / s_r)``
     (half to even) ``∈ [−levels, levels]``; ``x (R, n)`` contiguous float32 or bfloat16, ``c (n,)`` float32 or None

@@ -41,7 +41,7 @@ enum Act : int64_t { GLU = 0, GELU = 1, GELU_TANH = 2, SILU = 3, RELU = 4, QUICK
 inline bool is_gate(int64_t act) { return (GLU <= act && act <= SILU) || act == RELU2; }
 inline bool is_plain(int64_t act) { return (GELU <= act && act <= QUICK_GELU && act != SILU) || act == RELU2; }
 
-// y[i] = act(y[i]) ⊙ g[i] (g null: 1), vectorised (decode_body.h: e^x as exp_nonpositive, erf within 1.5e-7)
+// y[i] = act(y[i]) ⊙ g[i] (g null: 1), vectorised (decode_body.h: e^x within ~1 ulp, erf within 1.5e-7)
 void activate(int64_t act, float* y, const float* g, int64_t n, int64_t isa);
 
 // the checks of a kernel's tensor arguments: contiguous float32 on the CPU

@@ -39,6 +39,11 @@
 //   attnlab::int8_linear_backward(g, qw, sw, qxt, sxc, left, right, dx, dw, db, dx_bf16) -> (dx, dw, db)
 //       its gradients: Z = g diag(s_w) by rows, dx = diag(s_z) (q(Z) q(w)); g by columns transposed, dw =
 //       diag(s_g) (q(g)ᵀ q(x)) diag(s_x cols); db = Σ_rows g; each only where asked for (else empty)
+//   attnlab::clip_grad_norm_(grads, max_norm) -> norm
+//       ‖g‖ = (Σ over every tensor of Σ g²)^½ (float32 tensors, contiguous), and where c = max_norm / (‖g‖ + 1e-6)
+//       is below 1 (or NaN) every g scaled by c in place (torch.nn.utils.clip_grad_norm_'s rule); norm float32 ().
+//       The squares summed in fixed chunks of CLIP_CHUNK elements, the chunks in order: the same bits on any
+//       thread count
 //
 // Rows are split over torch's threads; the vector code is the caller's instruction set
 // (isa_regions.h). A NaN stays a NaN through every pass (the pipeline reports it).
@@ -47,6 +52,7 @@
 #include <ATen/ops/_int_mm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
@@ -57,6 +63,7 @@
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 #if defined(__x86_64__) || defined(_M_X64)
@@ -493,6 +500,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_linear_backward(
 
 }  // namespace
 
+constexpr int64_t CLIP_CHUNK = 1 << 14;  // elements a partial sum (and a task)
+
+at::Tensor clip_grad_norm_(at::TensorList grads, double max_norm, int64_t isa) {
+  ATTNLAB_CHECK(std::isfinite(max_norm) && max_norm > 0, "attnlab::clip_grad_norm_: max_norm must be a positive ",
+                "finite number, got ", max_norm);
+  std::vector<std::pair<float*, int64_t>> chunks;  // (start, length) of each chunk of each gradient
+  for (size_t k = 0; k < grads.size(); ++k) {
+    const at::Tensor& g = grads[k];
+    ATTNLAB_CHECK(g.device().is_cpu() && g.scalar_type() == at::kFloat && g.is_contiguous(),
+                  "attnlab::clip_grad_norm_: grads[", k, "] must be a contiguous float32 CPU tensor, got ",
+                  g.scalar_type(), g.device().is_cpu() ? "" : " (not on the CPU)",
+                  g.is_contiguous() ? "" : " (not contiguous)");
+    float* p = g.data_ptr<float>();
+    for (int64_t i = 0; i < g.numel(); i += CLIP_CHUNK) chunks.emplace_back(p + i, std::min(CLIP_CHUNK, g.numel() - i));
+  }
+  const int64_t n = static_cast<int64_t>(chunks.size());
+  std::vector<double> part(n);
+  const auto sumsq = ISA_FN(sum_squares);
+  at::parallel_for(0, n, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) part[c] = sumsq(chunks[c].first, chunks[c].second);
+  });
+  double total = 0.0;
+  for (double v : part) total += v;
+  const float norm = static_cast<float>(std::sqrt(total));
+  const float coef = static_cast<float>(max_norm / (static_cast<double>(norm) + 1e-6));
+  if (!(coef >= 1.f)) {  // clipped (or a NaN / infinite norm: scaled by NaN / 0, as torch's clamp gives)
+    at::parallel_for(0, n, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        float* p = chunks[c].first;
+        for (int64_t i = 0; i < chunks[c].second; ++i) p[i] *= coef;
+      }
+    });
+  }
+  return at::scalar_tensor(norm, at::TensorOptions().dtype(at::kFloat));
+}
+
 TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("softmax_rows(Tensor s, float scale, bool causal, int window, bool cast, int isa) -> (Tensor, Tensor)");
   m.def("softmax_rows_backward(Tensor dp, Tensor p, float scale, int isa) -> Tensor");
@@ -500,6 +543,7 @@ TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("rms_norm_train_backward(Tensor dy, Tensor x, Tensor w, Tensor r, int isa) -> (Tensor, Tensor)");
   m.def("rope_train(Tensor x, Tensor cos, Tensor sin, float sign, int isa) -> Tensor");
   m.def("act_train(Tensor g, Tensor? u, int act, int isa) -> Tensor");
+  m.def("clip_grad_norm_(Tensor(a!)[] grads, float max_norm, int isa) -> Tensor");
   m.def("act_train_backward(Tensor dh, Tensor g, Tensor? u, int act, int isa) -> (Tensor, Tensor)");
   m.def("quantize_rows(Tensor x, Tensor? c, int levels, int isa) -> (Tensor, Tensor)");
   m.def("quantize_rows_cols(Tensor x, Tensor? c, int levels, int col_levels, int isa) -> (Tensor, Tensor, Tensor, "
@@ -520,6 +564,7 @@ TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
   m.impl("rms_norm_train_backward", &rms_norm_train_backward);
   m.impl("rope_train", &rope_train);
   m.impl("act_train", &act_train);
+  m.impl("clip_grad_norm_", &clip_grad_norm_);
   m.impl("act_train_backward", &act_train_backward);
   m.impl("quantize_rows", &quantize_rows);
   m.impl("quantize_rows_cols", &quantize_rows_cols);

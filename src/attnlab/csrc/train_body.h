@@ -229,7 +229,7 @@ inline void rope_row(const T* x, const float* c, const float* s, int64_t h, floa
 // n elements of a (gated) activation in training:  h = act(g) ⊙ u  (u null: 1); ACT a compile-time code
 template <int64_t ACT, class T>
 inline void act_span(const T* g, const T* u, int64_t n, T* h) {
-  const auto one = [&](VF a, VF uv) { return act_vec(ACT, a) * uv; };
+  const auto one = [&](VF a, VF uv) __attribute__((always_inline)) { return act_vec(ACT, a) * uv; };
   int64_t i = 0;
   for (; i + L <= n; i += L) st(h + i, one(ld(g + i), u ? ld(u + i) : splat(1.f)));
   if (i < n) st_part(h + i, one(ld_part(g + i, n - i, 0.f), u ? ld_part(u + i, n - i, 0.f) : splat(1.f)), n - i);
@@ -238,7 +238,7 @@ inline void act_span(const T* g, const T* u, int64_t n, T* h) {
 // Its backward:  dg = dh ⊙ u ⊙ act'(g),  du = dh ⊙ act(g)  (u, du null: the plain activation)
 template <int64_t ACT, class T>
 inline void act_grad(const T* dh, const T* g, const T* u, int64_t n, T* dg, T* du) {
-  const auto one = [&](int64_t i, VF d, VF a, VF uv) {
+  const auto one = [&](int64_t i, VF d, VF a, VF uv) __attribute__((always_inline)) {
     VF f, df;
     act_and_grad(ACT, a, f, df);
     if (i + L <= n) {
@@ -276,6 +276,24 @@ inline void act_grad_span(int64_t act, const T* dh, const T* g, const T* u, int6
   ATTNLAB_ACT_CASES(act_grad, dh, g, u, n, dg, du)
 }
 #undef ATTNLAB_ACT_CASES
+
+// ---- gradient clipping (the trainer's): Σ x² of a span, four float32 accumulators of L lanes, summed in double ----
+inline double sum_squares(const float* x, int64_t n) {
+  VF a0 = splat(0.f), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 4 * L <= n; i += 4 * L) {
+    const VF v0 = load(x + i), v1 = load(x + i + L), v2 = load(x + i + 2 * L), v3 = load(x + i + 3 * L);
+    a0 += v0 * v0, a1 += v1 * v1, a2 += v2 * v2, a3 += v3 * v3;
+  }
+  for (; i + L <= n; i += L) {
+    const VF v = load(x + i);
+    a0 += v * v;
+  }
+  double s = 0.0;
+  for (int k = 0; k < L; ++k) s += double(a0[k]) + double(a1[k]) + double(a2[k]) + double(a3[k]);
+  for (; i < n; ++i) s += double(x[i]) * double(x[i]);
+  return s;
+}
 
 // ---- int8 products (attnlab.adapt.int8_training): symmetric quantisation with one scale per row or column ----
 

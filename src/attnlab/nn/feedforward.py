@@ -63,16 +63,18 @@ GATED_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 FFN_ACTIVATIONS = tuple(ACTIVATIONS) + tuple(GATED_ACTIVATIONS)
 
 
-class _GatedActivation(torch.autograd.Function):
-    """``h = act(g) ⊙ u`` and its gradients ``∂L/∂g = ∂L/∂h ⊙ u ⊙ act'(g)``, ``∂L/∂u = ∂L/∂h ⊙ act(g)``, one C++ pass
-    each (:func:`attnlab._native_train.act_train`, float32 arithmetic, one rounding to the inputs' dtype) instead of the
-    activation, its backward and three products. SwiGLU on (16, 256, 704), fwd + bwd, 2 cores
-    (``benchmarks/train_passes.py``): float32 0.57× PyTorch's time (AVX-512 and AVX2), bfloat16 0.90× with AVX-512 but
-    1.18× with AVX2 (whose bf16 is emulated anyway: there bf16 stays on PyTorch's operations). A plain GELU stays
-    PyTorch's: its erf is faster than ours."""
+class _Activation(torch.autograd.Function):
+    """``h = act(g) ⊙ u`` (gated) or ``h = act(g)`` (``u`` None) and the gradients ``∂L/∂g = ∂L/∂h ⊙ u ⊙ act'(g)``,
+    ``∂L/∂u = ∂L/∂h ⊙ act(g)``, one C++ pass each (:func:`attnlab._native_train.act_train`, float32 arithmetic, one
+    rounding to the inputs' dtype) instead of PyTorch's activation, its backward and (gated) three products. Training
+    only; the call sites' rules come from ``benchmarks/train_passes.py`` (fwd + bwd under autograd, 2 cores, ours ÷
+    PyTorch's time): SwiGLU gate on (16, 256, 704) float32 0.60× (AVX-512) and 0.69× (as AVX2), bfloat16 0.87× with
+    AVX-512 but 1.19× as AVX2 (bf16 is emulated there: gated bf16 stays on PyTorch's operations); GELU on (12, 64,
+    512) float32 0.90× and 0.94×, bfloat16 0.91× as AVX2 but 1.37× with AVX-512 (there it stays PyTorch's); the other
+    plain activations' passes alone 0.2–0.96× (``act_train`` + backward against PyTorch's forward + backward)."""
 
     @staticmethod
-    def forward(ctx, g: Tensor, u: Tensor, activation: str) -> Tensor:
+    def forward(ctx, g: Tensor, u: Optional[Tensor], activation: str) -> Tensor:
         ctx.activation = activation
         ctx.save_for_backward(g, u)
         return _native_train.act_train(g, u, activation)
@@ -83,6 +85,19 @@ class _GatedActivation(torch.autograd.Function):
         g, u = ctx.saved_tensors
         dg, du = _native_train.act_train_backward(grad.contiguous(), g, u, ctx.activation)
         return dg, du, None
+
+
+def _native_grad(h: Tensor, u: Optional[Tensor], activation: str) -> bool:
+    """Whether :class:`_Activation` takes this training call (the rules in its docstring)."""
+    if not (h.requires_grad or (u is not None and u.requires_grad)) or not torch.is_grad_enabled() or not h.numel():
+        return False
+    if not _native.trainable(h, u):
+        return False
+    if h.dtype == torch.float32:
+        return True
+    if u is not None:  # gated bf16: ours only where bf16 is native
+        return _native.isa() == 2
+    return activation != "gelu" or _native.isa() != 2
 
 
 class FeedForward(nn.Module):
@@ -130,13 +145,11 @@ class FeedForward(nn.Module):
             if h is not None:
                 return self.w2(h)
         h = self.w1(x)  # (B, L, hidden)
-        if self.w3 is not None:
-            u = self.w3(x)
-            if (h.requires_grad and torch.is_grad_enabled() and h.numel() and _native.trainable(h, u)
-                    and (h.dtype == torch.float32 or _native.isa() == 2)):
-                h = _GatedActivation.apply(h, u, self.activation)  # training: one pass each way
-            else:
-                h = self.act(h) * u
+        u = self.w3(x) if self.w3 is not None else None
+        if _native_grad(h, u, self.activation):
+            h = _Activation.apply(h, u, self.activation)  # training: one pass each way
+        elif u is not None:
+            h = self.act(h) * u
         else:
             native = self.activation in _native.FASTER_ACTIVATIONS and h.is_contiguous() and _native.usable(h)
             h = _native.activate(h, self.activation) if native else self.act(h)

@@ -35,7 +35,7 @@ from attnlab.training.activation_checkpointing import enable_gradient_checkpoint
 from attnlab.training.checkpoint import (latest_checkpoint, latest_intact_checkpoint, rng_state, save_checkpoint,
                                         set_rng_state)
 from attnlab.training.config import DTYPES, TrainConfig
-from attnlab.training.optim import build_optimizer
+from attnlab.training.optim import build_optimizer, clip_grad_norm_
 from attnlab.training.pacing import PLAN_AT, BudgetClock, LogWindow  # noqa: F401  (PLAN_AT: part of this API)
 from attnlab.training.reporting import MetricsLog, plot_loss_curve, write_json
 
@@ -304,7 +304,7 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         if cfg.clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.clip)
+            norm = clip_grad_norm_(self.params, cfg.clip)
             if self.scaler is None and not math.isfinite(norm.item()):
                 raise TrainingDivergedError(self._diverged(f"gradient norm is {norm.item()}"))
         if self.scaler is not None:
