@@ -13,7 +13,9 @@
       shape;
     - gradient clipping: ``training.optim.clip_grad_norm_`` (one C++ call) against ``torch.nn.utils.clip_grad_norm_`` on
       nanogpt-cpu's parameters' shapes (0.8 M float32 gradients, every one clipped);
-    - causal attention (the ``short`` backend): two query blocks (``short.causal_blocks``) against one.
+    - causal attention (the ``short`` backend): the fused kernel (``short.FusedShortAttention``) against the batched
+      products with the native softmax, at the default preset's and nanogpt-cpu's (12 × 4 × 64 × 32) shapes; and
+      in the products' path two query blocks (``short.causal_blocks``) against one.
 
 (b) The default preset's training step (llama 4 × 256, AdamW, bf16 autocast where the CPU has native bf16, else
     float32), with every pass above against with none, each switched at the point the model calls it, timed in
@@ -112,15 +114,36 @@ def pass_rows(dtype: torch.dtype, repeat: int, scale: int) -> list[dict]:
         row("clip grad norm (0.8 M grads)", f"{len(grads)} tensors",
             lambda: clip_grad_norm_(mine, 1e-3), lambda: torch.nn.utils.clip_grad_norm_(theirs, 1e-3))
 
-    qkv = [torch.randn(b, H, L, E // H).to(dtype).requires_grad_() for _ in range(3)]
-    do = torch.randn(b, H, L, E // H).to(dtype)
-    two_blocks = _backward(lambda: attention(*qkv, causal=True, backend="short"), qkv, do)
+    for (bb, hh, ll, dd) in ((b, H, L, E // H), (12, 4, 64, 32)):  # the default preset's, nanogpt-cpu's
+        packed_qkv = torch.randn(bb, ll, 3 * hh * dd).to(dtype).requires_grad_()
+        do = torch.randn(bb, hh, ll, dd).to(dtype)
 
-    def one_block():
-        with _one_query_block():
-            two_blocks()
-    row("causal attention fwd+bwd: 2 query blocks (ours) vs 1", f"{b}x{H}x{L}x{E // H}", two_blocks, one_block)
+        def heads():
+            q, k, v = packed_qkv.split(hh * dd, dim=-1)
+            return [t.view(bb, ll, hh, dd).transpose(1, 2) for t in (q, k, v)]
+        causal = _backward(lambda: attention(*heads(), causal=True, backend="short"), (packed_qkv,), do)
+
+        def products(blocks=True):
+            def call():
+                with _fused_off(), (contextlib.nullcontext() if blocks else _one_query_block()):
+                    causal()
+            return call
+        shape = f"{bb}x{hh}x{ll}x{dd}"
+        if short.fused_applies(*heads()):
+            row("causal attention fwd+bwd: fused (ours) vs batched products", shape, causal, products())
+        if ll >= short.CAUSAL_BLOCK_QUERIES:
+            row("causal attention products: 2 query blocks (ours) vs 1", shape, products(), products(blocks=False))
     return rows
+
+
+@contextlib.contextmanager
+def _fused_off():
+    before = short.FUSED_KEYS, short.FUSED_KEYS_NATIVE_BF16
+    short.FUSED_KEYS = short.FUSED_KEYS_NATIVE_BF16 = 0
+    try:
+        yield
+    finally:
+        short.FUSED_KEYS, short.FUSED_KEYS_NATIVE_BF16 = before
 
 
 @contextlib.contextmanager
@@ -142,7 +165,7 @@ def _without_passes():
     feedforward._Activation.apply = staticmethod(
         lambda g, u, a: feedforward.GATED_ACTIVATIONS[a](g) * u if u is not None else feedforward.ACTIVATIONS[a](g))
     try:
-        with _one_query_block():
+        with _one_query_block(), _fused_off():
             yield
     finally:
         norms._RMSNormFunction.native = staticmethod(saved)

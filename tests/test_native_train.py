@@ -117,23 +117,135 @@ def test_the_ops_refuse_what_they_cannot_read():
         _native_train.softmax_rows_backward(torch.randn(2, 4, 4), torch.rand(2, 4, 4).bfloat16(), scale=1.0)
 
 
+# ---- the fused short attention (short_attention and its backward) ------------------------------------------------
+
+def _attention64(q, k, v, dout, scale, visible):
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    p = _softmax64(q64 @ k64.transpose(-1, -2), scale, visible)
+    out = p @ v64
+    out.backward(dout.double())
+    return out.detach(), p.detach(), q64.grad, k64.grad, v64.grad
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("Lq,Lk,D,causal,window", [(64, 64, 32, True, None), (37, 37, 20, True, None),
+                                                  (10, 23, 16, True, None), (40, 40, 8, False, 7),
+                                                  (50, 50, 16, True, 5), (17, 29, 24, False, None),
+                                                  (33, 33, 40, True, 64)])
+def test_short_attention_and_its_backward_equal_float64(isa, dtype, Lq, Lk, D, causal, window):
+    """q a strided view of a packed projection (the model's layout), k and v plain. float32: P within the softmax's
+    bound (n + 8 + 2 max|κ s − m|) ε, each product one more Lk- or D-term float32 sum: every result within
+    (2 (Lk + D) + 16 + 2 max|κ s|) ε of its scale (max |·| over the tensor, times 4); bf16 operands are exact in
+    float64, each result rounded once to bf16 (u of it) on top. P is returned where computed: the visible keys of
+    each row are its float64 softmax, the invisible ones of a computed block 0."""
+    gen = torch.Generator().manual_seed(Lq * 100 + Lk + D)
+    B, H = 2, 3
+    packed = (torch.randn(B, Lq, 3 * H * D, generator=gen) * 2).to(dtype)
+    q = packed[..., H * D:2 * H * D].view(B, Lq, H, D).transpose(1, 2)
+    k, v = ((torch.randn(B, H, Lk, D, generator=gen) * 2).to(dtype) for _ in range(2))
+    dout = torch.randn(B, H, Lq, D, generator=gen).to(dtype)
+    scale = D ** -0.5
+    visible = _visible(Lq, Lk, causal, window)
+    out, p = _native_train.short_attention(q, k, v, scale=scale, causal=causal, window=window)
+    dq, dk, dv = _native_train.short_attention_backward(q, k, v, p, dout, scale=scale, causal=causal, window=window)
+    want = _attention64(q, k, v, dout, scale, visible)
+    kappa_s = float((q.double() @ k.double().transpose(-1, -2)).abs().max()) * scale
+    rel = (2 * (Lk + D) + 16 + 2 * kappa_s) * EPS32 * 4
+    for got, ref in zip((out, dq, dk, dv), (want[0], *want[2:])):
+        assert got.dtype == dtype and got.shape == ref.shape
+        assert (got.double() - ref).abs().max() <= (rel + (U_BF16 if dtype == torch.bfloat16 else 0)) * float(ref.abs().max())
+    assert out.transpose(1, 2).is_contiguous() and dq.transpose(1, 2).is_contiguous()  # the heads merged
+    computed = torch.zeros(Lq, Lk, dtype=torch.bool)  # the 16-query blocks' key ranges, 16-aligned
+    for i0 in range(0, Lq, 16):
+        rows = visible[i0:i0 + 16]
+        cols = rows.any(0).nonzero()
+        if len(cols):
+            b0, b1 = int(cols.min()) // 16 * 16, min(Lk, (int(cols.max()) + 16) // 16 * 16)
+            computed[i0:i0 + 16, b0:b1] = True
+    got_p = p.double()[:, :, computed]
+    assert (got_p - want[1][:, :, computed]).abs().max() <= rel
+    assert (p[:, :, computed & ~visible] == 0).all()
+
+
+@needs_native
+def test_short_attention_keeps_a_nan_visible_and_a_row_that_sees_nothing_zero():
+    q, k, v = (torch.randn(1, 2, 20, 8) for _ in range(3))
+    k[0, 1, 3, 2] = float("nan")
+    out, p = _native_train.short_attention(q, k, v, scale=0.3, causal=True, window=None)
+    assert out[0, 0].isfinite().all()
+    assert out[0, 1, 3:].isnan().all() and out[0, 1, :3].isfinite().all()  # rows that see key 3
+    k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    out, p = _native_train.short_attention(q, k, v, scale=0.3, causal=False, window=2)
+    dq, dk, dv = _native_train.short_attention_backward(q, k, v, p, torch.ones_like(q), scale=0.3, causal=False,
+                                                        window=2)
+    # the queries sit at positions i − 16 (aligned to the end of the keys): 0..14 see no key within 2 of theirs
+    assert (out[:, :, :15] == 0).all() and (dq[:, :, :15] == 0).all() and (out[:, :, 15:] != 0).all()
+
+
+@needs_native
+def test_short_attention_gives_the_same_bits_on_any_number_of_threads():
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, g = (torch.randn(3, 4, 48, 16, generator=gen) for _ in range(4))
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            out, p = _native_train.short_attention(q, k, v, scale=0.25, causal=True, window=None)
+            outs.append((out, *_native_train.short_attention_backward(q, k, v, p, g, scale=0.25, causal=True,
+                                                                      window=None)))
+    finally:
+        torch.set_num_threads(before)
+    for got in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, outs[0]))
+
+
+@needs_native
+def test_short_attention_refuses_what_it_cannot_read():
+    q, k, v = (torch.randn(2, 3, 8, 4) for _ in range(3))
+    kw = dict(scale=0.5, causal=True, window=None)
+    with pytest.raises(RuntimeError, match=r"k must be a float32 or bfloat16 CPU tensor \(B, H, L, D\) like q"):
+        _native_train.short_attention(q, k.bfloat16(), v, **kw)
+    with pytest.raises(RuntimeError, match="v must be .* with the last stride 1"):
+        _native_train.short_attention(q, k, v.transpose(2, 3), **kw)
+    with pytest.raises(RuntimeError, match="k must be .* like q"):
+        _native_train.short_attention(q, k[:, :2], v, **kw)
+    with pytest.raises(RuntimeError, match="v must have 8 rows, got 5"):
+        _native_train.short_attention(q, k, v[:, :, :5], **kw)
+    with pytest.raises(RuntimeError, match=r"q must be \(B, H, Lq, D\)"):
+        _native_train.short_attention(q[0], k, v, **kw)
+    out, p = _native_train.short_attention(q, k, v, **kw)
+    with pytest.raises(RuntimeError, match=r"p must be \(B, H, Lq, Lk\) = \[2, 3, 8, 8\]"):
+        _native_train.short_attention_backward(q, k, v, p[:, :, :4].contiguous(), torch.randn_like(q), **kw)
+    with pytest.raises(RuntimeError, match="d_out must be"):
+        _native_train.short_attention_backward(q, k, v, p, torch.randn(2, 3, 8, 4).double(), **kw)
+
+
 # ---- the backend that takes them ---------------------------------------------------------------------------------
 
 @needs_native
+@pytest.mark.parametrize("path", ["fused", "products"])
 @pytest.mark.parametrize("causal,window,Lq,Lk,Hkv", [(True, None, 64, 64, 4), (True, 9, 40, 40, 2),
                                                      (False, None, 33, 33, 4), (True, None, 8, 30, 4),
                                                      (True, None, 131, 131, 4), (True, 50, 128, 140, 2),
                                                      (False, None, 130, 130, 4)])
-def test_the_short_backend_takes_the_native_softmax_and_equals_the_reference(causal, window, Lq, Lk, Hkv, monkeypatch):
+def test_the_short_backend_takes_the_native_passes_and_equals_the_reference(causal, window, Lq, Lk, Hkv, path,
+                                                                             monkeypatch):
     """float32: out and every gradient against the float64 reference backend, to the products' rounding
-    (``tolerance``: an Lk- or D-term sum per layer, two layers). From 128 causal queries the backend runs two query
-    blocks (``causal_blocks``; an odd count, a window, keys past the queries: a cache)."""
+    (``tolerance``: an Lk- or D-term sum per layer, two layers), by each C++ path: the fused kernel (blocks of 16
+    queries: partial blocks, windows, keys past the queries — a cache) and the batched products with the native
+    softmax (from 128 causal queries two query blocks, ``causal_blocks``)."""
     from attnlab import attention
     from attnlab.backends import short
     from _tolerance import tolerance
     calls = []
-    orig = short.NativeShortAttention.apply
-    monkeypatch.setattr(short.NativeShortAttention, "apply", lambda *a: calls.append(1) or orig(*a))
+    taken = short.FusedShortAttention if path == "fused" else short.NativeShortAttention
+    orig = taken.apply
+    monkeypatch.setattr(taken, "apply", lambda *a: calls.append(1) or orig(*a))
+    if path == "products":
+        monkeypatch.setattr(short, "FUSED_KEYS", 0)
     gen = torch.Generator().manual_seed(Lq + Lk)
     q = torch.randn(2, 4, Lq, 32, generator=gen, requires_grad=True)
     k, v = (torch.randn(2, Hkv, Lk, 32, generator=gen, requires_grad=True) for _ in range(2))
@@ -150,11 +262,19 @@ def test_the_short_backend_takes_the_native_softmax_and_equals_the_reference(cau
 
 
 @needs_native
+@pytest.mark.parametrize("path", ["fused", "products"])
 @pytest.mark.parametrize("L", [64, 128])  # one block, two
-def test_the_short_backend_in_bf16_equals_the_float64_reference_to_bf16_rounding(L):
-    """bf16 q, k, v: the scores, P and every product are rounded to bf16 once each (u = 2⁻⁸): the output within
-    u (2 max|κ s| + 4) max|v|, each gradient within u (2 max|κ s| + 8) of its scale."""
+def test_the_short_backend_in_bf16_equals_the_float64_reference_to_bf16_rounding(L, path, monkeypatch):
+    """bf16 q, k, v: the scores, P and every product are rounded to bf16 once each (u = 2⁻⁸) by the products path;
+    the fused one rounds only its results: the output within u (2 max|κ s| + 4) max|v|, each gradient within
+    u (2 max|κ s| + 8) of its scale."""
     from attnlab import attention
+    from attnlab.backends import short
+    if path == "products":
+        monkeypatch.setattr(short, "FUSED_KEYS", 0)
+        monkeypatch.setattr(short, "FUSED_KEYS_NATIVE_BF16", 0)
+    else:
+        monkeypatch.setattr(short, "FUSED_KEYS_NATIVE_BF16", short.FUSED_KEYS)
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(3, 4, L, 32, generator=gen).to(torch.bfloat16).requires_grad_() for _ in range(3))
     out = attention(q, k, v, causal=True, backend="short")

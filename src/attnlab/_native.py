@@ -96,7 +96,8 @@ def _load() -> None:
                       rms_norm_train=ops.rms_norm_train.default,
                       rms_norm_train_backward=ops.rms_norm_train_backward.default, rope_train=ops.rope_train.default,
                       act_train=ops.act_train.default, act_train_backward=ops.act_train_backward.default,
-                      clip_grad_norm_=ops.clip_grad_norm_.default,
+                      clip_grad_norm_=ops.clip_grad_norm_.default, short_attention=ops.short_attention.default,
+                      short_attention_backward=ops.short_attention_backward.default,
                       quantize_rows=ops.quantize_rows.default, quantize_rows_cols=ops.quantize_rows_cols.default,
                       dequantize=ops.dequantize.default, int8_product=ops.int8_product.default,
                       int8_linear=ops.int8_linear.default, int8_linear_backward=ops.int8_linear_backward.default)

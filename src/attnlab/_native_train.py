@@ -111,6 +111,38 @@ def act_train_backward(dh: Tensor, g: Tensor, u: Optional[Tensor], activation: s
     return dg, (du if u is not None else None)
 
 
+def short_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, window: Optional[int]
+                    ) -> tuple[Tensor, Tensor]:
+    """``P = softmax(κ Q Kᵀ)`` over the keys each query sees (``causal``, ``window``: :func:`softmax_rows`' rule),
+    ``O = P V``, one (batch, head) a task in float32: ``q (B, H, Lq, D)``, ``k``, ``v (B, H, Lk, D)`` float32 or
+    bfloat16 of one dtype, any strides with the last 1 (views of a packed projection). Returns ``(out, p)``: ``out``
+    in q's dtype, ``(B, H, Lq, D)`` as a view of a contiguous ``(B, Lq, H, D)`` (the heads merged); ``p (B, H, Lq,
+    Lk)`` float32 for :func:`short_attention_backward`, written only where computed (a causal block of 16 queries
+    stops at its last query's keys).
+
+    Raises:
+        RuntimeError: the native kernels are not :func:`~attnlab._native.available` (callers check that first), or
+            the operands do not fit (named in the message).
+    """
+    _native._need()
+    return _native._state["short_attention"](q, k, v, scale, causal, -1 if window is None else window,
+                                             _native._state["isa"])
+
+
+def short_attention_backward(q: Tensor, k: Tensor, v: Tensor, p: Tensor, d_out: Tensor, *, scale: float,
+                             causal: bool, window: Optional[int]) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`short_attention`'s gradients from its ``p``::
+
+        dP = dO Vᵀ,   κ dS = κ P ∘ (dP − rowsum(dP ∘ P)),   dQ = (κ dS) K,   dK = (κ dS)ᵀ Q,   dV = Pᵀ dO
+
+    ``d_out`` like ``q`` (any strides, the last 1); each gradient in q's dtype, ``(B, H, L, D)`` viewing a contiguous
+    ``(B, L, H, D)``.
+    """
+    _native._need()
+    return _native._state["short_attention_backward"](q, k, v, p, d_out, scale, causal,
+                                                      -1 if window is None else window, _native._state["isa"])
+
+
 def clip_grad_norm_(grads: list[Tensor], max_norm: float) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for contiguous float32 CPU gradients in one call: ``‖g‖ = (Σ g²)^½`` over
     all of them and, where ``c = max_norm / (‖g‖ + 1e-6) < 1`` (or NaN), every gradient scaled by ``c`` in place;

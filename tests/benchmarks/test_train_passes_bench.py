@@ -25,9 +25,12 @@ def test_quick_run_times_every_pass_and_the_step(tmp_path):
     assert data["quick"] is True and data["environment"]["capability"]["isa"]
     passes = [(r["pass"], r["dtype"]) for r in data["rows"]]
     for dtype in ("float32", "bfloat16"):
-        for name in ("rope fwd+bwd (q)", "swiglu gate fwd+bwd", "causal attention fwd+bwd: 2 query blocks (ours) vs 1"):
+        for name in ("rope fwd+bwd (q)", "swiglu gate fwd+bwd", "gelu fwd+bwd",
+                     "causal attention fwd+bwd: fused (ours) vs batched products",
+                     "causal attention products: 2 query blocks (ours) vs 1"):
             assert (name, dtype) in passes
     assert ("rmsnorm fwd+bwd", "float32") in passes and ("rmsnorm fwd+bwd", "bfloat16") not in passes
+    assert ("clip grad norm (0.8 M grads)", "float32") in passes
     assert passes[-1][0] == "default preset's training step (every pass)"
     for r in data["rows"]:
         assert r["ours_ms"] > 0 and r["pytorch_ms"] > 0

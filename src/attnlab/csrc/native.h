@@ -4,11 +4,13 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 namespace attnlab_native {
 
@@ -57,5 +59,26 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& w, const std::optional<
 at::Tensor gated_matvec(const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& s1,
                         const std::optional<at::Tensor>& b1, const at::Tensor& w3, const std::optional<at::Tensor>& s3,
                         const std::optional<at::Tensor>& b3, int64_t act, int64_t isa);
+
+// train.cpp's short attention takes rows of SHORT_ROWS queries at a time: a causal block computes only the keys up to its last query's (16-aligned), so at 64
+// keys 10 of the 16 16 × 16 score tiles; each block's scores stay in the task's buffer.
+constexpr int64_t SHORT_ROWS = 16;
+
+// The keys [lo, hi) query row i sees (at position t = i + Lk − Lq): causal j ≤ t, a window w: t − j < w (without
+// causal |t − j| < w); both bounds non-decreasing in i
+struct Seen {
+  int64_t Lq, Lk, window;
+  bool causal;
+  int64_t lo(int64_t i) const { return std::clamp<int64_t>(window > 0 ? i + Lk - Lq - window + 1 : 0, 0, Lk); }
+  int64_t hi(int64_t i) const {
+    const int64_t t = i + Lk - Lq;
+    return std::clamp<int64_t>(causal ? t + 1 : (window > 0 ? t + window : Lk), lo(i), Lk);
+  }
+  // a block of rows [i0, i1): the keys any of them sees, widened to multiples of 16 (within Lk)
+  std::pair<int64_t, int64_t> cols(int64_t i0, int64_t i1) const {
+    const int64_t b0 = lo(i0) / 16 * 16, b1 = std::min<int64_t>(Lk, (hi(i1 - 1) + 15) / 16 * 16);
+    return {b0, std::max(b0, b1)};
+  }
+};
 
 }  // namespace attnlab_native

@@ -39,6 +39,15 @@
 //   attnlab::int8_linear_backward(g, qw, sw, qxt, sxc, left, right, dx, dw, db, dx_bf16) -> (dx, dw, db)
 //       its gradients: Z = g diag(s_w) by rows, dx = diag(s_z) (q(Z) q(w)); g by columns transposed, dw =
 //       diag(s_g) (q(g)ᵀ q(x)) diag(s_x cols); db = Σ_rows g; each only where asked for (else empty)
+//   attnlab::short_attention(q, k, v, scale, causal, window) -> (out, p)
+//       q (B, H, Lq, D), k, v (B, H, Lk, D) float32 or bfloat16 of one dtype, any strides with the last 1 (views of
+//       a packed projection): out = softmax(κ Q Kᵀ) V on the keys each query sees (as softmax_rows), computed per
+//       (batch, head) in float32 with the scores in the task's buffer; out (B, H, Lq, D) a view of a contiguous
+//       (B, Lq, H, D) tensor (the heads already merged for the output projection); p (B, H, Lq, Lk) float32 holds
+//       P for the backward where computed (a causal block's keys up to its last query's; the rest is not written)
+//   attnlab::short_attention_backward(q, k, v, p, d_out, scale, causal, window) -> (dq, dk, dv)
+//       κ dS = κ P ∘ (dP − rowsum(dP ∘ P)): dQ = κ dS K, dK = κ dSᵀ Q, dV = Pᵀ dO, each (B, H, L, D) a view of a
+//       contiguous (B, L, H, D) tensor
 //   attnlab::clip_grad_norm_(grads, max_norm) -> norm
 //       ‖g‖ = (Σ over every tensor of Σ g²)^½ (float32 tensors, contiguous), and where c = max_norm / (‖g‖ + 1e-6)
 //       is below 1 (or NaN) every g scaled by c in place (torch.nn.utils.clip_grad_norm_'s rule); norm float32 ().
@@ -498,7 +507,88 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_linear_backward(
           db ? gsum : none};
 }
 
-}  // namespace
+void check_short(const at::Tensor& t, const at::Tensor& q, const char* op, const char* name, int64_t L) {
+  ATTNLAB_CHECK(t.device().is_cpu() && t.scalar_type() == q.scalar_type() &&
+                  (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) && t.dim() == 4 &&
+                  t.size(0) == q.size(0) && t.size(1) == q.size(1) && t.size(3) == q.size(3) && t.stride(3) == 1,
+                "attnlab::", op, ": ", name, " must be a float32 or bfloat16 CPU tensor (B, H, L, D) like q ", q.sizes(),
+                " ", q.scalar_type(), " with the last stride 1, got ", t.scalar_type(), " ", t.sizes(), " strides ",
+                t.strides());
+  ATTNLAB_CHECK(t.size(2) == L, "attnlab::", op, ": ", name, " must have ", L, " rows, got ", t.size(2));
+}
+
+// (B, H, L, D) as a view of a new contiguous (B, L, H, D) tensor
+at::Tensor heads_merged(const at::Tensor& like, int64_t L) {
+  return at::empty({like.size(0), L, like.size(1), like.size(3)}, like.options()).permute({0, 2, 1, 3});
+}
+
+std::tuple<at::Tensor, at::Tensor> short_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                   double scale, bool causal, int64_t window, int64_t isa) {
+  ATTNLAB_CHECK(q.dim() == 4, "attnlab::short_attention: q must be (B, H, Lq, D), got ", q.sizes());
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3), Lk = k.dim() == 4 ? k.size(2) : -1;
+  check_short(q, q, "short_attention", "q", Lq);
+  check_short(k, q, "short_attention", "k", Lk);
+  check_short(v, q, "short_attention", "v", Lk);
+  at::Tensor out = heads_merged(q, Lq);
+  at::Tensor p = at::empty({B, H, Lq, Lk}, q.options().dtype(at::kFloat));
+  const attnlab_native::Seen seen{Lq, Lk, window, causal};
+  const int64_t need = Lq * D + 2 * Lk * D + attnlab_native::SHORT_ROWS * D;
+  const auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T *Q = data<T>(q), *K = data<T>(k), *V = data<T>(v);
+    T* O = data<T>(out);
+    float* P = p.data_ptr<float>();
+    const auto task = ISA_FN(short_attention_task<T>);
+    at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> buf(need);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t b = t / H, h = t % H;
+        task(Q + b * q.stride(0) + h * q.stride(1), q.stride(2), K + b * k.stride(0) + h * k.stride(1), k.stride(2),
+             V + b * v.stride(0) + h * v.stride(1), v.stride(2), O + b * out.stride(0) + h * out.stride(1),
+             out.stride(2), P + t * Lq * Lk, D, seen, static_cast<float>(scale), buf.data());
+      }
+    });
+  };
+  q.scalar_type() == at::kFloat ? run(float{}) : run(uint16_t{});
+  return {out, p};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> short_attention_backward(const at::Tensor& q, const at::Tensor& k,
+                                                                        const at::Tensor& v, const at::Tensor& p,
+                                                                        const at::Tensor& d_out, double scale,
+                                                                        bool causal, int64_t window, int64_t isa) {
+  ATTNLAB_CHECK(q.dim() == 4, "attnlab::short_attention_backward: q must be (B, H, Lq, D), got ", q.sizes());
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3), Lk = k.dim() == 4 ? k.size(2) : -1;
+  check_short(q, q, "short_attention_backward", "q", Lq);
+  check_short(k, q, "short_attention_backward", "k", Lk);
+  check_short(v, q, "short_attention_backward", "v", Lk);
+  check_short(d_out, q, "short_attention_backward", "d_out", Lq);
+  attnlab_native::check_f32(p, "short_attention_backward", "p");
+  ATTNLAB_CHECK(p.sizes() == at::IntArrayRef({B, H, Lq, Lk}), "attnlab::short_attention_backward: p must be (B, H, ",
+                "Lq, Lk) = ", at::IntArrayRef({B, H, Lq, Lk}), " (short_attention's), got ", p.sizes());
+  at::Tensor dq = heads_merged(q, Lq), dk = heads_merged(q, Lk), dv = heads_merged(q, Lk);
+  const attnlab_native::Seen seen{Lq, Lk, window, causal};
+  const int64_t need = 2 * Lq * D + 4 * Lk * D + attnlab_native::SHORT_ROWS * (Lk + D);
+  const auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T *Q = data<T>(q), *K = data<T>(k), *V = data<T>(v), *G = data<T>(d_out);
+    T *DQ = data<T>(dq), *DK = data<T>(dk), *DV = data<T>(dv);
+    const float* P = p.data_ptr<float>();
+    const auto task = ISA_FN(short_attention_grad_task<T>);
+    at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> buf(need);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t b = t / H, h = t % H;
+        const auto at = [&](auto* base, const at::Tensor& x) { return base + b * x.stride(0) + h * x.stride(1); };
+        task(at(Q, q), q.stride(2), at(K, k), k.stride(2), at(V, v), v.stride(2), P + t * Lq * Lk, at(G, d_out),
+             d_out.stride(2), at(DQ, dq), dq.stride(2), at(DK, dk), dk.stride(2), at(DV, dv), dv.stride(2), D, seen,
+             static_cast<float>(scale), buf.data());
+      }
+    });
+  };
+  q.scalar_type() == at::kFloat ? run(float{}) : run(uint16_t{});
+  return {dq, dk, dv};
+}
 
 constexpr int64_t CLIP_CHUNK = 1 << 14;  // elements a partial sum (and a task)
 
@@ -536,6 +626,8 @@ at::Tensor clip_grad_norm_(at::TensorList grads, double max_norm, int64_t isa) {
   return at::scalar_tensor(norm, at::TensorOptions().dtype(at::kFloat));
 }
 
+}  // namespace
+
 TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("softmax_rows(Tensor s, float scale, bool causal, int window, bool cast, int isa) -> (Tensor, Tensor)");
   m.def("softmax_rows_backward(Tensor dp, Tensor p, float scale, int isa) -> Tensor");
@@ -544,6 +636,10 @@ TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("rope_train(Tensor x, Tensor cos, Tensor sin, float sign, int isa) -> Tensor");
   m.def("act_train(Tensor g, Tensor? u, int act, int isa) -> Tensor");
   m.def("clip_grad_norm_(Tensor(a!)[] grads, float max_norm, int isa) -> Tensor");
+  m.def("short_attention(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window, int isa) -> (Tensor, "
+        "Tensor)");
+  m.def("short_attention_backward(Tensor q, Tensor k, Tensor v, Tensor p, Tensor d_out, float scale, bool causal, "
+        "int window, int isa) -> (Tensor, Tensor, Tensor)");
   m.def("act_train_backward(Tensor dh, Tensor g, Tensor? u, int act, int isa) -> (Tensor, Tensor)");
   m.def("quantize_rows(Tensor x, Tensor? c, int levels, int isa) -> (Tensor, Tensor)");
   m.def("quantize_rows_cols(Tensor x, Tensor? c, int levels, int col_levels, int isa) -> (Tensor, Tensor, Tensor, "
@@ -565,6 +661,8 @@ TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
   m.impl("rope_train", &rope_train);
   m.impl("act_train", &act_train);
   m.impl("clip_grad_norm_", &clip_grad_norm_);
+  m.impl("short_attention", &short_attention);
+  m.impl("short_attention_backward", &short_attention_backward);
   m.impl("act_train_backward", &act_train_backward);
   m.impl("quantize_rows", &quantize_rows);
   m.impl("quantize_rows_cols", &quantize_rows_cols);

@@ -3,6 +3,7 @@
 // float32. Compiled per instruction set (isa_regions.h), on top of decode_body.h's `exp_any`.
 
 #include "decode_body.h"
+#include "gemm_body.h"
 
 using VU = uint32_t __attribute__((vector_size(4 * L)));
 using VH = uint16_t __attribute__((vector_size(2 * L)));
@@ -158,7 +159,7 @@ inline void softmax_row(const T* s, int64_t n, int64_t c0, int64_t c1, float sca
   VF total = splat(0.f);
   const auto exps = [&](int64_t j, VF x) {  // e^(x − m), 0 where masked (a NaN m: the visible lanes NaN)
     if (j >= c1 || j + L <= c0) return splat(0.f);
-    VF e = exp_any(x - splat(m));
+    VF e = exp_nonpositive(x - splat(m));  // x ≤ m: no overflow clamp needed
     if (!(j >= c0 && j + L <= c1)) e = seen(lane, j, c0, c1) ? e : splat(0.f);
     total += e;
     return e;
@@ -303,6 +304,90 @@ inline void act_grad_span(int64_t act, const T* dh, const T* g, const T* u, int6
   ATTNLAB_ACT_CASES(act_grad, dh, g, u, n, dg, du)
 }
 #undef ATTNLAB_ACT_CASES
+
+// ---- the short backend's fused attention (one (batch, head) a task; train.cpp's short_attention) ----
+using attnlab_native::SHORT_ROWS;
+
+template <class T>
+inline void row_to_f32(const T* x, int64_t n, float* y) {
+  int64_t j = 0;
+  for (; j + L <= n; j += L) store(y + j, ld(x + j));
+  for (; j < n; ++j) y[j] = ld1(x + j);
+}
+template <class T>
+inline void row_from_f32(const float* x, int64_t n, T* y) {
+  int64_t j = 0;
+  for (; j + L <= n; j += L) st(y + j, load(x + j));
+  for (; j < n; ++j) st1(y + j, x[j]);
+}
+
+// One (batch, head): P = softmax(κ Q Kᵀ) on the visible keys, O = P V. q, k, v, o: rows of D elements with row
+// strides sq, sk, sv, so; p (Lq, Lk) float32 receives P for the backward (only the blocks of keys computed: those
+// the backward reads). `buf` holds Lq·D + 2·Lk·D + SHORT_ROWS·D floats.
+template <class T>
+void short_attention_task(const T* q, int64_t sq, const T* k, int64_t sk, const T* v, int64_t sv, T* o, int64_t so,
+                          float* p, int64_t D, const attnlab_native::Seen& seen, float scale, float* buf) {
+  const int64_t Lq = seen.Lq, Lk = seen.Lk;
+  float *Q = buf, *Kt = Q + Lq * D, *V = Kt + D * Lk, *O = V + Lk * D;
+  for (int64_t i = 0; i < Lq; ++i) row_to_f32(q + i * sq, D, Q + i * D);
+  for (int64_t j = 0; j < Lk; ++j) {
+    row_to_f32(v + j * sv, D, V + j * D);
+    for (int64_t d = 0; d < D; ++d) Kt[d * Lk + j] = ld1(k + j * sk + d);
+  }
+  for (int64_t i0 = 0; i0 < Lq; i0 += SHORT_ROWS) {
+    const int64_t i1 = std::min(Lq, i0 + SHORT_ROWS), m = i1 - i0;
+    const auto [b0, b1] = seen.cols(i0, i1);
+    const int64_t n = b1 - b0;
+    float* P = p + i0 * Lk + b0;
+    if (n > 0) {
+      gemm_own(m, n, D, 1.f, Q + i0 * D, D, 1, Kt + b0, Lk, false, P, Lk, false);
+      for (int64_t r = 0; r < m; ++r) {
+        float* row = P + r * Lk;
+        softmax_row<float>(row, n, seen.lo(i0 + r) - b0, seen.hi(i0 + r) - b0, scale, row, nullptr);
+      }
+      gemm_own(m, D, n, 1.f, P, Lk, 1, V + b0 * D, D, false, O, D, false);
+    } else {
+      std::fill(O, O + m * D, 0.f);
+    }
+    for (int64_t r = 0; r < m; ++r) row_from_f32(O + r * D, D, o + (i0 + r) * so);
+  }
+}
+
+// Its gradients from the forward's P, κ dS = κ P ∘ (dP − rowsum(dP ∘ P)):
+//   dP = dO Vᵀ,  dQ = (κ dS) K,  dK = (κ dS)ᵀ Q,  dV = Pᵀ dO        (dK, dV summed over the blocks of queries)
+// `buf` holds 2·Lq·D + 4·Lk·D + SHORT_ROWS·(Lk + D) floats.
+template <class T>
+void short_attention_grad_task(const T* q, int64_t sq, const T* k, int64_t sk, const T* v, int64_t sv,
+                               const float* p, const T* go, int64_t sgo, T* dq, int64_t sdq, T* dk, int64_t sdk,
+                               T* dv, int64_t sdv, int64_t D, const attnlab_native::Seen& seen, float scale,
+                               float* buf) {
+  const int64_t Lq = seen.Lq, Lk = seen.Lk;
+  float *Q = buf, *G = Q + Lq * D, *Kf = G + Lq * D, *Vt = Kf + Lk * D, *dK = Vt + D * Lk, *dV = dK + Lk * D;
+  float *dP = dV + Lk * D, *dQ = dP + SHORT_ROWS * Lk;
+  for (int64_t i = 0; i < Lq; ++i) row_to_f32(q + i * sq, D, Q + i * D), row_to_f32(go + i * sgo, D, G + i * D);
+  for (int64_t j = 0; j < Lk; ++j) {
+    row_to_f32(k + j * sk, D, Kf + j * D);
+    for (int64_t d = 0; d < D; ++d) Vt[d * Lk + j] = ld1(v + j * sv + d);
+  }
+  std::fill(dK, dK + 2 * Lk * D, 0.f);  // dK and dV
+  for (int64_t i0 = 0; i0 < Lq; i0 += SHORT_ROWS) {
+    const int64_t i1 = std::min(Lq, i0 + SHORT_ROWS), m = i1 - i0;
+    const auto [b0, b1] = seen.cols(i0, i1);
+    const int64_t n = b1 - b0;
+    const float* P = p + i0 * Lk + b0;
+    if (n > 0) {
+      gemm_own(m, n, D, 1.f, G + i0 * D, D, 1, Vt + b0, Lk, false, dP, Lk, false);
+      for (int64_t r = 0; r < m; ++r) softmax_grad_row<float>(dP + r * Lk, P + r * Lk, n, scale, dP + r * Lk);
+      gemm_own(m, D, n, 1.f, dP, Lk, 1, Kf + b0 * D, D, false, dQ, D, false);
+      gemm_own(n, D, m, 1.f, dP, 1, Lk, Q + i0 * D, D, true, dK + b0 * D, D, false);
+      gemm_own(n, D, m, 1.f, P, 1, Lk, G + i0 * D, D, true, dV + b0 * D, D, false);
+    } else {
+      std::fill(dQ, dQ + m * D, 0.f);
+    }
+    for (int64_t r = 0; r < m; ++r) row_from_f32(dQ + r * D, D, dq + (i0 + r) * sdq);
+  }
+  for (int64_t j = 0; j < Lk; ++j) row_from_f32(dK + j * D, D, dk + j * sdk), row_from_f32(dV + j * D, D, dv + j * sdv);
+}
 
 // ---- gradient clipping (the trainer's): Σ x² of a span, four float32 accumulators of L lanes, summed in double ----
 inline double sum_squares(const float* x, int64_t n) {
