@@ -330,10 +330,9 @@ void short_attention_task(const T* q, int64_t sq, const T* k, int64_t sk, const 
   const int64_t Lq = seen.Lq, Lk = seen.Lk;
   float *Q = buf, *Kt = Q + Lq * D, *V = Kt + D * Lk, *O = V + Lk * D;
   for (int64_t i = 0; i < Lq; ++i) row_to_f32(q + i * sq, D, Q + i * D);
-  for (int64_t j = 0; j < Lk; ++j) {
-    row_to_f32(v + j * sv, D, V + j * D);
-    for (int64_t d = 0; d < D; ++d) Kt[d * Lk + j] = ld1(k + j * sk + d);
-  }
+  for (int64_t j = 0; j < Lk; ++j) row_to_f32(k + j * sk, D, V + j * D);  // K's rows, for a moment
+  transpose_rows(V, D, 0, Lk, Kt, Lk);
+  for (int64_t j = 0; j < Lk; ++j) row_to_f32(v + j * sv, D, V + j * D);
   for (int64_t i0 = 0; i0 < Lq; i0 += SHORT_ROWS) {
     const int64_t i1 = std::min(Lq, i0 + SHORT_ROWS), m = i1 - i0;
     const auto [b0, b1] = seen.cols(i0, i1);
@@ -365,10 +364,8 @@ void short_attention_grad_task(const T* q, int64_t sq, const T* k, int64_t sk, c
   float *Q = buf, *G = Q + Lq * D, *Kf = G + Lq * D, *Vt = Kf + Lk * D, *dK = Vt + D * Lk, *dV = dK + Lk * D;
   float *dP = dV + Lk * D, *dQ = dP + SHORT_ROWS * Lk;
   for (int64_t i = 0; i < Lq; ++i) row_to_f32(q + i * sq, D, Q + i * D), row_to_f32(go + i * sgo, D, G + i * D);
-  for (int64_t j = 0; j < Lk; ++j) {
-    row_to_f32(k + j * sk, D, Kf + j * D);
-    for (int64_t d = 0; d < D; ++d) Vt[d * Lk + j] = ld1(v + j * sv + d);
-  }
+  for (int64_t j = 0; j < Lk; ++j) row_to_f32(v + j * sv, D, dK + j * D), row_to_f32(k + j * sk, D, Kf + j * D);
+  transpose_rows(dK, D, 0, Lk, Vt, Lk);  // (V's rows in dK's room until it is zeroed)
   std::fill(dK, dK + 2 * Lk * D, 0.f);  // dK and dV
   for (int64_t i0 = 0; i0 < Lq; i0 += SHORT_ROWS) {
     const int64_t i1 = std::min(Lq, i0 + SHORT_ROWS), m = i1 - i0;
