@@ -31,6 +31,7 @@ def test_probe_reports_what_torch_reports_and_is_cached():
     assert cap.fp32_gflops is None  # nothing measured unless asked
     assert probe() is cap
     m = probe(measure=True)
+    assert (m.fp32_gflops, m.bf16_gflops) == _runtime.product_rates()  # the figures auto compares
     assert m.fp32_gflops > 0 and m.bf16_gflops > 0 and m.copy_gbps > 0
     assert probe(measure=True) is m
     assert cap.isa in m.line() and "threads" in m.line()
@@ -55,6 +56,7 @@ def test_resolve_dtype_follows_the_probe(monkeypatch):
     none = _runtime.Capability("t", "cpu", "AVX2", False, False, False, 2, 2, None, 100.0, 1.0, 20.0)
     for cap, want in ((fast, "bf16"), (slow, "fp32"), (none, "fp32")):
         monkeypatch.setattr(_runtime, "probe", lambda measure=False, cap=cap: cap)
+        monkeypatch.setattr(_runtime, "product_rates", lambda cap=cap: (cap.fp32_gflops, cap.bf16_gflops))
         dtype, reason = resolve_dtype("auto")
         assert dtype == want and reason
     assert resolve_dtype("auto")[1] == "no native bf16 (AVX2)"
@@ -66,6 +68,7 @@ def test_resolve_dtype_follows_the_probe(monkeypatch):
 def test_explicit_bf16_without_native_support_warns_once(monkeypatch):
     none = _runtime.Capability("t", "cpu", "AVX2", False, False, False, 2, 2, None, 100.0, 1.25, 20.0)
     monkeypatch.setattr(_runtime, "probe", lambda measure=False: none)
+    monkeypatch.setattr(_runtime, "product_rates", lambda: (100.0, 1.25))
     monkeypatch.setattr(_runtime, "_WARNED", set())
     with pytest.warns(UserWarning, match=r"dtype=bf16 on a CPU without native bf16 \(AVX2\).*80x slower"):
         assert resolve_dtype("bf16") == ("bf16", "asked for")
@@ -74,6 +77,7 @@ def test_explicit_bf16_without_native_support_warns_once(monkeypatch):
         resolve_dtype("bf16")  # once per process
     starved = _runtime.Capability("t", "cpu", "AVX2", False, False, False, 2, 2, None, 100.0, 1e-6, 20.0)
     monkeypatch.setattr(_runtime, "probe", lambda measure=False: starved)  # a probe that read ~nothing under load
+    monkeypatch.setattr(_runtime, "product_rates", lambda: (100.0, 1e-6))
     monkeypatch.setattr(_runtime, "_WARNED", set())
     with pytest.warns(UserWarning, match=r"run over 100x slower than fp32"):
         resolve_dtype("bf16")

@@ -149,10 +149,20 @@ def _copy_gbps(*, mib: int = 64, repeats: int = 5) -> float:
     return 2 * src.numel() * 4 / best / 1e9
 
 
+@functools.lru_cache(maxsize=1)
+def product_rates() -> tuple[float, float]:
+    """Measured ``(fp32, bf16)`` GFLOP/s of a 512² product, the best of those that fit in ~0.03 s each (at least 8):
+    what ``dtype="auto"`` compares (:func:`resolve_dtype`) and :func:`probe` reports. Cached per process."""
+    import torch
+
+    return (round(_matmul_gflops(torch.float32, seconds=0.03), 1),
+            round(_matmul_gflops(torch.bfloat16, seconds=0.03), 1))
+
+
 @functools.lru_cache(maxsize=2)
 def probe(*, measure: bool = False) -> Capability:
-    """What this process's torch computes natively; with ``measure=True`` also a ~0.3 s measured figure
-    (fp32 and bf16 GFLOP/s of a 512² product, copy GB/s). Cached per process.
+    """What this process's torch computes natively; with ``measure=True`` also ~0.15 s of measured figures
+    (fp32 and bf16 GFLOP/s of a 512² product, :func:`product_rates`; copy GB/s). Cached per process.
 
     Honours the standard overrides, read by torch and oneDNN at start-up: ``ATEN_CPU_CAPABILITY``
     (e.g. ``avx2``) and ``ONEDNN_MAX_CPU_ISA`` (e.g. ``AVX2``), so an AVX-512 machine started with both
@@ -171,8 +181,8 @@ def probe(*, measure: bool = False) -> Capability:
                      fp16_native=fp16, amx=amx, cores=os.cpu_count() or 1, threads=torch.get_num_threads(),
                      cuda=cuda)
     if measure:
-        cap = replace(cap, fp32_gflops=round(_matmul_gflops(torch.float32), 1),
-                      bf16_gflops=round(_matmul_gflops(torch.bfloat16), 1), copy_gbps=round(_copy_gbps(), 1))
+        fp32, bf16 = product_rates()
+        cap = replace(cap, fp32_gflops=fp32, bf16_gflops=bf16, copy_gbps=round(_copy_gbps(), 1))
     return cap
 
 
@@ -225,16 +235,14 @@ def resolve_dtype(value="auto", device="cpu", *, name: str = "dtype") -> tuple[s
     if dtype == "auto":
         if not cap.bf16_native:
             return "fp32", f"no native bf16 ({cap.isa})"
-        measured = probe(measure=True)
-        if measured.bf16_gflops < 1.2 * measured.fp32_gflops:  # a margin: a noisy timing must not flip the choice
-            return "fp32", (f"bf16 not faster here ({measured.bf16_gflops:.0f} vs "
-                            f"{measured.fp32_gflops:.0f} GFLOP/s fp32)")
-        return "bf16", (f"native bf16 ({cap.isa}{', AMX' if cap.amx else ''}: {measured.bf16_gflops:.0f} vs "
-                        f"{measured.fp32_gflops:.0f} GFLOP/s fp32)")
+        fp32, bf16 = product_rates()
+        if bf16 < 1.2 * fp32:  # a margin: a noisy timing must not flip the choice
+            return "fp32", f"bf16 not faster here ({bf16:.0f} vs {fp32:.0f} GFLOP/s fp32)"
+        return "bf16", f"native bf16 ({cap.isa}{', AMX' if cap.amx else ''}: {bf16:.0f} vs {fp32:.0f} GFLOP/s fp32)"
     if dtype == "bf16" and not cap.bf16_native and "bf16" not in _WARNED:
         _WARNED.add("bf16")
-        measured = probe(measure=True)
-        slower = measured.fp32_gflops / max(measured.bf16_gflops, 1e-9)
+        fp32, bf16 = product_rates()
+        slower = fp32 / max(bf16, 1e-9)
         # (a probe starved by other work can read almost nothing: a ratio past 100 is not a measurement to quote)
         how = f"about {slower:.0f}x" if slower <= 100 else "over 100x"
         warnings.warn(f"{name}=bf16 on a CPU without native bf16 ({cap.isa}): matrix products run {how} "
