@@ -47,18 +47,15 @@ from attnlab.nn import feedforward, norms, positional  # noqa: E402
 from attnlab.training.optim import clip_grad_norm_  # noqa: E402
 
 B, L, E, H, FFN = 16, 256, 256, 4, 704
-# nanogpt-cpu's parameters (4 × 128, FFN 512, 65 characters, block 64): embeddings, per layer LN, qkv, out, LN, fc,
-# proj (weights and biases), the final LN
-_NANOGPT_CPU_SHAPES = [(65, 128), (64, 128)] + [(128,), (128,), (384, 128), (384,), (128, 128), (128,), (128,), (128,),
-                                                (512, 128), (512,), (128, 512), (128,)] * 4 + [(128,), (128,)]
 
 
-def _params(grads):
-    params = []
-    for g in grads:
-        p = torch.nn.Parameter(torch.zeros_like(g))
-        p.grad = g.clone()
-        params.append(p)
+def _nanogpt_cpu_params() -> list:
+    """nanogpt-cpu's model's parameters, each with a random gradient (the same gradients on every call)."""
+    from attnlab.training.recipes.shakespeare import PRESETS, ShakespeareSettings, make_model
+    gen = torch.Generator().manual_seed(0)
+    params = list(make_model(ShakespeareSettings(**PRESETS["nanogpt-cpu"]), vocab_size=65).parameters())
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
     return params
 
 
@@ -109,9 +106,8 @@ def pass_rows(dtype: torch.dtype, repeat: int, scale: int) -> list[dict]:
         _backward(lambda: F.gelu(a), (a,), da))
 
     if dtype == torch.float32:  # the trainer's gradients are float32 (master weights) under autocast too
-        grads = [torch.randn(s) for s in _NANOGPT_CPU_SHAPES]
-        mine, theirs = _params(grads), _params(grads)
-        row("clip grad norm (0.8 M grads)", f"{len(grads)} tensors",
+        mine, theirs = _nanogpt_cpu_params(), _nanogpt_cpu_params()
+        row("clip grad norm (0.8 M grads)", f"{len(mine)} tensors",
             lambda: clip_grad_norm_(mine, 1e-3), lambda: torch.nn.utils.clip_grad_norm_(theirs, 1e-3))
 
     for (bb, hh, ll, dd) in ((b, H, L, E // H), (12, 4, 64, 32)):  # the default preset's, nanogpt-cpu's

@@ -18,32 +18,10 @@ inline float hsum(VF v) {
   return s;
 }
 
-// e^x, lane by lane (NaN stays NaN): e^x = 2ⁿ · e^r with n = round(x log₂e), r = x − n ln 2 (ln 2 in two parts,
-// exact products), e^r ≈ 1 + r + r² p(r) on |r| ≤ ln2/2 (Cephes expf's polynomial: relative error ~1e-7, about an
-// ulp of float32), 2ⁿ built in the exponent bits; x < −87.3 → 0, x > 88.7 → +inf.
-[[gnu::always_inline]] inline VF exp_any(VF x) {
-  const VF big = splat(88.7f);
-  const VF c = x > big ? big : x;
-  const VF magic = splat(12582912.f);
-  const VF n = (c * splat(1.44269504088896341f) + magic) - magic;
-  const VF r = (c - n * splat(0.693359375f)) - n * splat(-2.12194440e-4f);
-  VF p = splat(1.9875691500e-4f);
-  p = p * r + splat(1.3981999507e-3f);
-  p = p * r + splat(8.3334519073e-3f);
-  p = p * r + splat(4.1665795894e-2f);
-  p = p * r + splat(1.6666665459e-1f);
-  p = p * r + splat(5.0000001201e-1f);
-  const VF er = p * (r * r) + r + splat(1.f);
-  const VI clamped = __builtin_convertvector(n < splat(-126.f) ? splat(-126.f) : n, VI);
-  const VI bits = (clamped + 127) << 23;
-  VF two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  const VF e = x < splat(-87.3f) ? splat(0.f) : er * two_n;
-  return x > big ? splat(INFINITY) : e;
-}
-
-// e^x for x ≤ 0 (NaN stays NaN): exp_any without the clamps a non-positive argument never needs; x < −87.3 → 0
-[[gnu::always_inline]] inline VF exp_nonpositive(VF x) {
+// e^x = 2ⁿ · e^r with n = round(x log₂e), r = x − n ln 2 (ln 2 in two parts, exact products), e^r ≈ 1 + r + r² p(r)
+// on |r| ≤ ln2/2 (Cephes expf's polynomial: relative error ~1e-7, about an ulp of float32), 2ⁿ built in the exponent
+// bits; for x in [−87.3, 88.7] (NaN stays NaN): the callers below clamp or select outside it
+[[gnu::always_inline]] inline VF exp_in_range(VF x) {
   const VF magic = splat(12582912.f);
   const VF n = (x * splat(1.44269504088896341f) + magic) - magic;
   const VF r = (x - n * splat(0.693359375f)) - n * splat(-2.12194440e-4f);
@@ -54,10 +32,23 @@ inline float hsum(VF v) {
   p = p * r + splat(1.6666665459e-1f);
   p = p * r + splat(5.0000001201e-1f);
   const VF er = p * (r * r) + r + splat(1.f);
-  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;  // n ≥ −126 wherever the lane is kept
+  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
   VF two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
-  return x < splat(-87.3f) ? splat(0.f) : er * two_n;
+  return er * two_n;
+}
+
+// e^x, lane by lane (NaN stays NaN): x < −87.3 → 0, x > 88.7 → +inf
+[[gnu::always_inline]] inline VF exp_any(VF x) {
+  const VF lo = splat(-87.3f), hi = splat(88.7f);
+  const VF e = exp_in_range(x > hi ? hi : (x < lo ? lo : x));
+  return x < lo ? splat(0.f) : (x > hi ? splat(INFINITY) : e);
+}
+
+// e^x for x ≤ 0 (NaN stays NaN): without the upper clamp a non-positive argument never needs; x < −87.3 → 0 (there
+// n < −126 builds garbage bits, never kept)
+[[gnu::always_inline]] inline VF exp_nonpositive(VF x) {
+  return x < splat(-87.3f) ? splat(0.f) : exp_in_range(x);
 }
 
 // 1 / d lane by lane: the hardware's estimate (AVX-512 14 bits, AVX2 12) and one Newton step r (2 − d r), ~1 ulp
