@@ -12,7 +12,7 @@ import pytest
 import torch
 
 
-from attnlab import _native_train
+from attnlab import _native, _native_train
 from _native_isas import EPS32, ISA_IDS, ISAS, isa, needs_native  # noqa: F401 (isa: a fixture)
 
 U_BF16 = 2.0**-8
@@ -259,6 +259,25 @@ def test_the_short_backend_takes_the_native_passes_and_equals_the_reference(caus
     assert len(short.causal_blocks(Lq, Lk, causal)) == (2 if causal and Lq >= short.CAUSAL_BLOCK_QUERIES else 1)
     for got, want in zip((out, *grads), (ref, *ref_grads)):
         assert (got.double() - want).abs().max() <= tolerance(want, n=max(Lk, 32), depth=2)
+
+
+@needs_native
+@pytest.mark.parametrize("isa", [2, 1], ids=["avx512", "avx2"])
+def test_the_fused_path_takes_what_it_wins(isa, monkeypatch):
+    """Up to 256 keys in float32 (and bf16 without native bf16); bf16 with AVX-512 up to 128, past it the batched
+    bf16 products (``short.FUSED_KEYS*``'s measurements); a value width other than the query's: the products."""
+    from attnlab.backends import short
+    monkeypatch.setitem(_native._state, "isa", isa)
+
+    def heads(L, dtype, Dv=8):
+        return torch.randn(1, 2, L, 8, dtype=dtype), torch.randn(1, 2, L, 8, dtype=dtype), torch.randn(1, 2, L, Dv,
+                                                                                                       dtype=dtype)
+    assert short.fused_applies(*heads(256, torch.float32)) and not short.fused_applies(*heads(257, torch.float32))
+    assert short.fused_applies(*heads(128, torch.bfloat16))
+    assert short.fused_applies(*heads(256, torch.bfloat16)) == (isa != 2)
+    assert not short.fused_applies(*heads(64, torch.float32, Dv=16))
+    q, k, v = heads(64, torch.float32)
+    assert not short.fused_applies(q, k.transpose(2, 3).contiguous().transpose(2, 3), v)  # last stride not 1
 
 
 @needs_native
