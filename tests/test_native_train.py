@@ -278,6 +278,12 @@ def test_the_fused_path_takes_what_it_wins(isa, monkeypatch):
     assert not short.fused_applies(*heads(64, torch.float32, Dv=16))
     q, k, v = heads(64, torch.float32)
     assert not short.fused_applies(q, k.transpose(2, 3).contiguous().transpose(2, 3), v)  # last stride not 1
+    assert not short.fused_applies(q[:, :, :0], k, v)
+    from attnlab import attention
+    q0 = q[:, :, :0].clone().requires_grad_()
+    out = attention(q0, k, v, causal=False, backend="short")  # no query: an empty output, an empty gradient
+    out.sum().backward()
+    assert out.shape == (1, 2, 0, 8) and q0.grad.shape == q0.shape
 
 
 @needs_native

@@ -202,9 +202,10 @@ FUSED_KEYS_NATIVE_BF16 = 128
 
 def fused_applies(q, k, v) -> bool:
     """Whether :class:`FusedShortAttention` takes a (mask-free, float32 or bf16) request: key counts as above, the
-    value width the query's, each operand's last stride 1."""
+    value width the query's, each operand's last stride 1, at least one query (an empty request's gradients come
+    in with any strides: the products path)."""
     limit = FUSED_KEYS_NATIVE_BF16 if q.dtype == torch.bfloat16 and _native.isa() == 2 else FUSED_KEYS
-    return (k.shape[2] <= limit and v.shape[-1] == q.shape[-1]
+    return (0 < q.shape[2] and k.shape[2] <= limit and v.shape[-1] == q.shape[-1]
             and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)
 
 
