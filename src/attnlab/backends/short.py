@@ -193,9 +193,10 @@ class NativeShortAttention(torch.autograd.Function):
 
 
 # The most keys FusedShortAttention takes; past them (and for bf16 with native bf16 past FUSED_KEYS_NATIVE_BF16, where
-# oneDNN's bf16 products win) NativeShortAttention's batched products. Measured fwd + bwd, 2 AVX-512 cores, fused ÷
-# products (``benchmarks/train_passes.py``'s attention rows): (12, 4, 64, 32) float32 0.43, bf16 0.59; (16, 4, 128,
-# 64) 0.42, bf16 0.68; (16, 4, 256, 64) 0.48, bf16 1.05; float32 as AVX2 0.76 at 64 keys, 0.82 at 128, 0.92 at 256.
+# oneDNN's bf16 products win) NativeShortAttention's batched products. Measured fwd + bwd, 2 Zen4 cores, fused ÷
+# products (``benchmarks/train_passes.py``'s attention rows and the same at 128 keys): AVX-512 (12, 4, 64, 32) float32
+# 0.53, bf16 0.73; (16, 4, 128, 64) 0.42, bf16 0.68; (16, 4, 256, 64) 0.41, bf16 1.05; as AVX2 float32 0.70 at 64
+# keys, 0.72 at 256, bf16 (emulated products) 0.05–0.07.
 FUSED_KEYS = SHORT_KEYS
 FUSED_KEYS_NATIVE_BF16 = 128
 
