@@ -19,7 +19,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	$(PY) -m attnlab._native  # attnlab's C++ kernels, built once (without a compiler: PyTorch's kernels, said here)
-	$(PY) -m compileall -q src  # the bytecode pip writes for a regular install (an editable one has none): ~0.1 s of every command
+	# the bytecode pip writes for a regular install (an editable one has none): ~0.1 s of every command
+	$(PY) -m compileall -q src
 	touch $(STAMP)
 
 demo: $(STAMP)

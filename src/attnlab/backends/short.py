@@ -211,10 +211,11 @@ def fused_applies(q, k, v) -> bool:
 
 
 class FusedShortAttention(torch.autograd.Function):
-    """:class:`NativeShortAttention`'s computation as one C++ call each way (:func:`attnlab._native_train.short_attention`
-    and its backward): a (batch, head) a task, reading q, k, v where they lie (views of the packed projection), 16
-    queries' scores at a time (a causal block computes only the keys its queries see), ``P`` (float32) kept for the
-    backward; the output and the gradients written with the heads merged."""
+    """:class:`NativeShortAttention`'s computation as one C++ call each way
+    (:func:`attnlab._native_train.short_attention` and its backward): a (batch, head) a task, reading q, k, v where
+    they lie (views of the packed projection), 16 queries' scores at a time (a causal block computes only the keys
+    its queries see), ``P`` (float32) kept for the backward; the output and the gradients written with the heads
+    merged."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale, causal, window):

@@ -60,8 +60,8 @@ at::Tensor gated_matvec(const at::Tensor& x, const at::Tensor& w1, const std::op
                         const std::optional<at::Tensor>& b1, const at::Tensor& w3, const std::optional<at::Tensor>& s3,
                         const std::optional<at::Tensor>& b3, int64_t act, int64_t isa);
 
-// train.cpp's short attention takes rows of SHORT_ROWS queries at a time: a causal block computes only the keys up to its last query's (16-aligned), so at 64
-// keys 10 of the 16 16 × 16 score tiles; each block's scores stay in the task's buffer.
+// train.cpp's short attention takes SHORT_ROWS queries at a time: a causal block computes only the keys up to its
+// last query's (16-aligned), so at 64 keys 10 of the 16 16 × 16 score tiles.
 constexpr int64_t SHORT_ROWS = 16;
 
 // The keys [lo, hi) query row i sees (at position t = i + Lk − Lq): causal j ≤ t, a window w: t − j < w (without

@@ -511,9 +511,9 @@ void check_short(const at::Tensor& t, const at::Tensor& q, const char* op, const
   ATTNLAB_CHECK(t.device().is_cpu() && t.scalar_type() == q.scalar_type() &&
                   (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) && t.dim() == 4 &&
                   t.size(0) == q.size(0) && t.size(1) == q.size(1) && t.size(3) == q.size(3) && t.stride(3) == 1,
-                "attnlab::", op, ": ", name, " must be a float32 or bfloat16 CPU tensor (B, H, L, D) like q ", q.sizes(),
-                " ", q.scalar_type(), " with the last stride 1, got ", t.scalar_type(), " ", t.sizes(), " strides ",
-                t.strides());
+                "attnlab::", op, ": ", name, " must be a float32 or bfloat16 CPU tensor (B, H, L, D) like q ",
+                q.sizes(), " ", q.scalar_type(), " with the last stride 1, got ", t.scalar_type(), " ", t.sizes(),
+                " strides ", t.strides());
   ATTNLAB_CHECK(t.size(2) == L, "attnlab::", op, ": ", name, " must have ", L, " rows, got ", t.size(2));
 }
 
