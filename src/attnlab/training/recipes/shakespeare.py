@@ -41,7 +41,7 @@ change of seed does. Since, the int8 layers' C++ calls (one a direction, AVX2's 
 gradient's operands stored transposed) brought the seed-0 int8 run to 26.8 s (AVX-512) and 42.0 s (as AVX2), the
 run's own wall in ``benchmarks/train.py``'s quietest pairs, at the same val loss to the last digit. Then the short
 backend's fused attention (float32 arithmetic for bf16 inputs too) and the native GELU and clipping: seed 0 at val
-1.8849 (AVX-512; seeds 1 and 2: 1.8972, 1.8928) and 1.8866 (as AVX2), 27.1–28.8 s and 41.4–43.8 s of the run's own
+1.8849 (AVX-512; seeds 1 and 2: 1.8972, 1.8928) and 1.8866 (as AVX2), 25.2–28.8 s and 41.4–43.8 s of the run's own
 wall in ``benchmarks/train.py``'s pairs (this host's minutes move a run's wall by ~10 %).
 
 Adapting a trained run (each setting names a previous run's output folder; its latest checkpoint is used;
