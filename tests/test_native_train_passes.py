@@ -309,7 +309,6 @@ def test_clip_grad_norm_equals_torch_and_float64(isa, max_norm):
             assert torch.equal(got, before)
         else:
             assert (got - want.grad).abs().max() <= 2**13 * EPS32 * want.grad.abs().max()
-            assert (got.double().square().sum() > 0)
     if max_norm < want64:
         after = math.sqrt(sum(float(g.double().square().sum()) for g in ours))
         assert abs(after - max_norm) <= 2**12 * EPS32 * max_norm

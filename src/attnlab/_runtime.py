@@ -161,7 +161,7 @@ def product_rates() -> tuple[float, float]:
 
 @functools.lru_cache(maxsize=2)
 def probe(*, measure: bool = False) -> Capability:
-    """What this process's torch computes natively; with ``measure=True`` also ~0.15 s of measured figures
+    """What this process's torch computes natively; with ``measure=True`` also ~0.13 s of measured figures
     (fp32 and bf16 GFLOP/s of a 512² product, :func:`product_rates`; copy GB/s). Cached per process.
 
     Honours the standard overrides, read by torch and oneDNN at start-up: ``ATEN_CPU_CAPABILITY``

@@ -517,6 +517,12 @@ void check_short(const at::Tensor& t, const at::Tensor& q, const char* op, const
   ATTNLAB_CHECK(t.size(2) == L, "attnlab::", op, ": ", name, " must have ", L, " rows, got ", t.size(2));
 }
 
+// the rows of (batch b, head h) of a (B, H, L, D) tensor x whose data starts at base
+template <class T>
+T* head(T* base, const at::Tensor& x, int64_t b, int64_t h) {
+  return base + b * x.stride(0) + h * x.stride(1);
+}
+
 // (B, H, L, D) as a view of a new contiguous (B, L, H, D) tensor
 at::Tensor heads_merged(const at::Tensor& like, int64_t L) {
   return at::empty({like.size(0), L, like.size(1), like.size(3)}, like.options()).permute({0, 2, 1, 3});
@@ -543,9 +549,8 @@ std::tuple<at::Tensor, at::Tensor> short_attention(const at::Tensor& q, const at
       std::vector<float> buf(need);
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t b = t / H, h = t % H;
-        task(Q + b * q.stride(0) + h * q.stride(1), q.stride(2), K + b * k.stride(0) + h * k.stride(1), k.stride(2),
-             V + b * v.stride(0) + h * v.stride(1), v.stride(2), O + b * out.stride(0) + h * out.stride(1),
-             out.stride(2), P + t * Lq * Lk, D, seen, static_cast<float>(scale), buf.data());
+        task(head(Q, q, b, h), q.stride(2), head(K, k, b, h), k.stride(2), head(V, v, b, h), v.stride(2),
+             head(O, out, b, h), out.stride(2), P + t * Lq * Lk, D, seen, static_cast<float>(scale), buf.data());
       }
     });
   };
@@ -579,10 +584,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> short_attention_backward(const at
       std::vector<float> buf(need);
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t b = t / H, h = t % H;
-        const auto at = [&](auto* base, const at::Tensor& x) { return base + b * x.stride(0) + h * x.stride(1); };
-        task(at(Q, q), q.stride(2), at(K, k), k.stride(2), at(V, v), v.stride(2), P + t * Lq * Lk, at(G, d_out),
-             d_out.stride(2), at(DQ, dq), dq.stride(2), at(DK, dk), dk.stride(2), at(DV, dv), dv.stride(2), D, seen,
-             static_cast<float>(scale), buf.data());
+        task(head(Q, q, b, h), q.stride(2), head(K, k, b, h), k.stride(2), head(V, v, b, h), v.stride(2),
+             P + t * Lq * Lk, head(G, d_out, b, h), d_out.stride(2), head(DQ, dq, b, h), dq.stride(2),
+             head(DK, dk, b, h), dk.stride(2), head(DV, dv, b, h), dv.stride(2), D, seen, static_cast<float>(scale),
+             buf.data());
       }
     });
   };

@@ -68,10 +68,11 @@ class _Activation(torch.autograd.Function):
     ``∂L/∂u = ∂L/∂h ⊙ act(g)``, one C++ pass each (:func:`attnlab._native_train.act_train`, float32 arithmetic, one
     rounding to the inputs' dtype) instead of PyTorch's activation, its backward and (gated) three products. Training
     only; the call sites' rules come from ``benchmarks/train_passes.py`` (fwd + bwd under autograd, 2 cores, ours ÷
-    PyTorch's time): SwiGLU gate on (16, 256, 704) float32 0.60× (AVX-512) and 0.69× (as AVX2), bfloat16 0.87× with
-    AVX-512 but 1.19× as AVX2 (bf16 is emulated there: gated bf16 stays on PyTorch's operations); GELU on (12, 64,
-    512) float32 0.90× and 0.94×, bfloat16 0.91× as AVX2 but 1.37× with AVX-512 (there it stays PyTorch's); the other
-    plain activations' passes alone 0.2–0.96× (``act_train`` + backward against PyTorch's forward + backward)."""
+    PyTorch's time, two runs each): SwiGLU gate on (16, 256, 704) float32 0.56–0.60× (AVX-512) and 0.58–0.69× (as
+    AVX2), bfloat16 0.82–0.87× with AVX-512 but 0.99–1.19× as AVX2 (bf16 is emulated there: gated bf16 stays on
+    PyTorch's operations); GELU on (12, 64, 512) float32 0.90× and 0.94–0.97×, bfloat16 0.86–0.91× as AVX2 but
+    1.30–1.37× with AVX-512 (there it stays PyTorch's); the other plain activations' passes alone 0.2–0.96×
+    (``act_train`` + backward against PyTorch's forward + backward at 768 × 512)."""
 
     @staticmethod
     def forward(ctx, g: Tensor, u: Optional[Tensor], activation: str) -> Tensor:
