@@ -523,6 +523,16 @@ T* head(T* base, const at::Tensor& x, int64_t b, int64_t h) {
   return base + b * x.stride(0) + h * x.stride(1);
 }
 
+// fn(t, b, h, buf) for each of the B·H (batch, head) tasks t = b·H + h over torch's threads, `buf` a thread's
+// scratch of `need` floats
+template <class F>
+void each_head(int64_t B, int64_t H, int64_t need, const F& fn) {
+  at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf(need);
+    for (int64_t t = t0; t < t1; ++t) fn(t, t / H, t % H, buf.data());
+  });
+}
+
 // (B, H, L, D) as a view of a new contiguous (B, L, H, D) tensor
 at::Tensor heads_merged(const at::Tensor& like, int64_t L) {
   return at::empty({like.size(0), L, like.size(1), like.size(3)}, like.options()).permute({0, 2, 1, 3});
@@ -545,13 +555,9 @@ std::tuple<at::Tensor, at::Tensor> short_attention(const at::Tensor& q, const at
     T* O = data<T>(out);
     float* P = p.data_ptr<float>();
     const auto task = ISA_FN(short_attention_task<T>);
-    at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<float> buf(need);
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t b = t / H, h = t % H;
-        task(head(Q, q, b, h), q.stride(2), head(K, k, b, h), k.stride(2), head(V, v, b, h), v.stride(2),
-             head(O, out, b, h), out.stride(2), P + t * Lq * Lk, D, seen, static_cast<float>(scale), buf.data());
-      }
+    each_head(B, H, need, [&](int64_t t, int64_t b, int64_t h, float* buf) {
+      task(head(Q, q, b, h), q.stride(2), head(K, k, b, h), k.stride(2), head(V, v, b, h), v.stride(2),
+           head(O, out, b, h), out.stride(2), P + t * Lq * Lk, D, seen, static_cast<float>(scale), buf);
     });
   };
   q.scalar_type() == at::kFloat ? run(float{}) : run(uint16_t{});
@@ -580,15 +586,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> short_attention_backward(const at
     T *DQ = data<T>(dq), *DK = data<T>(dk), *DV = data<T>(dv);
     const float* P = p.data_ptr<float>();
     const auto task = ISA_FN(short_attention_grad_task<T>);
-    at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<float> buf(need);
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t b = t / H, h = t % H;
-        task(head(Q, q, b, h), q.stride(2), head(K, k, b, h), k.stride(2), head(V, v, b, h), v.stride(2),
-             P + t * Lq * Lk, head(G, d_out, b, h), d_out.stride(2), head(DQ, dq, b, h), dq.stride(2),
-             head(DK, dk, b, h), dk.stride(2), head(DV, dv, b, h), dv.stride(2), D, seen, static_cast<float>(scale),
-             buf.data());
-      }
+    each_head(B, H, need, [&](int64_t t, int64_t b, int64_t h, float* buf) {
+      task(head(Q, q, b, h), q.stride(2), head(K, k, b, h), k.stride(2), head(V, v, b, h), v.stride(2),
+           P + t * Lq * Lk, head(G, d_out, b, h), d_out.stride(2), head(DQ, dq, b, h), dq.stride(2),
+           head(DK, dk, b, h), dk.stride(2), head(DV, dv, b, h), dv.stride(2), D, seen, static_cast<float>(scale), buf);
     });
   };
   q.scalar_type() == at::kFloat ? run(float{}) : run(uint16_t{});
