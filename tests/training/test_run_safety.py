@@ -205,18 +205,29 @@ def test_two_processes_on_one_out(tmp_path, shakespeare):
     assert third.returncode == 0, third.stderr
 
 
+def _newest_step(out: Path) -> int:
+    steps = [int(p.stem.split("-")[1]) for p in list_checkpoints(out)]
+    return max(steps, default=0)
+
+
 def _kill_and_resume(tmp_path, *, kills: int, max_steps: int):
     """An uninterrupted run, and the same run killed ``kills`` times at random moments (checkpoints every 3
-    steps, so many kills land in a checkpoint write) and resumed: the same weights, bit for bit, and the same log."""
+    steps, so many kills land in a checkpoint write) and resumed: the same weights, bit for bit, and the same log.
+    Each kill is placed by the run's progress, not the clock (a faster machine or build would otherwise finish
+    before it): once the newest checkpoint reaches a random step past the last kill's, a random few ms later."""
     settings = ["--set", f"max_steps={max_steps}", "--set", "checkpoint_every=3", "--set", "eval_every=20",
                 "--set", "log_every=5", "--set", "keep_checkpoints=2"]
     ref, out = tmp_path / "ref", tmp_path / "killed"
     subprocess.run([*TRAIN, "--out", str(ref), *settings], check=True, env=_env(), timeout=300, capture_output=True)
     rng = random.Random(0)
-    killed = 0
+    killed, target = 0, 0
     for attempt in range(kills):
         proc = _spawn(out, *settings, *(["--resume"] if attempt or out.exists() else []))
-        time.sleep(rng.uniform(1.5, 4.0))  # start-up takes ~1-1.5 s; then training and checkpoint writes
+        target = max(target, _newest_step(out)) + rng.randrange(3, max(4, max_steps // (2 * kills)))
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and _newest_step(out) < target and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.03))  # into the next steps, or the next checkpoint's write
         if proc.poll() is None:
             proc.kill()
             killed += 1
@@ -233,8 +244,7 @@ def _kill_and_resume(tmp_path, *, kills: int, max_steps: int):
 
 
 def test_killed_and_resumed_equals_uninterrupted_quick(tmp_path, shakespeare):
-    # 600 steps: a run outlasts the 4 s a kill may wait (300 ran in ~3.5 s once start-up lost torch._dynamo's import)
-    _kill_and_resume(tmp_path, kills=2, max_steps=600)
+    _kill_and_resume(tmp_path, kills=2, max_steps=300)
 
 
 @pytest.mark.slow
