@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from attnlab import _native
 
 from attnlab import _native_train
+from attnlab.nn.feedforward import _Activation, _native_grad
 from _native_isas import EPS32, ISA_IDS, ISAS, isa, needs_native  # noqa: F401 (isa: a fixture)
 
 U_BF16 = 2.0**-8
@@ -116,6 +117,13 @@ def test_act_train_and_its_backward_equal_float64_autograd(isa, dtype, activatio
         assert ((du.double() - ud.grad).abs() <= tol(ud.grad, scale_u)).all()
     else:
         assert du is None
+        h_kept, d = _native_train.act_with_grad(g, activation)
+        assert torch.equal(h_kept, h) and d.dtype == dtype
+        gd.grad = None
+        fn(gd).backward(torch.ones_like(gd))  # act'(g)
+        assert ((d.double() - gd.grad).abs() <= tol(gd.grad, gd.detach().abs().clamp_min(1.0))).all()
+        if dtype == torch.float32:  # the kept derivative's product is the backward's own arithmetic
+            assert torch.equal(dh * d, dg)
 
 
 @needs_native
@@ -128,6 +136,8 @@ def test_the_passes_keep_a_nan_visible():
     g[0, 3] = float("nan")
     h = _native_train.act_train(g, torch.ones(2, 20), "swiglu")
     assert h[0, 3].isnan() and h.isnan().sum() == 1
+    h, d = _native_train.act_with_grad(g, "gelu")
+    assert h[0, 3].isnan() and d[0, 3].isnan() and h.isnan().sum() == 1 and d.isnan().sum() == 1
     q = torch.randn(1, 1, 4, 8)
     q[0, 0, 2, 1] = float("nan")
     cos, sin = torch.rand(4, 4), torch.rand(4, 4)
@@ -149,6 +159,10 @@ def test_the_passes_refuse_what_they_cannot_read():
         _native_train.rope_train(torch.randn(1, 2, 3, 8), torch.ones(3, 3), torch.ones(3, 3))
     with pytest.raises(RuntimeError, match="u must have g's shape and dtype"):
         _native_train.act_train(torch.randn(4, 8), torch.randn(4, 8).bfloat16(), "swiglu")
+    with pytest.raises(RuntimeError, match="g must be a contiguous float32 or bfloat16"):
+        _native_train.act_with_grad(torch.randn(8, 4).t(), "gelu")
+    with pytest.raises(RuntimeError, match="keep .* is for a plain activation"):
+        _native._state["act_train"](torch.randn(4, 8), torch.randn(4, 8), 1, True, _native._state["isa"])
     with pytest.raises(RuntimeError, match="dh must have g's shape"):
         _native_train.act_train_backward(torch.randn(4, 9), torch.randn(4, 8), None, "gelu")
 
@@ -222,6 +236,7 @@ def test_a_feedforward_trains_through_the_native_pass_and_equals_float64(activat
     from attnlab.nn import FeedForward
     fwd = _count_calls(monkeypatch, "act_train")
     bwd = _count_calls(monkeypatch, "act_train_backward")
+    kept = _count_calls(monkeypatch, "act_with_grad")
     torch.manual_seed(0)
     ffn = FeedForward(16, 40, activation=activation)
     x = torch.randn(3, 5, 16, requires_grad=True)
@@ -233,14 +248,17 @@ def test_a_feedforward_trains_through_the_native_pass_and_equals_float64(activat
     x64 = x.detach().double().requires_grad_()
     out64 = ffn64(x64)
     grads64 = torch.autograd.grad(out64, (x64, *ffn64.parameters()), dout.double())
-    assert fwd == [1] and bwd == [1]
+    if activation in PLAIN:  # plain: act'(g) kept in the forward, the backward one product
+        assert kept == [1] and fwd == [] and bwd == []
+    else:
+        assert fwd == [1] and bwd == [1] and kept == []
     assert (out.double() - out64).abs().max() <= 64 * EPS32 * math.sqrt(40) * out64.abs().max().clamp_min(1)
     for got, want in zip(grads, grads64):
         assert (got.double() - want).abs().max() <= 64 * EPS32 * math.sqrt(40) * want.abs().max().clamp_min(1)
     ffn.eval()
     with torch.no_grad():  # evaluation: no native training pass
         ffn(x)
-    assert fwd == [1]
+    assert len(fwd) + len(kept) == 1
 
 
 @needs_native
@@ -259,20 +277,33 @@ def test_a_bf16_gate_takes_the_native_pass_only_where_it_pays(isa, calls, monkey
 
 @needs_native
 @pytest.mark.parametrize("isa", [2, 1], ids=["avx512", "avx2"])
-def test_a_plain_bf16_activation_takes_the_native_pass_except_gelu_with_avx512(isa, monkeypatch):
-    """Plain activations, bf16 (``benchmarks/train_passes.py``): ours is faster everywhere but GELU with AVX-512 (1.05×
-    PyTorch's there: it stays PyTorch's)."""
+@pytest.mark.parametrize("activation", ["gelu", "relu2"])
+def test_a_plain_bf16_activation_keeps_its_derivative_on_every_isa(isa, activation, monkeypatch):
+    """Plain activations in bf16 (``benchmarks/train_passes.py``: act(g) and act'(g) in one pass, the backward one
+    product, faster than PyTorch's on both ISAs): act'(g) is rounded to bf16 once more than a recomputation, so the
+    gradient is within two bf16 roundings of float64."""
     from attnlab.nn import FeedForward
     monkeypatch.setitem(_native._state, "isa", isa)
-    fwd = _count_calls(monkeypatch, "act_train")
+    kept = _count_calls(monkeypatch, "act_with_grad")
+    gen = torch.Generator().manual_seed(4)
+    g = (torch.randn(2, 3, 32, generator=gen) * 2).bfloat16().requires_grad_()
+    dh = torch.randn(2, 3, 32, generator=gen).bfloat16()
+    h = _Activation.apply(g, None, activation) if _native_grad(g, None, activation) else None
+    assert h is not None and len(kept) == 1
+    (dg,) = torch.autograd.grad(h, g, dh)
+    g64 = g.detach().double().requires_grad_()
+    h64 = PLAIN[activation](g64)
+    h64.backward(dh.double())
+    bf = 2.0 ** -8
+    assert h.dtype == dg.dtype == torch.bfloat16
+    assert ((h.double() - h64.detach()).abs() <= bf * h64.detach().abs() + 1e-6 * g64.detach().abs()).all()
+    assert ((dg.double() - g64.grad).abs() <= 2 * bf * g64.grad.abs() + 1e-6 * dh.double().abs()).all()
     x = torch.randn(2, 3, 16, dtype=torch.bfloat16, requires_grad=True)
-    FeedForward(16, 32, activation="gelu").to(torch.bfloat16)(x)
-    assert len(fwd) == (0 if isa == 2 else 1)
-    FeedForward(16, 32, activation="relu2").to(torch.bfloat16)(x)
-    assert len(fwd) == (1 if isa == 2 else 2)
+    FeedForward(16, 32, activation=activation).to(torch.bfloat16)(x)
+    assert len(kept) == 2
     with torch.no_grad():  # no gradient wanted: PyTorch's (or the inference kernels')
-        FeedForward(16, 32, activation="relu2").to(torch.bfloat16)(x)
-    assert len(fwd) == (1 if isa == 2 else 2)
+        FeedForward(16, 32, activation=activation).to(torch.bfloat16)(x)
+    assert len(kept) == 2
 
 
 def _with_grads(grads):

@@ -96,7 +96,20 @@ def act_train(g: Tensor, u: Optional[Tensor], activation: str) -> Tensor:
         RuntimeError: the native kernels are not :func:`~attnlab._native.available` (callers check that first).
     """
     _native._need()
-    return _native._state["act_train"](g, u, (GATES if u is not None else ACTIVATIONS)[activation], _native._state["isa"])
+    return _native._state["act_train"](g, u, (GATES if u is not None else ACTIVATIONS)[activation], False,
+                                       _native._state["isa"])[0]
+
+
+def act_with_grad(g: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+    """A plain activation (one of :data:`ACTIVATIONS`) and its derivative in one pass: ``(act(g), act'(g))``, both in
+    ``g``'s dtype (contiguous float32 or bfloat16), the arithmetic in float32 as :func:`act_train` (which computes
+    the same ``act(g)`` bits). Keeping ``act'(g)`` makes the backward one product, ``∂L/∂g = ∂L/∂h ⊙ act'(g)``.
+
+    Raises:
+        RuntimeError: the native kernels are not :func:`~attnlab._native.available` (callers check that first).
+    """
+    _native._need()
+    return _native._state["act_train"](g, None, ACTIVATIONS[activation], True, _native._state["isa"])
 
 
 def act_train_backward(dh: Tensor, g: Tensor, u: Optional[Tensor], activation: str) -> tuple[Tensor, Optional[Tensor]]:

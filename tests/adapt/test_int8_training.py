@@ -201,6 +201,30 @@ def test_int8_linear_is_its_roundings_product_and_rescaling_in_one_call(isa, col
 
 
 @needs_native
+@DTYPES
+def test_the_backward_gives_the_same_bits_on_any_thread_count(dtype):
+    """On 2 threads the two gradient products run one a thread (each whole, single-threaded inside): the same
+    integers and rescalings as on 1 or 3 threads, so the same bits."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(70, 48, generator=gen).to(dtype)
+    w, b = torch.randn(33, 48, generator=gen), torch.randn(33, generator=gen)
+    g = torch.randn(70, 33, generator=gen).to(dtype)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            _, qw, sw, qxt, sxc = _native_train.int8_linear(x, w, b, left=I.LEFT, right=I.RIGHT, cols=True, dtype=dtype)
+            outs.append(_native_train.int8_linear_backward(g, qw, sw, qxt, sxc, left=I.LEFT, right=I.RIGHT, dx=True,
+                                                           dw=True, db=True, dx_dtype=dtype))
+    finally:
+        torch.set_num_threads(before)
+    assert outs[0][0].dtype == dtype and outs[0][1].shape == (33, 48) and outs[0][2].shape == (33,)
+    for out in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(out, outs[0]))
+
+
+@needs_native
 def test_the_layer_calls_refuse_operands_that_do_not_agree_naming_them():
     x, w = torch.randn(8, 16), torch.randn(4, 12)
     with pytest.raises(RuntimeError, match=r"x \(T, in\) and w \(out, in\) must agree"):

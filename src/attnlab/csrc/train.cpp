@@ -16,8 +16,9 @@
 //   attnlab::rope_train(x, cos, sin, sign) -> y
 //       x (B, H, L, D) (any strides, the last 1): pairs (i, i + D/2) of position l rotated by sign · φ_li
 //       (cos, sin (L, D/2) float32); y contiguous in x's dtype. sign −1 is the backward (Rᵀ = R(−φ))
-//   attnlab::act_train(g, u, act) -> h  /  attnlab::act_train_backward(dh, g, u, act) -> (dg, du)
+//   attnlab::act_train(g, u, act, keep) -> (h, d)  /  attnlab::act_train_backward(dh, g, u, act) -> (dg, du)
 //       h = act(g) ⊙ u (u absent: 1); dg = dh ⊙ u ⊙ act'(g), du = dh ⊙ act(g)          (an FFN's (gated) activation)
+//       with keep (no u) also d = act'(g) in g's dtype (the backward then dh ⊙ d), else d empty
 //   attnlab::quantize_rows(x, c, levels) -> (q, s)
 //       x (R, n), c (n,) float32 or absent (1): s_r = max_j |x_rj c_j| / k, q_rj = round(x_rj c_j / s_r) ∈ [−k, k]
 //       int8 (k = levels; round half to even; a zero row: s 0, q 0; a row with a NaN or an infinity: s NaN, q 0)
@@ -57,6 +58,7 @@
 // Rows are split over torch's threads; the vector code is the caller's instruction set
 // (isa_regions.h). A NaN stays a NaN through every pass (the pipeline reports it).
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_int_mm.h>
 #include <ATen/ops/empty.h>
@@ -253,20 +255,27 @@ void check_act(const at::Tensor& g, const std::optional<at::Tensor>& u, int64_t 
 
 constexpr int64_t ACT_GRAIN = 1 << 14;  // elements a task
 
-at::Tensor act_train(const at::Tensor& g, const std::optional<at::Tensor>& u, int64_t act, int64_t isa) {
+std::tuple<at::Tensor, at::Tensor> act_train(const at::Tensor& g, const std::optional<at::Tensor>& u, int64_t act,
+                                             bool keep, int64_t isa) {
   check_act(g, u, act, "act_train");
-  at::Tensor h = at::empty_like(g);
+  ATTNLAB_CHECK(!(keep && u), "attnlab::act_train: keep (the derivative) is for a plain activation, got a gate u");
+  at::Tensor h = at::empty_like(g), d = keep ? at::empty_like(g) : at::empty({0}, g.options());
   const auto run = [&](auto tag) {
     using T = decltype(tag);
     const T *G = data<T>(g), *U = u ? data<T>(*u) : nullptr;
-    T* Hp = data<T>(h);
+    T *Hp = data<T>(h), *Dp = keep ? data<T>(d) : nullptr;
     const auto span = ISA_FN(act_train_span<T>);
+    const auto span_keep = ISA_FN(act_keep_span<T>);
     at::parallel_for(0, g.numel(), ACT_GRAIN, [&](int64_t i0, int64_t i1) {
-      span(act, G + i0, U ? U + i0 : nullptr, i1 - i0, Hp + i0);
+      if (keep) {
+        span_keep(act, G + i0, i1 - i0, Hp + i0, Dp + i0);
+      } else {
+        span(act, G + i0, U ? U + i0 : nullptr, i1 - i0, Hp + i0);
+      }
     });
   };
   g.scalar_type() == at::kFloat ? run(float{}) : run(uint16_t{});
-  return h;
+  return {h, d};
 }
 
 std::tuple<at::Tensor, at::Tensor> act_train_backward(const at::Tensor& dh, const at::Tensor& g,
@@ -502,9 +511,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_linear_backward(
   } else {
     std::tie(qz, sz) = quantize_rows(g, sw, left, isa);  // a frozen layer: only ∂L/∂X
   }
-  return {dx ? int8_product(qz, qw, sz, std::nullopt, std::nullopt, dx_bf16, max_inner, isa) : none,
-          dw ? int8_product(qgt, qxt.t(), sg, sxc, std::nullopt, false, max_inner, isa) : none,
-          db ? gsum : none};
+  at::Tensor dxv = none, dwv = none;
+  const auto run_dx = [&] { dxv = int8_product(qz, qw, sz, std::nullopt, std::nullopt, dx_bf16, max_inner, isa); };
+  const auto run_dw = [&] { dwv = int8_product(qgt, qxt.t(), sg, sxc, std::nullopt, false, max_inner, isa); };
+  if (dx && dw && at::get_num_threads() == 2 && !at::in_parallel_region()) {
+    // on 2 threads the two products (the same FLOPs: T · out · in each) one a thread, each whole on its core
+    // (oneDNN and our passes run single-threaded inside a parallel region): neither product split, one meeting
+    // point. nanogpt-cpu's four shapes: 0.69-0.93x the time of one after the other on both threads (either ISA);
+    // its step 0.992x (as AVX2), 0.983x (AVX-512), A/B in one process
+    const at::ThreadLocalState state;
+    at::parallel_for(0, 2, 1, [&](int64_t t0, int64_t t1) {
+      const at::ThreadLocalStateGuard guard(state);
+      for (int64_t t = t0; t < t1; ++t) t == 0 ? run_dx() : run_dw();
+    });
+  } else {
+    if (dx) run_dx();
+    if (dw) run_dw();
+  }
+  return {dxv, dwv, db ? gsum : none};
 }
 
 void check_short(const at::Tensor& t, const at::Tensor& q, const char* op, const char* name, int64_t L) {
@@ -640,7 +664,7 @@ TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("rms_norm_train(Tensor x, Tensor w, float eps, int isa) -> (Tensor, Tensor)");
   m.def("rms_norm_train_backward(Tensor dy, Tensor x, Tensor w, Tensor r, int isa) -> (Tensor, Tensor)");
   m.def("rope_train(Tensor x, Tensor cos, Tensor sin, float sign, int isa) -> Tensor");
-  m.def("act_train(Tensor g, Tensor? u, int act, int isa) -> Tensor");
+  m.def("act_train(Tensor g, Tensor? u, int act, bool keep, int isa) -> (Tensor, Tensor)");
   m.def("clip_grad_norm_(Tensor(a!)[] grads, float max_norm, int isa) -> Tensor");
   m.def("short_attention(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window, int isa) -> (Tensor, "
         "Tensor)");

@@ -263,6 +263,23 @@ inline void act_span(const T* g, const T* u, int64_t n, T* h) {
   if (i < n) st_part(h + i, one(ld_part(g + i, n - i, 0.f), u ? ld_part(u + i, n - i, 0.f) : splat(1.f)), n - i);
 }
 
+// A plain activation's forward keeping its derivative:  h = act(g),  d = act'(g)  (the backward is then dh ⊙ d)
+template <int64_t ACT, class T>
+inline void act_keep(const T* g, int64_t n, T* h, T* d) {
+  const auto one = [&](int64_t i, VF a) __attribute__((always_inline)) {
+    VF f, df;
+    act_and_grad(ACT, a, f, df);
+    if (i + L <= n) {
+      st(h + i, f), st(d + i, df);
+    } else {
+      st_part(h + i, f, n - i), st_part(d + i, df, n - i);
+    }
+  };
+  int64_t i = 0;
+  for (; i + L <= n; i += L) one(i, ld(g + i));
+  if (i < n) one(i, ld_part(g + i, n - i, 0.f));
+}
+
 // Its backward:  dg = dh ⊙ u ⊙ act'(g),  du = dh ⊙ act(g)  (u, du null: the plain activation)
 template <int64_t ACT, class T>
 inline void act_grad(const T* dh, const T* g, const T* u, int64_t n, T* dg, T* du) {
@@ -298,6 +315,10 @@ inline void act_grad(const T* dh, const T* g, const T* u, int64_t n, T* dg, T* d
 template <class T>
 inline void act_train_span(int64_t act, const T* g, const T* u, int64_t n, T* h) {
   ATTNLAB_ACT_CASES(act_span, g, u, n, h)
+}
+template <class T>
+inline void act_keep_span(int64_t act, const T* g, int64_t n, T* h, T* d) {
+  ATTNLAB_ACT_CASES(act_keep, g, n, h, d)
 }
 template <class T>
 inline void act_grad_span(int64_t act, const T* dh, const T* g, const T* u, int64_t n, T* dg, T* du) {

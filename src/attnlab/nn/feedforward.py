@@ -66,23 +66,35 @@ FFN_ACTIVATIONS = tuple(ACTIVATIONS) + tuple(GATED_ACTIVATIONS)
 class _Activation(torch.autograd.Function):
     """``h = act(g) ⊙ u`` (gated) or ``h = act(g)`` (``u`` None) and the gradients ``∂L/∂g = ∂L/∂h ⊙ u ⊙ act'(g)``,
     ``∂L/∂u = ∂L/∂h ⊙ act(g)``, one C++ pass each (:func:`attnlab._native_train.act_train`, float32 arithmetic, one
-    rounding to the inputs' dtype) instead of PyTorch's activation, its backward and (gated) three products. Training
-    only; the call sites' rules come from ``benchmarks/train_passes.py`` (fwd + bwd under autograd, 2 cores, ours ÷
-    PyTorch's time, two runs each): SwiGLU gate on (16, 256, 704) float32 0.56–0.60× (AVX-512) and 0.58–0.69× (as
-    AVX2), bfloat16 0.82–0.87× with AVX-512 but 0.99–1.19× as AVX2 (bf16 is emulated there: gated bf16 stays on
-    PyTorch's operations); GELU on (12, 64, 512) float32 0.90× and 0.94–0.97×, bfloat16 0.86–0.91× as AVX2 but
-    1.30–1.37× with AVX-512 (there it stays PyTorch's); the other plain activations' passes alone 0.2–0.96×
-    (``act_train`` + backward against PyTorch's forward + backward at 768 × 512)."""
+    rounding to the inputs' dtype) instead of PyTorch's activation, its backward and (gated) three products. A plain
+    activation keeps ``act'(g)`` from its forward (:func:`~attnlab._native_train.act_with_grad`: GELU's derivative
+    reuses the forward's e^(−g²/2), so the two cost about one), the backward then one product ``∂L/∂h ⊙ act'(g)``:
+    the same bits in float32, in bf16 ``act'(g)`` rounded once more. Training only; the call sites' rules come from
+    ``benchmarks/train_passes.py`` (fwd + bwd under autograd, 2 cores, ours ÷ PyTorch's time): SwiGLU gate on
+    (16, 256, 704) float32 0.56–0.63× (AVX-512) and 0.57–0.69× (as AVX2), bfloat16 0.82–0.87× with AVX-512 but
+    0.99–1.19× as AVX2 (bf16 is emulated there: gated bf16 stays on PyTorch's operations); GELU on (12, 64, 512)
+    with the derivative kept float32 0.76× (AVX-512) and 0.66× (as AVX2), bfloat16 1.00× and 0.61× (recomputing it,
+    session 25: 0.90×, 0.94–0.97×; bf16 1.30–1.37× and 0.86–0.91×). In nanogpt-cpu's step (bf16 with AVX-512, A/B in
+    one process) the kept bf16 GELU is 0.980× the step with PyTorch's, so plain activations take this pass in both
+    dtypes on every ISA."""
 
     @staticmethod
     def forward(ctx, g: Tensor, u: Optional[Tensor], activation: str) -> Tensor:
         ctx.activation = activation
+        ctx.kept = u is None
+        if ctx.kept:  # plain: act'(g) kept, the backward one product
+            h, d = _native_train.act_with_grad(g, activation)
+            ctx.save_for_backward(d)
+            return h
         ctx.save_for_backward(g, u)
         return _native_train.act_train(g, u, activation)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor):
+        if ctx.kept:
+            (d,) = ctx.saved_tensors
+            return grad * d, None, None
         g, u = ctx.saved_tensors
         dg, du = _native_train.act_train_backward(grad.contiguous(), g, u, ctx.activation)
         return dg, du, None
@@ -94,11 +106,9 @@ def _native_grad(h: Tensor, u: Optional[Tensor], activation: str) -> bool:
         return False
     if not _native.trainable(h, u):
         return False
-    if h.dtype == torch.float32:
+    if h.dtype == torch.float32 or u is None:
         return True
-    if u is not None:  # gated bf16: ours only where bf16 is native
-        return _native.isa() == 2
-    return activation != "gelu" or _native.isa() != 2
+    return _native.isa() == 2  # gated bf16: ours only where bf16 is native
 
 
 class FeedForward(nn.Module):
