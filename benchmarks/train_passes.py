@@ -9,8 +9,8 @@
     - RoPE: ``_native_train.rope_train`` on q as a strided view of a packed projection, and the rotation by −φ for the
       backward (``nn.RotaryEmbedding`` in training) against ``functional.positional.apply_rope`` under autograd;
     - SwiGLU's gate ``silu(g) ⊙ u``: ``_native_train.act_train`` + backward against ``F.silu(g) * u`` under autograd;
-    - a plain GELU (nanoGPT's MLP): the same pass without ``u`` against ``F.gelu`` at (12, 64, 512), nanogpt-cpu's
-      shape;
+    - a plain GELU (nanoGPT's MLP): ``_native_train.act_with_grad`` (GELU and its derivative in one pass, the
+      backward one product) against ``F.gelu`` at (12, 64, 512), nanogpt-cpu's shape;
     - gradient clipping: ``training.optim.clip_grad_norm_`` (one C++ call) against ``torch.nn.utils.clip_grad_norm_`` on
       nanogpt-cpu's parameters' shapes (0.8 M float32 gradients, every one clipped);
     - causal attention (the ``short`` backend): the fused kernel (``short.FusedShortAttention``) against the batched
