@@ -100,7 +100,7 @@ class _Activation(torch.autograd.Function):
         return dg, du, None
 
 
-def _native_grad(h: Tensor, u: Optional[Tensor], activation: str) -> bool:
+def _native_grad(h: Tensor, u: Optional[Tensor]) -> bool:
     """Whether :class:`_Activation` takes this training call (the rules in its docstring)."""
     if not (h.requires_grad or (u is not None and u.requires_grad)) or not torch.is_grad_enabled() or not h.numel():
         return False
@@ -157,7 +157,7 @@ class FeedForward(nn.Module):
                 return self.w2(h)
         h = self.w1(x)  # (B, L, hidden)
         u = self.w3(x) if self.w3 is not None else None
-        if _native_grad(h, u, self.activation):
+        if _native_grad(h, u):
             h = _Activation.apply(h, u, self.activation)  # training: one pass each way
         elif u is not None:
             h = self.act(h) * u
