@@ -230,6 +230,16 @@ def int8_linear(x: Tensor, w: Tensor, b: Optional[Tensor], *, left: int, right: 
     return (y, qw, sw, qxt, sxc) if cols else (y, qw, sw, None, None)
 
 
+def int8_linear_train(x: Tensor, w: Tensor, b: Optional[Tensor], *, left: int, right: int, dtype: torch.dtype
+                      ) -> Tensor:
+    """An int8 linear layer for training as one autograd node: ``y = x wᵀ + b`` through :func:`int8_linear` (``x
+    (..., in)`` float32 or bfloat16, any strides; ``w (out, in)`` float32; the output in ``dtype``), whose backward
+    is :func:`int8_linear_backward` for whichever of ``x``, ``w``, ``b`` require a gradient (``∂L/∂x`` in ``x``'s
+    dtype, the others float32). The node is C++: no Python runs between it and its native calls."""
+    _native._need()
+    return _native._state["int8_linear_train"](x, w, b, left, right, dtype == torch.bfloat16, _native._state["isa"])
+
+
 def int8_linear_backward(g: Tensor, qw: Tensor, sw: Tensor, qxt: Optional[Tensor], sxc: Optional[Tensor], *,
                          left: int, right: int, dx: bool, dw: bool, db: bool, dx_dtype: torch.dtype
                          ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:

@@ -323,6 +323,33 @@ def test_a_frozen_layer_gives_its_input_the_same_gradient_and_its_weight_none():
 
 
 @needs_native
+def test_the_node_computes_only_the_gradients_asked_for_from_any_input_layout():
+    """The C++ autograd node: an input without a gradient (data), a strided 3-D input, a bias-free layer; each
+    gradient equal to the native backward's on the same roundings, none where none is wanted."""
+    gen = torch.Generator().manual_seed(9)
+    lin = _layer(24, 16)
+    I.int8_training(lin, skip=())
+    x = torch.randn(2, 24, 5, generator=gen).transpose(1, 2)  # (2, 5, 24), not contiguous
+    g = torch.randn(2, 5, 16, generator=gen)
+    y = lin(x)  # x wants no gradient
+    assert y.shape == (2, 5, 16) and y.requires_grad
+    y.backward(g)
+    _, qw, sw, qxt, sxc = _native_train.int8_linear(x.reshape(10, 24).contiguous(), lin.weight.detach(),
+                                                    lin.bias.detach(), left=I.LEFT, right=I.RIGHT, cols=True,
+                                                    dtype=torch.float32)
+    _, dw, db = _native_train.int8_linear_backward(g.reshape(10, 16), qw, sw, qxt, sxc, left=I.LEFT, right=I.RIGHT,
+                                                   dx=False, dw=True, db=True, dx_dtype=torch.float32)
+    assert torch.equal(lin.weight.grad, dw) and torch.equal(lin.bias.grad, db)
+    plain = nn.Linear(24, 16, bias=False)
+    I.int8_training(plain, skip=())
+    xr = x.detach().clone().requires_grad_()
+    plain(xr).backward(g)
+    assert xr.grad.shape == x.shape and plain.weight.grad.shape == (16, 24) and plain.bias is None
+    with pytest.raises(RuntimeError, match=r"x \(T, in\) and w \(out, in\) must agree, got \[3, 23\]"):
+        lin(torch.randn(3, 23))
+
+
+@needs_native
 def test_under_bf16_autocast_the_output_is_bf16_and_the_gradients_keep_the_parameters_float32():
     lin = _layer(64, 32)
     I.int8_training(lin, skip=())

@@ -23,8 +23,10 @@ roundings of 8- and 7-bit operands (relative error up to 1/254 and 1/126 of the 
 product; ``nanogpt-cpu``'s val loss is unchanged within its seed-to-seed spread (the recipe's docstring table).
 
 Evaluation and inference are not quantised: the layer is an ``nn.Linear`` (same parameters, same state dict) whose
-training forward takes this path; in ``eval()`` mode, or where the native kernels are not built, it is the float
-layer. :func:`int8_training` swaps the layers of a model in place.
+training forward takes this path — one C++ autograd node (:func:`attnlab._native_train.int8_linear_train`): the
+roundings, products and rescalings of each direction in one native call, no Python between them; in ``eval()``
+mode, or where the native kernels are not built, it is the float layer. :func:`int8_training` swaps the layers of a
+model in place.
 """
 from __future__ import annotations
 
@@ -44,36 +46,6 @@ LEFT, RIGHT = 127, 63  # levels of the left (8-bit) and right (7-bit) operands o
 MAX_INNER = (2 ** 31 - 1) // (LEFT * RIGHT)
 
 
-class _Int8Product(torch.autograd.Function):
-    """``Y = X Wᵀ + b`` with the three products in int8 (module docstring); X float32 or bfloat16 (autocast's), the
-    output in the autocast dtype under autocast, else X's. Each direction is one native call
-    (:func:`~attnlab._native_train.int8_linear` and its backward): the roundings, products and rescalings of a layer
-    without Python between them."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        y, qw, sw, qxt, sxc = _native_train.int8_linear(x2 if x2.is_contiguous() else x2.contiguous(), weight, bias,
-                                                        left=LEFT, right=RIGHT, cols=ctx.needs_input_grad[1],
-                                                        dtype=out_dtype)
-        ctx.save_for_backward(qw, sw, qxt, sxc)  # qxt = q(X)ᵀ by columns (None where W takes no gradient)
-        ctx.x_shape, ctx.x_dtype, ctx.has_bias = shape, x.dtype, bias is not None
-        return y.reshape(*shape[:-1], weight.shape[0])
-
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        qw, sw, qxt, sxc = ctx.saved_tensors
-        g = dy.reshape(-1, dy.shape[-1])
-        g = g if g.is_contiguous() else g.contiguous()
-        if g.dtype not in (torch.float32, torch.bfloat16):
-            g = g.float()
-        need = ctx.needs_input_grad
-        dx, dw, db = _native_train.int8_linear_backward(g, qw, sw, qxt, sxc, left=LEFT, right=RIGHT, dx=need[0],
-                                                        dw=need[1], db=ctx.has_bias and need[2], dx_dtype=ctx.x_dtype)
-        return (dx.reshape(ctx.x_shape) if dx is not None else None), dw, db, None
-
-
 class Int8TrainingLinear(nn.Linear):
     """An ``nn.Linear`` whose training forward runs its three products in int8 (module docstring); ``eval()``
     mode, inputs other than float32/bfloat16 on the CPU, or no native kernels: the float layer. Same parameters
@@ -87,7 +59,8 @@ class Int8TrainingLinear(nn.Linear):
         out_dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
         if out_dtype not in (torch.float32, torch.bfloat16):
             return super().forward(x)
-        return _Int8Product.apply(x, self.weight, self.bias, out_dtype)  # autocast casts none of its operations
+        # one C++ autograd node (csrc/train.cpp's Int8Linear); autocast casts none of its operations
+        return _native_train.int8_linear_train(x, self.weight, self.bias, left=LEFT, right=RIGHT, dtype=out_dtype)
 
 
 def int8_training(model: nn.Module, *, skip: Iterable[str] = ("*lm_head*", "*head")) -> list[str]:
