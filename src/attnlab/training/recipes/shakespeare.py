@@ -42,7 +42,10 @@ gradient's operands stored transposed) brought the seed-0 int8 run to 26.8 s (AV
 run's own wall in ``benchmarks/train.py``'s quietest pairs, at the same val loss to the last digit. Then the short
 backend's fused attention (float32 arithmetic for bf16 inputs too) and the native GELU and clipping: seed 0 at val
 1.8849 (AVX-512; seeds 1 and 2: 1.8972, 1.8928) and 1.8866 (as AVX2), 25.2–28.8 s and 41.4–43.8 s of the run's own
-wall in ``benchmarks/train.py``'s pairs (this host's minutes move a run's wall by ~10 %).
+wall in ``benchmarks/train.py``'s pairs (this host's minutes move a run's wall by ~10 %). Then (session 26) the
+backward's two int8 products one a thread, GELU's derivative kept from its forward (ours in bf16 too) and the int8
+layer as one C++ autograd node: seed 0 at val 1.8851 (AVX-512; seeds 1 and 2: 1.9007, 1.8917) and 1.8866 (as AVX2,
+float32: the same bits); the run's own wall in each benchmark's last pair 22.6–29.4 s and 37.7–44.7 s (noisier minutes).
 
 Adapting a trained run (each setting names a previous run's output folder; its latest checkpoint is used;
 the code: :mod:`attnlab.training.recipes.char_runs`):
