@@ -13,7 +13,7 @@ import torch
 
 
 from attnlab import _native, _native_train
-from _native_isas import EPS32, ISA_IDS, ISAS, isa, needs_native  # noqa: F401 (isa: a fixture)
+from _native_isas import CAP, EPS32, ISA_IDS, ISAS, isa, needs_native  # noqa: F401 (isa: a fixture)
 
 U_BF16 = 2.0**-8
 
@@ -280,6 +280,8 @@ def test_the_fused_path_takes_what_it_wins(isa, monkeypatch):
     q, k, v = heads(64, torch.float32)
     assert not short.fused_applies(q, k.transpose(2, 3).contiguous().transpose(2, 3), v)  # last stride not 1
     assert not short.fused_applies(q[:, :, :0], k, v)
+    if isa > CAP:  # the rule above for every ISA; kernels only on the ISAs this CPU executes
+        return
     from attnlab import attention
     q0 = q[:, :, :0].clone().requires_grad_()
     out = attention(q0, k, v, causal=False, backend="short")  # no query: an empty output, an empty gradient

@@ -539,6 +539,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_linear_backward(
 // int8_linear and its backward as one autograd node: what a Python autograd.Function per layer cost in Python
 // (~15 µs a layer a step, 16 layers in nanogpt-cpu) runs here in C++
 struct Int8Linear : public torch::autograd::Function<Int8Linear> {
+  // what the backward reads from the forward, beside the rounded operands and x's shape
+  enum Flag { LEFT, RIGHT, ISA, X_BF16, NEED_X, NEED_W, NEED_B, FLAGS };
+
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
                             const std::optional<at::Tensor>& b, int64_t left, int64_t right, bool bf16,
                             int64_t isa) {
@@ -548,10 +551,11 @@ struct Int8Linear : public torch::autograd::Function<Int8Linear> {
     auto [y, qw, sw, qxt, sxc] = int8_linear(x2.is_contiguous() ? x2 : x2.contiguous(), w, b, left, right, need_w,
                                              bf16, isa);
     ctx->save_for_backward({qw, sw, qxt, sxc});
-    ctx->saved_data["x"] = c10::IValue(x.sizes());  // x's shape; its dtype and which inputs want a gradient:
-    ctx->saved_data["f"] = c10::IValue(std::vector<int64_t>{left, right, isa, x.scalar_type() == at::kBFloat16,
-                                                            x.requires_grad(), need_w,
-                                                            b && b->requires_grad()});
+    ctx->saved_data["x"] = c10::IValue(x.sizes());
+    std::vector<int64_t> f(FLAGS);
+    f[LEFT] = left, f[RIGHT] = right, f[ISA] = isa, f[X_BF16] = x.scalar_type() == at::kBFloat16;
+    f[NEED_X] = x.requires_grad(), f[NEED_W] = need_w, f[NEED_B] = b && b->requires_grad();
+    ctx->saved_data["f"] = c10::IValue(std::move(f));
     std::vector<int64_t> shape = x.sizes().vec();
     shape.back() = w.size(0);
     return y.view(shape);
@@ -564,10 +568,10 @@ struct Int8Linear : public torch::autograd::Function<Int8Linear> {
     at::Tensor g = grads[0].reshape({-1, grads[0].size(-1)});
     if (g.scalar_type() != at::kFloat && g.scalar_type() != at::kBFloat16) g = g.to(at::kFloat);
     if (!g.is_contiguous()) g = g.contiguous();
-    auto [dx, dw, db] = int8_linear_backward(g, saved[0], saved[1], saved[2], saved[3], f[0], f[1], f[4], f[5], f[6],
-                                             f[3], f[2]);
-    return {f[4] ? dx.view(ctx->saved_data["x"].toIntVector()) : at::Tensor(), f[5] ? dw : at::Tensor(),
-            f[6] ? db : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    auto [dx, dw, db] = int8_linear_backward(g, saved[0], saved[1], saved[2], saved[3], f[LEFT], f[RIGHT], f[NEED_X],
+                                             f[NEED_W], f[NEED_B], f[X_BF16], f[ISA]);
+    return {f[NEED_X] ? dx.view(ctx->saved_data["x"].toIntVector()) : at::Tensor(), f[NEED_W] ? dw : at::Tensor(),
+            f[NEED_B] ? db : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
