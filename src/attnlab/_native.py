@@ -101,7 +101,7 @@ def _load() -> None:
                       quantize_rows=ops.quantize_rows.default, quantize_rows_cols=ops.quantize_rows_cols.default,
                       dequantize=ops.dequantize.default, int8_product=ops.int8_product.default,
                       int8_linear=ops.int8_linear.default, int8_linear_backward=ops.int8_linear_backward.default,
-                      int8_linear_train=ops.int8_linear_train.default)
+                      int8_linear_train=ops.int8_linear_train.default, int8_kernel=ops.int8_kernel.default)
         isa()
     except Exception as e:  # no compiler, no ninja, a failed build: PyTorch's kernels serve instead
         why = " ".join(str(e).split())  # the compiler's message is at the end

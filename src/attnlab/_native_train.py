@@ -209,7 +209,8 @@ def int8_product(a: Tensor, b: Tensor, rs: Tensor, cs: Optional[Tensor] = None, 
                  dtype: torch.dtype = torch.float32, max_inner: int) -> Tensor:
     """``diag(rs) (a b) diag(cs) + bias`` for int8 ``a (M, K)``, ``b (K, N)`` (any strides): ``torch._int_mm``'s exact
     int32 sums rescaled by :func:`dequantize`, in parts of ``max_inner`` terms along K (each rescaled, the parts summed
-    in float32) where a longer int32 sum could overflow."""
+    in float32) where a longer int32 sum could overflow. With AVX2 the product may be attnlab's own
+    (``csrc/int8_gemm.h``, see :func:`int8_kernel`): the same int32 sums and rescaling, so the same bits."""
     _native._need()
     return _native._state["int8_product"](a, b, rs, cs, bias, dtype == torch.bfloat16, max_inner, _native._state["isa"])
 
@@ -256,3 +257,27 @@ def int8_linear_backward(g: Tensor, qw: Tensor, sw: Tensor, qxt: Optional[Tensor
     out = _native._state["int8_linear_backward"](g, qw, sw, qxt, sxc, left, right, dx, dw, db,
                                                  dx_dtype == torch.bfloat16, _native._state["isa"])
     return tuple(t if want else None for t, want in zip(out, (dx, dw, db)))
+
+
+INT8_KERNELS = {"auto": -1, "onednn": 0, "ours": 1}
+
+
+def int8_kernel(kernel: Optional[str] = None) -> str:
+    """Which int8 product :func:`int8_product` (and so the int8 layers) runs with AVX2 kernels (isa 1); returns the
+    setting, and with ``kernel`` sets it and returns the one before.
+
+    - ``"auto"`` (the default): ``csrc/int8_gemm.h`` where oneDNN has no VNNI instruction to use (a CPU without
+      AVX-VNNI and AVX512-VNNI, or oneDNN capped by ``ONEDNN_MAX_CPU_ISA`` to AVX2 or below), else ``torch._int_mm``;
+    - ``"ours"``: ``csrc/int8_gemm.h`` wherever its conditions hold (K a multiple of 4, ``b`` within ±63);
+    - ``"onednn"``: ``torch._int_mm`` always.
+
+    Either gives the same bits (the exact int32 sums, rescaled alike); only the time differs. AVX-512 (isa 2) and the
+    portable set always take ``torch._int_mm``.
+    """
+    _native._need()
+    names = {v: k for k, v in INT8_KERNELS.items()}
+    if kernel is None:
+        return names[int(_native._state["int8_kernel"](-2))]
+    if kernel not in INT8_KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(map(repr, INT8_KERNELS))}, got {kernel!r}")
+    return names[int(_native._state["int8_kernel"](INT8_KERNELS[kernel]))]

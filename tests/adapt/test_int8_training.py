@@ -165,6 +165,44 @@ def test_a_sum_longer_than_an_int32_holds_runs_in_exact_parts():
     assert _native_train.int8_product(a, b, rs, dtype=torch.bfloat16, max_inner=48).dtype == torch.bfloat16
 
 
+@pytest.fixture(params=["ours", "onednn"])
+def kernel(request):
+    """``_native_train.int8_kernel`` set to the param for the test (with AVX2: csrc/int8_gemm.h or torch._int_mm)."""
+    before = _native_train.int8_kernel(request.param)
+    yield request.param
+    _native_train.int8_kernel(before)
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
+@pytest.mark.parametrize("M,K,N", [(768, 128, 384), (37, 44, 21), (5, 4, 16), (1, 8, 3), (130, 512, 130),
+                                   (9, 30, 17), (0, 8, 5), (6, 0, 7)])
+@pytest.mark.parametrize("layout", ["rows", "columns", "strided"])
+def test_int8_product_equals_int_mm_rescaled_bit_for_bit(isa, kernel, M, K, N, layout):
+    """With AVX2 (isa 1) and ``int8_kernel("ours")`` int8_product runs its own kernel (csrc/int8_gemm.h: a + 128 by
+    vpmaddubsw, the shift taken back per column, the rescaling fused) where K is a multiple of 4 and b within ±63,
+    else torch._int_mm: either way the exact int32 sums rescaled as dequantize rescales them, so the same bits as
+    torch._int_mm + dequantize, for b read by rows, by columns (a transposed matrix) or with any strides, any M, N
+    (partial tiles, partial panels), K not a multiple of 16 or 4, and b past ±63."""
+    gen = torch.Generator().manual_seed(M * 1000 + K * 10 + N)
+    a = torch.randint(-128, 128, (M, K), generator=gen, dtype=torch.int8)
+    shape = {"rows": (K, N), "columns": (N, K), "strided": (K, 2 * N)}[layout]
+    b = torch.randint(-I.RIGHT, I.RIGHT + 1, shape, generator=gen, dtype=torch.int8)
+    b = {"rows": b, "columns": b.t(), "strided": b[:, ::2]}[layout]
+    rs, cs, bias = torch.rand(M, generator=gen) + 0.5, torch.rand(N, generator=gen) + 0.5, torch.randn(N, generator=gen)
+    acc = torch._int_mm(a, b.contiguous()) if M and K else torch.zeros(M, N, dtype=torch.int32)
+    for dtype in (torch.float32, torch.bfloat16):
+        for kw in ({}, {"cs": cs}, {"cs": cs, "bias": bias}, {"bias": bias}):
+            got = _native_train.int8_product(a, b, rs, dtype=dtype, max_inner=I.MAX_INNER, **kw)
+            assert got.dtype == dtype and torch.equal(got, _native_train.dequantize(acc, rs, dtype=dtype, **kw))
+    if M and K:  # one entry of b past ±63 (vpmaddubsw's int16 could saturate): torch._int_mm's sums, still exact
+        for big in (64, -128):
+            b2 = b.clone()
+            b2[K // 2, N // 2] = big
+            got = _native_train.int8_product(a, b2, rs, cs, bias, max_inner=I.MAX_INNER)
+            assert torch.equal(got, _native_train.dequantize(torch._int_mm(a, b2.contiguous()), rs, cs, bias))
+
+
 @needs_native
 @pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
 @pytest.mark.parametrize("cols", [True, False])
@@ -201,10 +239,11 @@ def test_int8_linear_is_its_roundings_product_and_rescaling_in_one_call(isa, col
 
 
 @needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
 @DTYPES
-def test_the_backward_gives_the_same_bits_on_any_thread_count(dtype):
+def test_the_backward_gives_the_same_bits_on_any_thread_count(isa, kernel, dtype):
     """On 2 threads the two gradient products run one a thread (each whole, single-threaded inside): the same
-    integers and rescalings as on 1 or 3 threads, so the same bits."""
+    integers and rescalings as on 1 or 3 threads, so the same bits (with AVX2 by either product kernel)."""
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(70, 48, generator=gen).to(dtype)
     w, b = torch.randn(33, 48, generator=gen), torch.randn(33, generator=gen)
@@ -222,6 +261,19 @@ def test_the_backward_gives_the_same_bits_on_any_thread_count(dtype):
     assert outs[0][0].dtype == dtype and outs[0][1].shape == (33, 48) and outs[0][2].shape == (33,)
     for out in outs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(out, outs[0]))
+
+
+@needs_native
+def test_the_int8_kernel_setting_defaults_to_auto_returns_the_previous_one_and_refuses_others():
+    assert _native_train.int8_kernel() == "auto"
+    try:
+        assert _native_train.int8_kernel("ours") == "auto" and _native_train.int8_kernel() == "ours"
+        assert _native_train.int8_kernel("onednn") == "ours"
+        with pytest.raises(ValueError, match="kernel must be one of 'auto', 'onednn', 'ours', got 'mkl'"):
+            _native_train.int8_kernel("mkl")
+        assert _native_train.int8_kernel() == "onednn"
+    finally:
+        _native_train.int8_kernel("auto")
 
 
 @needs_native

@@ -74,10 +74,15 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cctype>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -92,6 +97,7 @@ namespace {
 
 #define ATTNLAB_BODY "train_body.h"
 #include "isa_regions.h"
+#include "int8_gemm.h"
 
 // contiguous float32 or bfloat16 on the CPU
 void check_fb(const at::Tensor& t, const char* op, const char* name) {
@@ -421,21 +427,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
   return {q, s, qct, sc, sum};
 }
 
+// the rescaling of an (R, n) int32 product: rs (R,), cs and b (n,) or absent, contiguous float32
+void check_scales(const at::Tensor& rs, const std::optional<at::Tensor>& cs, const std::optional<at::Tensor>& b,
+                  int64_t R, int64_t n, const char* op) {
+  attnlab_native::check_f32(rs, op, "rs");
+  ATTNLAB_CHECK(rs.dim() == 1 && rs.size(0) == R, "attnlab::", op, ": rs must be (", R, ",), got ", rs.sizes());
+  for (const auto* t : {&cs, &b}) {
+    if (*t) {
+      attnlab_native::check_f32(**t, op, t == &cs ? "cs" : "b");
+      ATTNLAB_CHECK((*t)->dim() == 1 && (*t)->size(0) == n, "attnlab::", op, ": ", t == &cs ? "cs" : "b",
+                    " must be (", n, ",), got ", (*t)->sizes());
+    }
+  }
+}
+
 at::Tensor dequantize(const at::Tensor& acc, const at::Tensor& rs, const std::optional<at::Tensor>& cs,
                       const std::optional<at::Tensor>& b, bool bf16, int64_t isa) {
   ATTNLAB_CHECK(acc.device().is_cpu() && acc.scalar_type() == at::kInt && acc.dim() == 2 && acc.is_contiguous(),
                 "attnlab::dequantize: acc must be a contiguous int32 CPU tensor (rows, n), got ", acc.scalar_type(),
                 " ", acc.sizes());
   const int64_t R = acc.size(0), n = acc.size(1);
-  attnlab_native::check_f32(rs, "dequantize", "rs");
-  ATTNLAB_CHECK(rs.dim() == 1 && rs.size(0) == R, "attnlab::dequantize: rs must be (", R, ",), got ", rs.sizes());
-  for (const auto* t : {&cs, &b}) {
-    if (*t) {
-      attnlab_native::check_f32(**t, "dequantize", t == &cs ? "cs" : "b");
-      ATTNLAB_CHECK((*t)->dim() == 1 && (*t)->size(0) == n, "attnlab::dequantize: ", t == &cs ? "cs" : "b",
-                    " must be (", n, ",), got ", (*t)->sizes());
-    }
-  }
+  check_scales(rs, cs, b, R, n, "dequantize");
   at::Tensor y = at::empty({R, n}, acc.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   const auto run = [&](auto tag) {
     using T = decltype(tag);
@@ -452,6 +464,43 @@ at::Tensor dequantize(const at::Tensor& acc, const at::Tensor& rs, const std::op
   return y;
 }
 
+// Which product int8_product takes with AVX2 (isa 1): kOneDnn torch._int_mm, kOurs int8_gemm.h's, kAuto (the
+// default) ours where oneDNN has no VNNI instruction (vpdpbusd: 32 multiply-adds in one instruction, where ours takes
+// two) — a CPU without AVX-VNNI or AVX512-VNNI, or oneDNN capped by ONEDNN_MAX_CPU_ISA to AVX2 or below
+enum Int8Kernel : int64_t { kAuto = -1, kOneDnn = 0, kOurs = 1 };
+std::atomic<int64_t> int8_kernel_mode{kAuto};
+
+bool onednn_has_vnni() {
+  static const bool has = [] {
+#if defined(__x86_64__) || defined(_M_X64)
+    if (!__builtin_cpu_supports("avx512vnni") && !__builtin_cpu_supports("avxvnni")) return false;
+#else
+    return true;  // (ours is x86 only)
+#endif
+    for (const char* name : {"ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"}) {
+      const char* cap = std::getenv(name);
+      if (!cap) continue;
+      std::string v(cap);
+      for (auto& ch : v) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+      if (v == "SSE41" || v == "AVX" || v == "AVX2") return false;
+    }
+    return true;
+  }();
+  return has;
+}
+
+bool take_ours(int64_t isa) {
+  const int64_t mode = int8_kernel_mode.load(std::memory_order_relaxed);
+  return isa == 1 && (mode == kOurs || (mode == kAuto && !onednn_has_vnni()));
+}
+
+// sets the mode (kAuto, kOneDnn, kOurs; −2 leaves it) and returns the one before
+int64_t int8_kernel(int64_t mode) {
+  ATTNLAB_CHECK(mode >= -2 && mode <= 1, "attnlab::int8_kernel: mode must be -2 (ask), -1 (auto), 0 (oneDNN) or 1 "
+                "(ours), got ", mode);
+  return mode == -2 ? int8_kernel_mode.load() : int8_kernel_mode.exchange(mode);
+}
+
 at::Tensor int8_product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& rs,
                         const std::optional<at::Tensor>& cs, const std::optional<at::Tensor>& bias, bool bf16,
                         int64_t max_inner, int64_t isa) {
@@ -461,6 +510,23 @@ at::Tensor int8_product(const at::Tensor& a, const at::Tensor& b, const at::Tens
                 " and ", b.scalar_type(), " ", b.sizes());
   ATTNLAB_CHECK(max_inner >= 1, "attnlab::int8_product: max_inner must be >= 1, got ", max_inner);
   const int64_t K = a.size(1);
+#ifdef ATTNLAB_ISAS
+  if (take_ours(isa) && K <= std::min(max_inner, u8s8::MAX_K) && K % 4 == 0 && a.stride(1) == 1 && a.size(0) > 0 &&
+      b.size(1) > 0) {
+    // AVX2 without VNNI: our product with the rescaling fused (int8_gemm.h), where b's entries lie within ±63
+    const int64_t M = a.size(0), N = b.size(1);
+    check_scales(rs, cs, bias, M, N, "int8_product");
+    at::Tensor y = at::empty({M, N}, rs.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+    const float *RS = rs.data_ptr<float>(), *CS = cs ? cs->data_ptr<float>() : nullptr;
+    const float* BIAS = bias ? bias->data_ptr<float>() : nullptr;
+    const int8_t *A = a.data_ptr<int8_t>(), *B = b.data_ptr<int8_t>();
+    const bool done = bf16 ? u8s8::product(A, a.stride(0), M, K, B, b.stride(0), b.stride(1), N, RS, CS, BIAS,
+                                           data<uint16_t>(y))
+                           : u8s8::product(A, a.stride(0), M, K, B, b.stride(0), b.stride(1), N, RS, CS, BIAS,
+                                           data<float>(y));
+    if (done) return y;
+  }
+#endif
   if (K <= max_inner) return dequantize(at::_int_mm(a, b), rs, cs, bias, bf16, isa);
   at::Tensor out;
   for (int64_t k0 = 0; k0 < K; k0 += max_inner) {
@@ -731,6 +797,7 @@ TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("int8_linear_backward(Tensor g, Tensor qw, Tensor sw, Tensor qxt, Tensor sxc, int left, int right, bool dx, "
         "bool dw, bool db, bool dx_bf16, int isa) -> (Tensor, Tensor, Tensor)");
   m.def("int8_linear_train(Tensor x, Tensor w, Tensor? b, int left, int right, bool bf16, int isa) -> Tensor");
+  m.def("int8_kernel(int mode) -> int", &int8_kernel);  // (no tensors: one kernel for every dispatch key)
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CompositeImplicitAutograd, m) {

@@ -567,16 +567,52 @@ inline void transpose_bytes(const int8_t* src, int64_t ss, int64_t rows, int64_t
   }
 }
 
-// y_j = acc_j (rs cs_j) + b_j  (cs null: 1, b null: 0): a row of an int32 product back to float
+// a b + c rounded once with AVX2 and AVX-512 (FMA), twice in the portable set. Written out, not left to GCC's
+// contraction, which fuses or not by the context a function is inlined into (dequant_row runs both whole and inside
+// int8_gemm.h's tiles, and must give the same bits in both)
+inline VF fmadd(VF a, VF b, VF c) {
+#if defined(__x86_64__) || defined(_M_X64)
+  if constexpr (L == 16) {
+    __m512 x, y, z;
+    std::memcpy(&x, &a, sizeof x), std::memcpy(&y, &b, sizeof y), std::memcpy(&z, &c, sizeof z);
+    const __m512 r = _mm512_fmadd_ps(x, y, z);
+    VF out;
+    std::memcpy(&out, &r, sizeof out);
+    return out;
+  }
+  if constexpr (L == 8) {
+    __m256 x, y, z;
+    std::memcpy(&x, &a, sizeof x), std::memcpy(&y, &b, sizeof y), std::memcpy(&z, &c, sizeof z);
+    const __m256 r = _mm256_fmadd_ps(x, y, z);
+    VF out;
+    std::memcpy(&out, &r, sizeof out);
+    return out;
+  }
+#endif
+  return a * b + c;
+}
+inline float fmadd1(float a, float b, float c) {
+  if constexpr (L > 4) return __builtin_fmaf(a, b, c);
+  return a * b + c;
+}
+
+// y_j = acc_j (rs cs_j) + b_j  (cs null: 1, b null: 0; the add fused, see fmadd): a row of an int32 product back to
+// float
+// L lanes of it (cs, b at the lanes' columns, or null); int8_gemm.h rescales its tiles' registers with it
+inline VF dequant_vec(VI a, float rs, const float* cs, const float* b) {
+  const VF s = cs ? splat(rs) * load(cs) : splat(rs), v = __builtin_convertvector(a, VF);
+  return b ? fmadd(v, s, load(b)) : v * s;
+}
 template <class T>
 inline void dequant_row(const int32_t* acc, float rs, const float* cs, const float* b, int64_t n, T* y) {
   int64_t j = 0;
   for (; j + L <= n; j += L) {
     VI a;
     std::memcpy(&a, acc + j, sizeof a);
-    VF v = __builtin_convertvector(a, VF) * (cs ? splat(rs) * load(cs + j) : splat(rs));
-    if (b) v += load(b + j);
-    st(y + j, v);
+    st(y + j, dequant_vec(a, rs, cs ? cs + j : nullptr, b ? b + j : nullptr));
   }
-  for (; j < n; ++j) st1(y + j, static_cast<float>(acc[j]) * (cs ? rs * cs[j] : rs) + (b ? b[j] : 0.f));
+  for (; j < n; ++j) {
+    const float s = cs ? rs * cs[j] : rs, v = static_cast<float>(acc[j]);
+    st1(y + j, b ? fmadd1(v, s, b[j]) : v * s);
+  }
 }

@@ -1,0 +1,227 @@
+// The int8 product of attnlab::int8_product on AVX2 (isa 1), with its rescaling fused (included by train.cpp,
+// inside its anonymous namespace, after isa_regions.h: the tiles are rescaled by avx2::dequant_row):
+//
+//   y = diag(rs) (A B) diag(cs) + bias,   A (M, K) int8 (rows contiguous), B (K, N) int8 with |b| ≤ 63 (any
+//   strides), K a multiple of 4, y (M, N) float32 or bfloat16 contiguous.
+//
+// AVX2 multiplies bytes only as vpmaddubsw: unsigned × signed pairs summed into a saturating int16. So A is read
+// shifted to unsigned, a + 128 ∈ [0, 255] (one XOR of its sign bit), and B's 7 bits keep a pair's sum within int16
+// (2 · 255 · 63 = 32130 < 32767); vpmaddwd widens four terms of a column to int32, where they are summed exactly.
+// The shift comes back out per column: Σ_k (a_k + 128) b_kn − 128 Σ_k b_kn = Σ_k a_k b_kn, the exact int32 sums of
+// torch._int_mm; each 4 × 16 tile of them is rescaled by the dequant_row that rescales torch._int_mm's whole rows,
+// so y has the same bits either way.
+//
+// Why not torch._int_mm (oneDNN) there: for s8 × s8 on AVX2 oneDNN copies B shifted and sums its columns on every
+// call, ~15 µs a call before any product (nanogpt-cpu makes 48 products a step), and its int32 result then takes a
+// pass of its own to rescale. Here B is packed once a call (the column sums and the check |b| ≤ 63 in the same pass)
+// into panels of 16 columns, P[k/4][c][k%4], the operand vpmaddubsw reads.
+#if defined(__x86_64__) || defined(_M_X64)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace u8s8 {
+
+constexpr int64_t NR = 16;  // columns of a panel: two vectors of 8 int32 sums
+constexpr int64_t MR = 4;
+
+
+// Panel p of B (columns [16p, 16p + 16), zeros past N) into P (K · 16 bytes: P[k4 · 64 + 4c + i] = b(4 k4 + i,
+// 16p + c)); −128 Σ_k b_kn into shift[0, 16) (where the shifted sums of its columns start); returns max |b| over it
+// (as unsigned bytes: −128 reads 128)
+inline int pack_panel(const int8_t* B, int64_t sk, int64_t sn, int64_t K, int64_t N, int64_t p, int8_t* P,
+                      int32_t* shift) {
+  const int64_t n0 = p * NR, cols = std::min(NR, N - n0), K4 = K / 4;
+  if (sn == 1 && cols == NR) {  // rows of B contiguous: four rows' 16 bytes interleaved into 16 columns' 4 bytes
+    for (int64_t k4 = 0; k4 < K4; ++k4) {
+      const int8_t* row = B + 4 * k4 * sk + n0;
+      const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+      const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + sk));
+      const __m128i r2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * sk));
+      const __m128i r3 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 3 * sk));
+      const __m128i lo01 = _mm_unpacklo_epi8(r0, r1), hi01 = _mm_unpackhi_epi8(r0, r1);
+      const __m128i lo23 = _mm_unpacklo_epi8(r2, r3), hi23 = _mm_unpackhi_epi8(r2, r3);
+      __m128i* out = reinterpret_cast<__m128i*>(P + 64 * k4);
+      _mm_storeu_si128(out, _mm_unpacklo_epi16(lo01, lo23));
+      _mm_storeu_si128(out + 1, _mm_unpackhi_epi16(lo01, lo23));
+      _mm_storeu_si128(out + 2, _mm_unpacklo_epi16(hi01, hi23));
+      _mm_storeu_si128(out + 3, _mm_unpackhi_epi16(hi01, hi23));
+    }
+  } else if (sk == 1 && cols == NR) {  // columns contiguous (B a transposed matrix): 4 × 4 blocks of 4 bytes transposed
+    const int64_t K16 = K / 16;
+    for (int64_t c = 0; c < NR; c += 4) {
+      const int8_t* col = B + (n0 + c) * sn;
+      for (int64_t k16 = 0; k16 < K16; ++k16) {
+        const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(col + 16 * k16));
+        const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(col + sn + 16 * k16));
+        const __m128i r2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(col + 2 * sn + 16 * k16));
+        const __m128i r3 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(col + 3 * sn + 16 * k16));
+        const __m128i lo01 = _mm_unpacklo_epi32(r0, r1), lo23 = _mm_unpacklo_epi32(r2, r3);
+        const __m128i hi01 = _mm_unpackhi_epi32(r0, r1), hi23 = _mm_unpackhi_epi32(r2, r3);
+        int8_t* out = P + 64 * 4 * k16 + 4 * c;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_unpacklo_epi64(lo01, lo23));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 64), _mm_unpackhi_epi64(lo01, lo23));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 128), _mm_unpacklo_epi64(hi01, hi23));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 192), _mm_unpackhi_epi64(hi01, hi23));
+      }
+      for (int64_t k4 = 4 * K16; k4 < K4; ++k4) {  // K past a multiple of 16
+        for (int64_t i = 0; i < 4; ++i) std::memcpy(P + 64 * k4 + 4 * (c + i), col + i * sn + 4 * k4, 4);
+      }
+    }
+  } else {
+    for (int64_t k4 = 0; k4 < K4; ++k4) {
+      for (int64_t c = 0; c < NR; ++c) {
+        for (int64_t i = 0; i < 4; ++i) P[64 * k4 + 4 * c + i] = c < cols ? B[(4 * k4 + i) * sk + (n0 + c) * sn] : 0;
+      }
+    }
+  }
+  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+  __m256i s0 = _mm256_setzero_si256(), s1 = s0, top = s0;
+  for (int64_t k4 = 0; k4 < K4; ++k4) {
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + 64 * k4));
+    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + 64 * k4 + 32));
+    s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, v0), ones16));
+    s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, v1), ones16));
+    top = _mm256_max_epu8(top, _mm256_max_epu8(_mm256_abs_epi8(v0), _mm256_abs_epi8(v1)));
+  }
+  const __m256i zero = _mm256_setzero_si256();
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(shift), _mm256_sub_epi32(zero, _mm256_slli_epi32(s0, 7)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(shift + 8), _mm256_sub_epi32(zero, _mm256_slli_epi32(s1, 7)));
+  alignas(32) uint8_t bytes[32];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), top);
+  return *std::max_element(bytes, bytes + 32);
+}
+
+// The tile c (R rows × 16 columns: c[2r], c[2r + 1]) = A's R rows (stride lda, already shifted: a + 128 as unsigned
+// bytes) times panel P over K = 4 · K4, started at −128 Σ_k b_kn: Σ_k a_k b_kn
+template <int R>
+inline void tile(const uint8_t* A, int64_t lda, const int8_t* P, int64_t K4, const int32_t* shift, __m256i* c) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) {
+    c[2 * r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift));
+    c[2 * r + 1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift + 8));
+  }
+  for (int64_t k4 = 0; k4 < K4; ++k4) {
+    const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + 64 * k4));
+    const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + 64 * k4 + 32));
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, A + r * lda + 4 * k4, 4);
+      const __m256i a = _mm256_set1_epi32(four);
+      c[2 * r] = _mm256_add_epi32(c[2 * r], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b0), ones));
+      c[2 * r + 1] = _mm256_add_epi32(c[2 * r + 1], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b1), ones));
+    }
+  }
+}
+
+// tile<4>'s loop in assembly: GCC kept the eight accumulators' array in memory (a store of each and register copies
+// in every step, 1.3x the instructions); here they stay in registers, ymm12-15 the scratch
+inline void tile4(const uint8_t* A, int64_t lda, const int8_t* P, int64_t K4, const int32_t* shift, __m256i* c) {
+  const __m256i s0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift));
+  const __m256i s1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift + 8));
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i c00 = s0, c01 = s1, c10 = s0, c11 = s1, c20 = s0, c21 = s1, c30 = s0, c31 = s1;
+  if (K4 > 0) {
+    const uint8_t *a1 = A + lda, *a2 = A + 2 * lda, *a3 = A + 3 * lda;
+    const int64_t end = 4 * K4;
+    int64_t k = 0;
+    const int8_t* p = P;
+#define ATTNLAB_ROW(a, x0, x1)                            \
+  "vpbroadcastd (%[" a "],%[k]), %%ymm14\n\t"              \
+  "vpmaddubsw %%ymm12, %%ymm14, %%ymm15\n\t"               \
+  "vpmaddubsw %%ymm13, %%ymm14, %%ymm14\n\t"               \
+  "vpmaddwd %[ones], %%ymm15, %%ymm15\n\t"                 \
+  "vpmaddwd %[ones], %%ymm14, %%ymm14\n\t"                 \
+  "vpaddd %%ymm15, %[" x0 "], %[" x0 "]\n\t"               \
+  "vpaddd %%ymm14, %[" x1 "], %[" x1 "]\n\t"
+    asm volatile(
+        "1:\n\t"
+        "vmovdqu (%[p]), %%ymm12\n\t"
+        "vmovdqu 32(%[p]), %%ymm13\n\t"
+        ATTNLAB_ROW("a0", "c00", "c01") ATTNLAB_ROW("a1", "c10", "c11") ATTNLAB_ROW("a2", "c20", "c21")
+        ATTNLAB_ROW("a3", "c30", "c31")
+        "add $64, %[p]\n\t"
+        "add $4, %[k]\n\t"
+        "cmp %[end], %[k]\n\t"
+        "jl 1b\n\t"
+        : [c00] "+x"(c00), [c01] "+x"(c01), [c10] "+x"(c10), [c11] "+x"(c11), [c20] "+x"(c20), [c21] "+x"(c21),
+          [c30] "+x"(c30), [c31] "+x"(c31), [p] "+r"(p), [k] "+r"(k)
+        : [a0] "r"(A), [a1] "r"(a1), [a2] "r"(a2), [a3] "r"(a3), [end] "r"(end), [ones] "x"(ones)
+        : "xmm12", "xmm13", "xmm14", "xmm15", "cc", "memory");
+#undef ATTNLAB_ROW
+  }
+  c[0] = c00, c[1] = c01, c[2] = c10, c[3] = c11, c[4] = c20, c[5] = c21, c[6] = c30, c[7] = c31;
+}
+
+// The longest K whose running sums an int32 holds: they start at −128 Σ b and add (a + 128) b, so stay within
+// (128 + 255) · 63 · K < 2^31
+constexpr int64_t MAX_K = ((int64_t{1} << 31) - 1) / (383 * 63);
+
+// y (M, N) = diag(rs) (A B) diag(cs) + bias (cs, bias null: 1, 0), as described above. Returns false, having
+// written nothing to y, where B holds an entry beyond ±63 (the caller then takes torch._int_mm)
+template <class T>
+bool product(const int8_t* A, int64_t lda, int64_t M, int64_t K, const int8_t* B, int64_t sk, int64_t sn, int64_t N,
+             const float* rs, const float* cs, const float* bias, T* y) {
+  const int64_t panels = (N + NR - 1) / NR, K4 = K / 4;
+  const std::unique_ptr<int8_t[]> packed(new int8_t[panels * K * NR + 32]);  // (uninitialised: every byte written)
+  int8_t* P = packed.get() + (32 - reinterpret_cast<uintptr_t>(packed.get()) % 32) % 32;  // 32-byte aligned
+  std::vector<int32_t> shift(panels * NR);
+  std::vector<int> top(panels);
+  at::parallel_for(0, panels, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K * NR)), [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) top[p] = pack_panel(B, sk, sn, K, N, p, P + p * K * NR, shift.data() + p * NR);
+  });
+  if (*std::max_element(top.begin(), top.end()) > 63) return false;
+  const int64_t groups = (M + MR - 1) / MR;
+  // a group (4 rows × all of N) is 4 K N multiply-adds: split across threads from ~2^20 of them
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, MR * K * N));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    // this task's rows of A shifted to unsigned once (a + 128: the sign bit flipped), not in every panel's tiles
+    const int64_t first = g0 * MR, count = std::min(M, g1 * MR) - first;
+    const std::unique_ptr<uint8_t[]> shifted(new uint8_t[count * K + 32]);
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int64_t r = 0; r < count; ++r) {
+      const int8_t* src = A + (first + r) * lda;
+      uint8_t* dst = shifted.get() + r * K;
+      int64_t k = 0;
+      for (; k + 32 <= K; k += 32) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), _mm256_xor_si256(v, flip));
+      }
+      for (; k < K; ++k) dst[k] = static_cast<uint8_t>(src[k]) ^ 0x80u;
+    }
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t n0 = p * NR, cols = std::min(NR, N - n0);
+      const int8_t* panel = P + p * K * NR;
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t r0 = g * MR, rows = std::min(MR, M - r0);
+        const uint8_t* a = shifted.get() + (r0 - first) * K;
+        __m256i c[2 * MR];
+        switch (rows) {
+          case 4: tile4(a, K, panel, K4, shift.data() + n0, c); break;
+          case 3: tile<3>(a, K, panel, K4, shift.data() + n0, c); break;
+          case 2: tile<2>(a, K, panel, K4, shift.data() + n0, c); break;
+          default: tile<1>(a, K, panel, K4, shift.data() + n0, c); break;
+        }
+        for (int64_t i = 0; i < rows; ++i) {  // rescaled from the registers as dequant_row rescales a row
+          T* out = y + (r0 + i) * N + n0;
+          for (int64_t h = 0; h < 2 && 8 * (h + 1) <= cols; ++h) {
+            avx2::VI v;
+            std::memcpy(&v, &c[2 * i + h], sizeof v);
+            avx2::st(out + 8 * h, avx2::dequant_vec(v, rs[r0 + i], cs ? cs + n0 + 8 * h : nullptr,
+                                                     bias ? bias + n0 + 8 * h : nullptr));
+          }
+          if (cols % 8) {  // the last panel's columns past a multiple of 8: dequant_row's scalar tail
+            const int64_t j = cols - cols % 8;
+            alignas(32) int32_t acc[8];
+            std::memcpy(acc, &c[2 * i + j / 8], sizeof acc);
+            avx2::dequant_row<T>(acc, rs[r0 + i], cs ? cs + n0 + j : nullptr, bias ? bias + n0 + j : nullptr,
+                                 cols % 8, out + j);
+          }
+        }
+      }
+    }
+  });
+  return true;
+}
+
+}  // namespace u8s8
+#pragma GCC pop_options
+#endif
