@@ -13,7 +13,7 @@
       backward one product) against ``F.gelu`` at (12, 64, 512), nanogpt-cpu's shape;
     - gradient clipping: ``training.optim.clip_grad_norm_`` (one C++ call) against ``torch.nn.utils.clip_grad_norm_`` on
       nanogpt-cpu's parameters' shapes (0.8 M float32 gradients, every one clipped);
-    - causal attention (the ``short`` backend): the fused kernel (``short.FusedShortAttention``) against the batched
+    - causal attention (the ``short`` backend): the fused kernel (``short.fused_short_attention``) against the batched
       products with the native softmax, at the default preset's and nanogpt-cpu's (12 × 4 × 64 × 32) shapes; and
       in the products' path two query blocks (``short.causal_blocks``) against one.
 
@@ -96,13 +96,13 @@ def pass_rows(dtype: torch.dtype, repeat: int, scale: int) -> list[dict]:
 
     g, u = (torch.randn(b, L, FFN).to(dtype).requires_grad_() for _ in range(2))
     dh = torch.randn(b, L, FFN).to(dtype)
-    row("swiglu gate fwd+bwd", f"{b}x{L}x{FFN}", _backward(lambda: feedforward._Activation.apply(g, u, "swiglu"),
+    row("swiglu gate fwd+bwd", f"{b}x{L}x{FFN}", _backward(lambda: feedforward._activate(g, u, "swiglu"),
                                                            (g, u), dh),
         _backward(lambda: F.silu(g) * u, (g, u), dh))
 
     a = torch.randn(12, 64, 512).to(dtype).requires_grad_()
     da = torch.randn(12, 64, 512).to(dtype)
-    row("gelu fwd+bwd", "12x64x512", _backward(lambda: feedforward._Activation.apply(a, None, "gelu"), (a,), da),
+    row("gelu fwd+bwd", "12x64x512", _backward(lambda: feedforward._activate(a, None, "gelu"), (a,), da),
         _backward(lambda: F.gelu(a), (a,), da))
 
     if dtype == torch.float32:  # the trainer's gradients are float32 (master weights) under autocast too
@@ -158,14 +158,16 @@ def _without_passes():
     saved = norms._RMSNormFunction.native
     norms._RMSNormFunction.native = staticmethod(lambda x, w: False)  # the Function's PyTorch branch
     positional._Rotate.apply = staticmethod(lambda x, c, s: apply_rope(x, c, s))
-    feedforward._Activation.apply = staticmethod(
+    saved_activate = feedforward._activate
+    feedforward._activate = (
         lambda g, u, a: feedforward.GATED_ACTIVATIONS[a](g) * u if u is not None else feedforward.ACTIVATIONS[a](g))
     try:
         with _one_query_block(), _fused_off():
             yield
     finally:
         norms._RMSNormFunction.native = staticmethod(saved)
-        del positional._Rotate.apply, feedforward._Activation.apply  # autograd.Function's own again
+        del positional._Rotate.apply  # autograd.Function's own again
+        feedforward._activate = saved_activate
 
 
 def step_rows(steps: int, rounds: int, scale: int) -> list[dict]:

@@ -242,9 +242,12 @@ def test_the_short_backend_takes_the_native_passes_and_equals_the_reference(caus
     from attnlab.backends import short
     from _tolerance import tolerance
     calls = []
-    taken = short.FusedShortAttention if path == "fused" else short.NativeShortAttention
-    orig = taken.apply
-    monkeypatch.setattr(taken, "apply", lambda *a: calls.append(1) or orig(*a))
+    if path == "fused":
+        orig = short.fused_short_attention
+        monkeypatch.setattr(short, "fused_short_attention", lambda *a: calls.append(1) or orig(*a))
+    else:
+        orig = short.NativeShortAttention.apply
+        monkeypatch.setattr(short.NativeShortAttention, "apply", lambda *a: calls.append(1) or orig(*a))
     if path == "products":
         monkeypatch.setattr(short, "FUSED_KEYS", 0)
     gen = torch.Generator().manual_seed(Lq + Lk)

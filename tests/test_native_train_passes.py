@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from attnlab import _native
 
 from attnlab import _native_train
-from attnlab.nn.feedforward import _Activation, _native_grad
+from attnlab.nn.feedforward import _activate, _native_grad
 from _native_isas import CAP, EPS32, ISA_IDS, ISAS, isa, needs_native  # noqa: F401 (isa: a fixture)
 
 U_BF16 = 2.0**-8
@@ -236,7 +236,7 @@ def test_a_feedforward_trains_through_the_native_pass_and_equals_float64(activat
     from attnlab.nn import FeedForward
     fwd = _count_calls(monkeypatch, "act_train")
     bwd = _count_calls(monkeypatch, "act_train_backward")
-    kept = _count_calls(monkeypatch, "act_with_grad")
+    kept = _count_calls(monkeypatch, "act_kept_train")
     torch.manual_seed(0)
     ffn = FeedForward(16, 40, activation=activation)
     x = torch.randn(3, 5, 16, requires_grad=True)
@@ -288,11 +288,11 @@ def test_a_plain_bf16_activation_keeps_its_derivative_on_every_isa(isa, activati
     product, faster than PyTorch's on both ISAs): act'(g) is rounded to bf16 once more than a recomputation, so the
     gradient is within two bf16 roundings of float64."""
     from attnlab.nn import FeedForward
-    kept = _count_calls(monkeypatch, "act_with_grad")
+    kept = _count_calls(monkeypatch, "act_kept_train")
     gen = torch.Generator().manual_seed(4)
     g = (torch.randn(2, 3, 32, generator=gen) * 2).bfloat16().requires_grad_()
     dh = torch.randn(2, 3, 32, generator=gen).bfloat16()
-    h = _Activation.apply(g, None, activation) if _native_grad(g, None) else None
+    h = _activate(g, None, activation) if _native_grad(g, None) else None
     assert h is not None and len(kept) == 1
     (dg,) = torch.autograd.grad(h, g, dh)
     g64 = g.detach().double().requires_grad_()

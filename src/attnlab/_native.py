@@ -60,14 +60,28 @@ def max_rows(dtype: torch.dtype) -> int:
 
 
 def build_directory() -> Path:
-    """Where the library is built: ``$ATTNLAB_NATIVE_DIR``, else the user cache, keyed by torch, Python and the
-    source (a changed source builds anew)."""
+    """Where the library is built: ``$ATTNLAB_NATIVE_DIR``, else the user cache, keyed by torch, Python, the
+    sources and the flags (a change builds anew)."""
     if os.environ.get("ATTNLAB_NATIVE_DIR"):
         return Path(os.environ["ATTNLAB_NATIVE_DIR"])
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(CSRC.iterdir()) if p.is_file())).hexdigest()[:12]
+    sources = b"".join(p.read_bytes() for p in sorted(CSRC.iterdir()) if p.is_file())
+    digest = hashlib.sha256(sources + repr((CFLAGS, LDFLAGS)).encode()).hexdigest()[:12]
     tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}-{digest}"
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return base / "attnlab" / "native" / tag
+
+
+def _load_built(so: Path) -> bool:
+    """Load the library built before for these very sources and flags (the directory's name is their digest) without
+    ``cpp_extension.load``, whose import and ninja run cost ~160 ms of every process that uses the kernels. False
+    where there is none to load, or the folder is ``$ATTNLAB_NATIVE_DIR`` (not keyed: ninja decides there)."""
+    if os.environ.get("ATTNLAB_NATIVE_DIR") or not so.is_file():
+        return False
+    try:
+        torch.ops.load_library(str(so))
+    except OSError:  # a torn file (a build interrupted while linking): cpp_extension.load rebuilds it
+        return False
+    return True
 
 
 def _load() -> None:
@@ -75,17 +89,19 @@ def _load() -> None:
         _state.update(loaded=False, why="disabled by ATTNLAB_NATIVE=0")
         return
     try:
-        from torch.utils import cpp_extension
-
-        venv_bin = Path(sys.executable).parent  # the ninja of attnlab's dependencies, in an unactivated venv
-        if shutil.which("ninja") is None and (venv_bin / "ninja").exists():
-            os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
         where = build_directory()
-        where.mkdir(parents=True, exist_ok=True)
-        if not any(where.glob("attnlab_native*.so")):
-            log.warning("attnlab: building the native CPU kernels in %s (once per machine, ~30 s)", where)
-        cpp_extension.load(name="attnlab_native", sources=[str(p) for p in SOURCES], build_directory=str(where),
-                           extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), is_python_module=False, verbose=False)
+        if not _load_built(where / "attnlab_native.so"):
+            from torch.utils import cpp_extension
+
+            venv_bin = Path(sys.executable).parent  # the ninja of attnlab's dependencies, in an unactivated venv
+            if shutil.which("ninja") is None and (venv_bin / "ninja").exists():
+                os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
+            where.mkdir(parents=True, exist_ok=True)
+            if not any(where.glob("attnlab_native*.so")):
+                log.warning("attnlab: building the native CPU kernels in %s (once per machine, ~30 s)", where)
+            cpp_extension.load(name="attnlab_native", sources=[str(p) for p in SOURCES], build_directory=str(where),
+                               extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), is_python_module=False,
+                               verbose=False)
         ops = torch.ops.attnlab  # the overloads: no resolution per call
         _state.update(loaded=True, why="", op=ops.matvec.default, gated=ops.gated_matvec.default,
                       rms_norm=ops.rms_norm.default, decoder_step=ops.decoder_step.default,
@@ -101,7 +117,9 @@ def _load() -> None:
                       quantize_rows=ops.quantize_rows.default, quantize_rows_cols=ops.quantize_rows_cols.default,
                       dequantize=ops.dequantize.default, int8_product=ops.int8_product.default,
                       int8_linear=ops.int8_linear.default, int8_linear_backward=ops.int8_linear_backward.default,
-                      int8_linear_train=ops.int8_linear_train.default, int8_kernel=ops.int8_kernel.default)
+                      int8_linear_train=ops.int8_linear_train.default, int8_kernel=ops.int8_kernel.default,
+                      short_attention_train=ops.short_attention_train.default,
+                      act_kept_train=ops.act_kept_train.default)
         isa()
     except Exception as e:  # no compiler, no ninja, a failed build: PyTorch's kernels serve instead
         why = " ".join(str(e).split())  # the compiler's message is at the end

@@ -112,6 +112,17 @@ def act_with_grad(g: Tensor, activation: str) -> tuple[Tensor, Tensor]:
     return _native._state["act_train"](g, None, ACTIVATIONS[activation], True, _native._state["isa"])
 
 
+def act_kept_train(g: Tensor, activation: str) -> Tensor:
+    """``act(g)`` as one C++ autograd node that keeps ``act'(g)`` (:func:`act_with_grad`) for its backward,
+    ``∂L/∂g = ∂L/∂h ⊙ act'(g)``: no Python ``autograd.Function`` each way (training, plain activations).
+
+    Raises:
+        RuntimeError: the native kernels are not :func:`~attnlab._native.available` (callers check that first).
+    """
+    _native._need()
+    return _native._state["act_kept_train"](g, ACTIVATIONS[activation], _native._state["isa"])
+
+
 def act_train_backward(dh: Tensor, g: Tensor, u: Optional[Tensor], activation: str) -> tuple[Tensor, Optional[Tensor]]:
     """:func:`act_train`'s gradients in one pass: ``dg = dh ⊙ u ⊙ act'(g)``, ``du = dh ⊙ act(g)`` (None without ``u``).
 
@@ -140,6 +151,15 @@ def short_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bo
     _native._need()
     return _native._state["short_attention"](q, k, v, scale, causal, -1 if window is None else window,
                                              _native._state["isa"])
+
+
+def short_attention_train(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, window: Optional[int]
+                          ) -> Tensor:
+    """:func:`short_attention`'s ``out`` as one C++ autograd node whose backward is :func:`short_attention_backward`
+    from the ``p`` it kept: no Python ``autograd.Function`` each way (the short backend's fused path)."""
+    _native._need()
+    return _native._state["short_attention_train"](q, k, v, scale, causal, -1 if window is None else window,
+                                                   _native._state["isa"])
 
 
 def short_attention_backward(q: Tensor, k: Tensor, v: Tensor, p: Tensor, d_out: Tensor, *, scale: float,

@@ -9,7 +9,7 @@ on a CPU with at most :data:`SHORT_KEYS` keys, as many key as query heads and no
 memory.
 
 Float32 and bf16 requests whose only constraints are ``causal`` and ``window`` run in C++ (``csrc/train.cpp``, the
-mask in closed form, no ``M`` built): up to :data:`FUSED_KEYS` keys as one call each way (:class:`FusedShortAttention`:
+mask in closed form, no ``M`` built): up to :data:`FUSED_KEYS` keys as one call each way (:func:`fused_short_attention`:
 a (batch, head) a task, the products by register tiles, a causal block of 16 queries computing only the keys they
 see), past them the batched products with the softmax and its gradient one pass each (:class:`NativeShortAttention`);
 every other request runs :class:`ShortAttention`.
@@ -60,7 +60,7 @@ def attention(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, drop
         k, v = k.repeat_interleave(H // k.shape[1], dim=1), v.repeat_interleave(H // k.shape[1], dim=1)
     if mask is None and mask_mod is None and _native.trainable(q, k, v, contiguous=False):
         if fused_applies(q, k, v):
-            return FusedShortAttention.apply(q, k, v, scale, causal, window), None
+            return fused_short_attention(q, k, v, scale, causal, window), None
         return NativeShortAttention.apply(q, k, v, scale, causal, window), None
     bool_mask, bias = split_mask(mask)
     allowed = build_mask(B=B, H=H, Lq=Lq, Lk=Lk, device=q.device, mask=bool_mask, causal=causal,
@@ -192,7 +192,7 @@ class NativeShortAttention(torch.autograd.Function):
                 None)
 
 
-# The most keys FusedShortAttention takes; past them (and for bf16 with native bf16 past FUSED_KEYS_NATIVE_BF16, where
+# The most keys fused_short_attention takes; past them (and for bf16 with native bf16 past FUSED_KEYS_NATIVE_BF16, where
 # oneDNN's bf16 products win) NativeShortAttention's batched products. Measured fwd + bwd, 2 Zen4 cores, fused ÷
 # products (``benchmarks/train_passes.py``'s attention rows and the same at 128 keys): AVX-512 (12, 4, 64, 32) float32
 # 0.53, bf16 0.73; (16, 4, 128, 64) 0.42, bf16 0.68; (16, 4, 256, 64) 0.41, bf16 1.05; as AVX2 float32 0.70 at 64
@@ -202,7 +202,7 @@ FUSED_KEYS_NATIVE_BF16 = 128
 
 
 def fused_applies(q, k, v) -> bool:
-    """Whether :class:`FusedShortAttention` takes a (mask-free, float32 or bf16) request: key counts as above, the
+    """Whether :func:`fused_short_attention` takes a (mask-free, float32 or bf16) request: key counts as above, the
     value width the query's, each operand's last stride 1, at least one query (an empty request's gradients come
     in with any strides: the products path)."""
     limit = FUSED_KEYS_NATIVE_BF16 if q.dtype == torch.bfloat16 and _native.isa() == 2 else FUSED_KEYS
@@ -210,26 +210,12 @@ def fused_applies(q, k, v) -> bool:
             and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)
 
 
-class FusedShortAttention(torch.autograd.Function):
-    """:class:`NativeShortAttention`'s computation as one C++ call each way
-    (:func:`attnlab._native_train.short_attention` and its backward): a (batch, head) a task, reading q, k, v where
-    they lie (views of the packed projection), 16 queries' scores at a time (a causal block computes only the keys
-    its queries see), ``P`` (float32) kept for the backward; the output and the gradients written with the heads
-    merged."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, scale, causal, window):
-        ctx.args = dict(scale=scale, causal=causal, window=window)
-        out, p = _native_train.short_attention(q, k, v, **ctx.args)
-        ctx.save_for_backward(q, k, v, p)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        q, k, v, p = ctx.saved_tensors
-        go = grad_out.to(q.dtype)
-        if go.stride(-1) != 1:
-            go = go.contiguous()
-        dq, dk, dv = _native_train.short_attention_backward(q, k, v, p, go, **ctx.args)
-        return dq, dk, dv, None, None, None
+def fused_short_attention(q, k, v, scale, causal, window):
+    """:class:`NativeShortAttention`'s computation as one C++ autograd node
+    (:func:`attnlab._native_train.short_attention_train`: ``short_attention`` forward, ``short_attention_backward``
+    from the kept ``P``): a (batch, head) a task, reading q, k, v where they lie (views of the packed projection), 16
+    queries' scores at a time (a causal block computes only the keys its queries see), ``P`` (float32) kept for the
+    backward; the output and the gradients written with the heads merged. (A Python ``autograd.Function`` until
+    session 27; the C++ nodes of this and of the plain activation, ``nn.feedforward._activate``, together: the
+    nanogpt-cpu step 0.970–0.978× as AVX2, 0.986× with AVX-512, A/B in one process.)"""
+    return _native_train.short_attention_train(q, k, v, scale=scale, causal=causal, window=window)

@@ -19,6 +19,8 @@
 //   attnlab::act_train(g, u, act, keep) -> (h, d)  /  attnlab::act_train_backward(dh, g, u, act) -> (dg, du)
 //       h = act(g) ⊙ u (u absent: 1); dg = dh ⊙ u ⊙ act'(g), du = dh ⊙ act(g)          (an FFN's (gated) activation)
 //       with keep (no u) also d = act'(g) in g's dtype (the backward then dh ⊙ d), else d empty
+//   attnlab::act_kept_train(g, act) -> h
+//       the plain activation with keep as one autograd node (CompositeImplicitAutograd): h = act(g), ∂L/∂g = ∂L/∂h ⊙ d
 //   attnlab::quantize_rows(x, c, levels) -> (q, s)
 //       x (R, n), c (n,) float32 or absent (1): s_r = max_j |x_rj c_j| / k, q_rj = round(x_rj c_j / s_r) ∈ [−k, k]
 //       int8 (k = levels; round half to even; a zero row: s 0, q 0; a row with a NaN or an infinity: s NaN, q 0)
@@ -44,6 +46,8 @@
 //       the layer as one autograd node (CompositeImplicitAutograd): int8_linear forward on x (..., in) -> y (...,
 //       out), and in its backward int8_linear_backward for the inputs that require a gradient (x, w, b); w's
 //       columns rounding only where w requires one. No Python between the node and its native calls
+//   attnlab::int8_kernel(mode) -> previous mode
+//       which product int8_product runs with AVX2 (-1 auto, 0 torch._int_mm, 1 int8_gemm.h's; -2 only asks)
 //   attnlab::short_attention(q, k, v, scale, causal, window) -> (out, p)
 //       q (B, H, Lq, D), k, v (B, H, Lk, D) float32 or bfloat16 of one dtype, any strides with the last 1 (views of
 //       a packed projection): out = softmax(κ Q Kᵀ) V on the keys each query sees (as softmax_rows), computed per
@@ -53,6 +57,8 @@
 //   attnlab::short_attention_backward(q, k, v, p, d_out, scale, causal, window) -> (dq, dk, dv)
 //       κ dS = κ P ∘ (dP − rowsum(dP ∘ P)): dQ = κ dS K, dK = κ dSᵀ Q, dV = Pᵀ dO, each (B, H, L, D) a view of a
 //       contiguous (B, L, H, D) tensor
+//   attnlab::short_attention_train(q, k, v, scale, causal, window) -> out
+//       the two as one autograd node (CompositeImplicitAutograd): P kept from the forward for the backward
 //   attnlab::clip_grad_norm_(grads, max_norm) -> norm
 //       ‖g‖ = (Σ over every tensor of Σ g²)^½ (float32 tensors, contiguous), and where c = max_norm / (‖g‖ + 1e-6)
 //       is below 1 (or NaN) every g scaled by c in place (torch.nn.utils.clip_grad_norm_'s rule); norm float32 ().
@@ -735,6 +741,54 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> short_attention_backward(const at
   return {dq, dk, dv};
 }
 
+// short_attention and its backward as one autograd node (the short backend's fused path): no Python
+// autograd.Function per layer each way
+struct ShortAttention : public torch::autograd::Function<ShortAttention> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, double scale, bool causal, int64_t window, int64_t isa) {
+    auto [out, p] = short_attention(q, k, v, scale, causal, window, isa);
+    ctx->save_for_backward({q, k, v, p});
+    ctx->saved_data["scale"] = scale, ctx->saved_data["causal"] = causal;
+    ctx->saved_data["window"] = window, ctx->saved_data["isa"] = isa;
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    at::Tensor go = grads[0].to(saved[0].scalar_type());
+    if (go.stride(-1) != 1) go = go.contiguous();
+    auto [dq, dk, dv] = short_attention_backward(saved[0], saved[1], saved[2], saved[3], go,
+                                                 ctx->saved_data["scale"].toDouble(),
+                                                 ctx->saved_data["causal"].toBool(), ctx->saved_data["window"].toInt(),
+                                                 ctx->saved_data["isa"].toInt());
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor short_attention_train(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                                 bool causal, int64_t window, int64_t isa) {
+  return ShortAttention::apply(q, k, v, scale, causal, window, isa);
+}
+
+// a plain activation with its derivative kept (act_train with keep) as one autograd node: h = act(g) forward,
+// ∂L/∂g = ∂L/∂h ⊙ act'(g) backward
+struct KeptActivation : public torch::autograd::Function<KeptActivation> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& g, int64_t act, int64_t isa) {
+    auto [h, d] = act_train(g, std::nullopt, act, true, isa);
+    ctx->save_for_backward({d});
+    return h;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor dg = grads[0].mul(ctx->get_saved_variables()[0]);
+    return {dg, at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor act_kept_train(const at::Tensor& g, int64_t act, int64_t isa) { return KeptActivation::apply(g, act, isa); }
+
 constexpr int64_t CLIP_CHUNK = 1 << 14;  // elements a partial sum (and a task)
 
 at::Tensor clip_grad_norm_(at::TensorList grads, double max_norm, int64_t isa) {
@@ -797,11 +851,16 @@ TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("int8_linear_backward(Tensor g, Tensor qw, Tensor sw, Tensor qxt, Tensor sxc, int left, int right, bool dx, "
         "bool dw, bool db, bool dx_bf16, int isa) -> (Tensor, Tensor, Tensor)");
   m.def("int8_linear_train(Tensor x, Tensor w, Tensor? b, int left, int right, bool bf16, int isa) -> Tensor");
-  m.def("int8_kernel(int mode) -> int", &int8_kernel);  // (no tensors: one kernel for every dispatch key)
+  m.def("int8_kernel(int mode) -> int", &int8_kernel);
+  m.def("short_attention_train(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window, int isa) -> "
+        "Tensor");
+  m.def("act_kept_train(Tensor g, int act, int isa) -> Tensor");  // (no tensors: one kernel for every dispatch key)
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CompositeImplicitAutograd, m) {
   m.impl("int8_linear_train", &int8_linear_train);
+  m.impl("short_attention_train", &short_attention_train);
+  m.impl("act_kept_train", &act_kept_train);
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {

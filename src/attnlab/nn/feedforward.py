@@ -64,12 +64,13 @@ FFN_ACTIVATIONS = tuple(ACTIVATIONS) + tuple(GATED_ACTIVATIONS)
 
 
 class _Activation(torch.autograd.Function):
-    """``h = act(g) ⊙ u`` (gated) or ``h = act(g)`` (``u`` None) and the gradients ``∂L/∂g = ∂L/∂h ⊙ u ⊙ act'(g)``,
-    ``∂L/∂u = ∂L/∂h ⊙ act(g)``, one C++ pass each (:func:`attnlab._native_train.act_train`, float32 arithmetic, one
-    rounding to the inputs' dtype) instead of PyTorch's activation, its backward and (gated) three products. A plain
-    activation keeps ``act'(g)`` from its forward (:func:`~attnlab._native_train.act_with_grad`: GELU's derivative
-    reuses the forward's e^(−g²/2), so the two cost about one), the backward then one product ``∂L/∂h ⊙ act'(g)``:
-    the same bits in float32, in bf16 ``act'(g)`` rounded once more. Training only; the call sites' rules come from
+    """``h = act(g) ⊙ u`` (gated) and the gradients ``∂L/∂g = ∂L/∂h ⊙ u ⊙ act'(g)``, ``∂L/∂u = ∂L/∂h ⊙ act(g)``, one
+    C++ pass each (:func:`attnlab._native_train.act_train`, float32 arithmetic, one rounding to the inputs' dtype)
+    instead of PyTorch's activation, its backward and three products. A plain activation (``h = act(g)``,
+    :func:`_activate`: one C++ autograd node, :func:`~attnlab._native_train.act_kept_train`) keeps ``act'(g)`` from
+    its forward (:func:`~attnlab._native_train.act_with_grad`: GELU's derivative reuses the forward's e^(−g²/2), so
+    the two cost about one), the backward then one product ``∂L/∂h ⊙ act'(g)``: the same bits in float32, in bf16
+    ``act'(g)`` rounded once more. Training only; the call sites' rules come from
     ``benchmarks/train_passes.py`` (fwd + bwd under autograd, 2 cores, ours ÷ PyTorch's time): SwiGLU gate on
     (16, 256, 704) float32 0.56–0.63× (AVX-512) and 0.57–0.69× (as AVX2), bfloat16 0.82–0.87× with AVX-512 but
     0.99–1.19× as AVX2 (bf16 is emulated there: gated bf16 stays on PyTorch's operations); GELU on (12, 64, 512)
@@ -79,29 +80,30 @@ class _Activation(torch.autograd.Function):
     dtypes on every ISA."""
 
     @staticmethod
-    def forward(ctx, g: Tensor, u: Optional[Tensor], activation: str) -> Tensor:
+    def forward(ctx, g: Tensor, u: Tensor, activation: str) -> Tensor:
         ctx.activation = activation
-        ctx.kept = u is None
-        if ctx.kept:  # plain: act'(g) kept, the backward one product
-            h, d = _native_train.act_with_grad(g, activation)
-            ctx.save_for_backward(d)
-            return h
         ctx.save_for_backward(g, u)
         return _native_train.act_train(g, u, activation)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor):
-        if ctx.kept:
-            (d,) = ctx.saved_tensors
-            return grad * d, None, None
         g, u = ctx.saved_tensors
         dg, du = _native_train.act_train_backward(grad.contiguous(), g, u, ctx.activation)
         return dg, du, None
 
 
+def _activate(g: Tensor, u: Optional[Tensor], activation: str) -> Tensor:
+    """The training activation by our passes (where :func:`_native_grad` says so): gated, :class:`_Activation`;
+    plain, one C++ autograd node that keeps ``act'(g)`` (:func:`attnlab._native_train.act_kept_train`: no Python
+    ``autograd.Function`` each way)."""
+    if u is None:
+        return _native_train.act_kept_train(g, activation)
+    return _Activation.apply(g, u, activation)
+
+
 def _native_grad(h: Tensor, u: Optional[Tensor]) -> bool:
-    """Whether :class:`_Activation` takes this training call (the rules in its docstring)."""
+    """Whether :func:`_activate` takes this training call (the rules in :class:`_Activation`'s docstring)."""
     if not (h.requires_grad or (u is not None and u.requires_grad)) or not torch.is_grad_enabled() or not h.numel():
         return False
     if not _native.trainable(h, u):
@@ -158,7 +160,7 @@ class FeedForward(nn.Module):
         h = self.w1(x)  # (B, L, hidden)
         u = self.w3(x) if self.w3 is not None else None
         if _native_grad(h, u):
-            h = _Activation.apply(h, u, self.activation)  # training: one pass each way
+            h = _activate(h, u, self.activation)  # training: one pass each way
         elif u is not None:
             h = self.act(h) * u
         else:
