@@ -320,3 +320,24 @@ def test_the_short_backend_in_bf16_equals_the_float64_reference_to_bf16_rounding
     for got, want in zip(grads, ref_grads):
         assert got.dtype == torch.bfloat16
         assert (got.double() - want).abs().max() <= U_BF16 * (2 * kappa_s + 8) * float(want.abs().max())
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite_finds_one_nan_or_infinity_anywhere_and_only_in_the_tensor_s_own_elements(isa, dtype):
+    """The pipeline's NaN/inf check: one pass over each tensor (float32 and bf16 whose elements fill one block:
+    contiguous or permuted; any other tensor by torch.isfinite), exact where a sum of finite values would overflow."""
+    from attnlab.backends.dispatch import all_finite
+    x = torch.randn(5, 67, 33).to(dtype)  # 11,055 elements: whole vectors, tails, more than one task
+    assert _native_train.all_finite([x, x.permute(2, 0, 1), x[:, ::2]]) and all_finite(x)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for where in ((0, 0, 0), (4, 66, 32), (2, 40, 17)):
+            y = x.clone()
+            y[where] = bad
+            assert not _native_train.all_finite([y]) and not _native_train.all_finite([torch.ones(3), y.permute(1, 2, 0)])
+            assert not all_finite(x, y)
+            # a strided view sees only its own elements
+            assert _native_train.all_finite([y[:, :, 1::2] if where[2] % 2 == 0 else y[:, :, ::2]])
+    big = torch.full((64,), 3e38 if dtype != torch.float16 else 6e4).to(dtype)  # finite; their sum is not
+    assert _native_train.all_finite([big]) and _native_train.all_finite([torch.ones(0), torch.arange(4)])

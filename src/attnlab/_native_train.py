@@ -6,7 +6,7 @@ kernels are not :func:`~attnlab._native.available` (callers check that first).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -174,6 +174,19 @@ def short_attention_backward(q: Tensor, k: Tensor, v: Tensor, p: Tensor, d_out: 
     _native._need()
     return _native._state["short_attention_backward"](q, k, v, p, d_out, scale, causal,
                                                       -1 if window is None else window, _native._state["isa"])
+
+
+def all_finite(tensors: Sequence[Tensor]) -> bool:
+    """Whether no entry of any of ``tensors`` (CPU) is NaN or ±inf: one pass over each, by the native kernels for
+    float32 and bfloat16 tensors whose elements fill one block of memory (contiguous or permuted), else
+    ``torch.isfinite`` (the attention pipeline's check, :func:`attnlab.backends.dispatch.all_finite`).
+
+    Raises:
+        RuntimeError / NotImplementedError: the native kernels are not :func:`~attnlab._native.available`, or a
+            tensor is not on the CPU (the caller routes those to ``sum``).
+    """
+    _native._need()
+    return _native._state["all_finite"](list(tensors), _native._state["isa"])
 
 
 def clip_grad_norm_(grads: list[Tensor], max_norm: float) -> Tensor:

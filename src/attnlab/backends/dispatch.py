@@ -22,6 +22,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+from attnlab import _native, _native_train
 from attnlab._checks import boolean
 from attnlab.backends import AUTO_ORDER, BACKENDS, SPARSE_ORDER
 from attnlab.backends.base import Backend, BackendUnavailable
@@ -223,9 +224,13 @@ def position_bias_terms(position_bias, *, backend: str, heads: int, q_len: int, 
 
 
 def all_finite(*tensors: Tensor) -> bool:
-    """True when no entry is NaN or ±inf: ``sum`` is finite iff every term is (or, rarely, finite terms
-    overflow it, which only sends the request down the guarded path, still exact). fp16 is summed in fp32, whose
-    range its sums cannot overflow as easily (65504 would send ordinary inputs down the guarded path)."""
+    """True when no entry is NaN or ±inf. On the CPU with the native kernels one pass each that makes no tensor
+    (:func:`attnlab._native_train.all_finite`: ~1.5 % of the nanogpt-cpu step as AVX2 went to this check's sums);
+    else ``sum`` is finite iff every term is (or, rarely, finite terms overflow it, which only sends the request
+    down the guarded path, still exact). fp16 is summed in fp32, whose range its sums cannot overflow as easily
+    (65504 would send ordinary inputs down the guarded path)."""
+    if tensors and all(t.device.type == "cpu" and _native.runs_on(t) for t in tensors):
+        return _native_train.all_finite(tensors)
     sums = [t.detach().sum(dtype=torch.float32 if t.dtype == torch.float16 else None) for t in tensors]
     if sums and sums[0].device.type != "cpu":  # one device synchronisation for all of them, not one each
         return math.isfinite(float(torch.stack([s.float() for s in sums]).sum()))

@@ -59,6 +59,8 @@
 //       contiguous (B, L, H, D) tensor
 //   attnlab::short_attention_train(q, k, v, scale, causal, window) -> out
 //       the two as one autograd node (CompositeImplicitAutograd): P kept from the forward for the backward
+//   attnlab::all_finite(tensors) -> bool
+//       no entry of any tensor NaN or ±inf (the attention pipeline's check: one pass, no tensor made)
 //   attnlab::clip_grad_norm_(grads, max_norm) -> norm
 //       ‖g‖ = (Σ over every tensor of Σ g²)^½ (float32 tensors, contiguous), and where c = max_norm / (‖g‖ + 1e-6)
 //       is below 1 (or NaN) every g scaled by c in place (torch.nn.utils.clip_grad_norm_'s rule); norm float32 ().
@@ -73,6 +75,7 @@
 #include <ATen/ops/_int_mm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/isfinite.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
@@ -789,6 +792,33 @@ struct KeptActivation : public torch::autograd::Function<KeptActivation> {
 
 at::Tensor act_kept_train(const at::Tensor& g, int64_t act, int64_t isa) { return KeptActivation::apply(g, act, isa); }
 
+// whether every entry of every tensor is finite: float32 and bfloat16 tensors whose elements fill one block of
+// memory (contiguous, or a permutation of a contiguous tensor) scanned by finite_span over torch's threads, any other
+// by at::isfinite
+bool all_finite(at::TensorList ts, int64_t isa) {
+  for (const at::Tensor& t : ts) {
+    ATTNLAB_CHECK(t.device().is_cpu(), "attnlab::all_finite: tensors must be on the CPU, got ", t.device().str());
+    const bool scan = (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) &&
+                      t.is_non_overlapping_and_dense();
+    if (!scan) {
+      if (t.is_floating_point() && !at::isfinite(t).all().item<bool>()) return false;
+      continue;
+    }
+    std::atomic<bool> bad{false};
+    const auto run = [&](auto tag) {
+      using T = decltype(tag);
+      const T* x = data<T>(t);
+      const auto span = ISA_FN(finite_span<T>);
+      at::parallel_for(0, t.numel(), 1 << 15, [&](int64_t j0, int64_t j1) {
+        if (!span(x + j0, j1 - j0)) bad.store(true, std::memory_order_relaxed);
+      });
+    };
+    t.scalar_type() == at::kFloat ? run(float{}) : run(uint16_t{});
+    if (bad.load()) return false;
+  }
+  return true;
+}
+
 constexpr int64_t CLIP_CHUNK = 1 << 14;  // elements a partial sum (and a task)
 
 at::Tensor clip_grad_norm_(at::TensorList grads, double max_norm, int64_t isa) {
@@ -854,7 +884,8 @@ TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("int8_kernel(int mode) -> int", &int8_kernel);
   m.def("short_attention_train(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window, int isa) -> "
         "Tensor");
-  m.def("act_kept_train(Tensor g, int act, int isa) -> Tensor");  // (no tensors: one kernel for every dispatch key)
+  m.def("act_kept_train(Tensor g, int act, int isa) -> Tensor");
+  m.def("all_finite(Tensor[] tensors, int isa) -> bool");  // (no tensors: one kernel for every dispatch key)
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CompositeImplicitAutograd, m) {
@@ -871,6 +902,7 @@ TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
   m.impl("rope_train", &rope_train);
   m.impl("act_train", &act_train);
   m.impl("clip_grad_norm_", &clip_grad_norm_);
+  m.impl("all_finite", &all_finite);
   m.impl("short_attention", &short_attention);
   m.impl("short_attention_backward", &short_attention_backward);
   m.impl("act_train_backward", &act_train_backward);

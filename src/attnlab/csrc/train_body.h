@@ -484,6 +484,27 @@ inline float absmax_row(const T* x, const float* c, int64_t n) {
   return nan ? NAN : r;
 }
 
+// true when no x_j is NaN or ±inf: Σ (x_j − x_j) stays 0, where an infinity or a NaN makes it NaN (four running sums)
+template <class T>
+inline bool finite_span(const T* x, int64_t n) {
+  VF z0 = splat(0.f), z1 = z0, z2 = z0, z3 = z0;
+  int64_t j = 0;
+  for (; j + 4 * L <= n; j += 4 * L) {
+    const VF a = ld(x + j), b = ld(x + j + L), c = ld(x + j + 2 * L), d = ld(x + j + 3 * L);
+    z0 += a - a, z1 += b - b, z2 += c - c, z3 += d - d;
+  }
+  for (; j + L <= n; j += L) {
+    const VF a = ld(x + j);
+    z0 += a - a;
+  }
+  float r = 0.f;
+  for (; j < n; ++j) {
+    const float a = ld1(x + j);
+    r += a - a;
+  }
+  return !any_nan((z0 + z1) + (z2 + z3)) && r == r;
+}
+
 // q_j = round(x_j c_j inv) (c null: 1)
 template <class T>
 inline void quantize_row(const T* x, const float* c, int64_t n, float inv, int8_t* q) {
