@@ -77,16 +77,25 @@ def peak_gflops(dtype: str) -> float:
 
 @functools.lru_cache(maxsize=1)
 def int8_gflops(n: int = 512, seconds: float = 0.1) -> float:
-    """GFLOP/s (2n³ integer multiply-adds counted as flops) of ``torch._int_mm`` on ``n × n`` int8 operands as
-    :mod:`attnlab.adapt.int8_training` calls it (the right operand within ±63), the best of ``seconds`` of them."""
+    """GFLOP/s (2n³ integer multiply-adds counted as flops) of the int8 product :mod:`attnlab.adapt.int8_training`
+    calls (``_native_train.int8_product``: with AVX2 and no VNNI attnlab's kernel, else ``torch._int_mm``; plain
+    ``torch._int_mm`` where the native kernels are not built) on ``n × n`` int8 operands, the right one within ±63,
+    the best of ``seconds`` of them."""
     import torch
 
+    from attnlab import _native
     from attnlab._runtime import product_gflops
 
     gen = torch.Generator().manual_seed(0)
     a = torch.randint(-127, 128, (n, n), generator=gen, dtype=torch.int8)
     b = torch.randint(-63, 64, (n, n), generator=gen, dtype=torch.int8)
-    return product_gflops(torch._int_mm, a, b, seconds=seconds)
+    product = torch._int_mm
+    if _native.available():
+        from attnlab import _native_train
+
+        rs = torch.ones(n)
+        product = lambda a, b: _native_train.int8_product(a, b, rs, max_inner=1 << 30)  # noqa: E731
+    return product_gflops(product, a, b, seconds=seconds)
 
 
 def mfu(flops: float, wall_s: float, dtype: str) -> float:
