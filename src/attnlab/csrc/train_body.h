@@ -591,24 +591,23 @@ inline void transpose_bytes(const int8_t* src, int64_t ss, int64_t rows, int64_t
 // a b + c rounded once with AVX2 and AVX-512 (FMA), twice in the portable set. Written out, not left to GCC's
 // contraction, which fuses or not by the context a function is inlined into (dequant_row runs both whole and inside
 // int8_gemm.h's tiles, and must give the same bits in both)
+template <class R, class F>  // fn on a, b, c as the set's registers R
+inline VF as_registers(VF a, VF b, VF c, F fn) {
+  R x, y, z;
+  std::memcpy(&x, &a, sizeof x), std::memcpy(&y, &b, sizeof y), std::memcpy(&z, &c, sizeof z);
+  const R r = fn(x, y, z);
+  VF out;
+  std::memcpy(&out, &r, sizeof out);
+  return out;
+}
 inline VF fmadd(VF a, VF b, VF c) {
 #if defined(__x86_64__) || defined(_M_X64)
-  if constexpr (L == 16) {
-    __m512 x, y, z;
-    std::memcpy(&x, &a, sizeof x), std::memcpy(&y, &b, sizeof y), std::memcpy(&z, &c, sizeof z);
-    const __m512 r = _mm512_fmadd_ps(x, y, z);
-    VF out;
-    std::memcpy(&out, &r, sizeof out);
-    return out;
-  }
-  if constexpr (L == 8) {
-    __m256 x, y, z;
-    std::memcpy(&x, &a, sizeof x), std::memcpy(&y, &b, sizeof y), std::memcpy(&z, &c, sizeof z);
-    const __m256 r = _mm256_fmadd_ps(x, y, z);
-    VF out;
-    std::memcpy(&out, &r, sizeof out);
-    return out;
-  }
+  if constexpr (L == 16) return as_registers<__m512>(a, b, c, [](__m512 x, __m512 y, __m512 z) {
+    return _mm512_fmadd_ps(x, y, z);
+  });
+  if constexpr (L == 8) return as_registers<__m256>(a, b, c, [](__m256 x, __m256 y, __m256 z) {
+    return _mm256_fmadd_ps(x, y, z);
+  });
 #endif
   return a * b + c;
 }
