@@ -46,6 +46,9 @@ wall in ``benchmarks/train.py``'s pairs (this host's minutes move a run's wall b
 backward's two int8 products one a thread, GELU's derivative kept from its forward (ours in bf16 too) and the int8
 layer as one C++ autograd node: seed 0 at val 1.8851 (AVX-512; seeds 1 and 2: 1.9007, 1.8917) and 1.8866 (as AVX2,
 float32: the same bits); the run's own wall in each benchmark's last pair 22.6–29.4 s and 37.7–44.7 s (noisier minutes).
+Then (session 27) with AVX2 and no VNNI the int8 products by attnlab's own kernel, the fused attention and the plain
+activation as C++ autograd nodes, the attention pipeline's NaN check native: as AVX2 the same bits again (1.8866),
+our process 34.2–41.7 s in ``benchmarks/train.py``'s pairs (nanoGPT's 67–81 s in the same pairs); AVX-512 1.8851.
 
 Adapting a trained run (each setting names a previous run's output folder; its latest checkpoint is used;
 the code: :mod:`attnlab.training.recipes.char_runs`):
