@@ -267,3 +267,25 @@ def test_matvec_takes_leading_dims_and_empty_inputs():
     assert y.shape == (2, 3, 5) and torch.equal(y, _native.matvec(x.reshape(6, 40), w, None, b).view(2, 3, 5))
     assert _native.matvec(torch.randn(0, 40), w).shape == (0, 5)
     assert torch.equal(_native.matvec(torch.randn(2, 0), torch.randn(5, 0)), torch.zeros(2, 5))
+
+
+@needs_native
+def test_a_built_library_loads_without_cpp_extension_only_from_its_digest_keyed_folder(tmp_path, monkeypatch):
+    """The folder's name is a digest of the sources and the flags, so a library there is current: it loads directly
+    (no cpp_extension import or ninja run); none there, a torn file, or an unkeyed $ATTNLAB_NATIVE_DIR: the build."""
+    so = _native.build_directory() / "attnlab_native.so"
+    assert so.is_file() and _native._load_built(so)  # (loading it again is a no-op)
+    assert not _native._load_built(tmp_path / "attnlab_native.so")
+    torn = tmp_path / "torn" / "attnlab_native.so"
+    torn.parent.mkdir()
+    whole = so.read_bytes()
+    for cut in (10, 4096, len(whole) - 1):  # (the dynamic loader would crash the process on such a file)
+        torn.write_bytes(whole[:cut])
+        assert not _native._load_built(torn)
+    monkeypatch.setenv("ATTNLAB_NATIVE_DIR", str(so.parent))
+    assert not _native._load_built(so)
+    flags = _native.CFLAGS
+    monkeypatch.delenv("ATTNLAB_NATIVE_DIR")
+    before = _native.build_directory()
+    monkeypatch.setattr(_native, "CFLAGS", flags + ("-DATTNLAB_TEST",))
+    assert _native.build_directory() != before  # other flags, another folder

@@ -74,14 +74,28 @@ def build_directory() -> Path:
 def _load_built(so: Path) -> bool:
     """Load the library built before for these very sources and flags (the directory's name is their digest) without
     ``cpp_extension.load``, whose import and ninja run cost ~160 ms of every process that uses the kernels. False
-    where there is none to load, or the folder is ``$ATTNLAB_NATIVE_DIR`` (not keyed: ninja decides there)."""
-    if os.environ.get("ATTNLAB_NATIVE_DIR") or not so.is_file():
+    where there is none to load, it is not a whole 64-bit ELF file (a link interrupted by a kill: the dynamic loader
+    would crash the process on it; cpp_extension.load relinks it), or the folder is ``$ATTNLAB_NATIVE_DIR`` (not
+    keyed: ninja decides there)."""
+    if os.environ.get("ATTNLAB_NATIVE_DIR") or not so.is_file() or not _whole_elf(so):
         return False
     try:
         torch.ops.load_library(str(so))
-    except OSError:  # a torn file (a build interrupted while linking): cpp_extension.load rebuilds it
+    except OSError:
         return False
     return True
+
+
+def _whole_elf(path: Path) -> bool:
+    """Whether ``path`` is a little-endian 64-bit ELF file that reaches its section header table (which the linker
+    writes at the end: a truncated file stops short of it)."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+        return False
+    shoff = int.from_bytes(head[0x28:0x30], "little")
+    shentsize, shnum = int.from_bytes(head[0x3A:0x3C], "little"), int.from_bytes(head[0x3C:0x3E], "little")
+    return path.stat().st_size >= shoff + shentsize * shnum
 
 
 def _load() -> None:

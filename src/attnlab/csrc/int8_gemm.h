@@ -1,5 +1,5 @@
 // The int8 product of attnlab::int8_product on AVX2 (isa 1), with its rescaling fused (included by train.cpp,
-// inside its anonymous namespace, after isa_regions.h: the tiles are rescaled by avx2::dequant_row):
+// inside its anonymous namespace, after isa_regions.h: the tiles are rescaled by avx2::dequant_vec):
 //
 //   y = diag(rs) (A B) diag(cs) + bias,   A (M, K) int8 (rows contiguous), B (K, N) int8 with |b| ≤ 63 (any
 //   strides), K a multiple of 4, y (M, N) float32 or bfloat16 contiguous.
@@ -7,9 +7,10 @@
 // AVX2 multiplies bytes only as vpmaddubsw: unsigned × signed pairs summed into a saturating int16. So A is read
 // shifted to unsigned, a + 128 ∈ [0, 255] (one XOR of its sign bit), and B's 7 bits keep a pair's sum within int16
 // (2 · 255 · 63 = 32130 < 32767); vpmaddwd widens four terms of a column to int32, where they are summed exactly.
-// The shift comes back out per column: Σ_k (a_k + 128) b_kn − 128 Σ_k b_kn = Σ_k a_k b_kn, the exact int32 sums of
-// torch._int_mm; each 4 × 16 tile of them is rescaled by the dequant_row that rescales torch._int_mm's whole rows,
-// so y has the same bits either way.
+// The shift comes back out per column: the sums start at −128 Σ_k b_kn, so they end at Σ_k (a_k + 128) b_kn −
+// 128 Σ_k b_kn = Σ_k a_k b_kn, the exact int32 sums of torch._int_mm; each 4 × 16 tile of them is rescaled from its
+// registers by the arithmetic of the dequant_row that rescales torch._int_mm's rows (dequant_vec), so y has the same
+// bits either way.
 //
 // Why not torch._int_mm (oneDNN) there: for s8 × s8 on AVX2 oneDNN copies B shifted and sums its columns on every
 // call, ~15 µs a call before any product (nanogpt-cpu makes 48 products a step), and its int32 result then takes a
@@ -21,8 +22,7 @@
 namespace u8s8 {
 
 constexpr int64_t NR = 16;  // columns of a panel: two vectors of 8 int32 sums
-constexpr int64_t MR = 4;
-
+constexpr int64_t MR = 4;   // rows of a tile: 4 × 2 accumulators, two vectors of B, the broadcast and scratch
 
 // Panel p of B (columns [16p, 16p + 16), zeros past N) into P (K · 16 bytes: P[k4 · 64 + 4c + i] = b(4 k4 + i,
 // 16p + c)); −128 Σ_k b_kn into shift[0, 16) (where the shifted sums of its columns start); returns max |b| over it
