@@ -414,3 +414,14 @@ def test_rms_norm_train_backward_gives_the_same_bits_on_any_number_of_threads():
         torch.set_num_threads(before)
     for dx, dw in outs[1:]:
         assert torch.equal(dx, outs[0][0]) and torch.equal(dw, outs[0][1])
+
+
+@needs_native
+def test_the_kept_activation_refuses_a_second_differentiation_instead_of_dropping_its_term():
+    """Its backward is ∂L/∂h ⊙ act'(g) with act'(g) a constant: recorded under create_graph it would miss act''(g)."""
+    g = torch.randn(4, 8, requires_grad=True)
+    h = _activate(g, None, "gelu")
+    (dg,) = torch.autograd.grad(h.sum(), g)
+    assert torch.equal(dg, _native_train.act_with_grad(g.detach(), "gelu")[1])
+    with pytest.raises(RuntimeError, match=r"act_kept_train: its backward cannot be differentiated again"):
+        torch.autograd.grad(_activate(g, None, "gelu").sum(), g, create_graph=True)

@@ -785,6 +785,10 @@ struct KeptActivation : public torch::autograd::Function<KeptActivation> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
+    // PyTorch's `mul` would be recorded under create_graph without the term of act''(g): refuse instead (the other
+    // nodes' backward ops have no autograd kernel, so differentiating them again fails by itself)
+    ATTNLAB_CHECK(!at::GradMode::is_enabled(), "attnlab::act_kept_train: its backward cannot be differentiated again "
+                  "(create_graph=True); ATTNLAB_NATIVE=0 trains with PyTorch's operations");
     const at::Tensor dg = grads[0].mul(ctx->get_saved_variables()[0]);
     return {dg, at::Tensor(), at::Tensor()};
   }
