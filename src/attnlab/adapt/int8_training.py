@@ -20,8 +20,8 @@ the products are: only the roundings (and the float32 rescaling) differ from a f
 Why: on 2 cores ``torch._int_mm`` at the ``nanogpt-cpu`` preset's shapes runs 440 GFLOP/s with AVX2 (fp32: ~205)
 and 1,600 with AVX512-VNNI (bf16: ~360) — ``benchmarks/train.py`` measures the whole step. With AVX2 and no VNNI
 the products are attnlab's own (``csrc/int8_gemm.h``: the same ``u8 × s8`` arithmetic and int32 sums, the
-rescaling fused, no per-call copy of the right operand: 458–503 GFLOP/s at the same shapes, 1.2–1.3× as fast as
-``_int_mm`` and its rescaling pass; :func:`attnlab._native_train.int8_kernel`). What it costs: the
+rescaling fused, no per-call copy of the right operand: 435–503 GFLOP/s at the same shapes, the 12 products in 0.76×
+the time of ``_int_mm`` and its rescaling pass; :func:`attnlab._native_train.int8_kernel`). What it costs: the
 roundings of 8- and 7-bit operands (relative error up to 1/254 and 1/126 of the row's largest value) in every
 product; ``nanogpt-cpu``'s val loss is unchanged within its seed-to-seed spread (the recipe's docstring table).
 

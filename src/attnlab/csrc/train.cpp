@@ -885,11 +885,11 @@ TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("int8_linear_backward(Tensor g, Tensor qw, Tensor sw, Tensor qxt, Tensor sxc, int left, int right, bool dx, "
         "bool dw, bool db, bool dx_bf16, int isa) -> (Tensor, Tensor, Tensor)");
   m.def("int8_linear_train(Tensor x, Tensor w, Tensor? b, int left, int right, bool bf16, int isa) -> Tensor");
-  m.def("int8_kernel(int mode) -> int", &int8_kernel);
+  m.def("int8_kernel(int mode) -> int", &int8_kernel);  // (no tensors: one kernel for every dispatch key)
   m.def("short_attention_train(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window, int isa) -> "
         "Tensor");
   m.def("act_kept_train(Tensor g, int act, int isa) -> Tensor");
-  m.def("all_finite(Tensor[] tensors, int isa) -> bool");  // (no tensors: one kernel for every dispatch key)
+  m.def("all_finite(Tensor[] tensors, int isa) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CompositeImplicitAutograd, m) {
