@@ -18,7 +18,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
-	$(PY) -m attnlab._native  # attnlab's C++ kernels, built once (without a compiler: PyTorch's kernels, said here)
+	# attnlab's C++ kernels, built once (without a compiler: PyTorch's kernels, said here); -W: runpy's warning that
+	# the package's own import already loaded the module (harmless: the library is loaded once either way)
+	$(PY) -W ignore::RuntimeWarning:runpy -m attnlab._native
 	# the bytecode pip writes for a regular install (an editable one has none): ~0.1 s of every command
 	$(PY) -m compileall -q src
 	touch $(STAMP)

@@ -270,3 +270,49 @@ def test_packed_self_attention_checks_its_projection_once(monkeypatch):
     x[1, 4] = float("nan")  # the last position of sequence 1: causal rows before it never see it
     out, _ = mha(x, x, x, need_weights=False, is_causal=True)
     assert out[0].isfinite().all() and out[1, :4].isfinite().all() and out[1, 4].isnan().all()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("scale", [None, 0.3])
+@pytest.mark.parametrize("backend", ["auto", "short"])
+def test_training_takes_the_plain_path_with_the_pipelines_bits(causal, scale, backend, monkeypatch):
+    """Training with nothing but causal and a scale (the short backend's fused kernel): ``attend_plain`` runs it
+    without building the request — no ``prepare`` — and the output and every gradient equal the pipeline's to the
+    bit (the same kernel call); a request it cannot take (a mask, weights asked for) goes through the pipeline."""
+    import attnlab.modules.multihead as multihead
+    from attnlab import _native
+    if not _native.available():
+        pytest.skip(f"the fused kernel needs attnlab's native kernels: {_native.status()}")
+    prepared, original = [], multihead.prepare
+    monkeypatch.setattr(multihead, "prepare", lambda *a, **kw: prepared.append(1) or original(*a, **kw))
+    torch.manual_seed(0)
+    mha = MultiheadAttention(32, 4, scale=scale, backend=backend)
+    x = torch.randn(2, 11, 32, requires_grad=True)
+    dout = torch.randn(2, 11, 32)
+
+    def run():
+        out, _ = mha(x, x, x, need_weights=False, is_causal=causal)
+        return (out, *torch.autograd.grad(out, (x, *mha.parameters()), dout))
+
+    plain = run()
+    assert prepared == []
+    monkeypatch.setattr(multihead, "attend_plain", lambda *a, **kw: None)  # the pipeline
+    general = run()
+    assert prepared == [1]
+    for a, b in zip(plain, general):
+        assert torch.equal(a, b)
+    monkeypatch.undo()
+    prepared.clear()
+    monkeypatch.setattr(multihead, "prepare", lambda *a, **kw: prepared.append(1) or original(*a, **kw))
+    mha(x, x, x, need_weights=False, attn_mask=torch.zeros(11, 11, dtype=torch.bool))
+    if backend == "auto":  # (short returns no weights)
+        mha(x, x, x, need_weights=True, is_causal=causal)
+    assert len(prepared) == (2 if backend == "auto" else 1)
+
+
+def test_the_plain_path_keeps_the_pipelines_refusals():
+    x = torch.randn(1, 5, 16, requires_grad=True)
+    with pytest.raises(ValueError, match="top_k"):
+        MultiheadAttention(16, 2, top_k=2)(x, x, x, need_weights=False, is_causal=True)
+    with pytest.raises(TypeError, match="causal"):
+        MultiheadAttention(16, 2)(x, x, x, need_weights=False, is_causal=1)

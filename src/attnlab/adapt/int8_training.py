@@ -17,11 +17,14 @@ saturate at 8-bit × 8-bit (measured: ``torch._int_mm`` wrong by up to ~10⁶ wi
 at 8 × 7 bits; the same rounding everywhere keeps the result the same on every CPU. The int32 sums are exact, so
 the products are: only the roundings (and the float32 rescaling) differ from a float product.
 
-Why: on 2 cores ``torch._int_mm`` at the ``nanogpt-cpu`` preset's shapes runs 440 GFLOP/s with AVX2 (fp32: ~205)
-and 1,600 with AVX512-VNNI (bf16: ~360) — ``benchmarks/train.py`` measures the whole step. With AVX2 and no VNNI
-the products are attnlab's own (``csrc/int8_gemm.h``: the same ``u8 × s8`` arithmetic and int32 sums, the
-rescaling fused, no per-call copy of the right operand: 435–503 GFLOP/s at the same shapes, the 12 products in 0.76×
-the time of ``_int_mm`` and its rescaling pass; :func:`attnlab._native_train.int8_kernel`). What it costs: the
+Why: on 2 Zen 4 cores ``torch._int_mm`` at the ``nanogpt-cpu`` preset's shapes runs 1,600 GFLOP/s with AVX512-VNNI
+(bf16: ~360) and 440 with oneDNN capped to AVX2 (fp32: ~205) — ``benchmarks/train.py`` measures the whole step. With
+AVX2 and no VNNI the products are attnlab's own (``csrc/int8_gemm.h``: the same ``u8 × s8`` arithmetic and int32
+sums, the rescaling fused, no per-call copy of the right operand; :func:`attnlab._native_train.int8_kernel`): 435–503
+GFLOP/s at the same shapes on those cores (the 12 products in 0.76× the time of ``_int_mm`` and its rescaling pass),
+and on a real AVX2 CPU without VNNI (2 Zen 3 cores, session 28) 154–230 GFLOP/s where fp32 runs 118–131 and
+``torch._int_mm`` only 2–4 (oneDNN's int8 product there is a reference loop: the emulation on a newer core had hidden
+it). What it costs: the
 roundings of 8- and 7-bit operands (relative error up to 1/254 and 1/126 of the row's largest value) in every
 product; ``nanogpt-cpu``'s val loss is unchanged within its seed-to-seed spread (the recipe's docstring table).
 

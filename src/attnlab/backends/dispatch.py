@@ -24,7 +24,7 @@ from torch import Tensor
 
 from attnlab import _native, _native_train
 from attnlab._checks import boolean
-from attnlab.backends import AUTO_ORDER, BACKENDS, SPARSE_ORDER
+from attnlab.backends import AUTO_ORDER, BACKENDS, SPARSE_ORDER, short
 from attnlab.backends.base import Backend, BackendUnavailable
 from attnlab.backends.tiled import recover_weights
 from attnlab.functional.masks import MaskMod
@@ -127,6 +127,26 @@ def attend(q: Tensor, k: Tensor, v: Tensor, request: dict, *, backend: str = "au
     else:
         out, extra = _guarded(run, q, k, v, request)
     return (out, extra) if request["return_weights"] or return_lse else out
+
+
+def attend_plain(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: Optional[float], backend: str
+                 ) -> Optional[Tensor]:
+    """:func:`attend` for a request of nothing but ``causal`` and ``scale`` (no mask, window, mod, dropout or weights;
+    softmax) over q, k, v the caller has found finite, where it ends in the short backend's fused kernel
+    (``backend="short"``, or ``"auto"`` taking it: training on a CPU, few keys, as many key/value as query heads):
+    that kernel without building and validating the request — the same call, so the same bits; ~0.1 ms of Python a
+    layer a step less on a slow core (``MultiheadAttention`` takes it in training). None where any of that does not
+    hold or the output is not finite: the caller then runs :func:`attend`, whose checks handle or explain it."""
+    if backend == "auto":
+        if AUTO_ORDER[0] != "short" or not short.auto_when(q, k, v):
+            return None
+    elif backend != "short" or k.shape[1] != q.shape[1]:
+        return None
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)  # prepare's default, to the bit
+    if not (abs(scale) <= 1e3 and _native.trainable(q, k, v, contiguous=False) and short.fused_applies(q, k, v)):
+        return None
+    out = short.fused_short_attention(q, k, v, scale, causal, None)
+    return out if all_finite(out) else None
 
 
 def attend_step(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float]) -> Tensor:

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from attnlab._checks import is_int, positive_int
 from attnlab import _native
 from attnlab.modules.cache import KVCache
-from attnlab.backends.dispatch import (all_finite, attend, attend_step, attention_weights, keeps_lse,
+from attnlab.backends.dispatch import (all_finite, attend, attend_plain, attend_step, attention_weights, keeps_lse,
                                        position_bias_terms)
 from attnlab.functional.request import prepare
 
@@ -179,6 +179,12 @@ class MultiheadAttention(nn.Module):
             q = self.q_norm(q).to(q.dtype)
         if self.rotary is not None:
             q = self.rotary(q, torch.arange(past, past + L, device=q.device))
+        if (fresh_finite and cache is None and key_padding_mask is None and attn_mask is None and not need_weights
+                and isinstance(is_causal, bool) and self.position_bias is None and self.window is None
+                and self.normalize == "softmax" and self.top_k is None and (self.dropout == 0.0 or not self.training)):
+            out = attend_plain(q, k, v, causal=is_causal, scale=self.scale, backend=self.backend)
+            if out is not None:  # training's common case: the fused kernel without the request (attend_plain)
+                return self.out_proj(out.transpose(1, 2).reshape(B, L, H * Dh)), None
         if cache is not None:
             if cache.window is not None and (self.window is None or self.window > cache.window):
                 raise ValueError(f"a cache with window={cache.window} keeps fewer keys than this attention sees "

@@ -206,8 +206,9 @@ class _ResidualLayer(nn.Module):
         """Sub-layer ``i`` (1-based) around ``branch`` with norm ``norm{i}`` and dropout ``dropout{i}``."""
         norm = getattr(self, f"norm{i}")
         h = branch(norm(x) if self.norm_first else x)
-        if self.training:  # dropout and stochastic depth are the identity in eval: skip the calls
-            h = self.drop_path(getattr(self, f"dropout{i}")(h))
+        drop = getattr(self, f"dropout{i}")
+        if self.training and (getattr(drop, "p", 1.0) or getattr(self.drop_path, "p", 1.0)):  # the identity in eval or at rate 0: skip the calls
+            h = self.drop_path(drop(h))
         return x + h if self.norm_first else norm(x + h)
 
     def _load_torch(self, layer: nn.Module, attn_names: dict[str, str], num_sublayers: int) -> None:
