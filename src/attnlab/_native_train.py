@@ -301,13 +301,13 @@ def int8_kernel(kernel: Optional[str] = None) -> str:
 
     - ``"auto"`` (the default): ``csrc/int8_gemm.h`` where oneDNN has no VNNI instruction to use (a CPU without
       AVX-VNNI and AVX512-VNNI, or oneDNN capped by ``ONEDNN_MAX_CPU_ISA`` to AVX2 or below), else ``torch._int_mm``;
-    - ``"ours"``: ``csrc/int8_gemm.h`` wherever its conditions hold (K a multiple of 4, ``b`` within ±63);
+    - ``"ours"``: ``csrc/int8_gemm.h`` wherever its condition holds (``b`` within ±63; K is padded to a multiple of 4);
     - ``"onednn"``: ``torch._int_mm`` always.
 
     Either gives the same bits (the exact int32 sums, rescaled alike); only the time differs — by 50× or more on a CPU
     with AVX2 and no VNNI, where ``torch._int_mm`` is oneDNN's reference loop (2–4 GFLOP/s on 2 Zen 3 cores, ours
     154–230): ``"onednn"`` is there for comparisons. AVX-512 (isa 2) and the portable set always take
-    ``torch._int_mm``, as do the products ours does not take (K not a multiple of 4, ``b`` beyond ±63).
+    ``torch._int_mm``, as do the products ours does not take (``b`` beyond ±63: never the int8 layers').
     """
     _native._need()
     names = {v: k for k, v in INT8_KERNELS.items()}

@@ -176,14 +176,14 @@ def kernel(request):
 @needs_native
 @pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
 @pytest.mark.parametrize("M,K,N", [(768, 128, 384), (37, 44, 21), (5, 4, 16), (1, 8, 3), (130, 512, 130),
-                                   (9, 30, 17), (0, 8, 5), (6, 0, 7)])
+                                   (9, 30, 17), (3, 7, 19), (5, 1, 33), (70, 1001, 40), (0, 8, 5), (6, 0, 7)])
 @pytest.mark.parametrize("layout", ["rows", "columns", "strided"])
 def test_int8_product_equals_int_mm_rescaled_bit_for_bit(isa, kernel, M, K, N, layout):
     """With AVX2 (isa 1) and ``int8_kernel("ours")`` int8_product runs its own kernel (csrc/int8_gemm.h: a + 128 by
-    vpmaddubsw, the shift taken back per column, the rescaling fused) where K is a multiple of 4 and b within ±63,
-    else torch._int_mm: either way the exact int32 sums rescaled as dequantize rescales them, so the same bits as
+    vpmaddubsw, the shift taken back per column, the rescaling fused, K padded to a multiple of 4) where b is within
+    ±63, else torch._int_mm: either way the exact int32 sums rescaled as dequantize rescales them, so the same bits as
     torch._int_mm + dequantize, for b read by rows, by columns (a transposed matrix) or with any strides, any M, N
-    (partial tiles, partial panels), K not a multiple of 16 or 4, and b past ±63."""
+    (partial tiles, partial panels), K not a multiple of 16 or 4 (the padded rows), and b past ±63."""
     gen = torch.Generator().manual_seed(M * 1000 + K * 10 + N)
     a = torch.randint(-128, 128, (M, K), generator=gen, dtype=torch.int8)
     shape = {"rows": (K, N), "columns": (N, K), "strided": (K, 2 * N)}[layout]

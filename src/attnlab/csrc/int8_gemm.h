@@ -2,7 +2,7 @@
 // inside its anonymous namespace, after isa_regions.h: the tiles are rescaled by avx2::dequant_vec):
 //
 //   y = diag(rs) (A B) diag(cs) + bias,   A (M, K) int8 (rows contiguous), B (K, N) int8 with |b| ≤ 63 (any
-//   strides), K a multiple of 4, y (M, N) float32 or bfloat16 contiguous.
+//   strides), y (M, N) float32 or bfloat16 contiguous. K past a multiple of 4 is padded with zero rows of B.
 //
 // AVX2 multiplies bytes only as vpmaddubsw: unsigned × signed pairs summed into a saturating int16. So A is read
 // shifted to unsigned, a + 128 ∈ [0, 255] (one XOR of its sign bit), and B's 7 bits keep a pair's sum within int16
@@ -24,14 +24,14 @@ namespace u8s8 {
 constexpr int64_t NR = 16;  // columns of a panel: two vectors of 8 int32 sums
 constexpr int64_t MR = 4;   // rows of a tile: 4 × 2 accumulators, two vectors of B, the broadcast and scratch
 
-// Panel p of B (columns [16p, 16p + 16), zeros past N) into P (K · 16 bytes: P[k4 · 64 + 4c + i] = b(4 k4 + i,
-// 16p + c)); −128 Σ_k b_kn into shift[0, 16) (where the shifted sums of its columns start); returns max |b| over it
-// (as unsigned bytes: −128 reads 128)
+// Panel p of B (columns [16p, 16p + 16), zeros past N) into P (⌈K/4⌉ · 64 bytes: P[k4 · 64 + 4c + i] = b(4 k4 + i,
+// 16p + c), zeros past K); −128 Σ_k b_kn into shift[0, 16) (where the shifted sums of its columns start); returns
+// max |b| over it (as unsigned bytes: −128 reads 128)
 inline int pack_panel(const int8_t* B, int64_t sk, int64_t sn, int64_t K, int64_t N, int64_t p, int8_t* P,
                       int32_t* shift) {
-  const int64_t n0 = p * NR, cols = std::min(NR, N - n0), K4 = K / 4;
+  const int64_t n0 = p * NR, cols = std::min(NR, N - n0), full = K / 4, K4 = (K + 3) / 4;
   if (sn == 1 && cols == NR) {  // rows of B contiguous: four rows' 16 bytes interleaved into 16 columns' 4 bytes
-    for (int64_t k4 = 0; k4 < K4; ++k4) {
+    for (int64_t k4 = 0; k4 < full; ++k4) {
       const int8_t* row = B + 4 * k4 * sk + n0;
       const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
       const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + sk));
@@ -62,14 +62,18 @@ inline int pack_panel(const int8_t* B, int64_t sk, int64_t sn, int64_t K, int64_
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 128), _mm_unpacklo_epi64(hi01, hi23));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 192), _mm_unpackhi_epi64(hi01, hi23));
       }
-      for (int64_t k4 = 4 * K16; k4 < K4; ++k4) {  // K past a multiple of 16
+      for (int64_t k4 = 4 * K16; k4 < full; ++k4) {  // K past a multiple of 16
         for (int64_t i = 0; i < 4; ++i) std::memcpy(P + 64 * k4 + 4 * (c + i), col + i * sn + 4 * k4, 4);
       }
     }
-  } else {
-    for (int64_t k4 = 0; k4 < K4; ++k4) {
-      for (int64_t c = 0; c < NR; ++c) {
-        for (int64_t i = 0; i < 4; ++i) P[64 * k4 + 4 * c + i] = c < cols ? B[(4 * k4 + i) * sk + (n0 + c) * sn] : 0;
+  }
+  // the rest: any other layout, a last panel short of 16 columns, the rows past a multiple of 4 (zeros past K)
+  const int64_t from = (sn == 1 || sk == 1) && cols == NR ? full : 0;
+  for (int64_t k4 = from; k4 < K4; ++k4) {
+    for (int64_t c = 0; c < NR; ++c) {
+      for (int64_t i = 0; i < 4; ++i) {
+        const int64_t k = 4 * k4 + i;
+        P[64 * k4 + 4 * c + i] = c < cols && k < K ? B[k * sk + (n0 + c) * sn] : 0;
       }
     }
   }
@@ -160,13 +164,13 @@ constexpr int64_t MAX_K = ((int64_t{1} << 31) - 1) / (383 * 63);
 template <class T>
 bool product(const int8_t* A, int64_t lda, int64_t M, int64_t K, const int8_t* B, int64_t sk, int64_t sn, int64_t N,
              const float* rs, const float* cs, const float* bias, T* y) {
-  const int64_t panels = (N + NR - 1) / NR, K4 = K / 4;
-  const std::unique_ptr<int8_t[]> packed(new int8_t[panels * K * NR + 32]);  // (uninitialised: every byte written)
+  const int64_t panels = (N + NR - 1) / NR, K4 = (K + 3) / 4, Kp = 4 * K4;  // K padded to a multiple of 4
+  const std::unique_ptr<int8_t[]> packed(new int8_t[panels * Kp * NR + 32]);  // (uninitialised: every byte written)
   int8_t* P = packed.get() + (32 - reinterpret_cast<uintptr_t>(packed.get()) % 32) % 32;  // 32-byte aligned
   std::vector<int32_t> shift(panels * NR);
   std::vector<int> top(panels);
   at::parallel_for(0, panels, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K * NR)), [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) top[p] = pack_panel(B, sk, sn, K, N, p, P + p * K * NR, shift.data() + p * NR);
+    for (int64_t p = p0; p < p1; ++p) top[p] = pack_panel(B, sk, sn, K, N, p, P + p * Kp * NR, shift.data() + p * NR);
   });
   if (*std::max_element(top.begin(), top.end()) > 63) return false;
   const int64_t groups = (M + MR - 1) / MR;
@@ -175,30 +179,31 @@ bool product(const int8_t* A, int64_t lda, int64_t M, int64_t K, const int8_t* B
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     // this task's rows of A shifted to unsigned once (a + 128: the sign bit flipped), not in every panel's tiles
     const int64_t first = g0 * MR, count = std::min(M, g1 * MR) - first;
-    const std::unique_ptr<uint8_t[]> shifted(new uint8_t[count * K + 32]);
+    const std::unique_ptr<uint8_t[]> shifted(new uint8_t[count * Kp + 32]);
     const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
     for (int64_t r = 0; r < count; ++r) {
       const int8_t* src = A + (first + r) * lda;
-      uint8_t* dst = shifted.get() + r * K;
+      uint8_t* dst = shifted.get() + r * Kp;
       int64_t k = 0;
       for (; k + 32 <= K; k += 32) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), _mm256_xor_si256(v, flip));
       }
       for (; k < K; ++k) dst[k] = static_cast<uint8_t>(src[k]) ^ 0x80u;
+      for (; k < Kp; ++k) dst[k] = 0x80u;  // a = 0 past K (B's rows there are zero anyway)
     }
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t n0 = p * NR, cols = std::min(NR, N - n0);
-      const int8_t* panel = P + p * K * NR;
+      const int8_t* panel = P + p * Kp * NR;
       for (int64_t g = g0; g < g1; ++g) {
         const int64_t r0 = g * MR, rows = std::min(MR, M - r0);
-        const uint8_t* a = shifted.get() + (r0 - first) * K;
+        const uint8_t* a = shifted.get() + (r0 - first) * Kp;
         __m256i c[2 * MR];
         switch (rows) {
-          case 4: tile4(a, K, panel, K4, shift.data() + n0, c); break;
-          case 3: tile<3>(a, K, panel, K4, shift.data() + n0, c); break;
-          case 2: tile<2>(a, K, panel, K4, shift.data() + n0, c); break;
-          default: tile<1>(a, K, panel, K4, shift.data() + n0, c); break;
+          case 4: tile4(a, Kp, panel, K4, shift.data() + n0, c); break;
+          case 3: tile<3>(a, Kp, panel, K4, shift.data() + n0, c); break;
+          case 2: tile<2>(a, Kp, panel, K4, shift.data() + n0, c); break;
+          default: tile<1>(a, Kp, panel, K4, shift.data() + n0, c); break;
         }
         for (int64_t i = 0; i < rows; ++i) {  // rescaled from the registers as dequant_row rescales a row
           T* out = y + (r0 + i) * N + n0;

@@ -520,7 +520,7 @@ at::Tensor int8_product(const at::Tensor& a, const at::Tensor& b, const at::Tens
   ATTNLAB_CHECK(max_inner >= 1, "attnlab::int8_product: max_inner must be >= 1, got ", max_inner);
   const int64_t K = a.size(1);
 #ifdef ATTNLAB_ISAS
-  if (take_ours(isa) && K <= std::min(max_inner, u8s8::MAX_K) && K % 4 == 0 && a.stride(1) == 1 && a.size(0) > 0 &&
+  if (take_ours(isa) && K <= std::min(max_inner, u8s8::MAX_K) && a.stride(1) == 1 && a.size(0) > 0 &&
       b.size(1) > 0) {
     // AVX2 without VNNI: our product with the rescaling fused (int8_gemm.h), where b's entries lie within ±63
     const int64_t M = a.size(0), N = b.size(1);

@@ -207,7 +207,8 @@ class _ResidualLayer(nn.Module):
         norm = getattr(self, f"norm{i}")
         h = branch(norm(x) if self.norm_first else x)
         drop = getattr(self, f"dropout{i}")
-        if self.training and (getattr(drop, "p", 1.0) or getattr(self.drop_path, "p", 1.0)):  # the identity in eval or at rate 0: skip the calls
+        # dropout and stochastic depth are the identity in eval and at rate 0: skip the calls
+        if self.training and (getattr(drop, "p", 1.0) or getattr(self.drop_path, "p", 1.0)):
             h = self.drop_path(drop(h))
         return x + h if self.norm_first else norm(x + h)
 
