@@ -49,6 +49,9 @@ float32: the same bits); the run's own wall in each benchmark's last pair 22.6�
 Then (session 27) with AVX2 and no VNNI the int8 products by attnlab's own kernel, the fused attention and the plain
 activation as C++ autograd nodes, the attention pipeline's NaN check native: as AVX2 the same bits again (1.8866),
 our process 34.2–41.7 s in ``benchmarks/train.py``'s pairs (nanoGPT's 67–81 s in the same pairs); AVX-512 1.8851.
+On a real AVX2-only CPU (2 Zen 3 cores, session 28: no VNNI, where ``torch._int_mm`` is oneDNN's reference loop and
+the products are attnlab's own) the same bits again, val 1.8866; our process 100.6–104.8 s against nanoGPT's
+159.3–165.7 s in the same pairs (0.607–0.658).
 
 Adapting a trained run (each setting names a previous run's output folder; its latest checkpoint is used;
 the code: :mod:`attnlab.training.recipes.char_runs`):
