@@ -134,8 +134,8 @@ def attend_plain(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: Option
     """:func:`attend` for a request of nothing but ``causal`` and ``scale`` (no mask, window, mod, dropout or weights;
     softmax) over q, k, v the caller has found finite, where it ends in the short backend's fused kernel
     (``backend="short"``, or ``"auto"`` taking it: training on a CPU, few keys, as many key/value as query heads):
-    that kernel without building and validating the request — the same call, so the same bits; ~0.1 ms of Python a
-    layer a step less on a slow core (``MultiheadAttention`` takes it in training). None where any of that does not
+    that kernel without building and validating the request, choosing among the backends and wrapping the call —
+    the same call, so the same bits (``MultiheadAttention`` takes it in training). None where any of that does not
     hold or the output is not finite: the caller then runs :func:`attend`, whose checks handle or explain it."""
     if backend == "auto":
         if AUTO_ORDER[0] != "short" or not short.auto_when(q, k, v):
