@@ -182,8 +182,8 @@ def main() -> None:
         print("note: ATTNLAB_DATA_DIR is not set; the data comes from ~/.cache/attnlab (or a download)")
     print(f"peak (measured now, attnlab._runtime probe: 512² products, {args.threads} threads): "
           f"fp32 {peak_gflops('fp32'):.1f}, bf16 {peak_gflops('bf16'):.1f}, int8 {peak_gflops('int8'):.1f} GFLOP/s "
-          "(the int8 layers' product call, right operand ±63); mfu = matrix-product FLOP/s of the whole process / the peak of the "
-          "row's dtype (int8 for a run with int8_training)", flush=True)
+          "(the int8 layers' product call, right operand ±63); mfu = matrix-product FLOP/s of the whole process / "
+          "the peak of the row's dtype (int8 for a run with int8_training)", flush=True)
     if args.compare_budget:
         if args.out == p.get_default("out"):
             args.out = str(Path(args.out).with_name("train_budget.json"))

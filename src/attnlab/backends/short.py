@@ -23,6 +23,7 @@ from attnlab import _native
 from attnlab import _native_train
 from attnlab._native import transformed
 from attnlab.functional.masks import build_mask, split_mask
+from attnlab.functional.request import default_scale
 
 # Most keys for which auto trains with this backend on a CPU (at 512 keys the fused kernel wins again).
 SHORT_KEYS = 256
@@ -55,7 +56,7 @@ def attention(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, drop
     (grouped-query k and v repeated to the query heads; autograd sums their gradients back)."""
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
-    scale = D ** -0.5 if scale is None else scale
+    scale = default_scale(D) if scale is None else scale
     if k.shape[1] != H:
         k, v = k.repeat_interleave(H // k.shape[1], dim=1), v.repeat_interleave(H // k.shape[1], dim=1)
     if mask is None and mask_mod is None and _native.trainable(q, k, v, contiguous=False):

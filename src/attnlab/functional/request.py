@@ -29,6 +29,12 @@ def indices(name: str, idx, n: int, device) -> Tensor:
     return t.long()
 
 
+def default_scale(head_dim: int) -> float:
+    """The score scale κ when none is given: ``1 / √D`` (Vaswani et al. 2017), computed one way everywhere, so every
+    path that fills it in gives the same bits."""
+    return 1.0 / math.sqrt(head_dim)
+
+
 def prepare(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, dropout_p, normalize, top_k,
              return_weights) -> dict:
     """Validate a request at the API boundary and return it normalised for the backends."""
@@ -38,7 +44,7 @@ def prepare(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, dropou
     mask = check_mask(mask, q, (B, H, Lq, Lk))
     positive_int("window", window, optional=True)
     if scale is None:
-        scale = 1.0 / math.sqrt(D)
+        scale = default_scale(D)
     else:
         real("scale", scale)
         if not math.isfinite(scale):

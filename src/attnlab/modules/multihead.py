@@ -25,7 +25,7 @@ from attnlab import _native
 from attnlab.modules.cache import KVCache
 from attnlab.backends.dispatch import (all_finite, attend, attend_plain, attend_step, attention_weights, keeps_lse,
                                        position_bias_terms)
-from attnlab.functional.request import prepare
+from attnlab.functional.request import default_scale, prepare
 
 
 class MultiheadAttention(nn.Module):
@@ -274,7 +274,7 @@ class MultiheadAttention(nn.Module):
         buffers = cache.room_for(1)
         if buffers is None or buffers[0].dtype != torch.float32 or buffers[0].device.type != "cpu":
             return None
-        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
+        scale = self.scale if self.scale is not None else default_scale(self.head_dim)
         return (*buffers, position, self.num_heads, self.num_kv_heads, cos, sin,
                 bool(rotary is not None and rotary.interleaved), scale)
 
