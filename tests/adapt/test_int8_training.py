@@ -142,7 +142,7 @@ def test_int_mm_is_exact_with_8_bit_left_and_7_bit_right_operands():
     """The premise of the 7-bit right operand: oneDNN's products on this CPU (and as AVX2) are exact there."""
     gen = torch.Generator().manual_seed(1)
     sign = lambda *s: torch.where(torch.rand(*s, generator=gen) < 0.5, 1, -1)  # noqa: E731
-    a = (sign(300, 512) * I.LEFT).to(torch.int8)  # the worst case: every pair at full magnitude
+    a = (sign(300, 512) * 127).to(torch.int8)  # the worst case: every pair at full magnitude (8 bits)
     b = (sign(512, 96) * I.RIGHT).to(torch.int8)
     ref = a.double() @ b.double()
     assert torch.equal(torch._int_mm(a, b).double(), ref)
@@ -178,14 +178,26 @@ def kernel(request):
 @pytest.mark.parametrize("M,K,N", [(768, 128, 384), (37, 44, 21), (5, 4, 16), (1, 8, 3), (130, 512, 130),
                                    (9, 30, 17), (3, 7, 19), (5, 1, 33), (70, 1001, 40), (0, 8, 5), (6, 0, 7)])
 @pytest.mark.parametrize("layout", ["rows", "columns", "strided"])
-def test_int8_product_equals_int_mm_rescaled_bit_for_bit(isa, kernel, M, K, N, layout):
+@pytest.mark.parametrize("left", ["8-bit", "7-bit", "mixed"])
+def test_int8_product_equals_int_mm_rescaled_bit_for_bit(isa, kernel, M, K, N, layout, left):
     """With AVX2 (isa 1) and ``int8_kernel("ours")`` int8_product runs its own kernel (csrc/int8_gemm.h: a + 128 by
-    vpmaddubsw, the shift taken back per column, the rescaling fused, K padded to a multiple of 4) where b is within
-    ±63, else torch._int_mm: either way the exact int32 sums rescaled as dequantize rescales them, so the same bits as
-    torch._int_mm + dequantize, for b read by rows, by columns (a transposed matrix) or with any strides, any M, N
-    (partial tiles, partial panels), K not a multiple of 16 or 4 (the padded rows), and b past ±63."""
+    vpmaddubsw, or a + 64 with two steps' int16 sums added before one widening where a task's rows of a lie within
+    ±63, the shift taken back per column, the rescaling fused, K padded to a multiple of 8) where b is within ±63,
+    else torch._int_mm: either way the exact int32 sums rescaled as dequantize rescales them, so the same bits as
+    torch._int_mm + dequantize, for a full 8-bit, within ±63 (at the bound) or both in one call (the last row 8-bit:
+    at 768 × 128 × 384 on 2 threads one task's rows take the paired loop, the other's not), b read by rows, by columns (a transposed matrix) or with
+    any strides, any M, N (partial tiles, partial panels), K not a multiple of 16, 8 or 4 (the padded rows), and b
+    past ±63."""
     gen = torch.Generator().manual_seed(M * 1000 + K * 10 + N)
-    a = torch.randint(-128, 128, (M, K), generator=gen, dtype=torch.int8)
+    if left == "8-bit":
+        a = torch.randint(-128, 128, (M, K), generator=gen, dtype=torch.int8)
+    else:
+        a = torch.randint(-63, 64, (M, K), generator=gen, dtype=torch.int8)
+        if M and K:
+            a[0, 0], a[-1, -1] = 63, -63  # at the bound
+            if left == "mixed":
+                a[-1] = torch.randint(-128, 128, (K,), generator=gen, dtype=torch.int8)
+                a[-1, 0] = -128
     shape = {"rows": (K, N), "columns": (N, K), "strided": (K, 2 * N)}[layout]
     b = torch.randint(-I.RIGHT, I.RIGHT + 1, shape, generator=gen, dtype=torch.int8)
     b = {"rows": b, "columns": b.t(), "strided": b[:, ::2]}[layout]

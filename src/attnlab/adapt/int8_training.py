@@ -3,19 +3,22 @@ quantised at run time with one scale per row or column (the "int8 mixed-precisio
 SwitchBack, Wortsman et al. 2023, with the weight gradient in int8 too). For ``Y = X Wᵀ + b`` (``X (T, in)`` the
 tokens, ``W (out, in)``), writing ``q_k(A)`` for symmetric rounding to ``[−k, k]`` with the scales ``s``::
 
-    forward        X ≈ diag(s_x) q_127(X) (a scale per token),  W ≈ diag(s_w) q_63(W) (per output row)
+    forward        X ≈ diag(s_x) q_63(X) (a scale per token),    W ≈ diag(s_w) q_63(W) (per output row)
                    Y = diag(s_x) (q(X) q(W)ᵀ) diag(s_w) + b
-    ∂L/∂X          G = ∂L/∂Y;  G W = (G diag(s_w)) q(W):  Z = G diag(s_w) ≈ diag(s_z) q_127(Z) (per token)
+    ∂L/∂X          G = ∂L/∂Y;  G W = (G diag(s_w)) q(W):  Z = G diag(s_w) ≈ diag(s_z) q_63(Z) (per token)
                    ∂L/∂X = diag(s_z) (q(Z) q(W))
-    ∂L/∂W          Gᵀ X: G ≈ q_127(G) diag(s_g), X ≈ q_63(X) diag(s_c) (a scale per column, over the tokens)
+    ∂L/∂W          Gᵀ X: G ≈ q_63(G) diag(s_g),  X ≈ q_63(X) diag(s_c) (a scale per column, over the tokens)
                    ∂L/∂W = diag(s_g) (q(G)ᵀ q(X)) diag(s_c),   ∂L/∂b = Σ_t G_t (float32)
 
 Every scale sits on an index the product keeps (a row of the left operand, a column of the right), so each
 product is one integer matrix product and one rescaling pass. The right operand is rounded to 7 bits (±63): on
-CPUs without VNNI (AVX2, AVX-512 without VNNI) oneDNN multiplies ``u8 × s8`` pairs into 16-bit sums, which
-saturate at 8-bit × 8-bit (measured: ``torch._int_mm`` wrong by up to ~10⁶ with both at ±127) and are exact
-at 8 × 7 bits; the same rounding everywhere keeps the result the same on every CPU. The int32 sums are exact, so
-the products are: only the roundings (and the float32 rescaling) differ from a float product.
+CPUs without VNNI (AVX2, AVX-512 without VNNI) ``u8 × s8`` pairs are multiplied into 16-bit sums, which saturate at
+8-bit × 8-bit (measured: ``torch._int_mm`` wrong by up to ~10⁶ with both at ±127) and are exact at 8 × 7 bits. The
+left operand is rounded to 7 bits as well (±63, session 29): then two such 16-bit sums add exactly before they are
+widened, which makes attnlab's AVX2 product (``csrc/int8_gemm.h``) 0.89× as long at ``nanogpt-cpu``'s shapes on 2
+Zen 3 cores; the preset's val loss moved from 1.8866 to 1.8887 there (one seed). The same roundings everywhere keep
+the result the same on every CPU. The int32 sums are exact, so the products are: only the roundings (and the
+float32 rescaling) differ from a float product.
 
 Why: on 2 Zen 4 cores ``torch._int_mm`` at the ``nanogpt-cpu`` preset's shapes runs 1,600 GFLOP/s with AVX512-VNNI
 (bf16: ~360) and 440 with oneDNN capped to AVX2 (fp32: ~205) — ``benchmarks/train.py`` measures the whole step. With
@@ -25,7 +28,7 @@ GFLOP/s at the same shapes on those cores (the 12 products in 0.76× the time of
 and on a real AVX2 CPU without VNNI (2 Zen 3 cores, session 28) 154–230 GFLOP/s where fp32 runs 118–131 and
 ``torch._int_mm`` only 2–4 (oneDNN's int8 product there is a reference loop: the emulation on a newer core had hidden
 it). What it costs: the
-roundings of 8- and 7-bit operands (relative error up to 1/254 and 1/126 of the row's largest value) in every
+roundings of 7-bit operands (relative error up to 1/126 of the row's or column's largest value) in every
 product; ``nanogpt-cpu``'s val loss is unchanged within its seed-to-seed spread (the recipe's docstring table).
 
 Evaluation and inference are not quantised: the layer is an ``nn.Linear`` (same parameters, same state dict) whose
@@ -46,8 +49,8 @@ from attnlab import _native
 
 from attnlab import _native_train
 
-LEFT, RIGHT = 127, 63  # levels of the left (8-bit) and right (7-bit) operands of the int8 products
-# the longest sum of products an int32 holds exactly (268,400 terms): past it csrc's int8_linear (same formula, from
+LEFT, RIGHT = 63, 63  # levels of the left and right operands of the int8 products (7 bits each: module docstring)
+# the longest sum of products an int32 holds exactly (541,064 terms): past it csrc's int8_linear (same formula, from
 # the levels it is given) sums the product in parts, each exact and rescaled, the parts in float32
 MAX_INNER = (2 ** 31 - 1) // (LEFT * RIGHT)
 

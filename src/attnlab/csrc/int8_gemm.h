@@ -1,21 +1,26 @@
 // The int8 product of attnlab::int8_product on AVX2 (isa 1), with its rescaling fused (included by train.cpp,
-// inside its anonymous namespace, after isa_regions.h: the tiles are rescaled by avx2::dequant_vec):
+// inside its anonymous namespace, after isa_regions.h and train_body.h: the tiles are rescaled with dequant_vec's
+// arithmetic):
 //
 //   y = diag(rs) (A B) diag(cs) + bias,   A (M, K) int8 (rows contiguous), B (K, N) int8 with |b| ≤ 63 (any
-//   strides), y (M, N) float32 or bfloat16 contiguous. K past a multiple of 4 is padded with zero rows of B.
+//   strides), y (M, N) float32 or bfloat16 contiguous. K past a multiple of 8 is padded with zero rows of B.
 //
 // AVX2 multiplies bytes only as vpmaddubsw: unsigned × signed pairs summed into a saturating int16. So A is read
 // shifted to unsigned, a + 128 ∈ [0, 255] (one XOR of its sign bit), and B's 7 bits keep a pair's sum within int16
 // (2 · 255 · 63 = 32130 < 32767); vpmaddwd widens four terms of a column to int32, where they are summed exactly.
 // The shift comes back out per column: the sums start at −128 Σ_k b_kn, so they end at Σ_k (a_k + 128) b_kn −
-// 128 Σ_k b_kn = Σ_k a_k b_kn, the exact int32 sums of torch._int_mm; each 4 × 16 tile of them is rescaled from its
-// registers by the arithmetic of the dequant_row that rescales torch._int_mm's rows (dequant_vec), so y has the same
-// bits either way.
+// 128 Σ_k b_kn = Σ_k a_k b_kn, the exact int32 sums of torch._int_mm. Where A's rows (a thread's share of them) lie
+// within ±63 too — the int8 layers round both operands to ±63 — the shift is 64 and two steps' int16 sums add
+// exactly (2 · 2 · 127 · 63 = 32004) before one vpmaddwd widens them: 12 multiply-type instructions for 8 k
+// instead of 16, which bound the loop (two a cycle on Zen 3): 0.89× the products' time at nanogpt-cpu's shapes on
+// 2 Zen 3 cores. Each 4 × 16 tile of sums is rescaled from its registers by the arithmetic of the dequant_row that
+// rescales torch._int_mm's rows (dequant_vec), so y has the same bits either way.
 //
 // Why not torch._int_mm (oneDNN) there: for s8 × s8 on AVX2 oneDNN copies B shifted and sums its columns on every
 // call, ~15 µs a call before any product (nanogpt-cpu makes 48 products a step), and its int32 result then takes a
 // pass of its own to rescale. Here B is packed once a call (the column sums and the check |b| ≤ 63 in the same pass)
-// into panels of 16 columns, P[k/4][c][k%4], the operand vpmaddubsw reads.
+// into panels of 16 columns, P[k/4][c][k%4], the operand vpmaddubsw reads. (With AVX2 and no VNNI oneDNN's s8 × s8
+// product is moreover a reference loop, 2–4 GFLOP/s on Zen 3.)
 #if defined(__x86_64__) || defined(_M_X64)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
@@ -24,12 +29,12 @@ namespace u8s8 {
 constexpr int64_t NR = 16;  // columns of a panel: two vectors of 8 int32 sums
 constexpr int64_t MR = 4;   // rows of a tile: 4 × 2 accumulators, two vectors of B, the broadcast and scratch
 
-// Panel p of B (columns [16p, 16p + 16), zeros past N) into P (⌈K/4⌉ · 64 bytes: P[k4 · 64 + 4c + i] = b(4 k4 + i,
-// 16p + c), zeros past K); −128 Σ_k b_kn into shift[0, 16) (where the shifted sums of its columns start); returns
-// max |b| over it (as unsigned bytes: −128 reads 128)
-inline int pack_panel(const int8_t* B, int64_t sk, int64_t sn, int64_t K, int64_t N, int64_t p, int8_t* P,
+// Panel p of B (columns [16p, 16p + 16), zeros past N) into P (K4 · 64 bytes, K4 ≥ ⌈K/4⌉: P[k4 · 64 + 4c + i] =
+// b(4 k4 + i, 16p + c), zeros past K); −128 Σ_k b_kn into shift[0, 16) (where the shifted sums of its columns
+// start); returns max |b| over it (as unsigned bytes: −128 reads 128)
+inline int pack_panel(const int8_t* B, int64_t sk, int64_t sn, int64_t K, int64_t N, int64_t p, int64_t K4, int8_t* P,
                       int32_t* shift) {
-  const int64_t n0 = p * NR, cols = std::min(NR, N - n0), full = K / 4, K4 = (K + 3) / 4;
+  const int64_t n0 = p * NR, cols = std::min(NR, N - n0), full = K / 4;
   if (sn == 1 && cols == NR) {  // rows of B contiguous: four rows' 16 bytes interleaved into 16 columns' 4 bytes
     for (int64_t k4 = 0; k4 < full; ++k4) {
       const int8_t* row = B + 4 * k4 * sk + n0;
@@ -155,6 +160,103 @@ inline void tile4(const uint8_t* A, int64_t lda, const int8_t* P, int64_t K4, co
   c[0] = c00, c[1] = c01, c[2] = c10, c[3] = c11, c[4] = c20, c[5] = c21, c[6] = c30, c[7] = c31;
 }
 
+// The paired loop, where A lies within ±63: read shifted by 64 (a + 64 ∈ [1, 127]), a pair's sum is within
+// 2 · 127 · 63 = 16002, so the int16 sums of two steps of vpmaddubsw add exactly (≤ 32004) before one vpmaddwd
+// widens them: 12 multiply-type instructions for 8 k (16 in the loop above), the sums started at −64 Σ_k b_kn. K4
+// even (the panel and the rows padded with zeros)
+template <int R>
+inline void tile7(const uint8_t* A, int64_t lda, const int8_t* P, int64_t K4, const int32_t* shift, __m256i* c) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) {
+    c[2 * r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift));
+    c[2 * r + 1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift + 8));
+  }
+  for (int64_t k4 = 0; k4 < K4; k4 += 2) {
+    const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + 64 * k4));
+    const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + 64 * k4 + 32));
+    const __m256i b2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + 64 * k4 + 64));
+    const __m256i b3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + 64 * k4 + 96));
+    for (int r = 0; r < R; ++r) {
+      int32_t four[2];
+      std::memcpy(four, A + r * lda + 4 * k4, 8);
+      const __m256i a0 = _mm256_set1_epi32(four[0]), a1 = _mm256_set1_epi32(four[1]);
+      const __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(a0, b0), _mm256_maddubs_epi16(a1, b2));
+      const __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(a0, b1), _mm256_maddubs_epi16(a1, b3));
+      c[2 * r] = _mm256_add_epi32(c[2 * r], _mm256_madd_epi16(s0, ones));
+      c[2 * r + 1] = _mm256_add_epi32(c[2 * r + 1], _mm256_madd_epi16(s1, ones));
+    }
+  }
+}
+
+// tile7<4>'s loop in assembly (as tile4; ymm8-15 the two steps of B, the broadcasts and scratch, the ones from
+// memory: the eight accumulators take the other registers)
+inline void tile4_7(const uint8_t* A, int64_t lda, const int8_t* P, int64_t K4, const int32_t* shift, __m256i* c) {
+  const __m256i s0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift));
+  const __m256i s1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift + 8));
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i c00 = s0, c01 = s1, c10 = s0, c11 = s1, c20 = s0, c21 = s1, c30 = s0, c31 = s1;
+  if (K4 > 0) {
+    const uint8_t *a1 = A + lda, *a2 = A + 2 * lda, *a3 = A + 3 * lda;
+    const int64_t end = 4 * K4;
+    int64_t k = 0;
+    const int8_t* p = P;
+#define ATTNLAB_ROW7(a, x0, x1)                           \
+  "vpbroadcastd (%[" a "],%[k]), %%ymm12\n\t"              \
+  "vpbroadcastd 4(%[" a "],%[k]), %%ymm13\n\t"             \
+  "vpmaddubsw %%ymm8, %%ymm12, %%ymm14\n\t"                \
+  "vpmaddubsw %%ymm10, %%ymm13, %%ymm15\n\t"               \
+  "vpaddw %%ymm15, %%ymm14, %%ymm14\n\t"                   \
+  "vpmaddwd %[ones], %%ymm14, %%ymm14\n\t"                 \
+  "vpaddd %%ymm14, %[" x0 "], %[" x0 "]\n\t"               \
+  "vpmaddubsw %%ymm9, %%ymm12, %%ymm14\n\t"                \
+  "vpmaddubsw %%ymm11, %%ymm13, %%ymm15\n\t"               \
+  "vpaddw %%ymm15, %%ymm14, %%ymm14\n\t"                   \
+  "vpmaddwd %[ones], %%ymm14, %%ymm14\n\t"                 \
+  "vpaddd %%ymm14, %[" x1 "], %[" x1 "]\n\t"
+    asm volatile(
+        "1:\n\t"
+        "vmovdqu (%[p]), %%ymm8\n\t"
+        "vmovdqu 32(%[p]), %%ymm9\n\t"
+        "vmovdqu 64(%[p]), %%ymm10\n\t"
+        "vmovdqu 96(%[p]), %%ymm11\n\t"
+        ATTNLAB_ROW7("a0", "c00", "c01") ATTNLAB_ROW7("a1", "c10", "c11") ATTNLAB_ROW7("a2", "c20", "c21")
+        ATTNLAB_ROW7("a3", "c30", "c31")
+        "add $128, %[p]\n\t"
+        "add $8, %[k]\n\t"
+        "cmp %[end], %[k]\n\t"
+        "jl 1b\n\t"
+        : [c00] "+x"(c00), [c01] "+x"(c01), [c10] "+x"(c10), [c11] "+x"(c11), [c20] "+x"(c20), [c21] "+x"(c21),
+          [c30] "+x"(c30), [c31] "+x"(c31), [p] "+r"(p), [k] "+r"(k)
+        : [a0] "r"(A), [a1] "r"(a1), [a2] "r"(a2), [a3] "r"(a3), [end] "r"(end), [ones] "m"(ones)
+        : "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "cc", "memory");
+#undef ATTNLAB_ROW7
+  }
+  c[0] = c00, c[1] = c01, c[2] = c10, c[3] = c11, c[4] = c20, c[5] = c21, c[6] = c30, c[7] = c31;
+}
+
+// A tile's R rows × 16 columns rescaled from its registers as dequant_row rescales a row (dequant_vec's arithmetic:
+// s = rs cs, y = v s + b with the add fused), cs and b read once a tile; CS, BIAS: whether cs and b are given
+template <class T, bool CS, bool BIAS>
+inline void rescale_tile(const __m256i* c, int64_t rows, const float* rs, const float* cs, const float* b, T* y,
+                         int64_t ldy) {
+  avx2::VF c0{}, c1{}, b0{}, b1{};
+  if constexpr (CS) c0 = avx2::load(cs), c1 = avx2::load(cs + 8);
+  if constexpr (BIAS) b0 = avx2::load(b), b1 = avx2::load(b + 8);
+  for (int64_t i = 0; i < rows; ++i) {
+    const avx2::VF r = avx2::splat(rs[i]);
+    avx2::VF s0 = r, s1 = r;
+    if constexpr (CS) s0 = r * c0, s1 = r * c1;
+    avx2::VI a0, a1;
+    std::memcpy(&a0, &c[2 * i], sizeof a0), std::memcpy(&a1, &c[2 * i + 1], sizeof a1);
+    const avx2::VF v0 = __builtin_convertvector(a0, avx2::VF), v1 = __builtin_convertvector(a1, avx2::VF);
+    if constexpr (BIAS) {
+      avx2::st(y + i * ldy, avx2::fmadd(v0, s0, b0)), avx2::st(y + i * ldy + 8, avx2::fmadd(v1, s1, b1));
+    } else {
+      avx2::st(y + i * ldy, v0 * s0), avx2::st(y + i * ldy + 8, v1 * s1);
+    }
+  }
+}
+
 // The longest K whose running sums an int32 holds: they start at −128 Σ b and add (a + 128) b, so stay within
 // (128 + 255) · 63 · K < 2^31
 constexpr int64_t MAX_K = ((int64_t{1} << 31) - 1) / (383 * 63);
@@ -164,34 +266,56 @@ constexpr int64_t MAX_K = ((int64_t{1} << 31) - 1) / (383 * 63);
 template <class T>
 bool product(const int8_t* A, int64_t lda, int64_t M, int64_t K, const int8_t* B, int64_t sk, int64_t sn, int64_t N,
              const float* rs, const float* cs, const float* bias, T* y) {
-  const int64_t panels = (N + NR - 1) / NR, K4 = (K + 3) / 4, Kp = 4 * K4;  // K padded to a multiple of 4
+  // K padded to a multiple of 4, its steps of 4 to an even count (the paired loop's); the padding's rows of B zero
+  const int64_t panels = (N + NR - 1) / NR, K4 = (K + 3) / 4, K4p = K4 + K4 % 2, Kp = 4 * K4p;
   const std::unique_ptr<int8_t[]> packed(new int8_t[panels * Kp * NR + 32]);  // (uninitialised: every byte written)
   int8_t* P = packed.get() + (32 - reinterpret_cast<uintptr_t>(packed.get()) % 32) % 32;  // 32-byte aligned
-  std::vector<int32_t> shift(panels * NR);
+  std::vector<int32_t> shift(panels * NR), half(panels * NR);  // −128 Σ_k b_kn (8-bit rows), −64 Σ_k b_kn (paired)
   std::vector<int> top(panels);
   at::parallel_for(0, panels, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K * NR)), [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) top[p] = pack_panel(B, sk, sn, K, N, p, P + p * Kp * NR, shift.data() + p * NR);
+    for (int64_t p = p0; p < p1; ++p) {
+      top[p] = pack_panel(B, sk, sn, K, N, p, K4p, P + p * Kp * NR, shift.data() + p * NR);
+      for (int64_t j = p * NR; j < (p + 1) * NR; ++j) half[j] = shift[j] / 2;  // (exact: shift is −128 Σ b)
+    }
   });
   if (*std::max_element(top.begin(), top.end()) > 63) return false;
   const int64_t groups = (M + MR - 1) / MR;
   // a group (4 rows × all of N) is 4 K N multiply-adds: split across threads from ~2^20 of them
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, MR * K * N));
+  const auto full = cs ? (bias ? rescale_tile<T, true, true> : rescale_tile<T, true, false>)
+                      : (bias ? rescale_tile<T, false, true> : rescale_tile<T, false, false>);
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    // this task's rows of A shifted to unsigned once (a + 128: the sign bit flipped), not in every panel's tiles
+    // this task's rows of A shifted to unsigned once, not in every panel's tiles: a + 64 where they all lie within
+    // ±63 (the paired loop), else a + 128 (the sign bit flipped)
     const int64_t first = g0 * MR, count = std::min(M, g1 * MR) - first;
+    __m256i big = _mm256_setzero_si256();
+    int widest = 0;
+    for (int64_t r = 0; r < count; ++r) {
+      const int8_t* src = A + (first + r) * lda;
+      int64_t k = 0;
+      for (; k + 32 <= K; k += 32) {
+        big = _mm256_max_epu8(big, _mm256_abs_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k))));
+      }
+      for (; k < K; ++k) widest = std::max(widest, std::abs(static_cast<int>(src[k])));
+    }
+    alignas(32) uint8_t bytes[32];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), big);
+    const bool paired = std::max<int>(widest, *std::max_element(bytes, bytes + 32)) <= 63;
+    const uint8_t zero = paired ? 64 : 0x80;  // a = 0 shifted
     const std::unique_ptr<uint8_t[]> shifted(new uint8_t[count * Kp + 32]);
-    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    const __m256i add = _mm256_set1_epi8(static_cast<char>(zero));
     for (int64_t r = 0; r < count; ++r) {
       const int8_t* src = A + (first + r) * lda;
       uint8_t* dst = shifted.get() + r * Kp;
       int64_t k = 0;
-      for (; k + 32 <= K; k += 32) {
+      for (; k + 32 <= K; k += 32) {  // (+128 and the sign bit's XOR are one and the same for bytes)
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), _mm256_xor_si256(v, flip));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), _mm256_add_epi8(v, add));
       }
-      for (; k < K; ++k) dst[k] = static_cast<uint8_t>(src[k]) ^ 0x80u;
-      for (; k < Kp; ++k) dst[k] = 0x80u;  // a = 0 past K (B's rows there are zero anyway)
+      for (; k < K; ++k) dst[k] = static_cast<uint8_t>(src[k] + zero);
+      for (; k < Kp; ++k) dst[k] = zero;  // a = 0 past K (B's rows there are zero anyway)
     }
+    const int32_t* start = paired ? half.data() : shift.data();
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t n0 = p * NR, cols = std::min(NR, N - n0);
       const int8_t* panel = P + p * Kp * NR;
@@ -199,13 +323,26 @@ bool product(const int8_t* A, int64_t lda, int64_t M, int64_t K, const int8_t* B
         const int64_t r0 = g * MR, rows = std::min(MR, M - r0);
         const uint8_t* a = shifted.get() + (r0 - first) * Kp;
         __m256i c[2 * MR];
-        switch (rows) {
-          case 4: tile4(a, Kp, panel, K4, shift.data() + n0, c); break;
-          case 3: tile<3>(a, Kp, panel, K4, shift.data() + n0, c); break;
-          case 2: tile<2>(a, Kp, panel, K4, shift.data() + n0, c); break;
-          default: tile<1>(a, Kp, panel, K4, shift.data() + n0, c); break;
+        if (paired) {
+          switch (rows) {
+            case 4: tile4_7(a, Kp, panel, K4p, start + n0, c); break;
+            case 3: tile7<3>(a, Kp, panel, K4p, start + n0, c); break;
+            case 2: tile7<2>(a, Kp, panel, K4p, start + n0, c); break;
+            default: tile7<1>(a, Kp, panel, K4p, start + n0, c); break;
+          }
+        } else {
+          switch (rows) {
+            case 4: tile4(a, Kp, panel, K4, start + n0, c); break;
+            case 3: tile<3>(a, Kp, panel, K4, start + n0, c); break;
+            case 2: tile<2>(a, Kp, panel, K4, start + n0, c); break;
+            default: tile<1>(a, Kp, panel, K4, start + n0, c); break;
+          }
         }
-        for (int64_t i = 0; i < rows; ++i) {  // rescaled from the registers as dequant_row rescales a row
+        if (cols == NR) {
+          full(c, rows, rs + r0, cs ? cs + n0 : nullptr, bias ? bias + n0 : nullptr, y + r0 * N + n0, N);
+          continue;
+        }
+        for (int64_t i = 0; i < rows; ++i) {  // the last panel short of 16 columns: as dequant_row rescales a row
           T* out = y + (r0 + i) * N + n0;
           for (int64_t h = 0; h < 2 && 8 * (h + 1) <= cols; ++h) {
             avx2::VI v;
