@@ -162,6 +162,16 @@ def short_attention_train(q: Tensor, k: Tensor, v: Tensor, *, scale: float, caus
                                                    _native._state["isa"])
 
 
+def short_attention_packed(qkv: Tensor, heads: int, *, scale: float, causal: bool, window: Optional[int]) -> Tensor:
+    """:func:`short_attention_train` on the packed projection ``qkv (B, L, 3E)`` (float32 or bfloat16, the last stride
+    1) that q, k, v are cut from — ``[q | k | v]``, ``heads`` heads of ``E / heads`` each — as one C++ autograd node:
+    ``out (B, L, E)`` with the heads merged; its backward writes ``∂L/∂qkv`` as one tensor (no split and views of q,
+    k, v in the graph, no concatenation of their gradients). The same bits as the unpacked node."""
+    _native._need()
+    return _native._state["short_attention_packed"](qkv, heads, scale, causal, -1 if window is None else window,
+                                                    _native._state["isa"])
+
+
 def short_attention_backward(q: Tensor, k: Tensor, v: Tensor, p: Tensor, d_out: Tensor, *, scale: float,
                              causal: bool, window: Optional[int]) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`short_attention`'s gradients from its ``p``::

@@ -171,3 +171,26 @@ def test_short_attention_backward_under_bf16_autocast_with_padding():
     assert torch.isfinite(g16).all()
     # bf16 rounds each product's inputs to 8 significant bits: the gradient direction survives
     assert F.cosine_similarity(g32, g16, dim=0) > 0.98
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [True, False])
+def test_packed_node_equals_the_node_on_the_views(dtype, causal):
+    """The fused kernel on a packed projection ``qkv (B, L, 3E)`` (one node, ``∂L/∂qkv`` written whole) gives the
+    output and the gradient of the node on the q, k, v views cut from it, bit for bit, in float32 and bf16."""
+    from attnlab import _native
+    if not _native.available():
+        pytest.skip(f"the fused kernel needs attnlab's native kernels: {_native.status()}")
+    gen = torch.Generator().manual_seed(5)
+    B, L, H, D = 3, 21, 4, 8
+    qkv = torch.randn(B, L, 3 * H * D, generator=gen).to(dtype).requires_grad_(True)
+    dout = torch.randn(B, L, H * D, generator=gen).to(dtype)
+    out = short.fused_short_attention_packed(qkv, H, 0.4, causal, None)
+    (g_packed,) = torch.autograd.grad(out, qkv, dout)
+    q, k, v = (t.view(B, L, H, D).transpose(1, 2) for t in qkv.split(H * D, -1))
+    ref = short.fused_short_attention(q, k, v, 0.4, causal, None).transpose(1, 2).reshape(B, L, H * D)
+    (g_views,) = torch.autograd.grad(ref, qkv, dout)
+    assert out.shape == (B, L, H * D) and out.dtype == dtype
+    assert torch.equal(out, ref) and torch.equal(g_packed, g_views)
+    with pytest.raises(RuntimeError, match="qkv must be"):
+        short.fused_short_attention_packed(qkv[..., :-1], H, 0.4, causal, None)

@@ -262,7 +262,7 @@ def test_packed_self_attention_checks_its_projection_once(monkeypatch):
     mha = MultiheadAttention(16, 2)
     x = torch.randn(2, 5, 16)
     out, _ = mha(x, x, x, need_weights=False, is_causal=True)
-    assert checked == [[(2, 5, 48)], [(2, 2, 5, 8)]]  # the packed projection, then the output
+    assert checked == [[(2, 5, 48)], [(2, 5, 16)]]  # the packed projection, then the output (the packed node's)
     ref = torch.nn.functional.scaled_dot_product_attention(
         *[t.view(2, 5, 2, 8).transpose(1, 2) for t in mha.in_proj(x).split(16, -1)], is_causal=True)
     torch.testing.assert_close(out, mha.out_proj(ref.transpose(1, 2).reshape(2, 5, 16)), atol=1e-5, rtol=1e-5)
@@ -277,14 +277,18 @@ def test_packed_self_attention_checks_its_projection_once(monkeypatch):
 @pytest.mark.parametrize("backend", ["auto", "short"])
 def test_training_takes_the_plain_path_with_the_pipelines_bits(causal, scale, backend, monkeypatch):
     """Training with nothing but causal and a scale (the short backend's fused kernel): ``attend_plain`` runs it
-    without building the request — no ``prepare`` — and the output and every gradient equal the pipeline's to the
-    bit (the same kernel call); a request it cannot take (a mask, weights asked for) goes through the pipeline."""
+    without building the request — no ``prepare`` — on the packed projection whole (one node on ``qkv``), and the
+    output and every gradient equal those of the kernel on the q, k, v views and the pipeline's to the bit (the same
+    kernel call); a request it cannot take (a mask, weights asked for) goes through the pipeline."""
+    import attnlab.backends.short as short
     import attnlab.modules.multihead as multihead
     from attnlab import _native
     if not _native.available():
         pytest.skip(f"the fused kernel needs attnlab's native kernels: {_native.status()}")
     prepared, original = [], multihead.prepare
     monkeypatch.setattr(multihead, "prepare", lambda *a, **kw: prepared.append(1) or original(*a, **kw))
+    whole, packed_kernel = [], short.fused_short_attention_packed
+    monkeypatch.setattr(short, "fused_short_attention_packed", lambda *a: whole.append(1) or packed_kernel(*a))
     torch.manual_seed(0)
     mha = MultiheadAttention(32, 4, scale=scale, backend=backend)
     x = torch.randn(2, 11, 32, requires_grad=True)
@@ -295,7 +299,17 @@ def test_training_takes_the_plain_path_with_the_pipelines_bits(causal, scale, ba
         return (out, *torch.autograd.grad(out, (x, *mha.parameters()), dout))
 
     plain = run()
-    assert prepared == []
+    assert prepared == [] and whole == [1]
+    def on_views(qkv, heads, scale, causal, window):  # the unpacked node on q, k, v cut from the projection
+        B, L, E = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+        q, k, v = (t.view(B, L, heads, E // heads).transpose(1, 2) for t in qkv.split(E, -1))
+        return short.fused_short_attention(q, k, v, scale, causal, window).transpose(1, 2).reshape(B, L, E)
+
+    monkeypatch.setattr(short, "fused_short_attention_packed", on_views)
+    views = run()
+    assert prepared == [] and whole == [1]
+    for a, b in zip(plain, views):
+        assert torch.equal(a, b)
     monkeypatch.setattr(multihead, "attend_plain", lambda *a, **kw: None)  # the pipeline
     general = run()
     assert prepared == [1]

@@ -129,15 +129,20 @@ def attend(q: Tensor, k: Tensor, v: Tensor, request: dict, *, backend: str = "au
     return (out, extra) if request["return_weights"] or return_lse else out
 
 
-def attend_plain(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: Optional[float], backend: str
-                 ) -> Optional[Tensor]:
+def attend_plain(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: Optional[float], backend: str,
+                 packed: Optional[Tensor] = None) -> Optional[Tensor]:
     """:func:`attend` for a request of nothing but ``causal`` and ``scale`` (no mask, window, mod, dropout or weights;
     softmax) over q, k, v the caller has found finite, where it ends in the short backend's fused kernel
     (``backend="short"``, or ``"auto"`` taking it: training on a CPU, few keys, as many key/value as query heads):
     that kernel without building and validating the request, choosing among the backends and wrapping the call —
     the same call, so the same bits (``MultiheadAttention`` takes it in training: ~60 µs less a call on a Zen 3
     core, paired medians of 40 alternating blocks, at 16 and at 768 tokens). None where any of that does not
-    hold or the output is not finite: the caller then runs :func:`attend`, whose checks handle or explain it."""
+    hold or the output is not finite: the caller then runs :func:`attend`, whose checks handle or explain it.
+
+    ``packed``: the self-attention projection ``(B, L, 3 H D)`` that q, k, v ``(B, H, L, D)`` are views of, in that
+    order (as many key/value as query heads). The kernel then runs on it as one node
+    (:func:`~attnlab.backends.short.fused_short_attention_packed`) and the result is ``(B, L, H D)``, the heads
+    merged: the same bits, and no split, views or concatenation of the three gradients in the backward."""
     if backend == "auto":
         if AUTO_ORDER[0] != "short" or not short.auto_when(q, k, v):
             return None
@@ -146,7 +151,10 @@ def attend_plain(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: Option
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     if not (abs(scale) <= 1e3 and _native.trainable(q, k, v, contiguous=False) and short.fused_applies(q, k, v)):
         return None
-    out = short.fused_short_attention(q, k, v, scale, causal, None)
+    if packed is not None:
+        out = short.fused_short_attention_packed(packed, q.shape[1], scale, causal, None)
+    else:
+        out = short.fused_short_attention(q, k, v, scale, causal, None)
     return out if all_finite(out) else None
 
 

@@ -220,3 +220,10 @@ def fused_short_attention(q, k, v, scale, causal, window):
     session 27; the C++ nodes of this and of the plain activation, ``nn.feedforward._activate``, together: the
     nanogpt-cpu step 0.970–0.978× as AVX2, 0.986× with AVX-512, A/B in one process.)"""
     return _native_train.short_attention_train(q, k, v, scale=scale, causal=causal, window=window)
+
+
+def fused_short_attention_packed(qkv, heads, scale, causal, window):
+    """:func:`fused_short_attention` of the q, k, v that ``qkv (B, L, 3E)`` packs (``[q | k | v]``, ``heads`` heads
+    each) as one node on ``qkv`` itself (:func:`attnlab._native_train.short_attention_packed`): ``out (B, L, E)``
+    with the heads merged, ``∂L/∂qkv`` written whole by its backward. The same bits."""
+    return _native_train.short_attention_packed(qkv, heads, scale=scale, causal=causal, window=window)

@@ -59,6 +59,9 @@
 //       contiguous (B, L, H, D) tensor
 //   attnlab::short_attention_train(q, k, v, scale, causal, window) -> out
 //       the two as one autograd node (CompositeImplicitAutograd): P kept from the forward for the backward
+//   attnlab::short_attention_packed(qkv, heads, scale, causal, window) -> out
+//       short_attention_train on the packed projection qkv (B, L, 3E) that q, k, v are cut from (q, k, v in that
+//       order, H = heads of E / H each), out (B, L, E); its backward writes ∂L/∂qkv (B, L, 3E) in one tensor
 //   attnlab::all_finite(tensors) -> bool
 //       no entry of any tensor NaN or ±inf (the attention pipeline's check: one pass, no tensor made)
 //   attnlab::clip_grad_norm_(grads, max_norm) -> norm
@@ -83,6 +86,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cctype>
 #include <cmath>
@@ -712,6 +716,10 @@ std::tuple<at::Tensor, at::Tensor> short_attention(const at::Tensor& q, const at
   return {out, p};
 }
 
+void short_attention_backward_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& p,
+                                   const at::Tensor& d_out, const at::Tensor& dq, const at::Tensor& dk,
+                                   const at::Tensor& dv, double scale, bool causal, int64_t window, int64_t isa);
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> short_attention_backward(const at::Tensor& q, const at::Tensor& k,
                                                                         const at::Tensor& v, const at::Tensor& p,
                                                                         const at::Tensor& d_out, double scale,
@@ -726,6 +734,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> short_attention_backward(const at
   ATTNLAB_CHECK(p.sizes() == at::IntArrayRef({B, H, Lq, Lk}), "attnlab::short_attention_backward: p must be (B, H, ",
                 "Lq, Lk) = ", at::IntArrayRef({B, H, Lq, Lk}), " (short_attention's), got ", p.sizes());
   at::Tensor dq = heads_merged(q, Lq), dk = heads_merged(q, Lk), dv = heads_merged(q, Lk);
+  short_attention_backward_into(q, k, v, p, d_out, dq, dk, dv, scale, causal, window, isa);
+  return {dq, dk, dv};
+}
+
+// short_attention_backward's arithmetic into dq, dk, dv ((B, H, L, D) of q's dtype, any strides with the last 1:
+// views of one packed gradient, say), the operands checked by the caller
+void short_attention_backward_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& p,
+                                   const at::Tensor& d_out, const at::Tensor& dq, const at::Tensor& dk,
+                                   const at::Tensor& dv, double scale, bool causal, int64_t window, int64_t isa) {
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3), Lk = k.size(2);
   const attnlab_native::Seen seen{Lq, Lk, window, causal};
   const int64_t need = 2 * Lq * D + 4 * Lk * D + attnlab_native::SHORT_ROWS * (Lk + D);
   const auto run = [&](auto tag) {
@@ -741,7 +759,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> short_attention_backward(const at
     });
   };
   q.scalar_type() == at::kFloat ? run(float{}) : run(uint16_t{});
-  return {dq, dk, dv};
 }
 
 // short_attention and its backward as one autograd node (the short backend's fused path): no Python
@@ -772,6 +789,54 @@ struct ShortAttention : public torch::autograd::Function<ShortAttention> {
 at::Tensor short_attention_train(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                                  bool causal, int64_t window, int64_t isa) {
   return ShortAttention::apply(q, k, v, scale, causal, window, isa);
+}
+
+// q, k, v as (B, H, L, D) views of a packed projection qkv (B, L, 3 H D): columns [0, HD) q, [HD, 2HD) k, then v
+std::array<at::Tensor, 3> unpacked(const at::Tensor& qkv, int64_t H) {
+  const int64_t B = qkv.size(0), L = qkv.size(1), E = qkv.size(2) / 3;
+  std::array<at::Tensor, 3> out;
+  for (int64_t i = 0; i < 3; ++i) out[i] = qkv.narrow(2, i * E, E).view({B, L, H, E / H}).transpose(1, 2);
+  return out;
+}
+
+// ShortAttention on the packed projection qkv (B, L, 3E) it is cut from, out (B, L, E) with the heads merged: the
+// split, its views and the concatenation of dq, dk, dv in its backward go (the backward writes them into one
+// (B, L, 3E) gradient). The same arithmetic, so the same bits
+struct ShortAttentionPacked : public torch::autograd::Function<ShortAttentionPacked> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& qkv, int64_t heads, double scale,
+                            bool causal, int64_t window, int64_t isa) {
+    ATTNLAB_CHECK(qkv.dim() == 3 && heads >= 1 && qkv.size(2) % (3 * heads) == 0 && qkv.stride(2) == 1,
+                  "attnlab::short_attention_packed: qkv must be (B, L, 3 · heads · D) with the last stride 1, got ",
+                  qkv.sizes(), " strides ", qkv.strides(), " for ", heads, " heads");
+    const auto [q, k, v] = unpacked(qkv, heads);
+    auto [out, p] = short_attention(q, k, v, scale, causal, window, isa);
+    ctx->save_for_backward({qkv, p});
+    ctx->saved_data["heads"] = heads, ctx->saved_data["scale"] = scale, ctx->saved_data["causal"] = causal;
+    ctx->saved_data["window"] = window, ctx->saved_data["isa"] = isa;
+    return out.transpose(1, 2).reshape({qkv.size(0), qkv.size(1), qkv.size(2) / 3});  // (a view: out is (B, L, H, D))
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& qkv = saved[0];
+    const int64_t heads = ctx->saved_data["heads"].toInt();
+    const auto [q, k, v] = unpacked(qkv, heads);
+    at::Tensor go = grads[0].to(qkv.scalar_type());
+    if (go.stride(-1) != 1) go = go.contiguous();
+    go = go.view({qkv.size(0), qkv.size(1), heads, q.size(3)}).transpose(1, 2);
+    at::Tensor dqkv = at::empty(qkv.sizes(), qkv.options());
+    const auto [dq, dk, dv] = unpacked(dqkv, heads);
+    short_attention_backward_into(q, k, v, saved[1], go, dq, dk, dv, ctx->saved_data["scale"].toDouble(),
+                                  ctx->saved_data["causal"].toBool(), ctx->saved_data["window"].toInt(),
+                                  ctx->saved_data["isa"].toInt());
+    return {dqkv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor short_attention_packed(const at::Tensor& qkv, int64_t heads, double scale, bool causal, int64_t window,
+                                  int64_t isa) {
+  return ShortAttentionPacked::apply(qkv, heads, scale, causal, window, isa);
 }
 
 // a plain activation with its derivative kept (act_train with keep) as one autograd node: h = act(g) forward,
@@ -889,6 +954,7 @@ TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("short_attention_train(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window, int isa) -> "
         "Tensor");
   m.def("act_kept_train(Tensor g, int act, int isa) -> Tensor");
+  m.def("short_attention_packed(Tensor qkv, int heads, float scale, bool causal, int window, int isa) -> Tensor");
   m.def("all_finite(Tensor[] tensors, int isa) -> bool");
 }
 
@@ -896,6 +962,7 @@ TORCH_LIBRARY_IMPL(attnlab, CompositeImplicitAutograd, m) {
   m.impl("int8_linear_train", &int8_linear_train);
   m.impl("short_attention_train", &short_attention_train);
   m.impl("act_kept_train", &act_kept_train);
+  m.impl("short_attention_packed", &short_attention_packed);
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {

@@ -182,9 +182,12 @@ class MultiheadAttention(nn.Module):
         if (fresh_finite and cache is None and key_padding_mask is None and attn_mask is None and not need_weights
                 and isinstance(is_causal, bool) and self.position_bias is None and self.window is None
                 and self.normalize == "softmax" and self.top_k is None and (self.dropout == 0.0 or not self.training)):
-            out = attend_plain(q, k, v, causal=is_causal, scale=self.scale, backend=self.backend)
+            # q, k, v still the views of one packed projection: the kernel takes it whole (same bits, fewer nodes)
+            packed = qkv if (qkv is not None and H == Hkv and self.q_norm is None and self.k_norm is None
+                             and self.rotary is None) else None
+            out = attend_plain(q, k, v, causal=is_causal, scale=self.scale, backend=self.backend, packed=packed)
             if out is not None:  # training's common case: the fused kernel without the request (attend_plain)
-                return self.out_proj(out.transpose(1, 2).reshape(B, L, H * Dh)), None
+                return self.out_proj(out if packed is not None else out.transpose(1, 2).reshape(B, L, H * Dh)), None
         if cache is not None:
             if cache.window is not None and (self.window is None or self.window > cache.window):
                 raise ValueError(f"a cache with window={cache.window} keeps fewer keys than this attention sees "

@@ -51,7 +51,10 @@ activation as C++ autograd nodes, the attention pipeline's NaN check native: as 
 our process 34.2–41.7 s in ``benchmarks/train.py``'s pairs (nanoGPT's 67–81 s in the same pairs); AVX-512 1.8851.
 On a real AVX2-only CPU (2 Zen 3 cores, session 28: no VNNI, where ``torch._int_mm`` is oneDNN's reference loop and
 the products are attnlab's own) the same bits again, val 1.8866; our process 100.6–104.8 s against nanoGPT's
-159.3–165.7 s in the same pairs (0.607–0.658).
+159.3–165.7 s in the same pairs (0.607–0.658). Then (session 29, the same host) the int8 layers' left operand in 7
+bits too (:mod:`attnlab.adapt.int8_training`: the products' paired loop) and the attention on the packed projection:
+val 1.8887; our process 93.1–102.4 s against nanoGPT's 159.4–166.4 s in the same pairs (0.584–0.641, median 0.600;
+before the packed attention).
 
 Adapting a trained run (each setting names a previous run's output folder; its latest checkpoint is used;
 the code: :mod:`attnlab.training.recipes.char_runs`):
