@@ -99,30 +99,42 @@ inline int pack_panel(const int8_t* B, int64_t sk, int64_t sn, int64_t K, int64_
   return *std::max_element(bytes, bytes + 32);
 }
 
-// The tile c (R rows × 16 columns: c[2r], c[2r + 1]) = A's R rows (stride lda, already shifted: a + 128 as unsigned
-// bytes) times panel P over K = 4 · K4, started at −128 Σ_k b_kn: Σ_k a_k b_kn
-template <int R>
+// The tile c (R rows × 16 columns: c[2r], c[2r + 1]) = A's R rows (stride lda, already shifted) times panel P over
+// K = 4 · K4, started at the shift: Σ_k a_k b_kn. 8-bit rows (PAIRED false): a + 128 as unsigned bytes, started at
+// −128 Σ_k b_kn. The paired loop (PAIRED), where A lies within ±63: read shifted by 64 (a + 64 ∈ [1, 127]), a pair's
+// sum is within 2 · 127 · 63 = 16002, so the int16 sums of two steps of vpmaddubsw add exactly (≤ 32004) before one
+// vpmaddwd widens them: 12 multiply-type instructions for 8 k instead of 16, the sums started at −64 Σ_k b_kn; K4
+// even (the panel and the rows padded with zeros)
+template <int R, bool PAIRED>
 inline void tile(const uint8_t* A, int64_t lda, const int8_t* P, int64_t K4, const int32_t* shift, __m256i* c) {
   const __m256i ones = _mm256_set1_epi16(1);
   for (int r = 0; r < R; ++r) {
     c[2 * r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift));
     c[2 * r + 1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift + 8));
   }
-  for (int64_t k4 = 0; k4 < K4; ++k4) {
-    const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + 64 * k4));
-    const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + 64 * k4 + 32));
+  constexpr int64_t STEP = PAIRED ? 2 : 1;  // steps of 4 k an iteration
+  for (int64_t k4 = 0; k4 < K4; k4 += STEP) {
+    __m256i b[2 * STEP];
+    for (int64_t i = 0; i < 2 * STEP; ++i) b[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + 64 * k4 + 32 * i));
     for (int r = 0; r < R; ++r) {
-      int32_t four;
-      std::memcpy(&four, A + r * lda + 4 * k4, 4);
-      const __m256i a = _mm256_set1_epi32(four);
-      c[2 * r] = _mm256_add_epi32(c[2 * r], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b0), ones));
-      c[2 * r + 1] = _mm256_add_epi32(c[2 * r + 1], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b1), ones));
+      int32_t four[STEP];
+      std::memcpy(four, A + r * lda + 4 * k4, 4 * STEP);
+      const __m256i a0 = _mm256_set1_epi32(four[0]);
+      __m256i s0 = _mm256_maddubs_epi16(a0, b[0]), s1 = _mm256_maddubs_epi16(a0, b[1]);
+      if constexpr (PAIRED) {
+        const __m256i a1 = _mm256_set1_epi32(four[STEP - 1]);
+        s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(a1, b[2])), s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(a1, b[3]));
+      }
+      c[2 * r] = _mm256_add_epi32(c[2 * r], _mm256_madd_epi16(s0, ones));
+      c[2 * r + 1] = _mm256_add_epi32(c[2 * r + 1], _mm256_madd_epi16(s1, ones));
     }
   }
 }
 
-// tile<4>'s loop in assembly: GCC kept the eight accumulators' array in memory (a store of each and register copies
-// in every step, 1.3x the instructions); here they stay in registers, ymm12-15 the scratch
+// tile<4, PAIRED>'s loop in assembly: GCC kept the eight accumulators' array in memory (a store of each and register
+// copies in every step, 1.3x the instructions); here they stay in registers (8-bit: ymm12-15 the scratch; paired:
+// ymm8-15 the two steps of B, the broadcasts and scratch, the ones from memory)
+template <bool PAIRED>
 inline void tile4(const uint8_t* A, int64_t lda, const int8_t* P, int64_t K4, const int32_t* shift, __m256i* c) {
   const __m256i s0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift));
   const __m256i s1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift + 8));
@@ -133,73 +145,7 @@ inline void tile4(const uint8_t* A, int64_t lda, const int8_t* P, int64_t K4, co
     const int64_t end = 4 * K4;
     int64_t k = 0;
     const int8_t* p = P;
-#define ATTNLAB_ROW(a, x0, x1)                            \
-  "vpbroadcastd (%[" a "],%[k]), %%ymm14\n\t"              \
-  "vpmaddubsw %%ymm12, %%ymm14, %%ymm15\n\t"               \
-  "vpmaddubsw %%ymm13, %%ymm14, %%ymm14\n\t"               \
-  "vpmaddwd %[ones], %%ymm15, %%ymm15\n\t"                 \
-  "vpmaddwd %[ones], %%ymm14, %%ymm14\n\t"                 \
-  "vpaddd %%ymm15, %[" x0 "], %[" x0 "]\n\t"               \
-  "vpaddd %%ymm14, %[" x1 "], %[" x1 "]\n\t"
-    asm volatile(
-        "1:\n\t"
-        "vmovdqu (%[p]), %%ymm12\n\t"
-        "vmovdqu 32(%[p]), %%ymm13\n\t"
-        ATTNLAB_ROW("a0", "c00", "c01") ATTNLAB_ROW("a1", "c10", "c11") ATTNLAB_ROW("a2", "c20", "c21")
-        ATTNLAB_ROW("a3", "c30", "c31")
-        "add $64, %[p]\n\t"
-        "add $4, %[k]\n\t"
-        "cmp %[end], %[k]\n\t"
-        "jl 1b\n\t"
-        : [c00] "+x"(c00), [c01] "+x"(c01), [c10] "+x"(c10), [c11] "+x"(c11), [c20] "+x"(c20), [c21] "+x"(c21),
-          [c30] "+x"(c30), [c31] "+x"(c31), [p] "+r"(p), [k] "+r"(k)
-        : [a0] "r"(A), [a1] "r"(a1), [a2] "r"(a2), [a3] "r"(a3), [end] "r"(end), [ones] "x"(ones)
-        : "xmm12", "xmm13", "xmm14", "xmm15", "cc", "memory");
-#undef ATTNLAB_ROW
-  }
-  c[0] = c00, c[1] = c01, c[2] = c10, c[3] = c11, c[4] = c20, c[5] = c21, c[6] = c30, c[7] = c31;
-}
-
-// The paired loop, where A lies within ±63: read shifted by 64 (a + 64 ∈ [1, 127]), a pair's sum is within
-// 2 · 127 · 63 = 16002, so the int16 sums of two steps of vpmaddubsw add exactly (≤ 32004) before one vpmaddwd
-// widens them: 12 multiply-type instructions for 8 k (16 in the loop above), the sums started at −64 Σ_k b_kn. K4
-// even (the panel and the rows padded with zeros)
-template <int R>
-inline void tile7(const uint8_t* A, int64_t lda, const int8_t* P, int64_t K4, const int32_t* shift, __m256i* c) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int r = 0; r < R; ++r) {
-    c[2 * r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift));
-    c[2 * r + 1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift + 8));
-  }
-  for (int64_t k4 = 0; k4 < K4; k4 += 2) {
-    const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + 64 * k4));
-    const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + 64 * k4 + 32));
-    const __m256i b2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + 64 * k4 + 64));
-    const __m256i b3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + 64 * k4 + 96));
-    for (int r = 0; r < R; ++r) {
-      int32_t four[2];
-      std::memcpy(four, A + r * lda + 4 * k4, 8);
-      const __m256i a0 = _mm256_set1_epi32(four[0]), a1 = _mm256_set1_epi32(four[1]);
-      const __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(a0, b0), _mm256_maddubs_epi16(a1, b2));
-      const __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(a0, b1), _mm256_maddubs_epi16(a1, b3));
-      c[2 * r] = _mm256_add_epi32(c[2 * r], _mm256_madd_epi16(s0, ones));
-      c[2 * r + 1] = _mm256_add_epi32(c[2 * r + 1], _mm256_madd_epi16(s1, ones));
-    }
-  }
-}
-
-// tile7<4>'s loop in assembly (as tile4; ymm8-15 the two steps of B, the broadcasts and scratch, the ones from
-// memory: the eight accumulators take the other registers)
-inline void tile4_7(const uint8_t* A, int64_t lda, const int8_t* P, int64_t K4, const int32_t* shift, __m256i* c) {
-  const __m256i s0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift));
-  const __m256i s1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift + 8));
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i c00 = s0, c01 = s1, c10 = s0, c11 = s1, c20 = s0, c21 = s1, c30 = s0, c31 = s1;
-  if (K4 > 0) {
-    const uint8_t *a1 = A + lda, *a2 = A + 2 * lda, *a3 = A + 3 * lda;
-    const int64_t end = 4 * K4;
-    int64_t k = 0;
-    const int8_t* p = P;
+    if constexpr (PAIRED) {
 #define ATTNLAB_ROW7(a, x0, x1)                           \
   "vpbroadcastd (%[" a "],%[k]), %%ymm12\n\t"              \
   "vpbroadcastd 4(%[" a "],%[k]), %%ymm13\n\t"             \
@@ -213,7 +159,7 @@ inline void tile4_7(const uint8_t* A, int64_t lda, const int8_t* P, int64_t K4, 
   "vpaddw %%ymm15, %%ymm14, %%ymm14\n\t"                   \
   "vpmaddwd %[ones], %%ymm14, %%ymm14\n\t"                 \
   "vpaddd %%ymm14, %[" x1 "], %[" x1 "]\n\t"
-    asm volatile(
+      asm volatile(
         "1:\n\t"
         "vmovdqu (%[p]), %%ymm8\n\t"
         "vmovdqu 32(%[p]), %%ymm9\n\t"
@@ -230,8 +176,45 @@ inline void tile4_7(const uint8_t* A, int64_t lda, const int8_t* P, int64_t K4, 
         : [a0] "r"(A), [a1] "r"(a1), [a2] "r"(a2), [a3] "r"(a3), [end] "r"(end), [ones] "m"(ones)
         : "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "cc", "memory");
 #undef ATTNLAB_ROW7
+    } else {
+#define ATTNLAB_ROW(a, x0, x1)                            \
+  "vpbroadcastd (%[" a "],%[k]), %%ymm14\n\t"              \
+  "vpmaddubsw %%ymm12, %%ymm14, %%ymm15\n\t"               \
+  "vpmaddubsw %%ymm13, %%ymm14, %%ymm14\n\t"               \
+  "vpmaddwd %[ones], %%ymm15, %%ymm15\n\t"                 \
+  "vpmaddwd %[ones], %%ymm14, %%ymm14\n\t"                 \
+  "vpaddd %%ymm15, %[" x0 "], %[" x0 "]\n\t"               \
+  "vpaddd %%ymm14, %[" x1 "], %[" x1 "]\n\t"
+      asm volatile(
+        "1:\n\t"
+        "vmovdqu (%[p]), %%ymm12\n\t"
+        "vmovdqu 32(%[p]), %%ymm13\n\t"
+        ATTNLAB_ROW("a0", "c00", "c01") ATTNLAB_ROW("a1", "c10", "c11") ATTNLAB_ROW("a2", "c20", "c21")
+        ATTNLAB_ROW("a3", "c30", "c31")
+        "add $64, %[p]\n\t"
+        "add $4, %[k]\n\t"
+        "cmp %[end], %[k]\n\t"
+        "jl 1b\n\t"
+        : [c00] "+x"(c00), [c01] "+x"(c01), [c10] "+x"(c10), [c11] "+x"(c11), [c20] "+x"(c20), [c21] "+x"(c21),
+          [c30] "+x"(c30), [c31] "+x"(c31), [p] "+r"(p), [k] "+r"(k)
+        : [a0] "r"(A), [a1] "r"(a1), [a2] "r"(a2), [a3] "r"(a3), [end] "r"(end), [ones] "x"(ones)
+        : "xmm12", "xmm13", "xmm14", "xmm15", "cc", "memory");
+#undef ATTNLAB_ROW
+    }
   }
   c[0] = c00, c[1] = c01, c[2] = c10, c[3] = c11, c[4] = c20, c[5] = c21, c[6] = c30, c[7] = c31;
+}
+
+// the tile of `rows` (1-4) rows
+template <bool PAIRED>
+inline void any_tile(int64_t rows, const uint8_t* A, int64_t lda, const int8_t* P, int64_t K4, const int32_t* shift,
+                     __m256i* c) {
+  switch (rows) {
+    case 4: return tile4<PAIRED>(A, lda, P, K4, shift, c);
+    case 3: return tile<3, PAIRED>(A, lda, P, K4, shift, c);
+    case 2: return tile<2, PAIRED>(A, lda, P, K4, shift, c);
+    default: return tile<1, PAIRED>(A, lda, P, K4, shift, c);
+  }
 }
 
 // A tile's R rows × 16 columns rescaled from its registers as dequant_row rescales a row (dequant_vec's arithmetic:
@@ -324,19 +307,9 @@ bool product(const int8_t* A, int64_t lda, int64_t M, int64_t K, const int8_t* B
         const uint8_t* a = shifted.get() + (r0 - first) * Kp;
         __m256i c[2 * MR];
         if (paired) {
-          switch (rows) {
-            case 4: tile4_7(a, Kp, panel, K4p, start + n0, c); break;
-            case 3: tile7<3>(a, Kp, panel, K4p, start + n0, c); break;
-            case 2: tile7<2>(a, Kp, panel, K4p, start + n0, c); break;
-            default: tile7<1>(a, Kp, panel, K4p, start + n0, c); break;
-          }
+          any_tile<true>(rows, a, Kp, panel, K4p, start + n0, c);
         } else {
-          switch (rows) {
-            case 4: tile4(a, Kp, panel, K4, start + n0, c); break;
-            case 3: tile<3>(a, Kp, panel, K4, start + n0, c); break;
-            case 2: tile<2>(a, Kp, panel, K4, start + n0, c); break;
-            default: tile<1>(a, Kp, panel, K4, start + n0, c); break;
-          }
+          any_tile<false>(rows, a, Kp, panel, K4, start + n0, c);
         }
         if (cols == NR) {
           full(c, rows, rs + r0, cs ? cs + n0 : nullptr, bias ? bias + n0 : nullptr, y + r0 * N + n0, N);

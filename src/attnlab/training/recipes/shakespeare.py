@@ -53,8 +53,9 @@ On a real AVX2-only CPU (2 Zen 3 cores, session 28: no VNNI, where ``torch._int_
 the products are attnlab's own) the same bits again, val 1.8866; our process 100.6–104.8 s against nanoGPT's
 159.3–165.7 s in the same pairs (0.607–0.658). Then (session 29, the same host) the int8 layers' left operand in 7
 bits too (:mod:`attnlab.adapt.int8_training`: the products' paired loop) and the attention on the packed projection:
-val 1.8887; our process 93.1–102.4 s against nanoGPT's 159.4–166.4 s in the same pairs (0.584–0.641, median 0.600;
-before the packed attention).
+val 1.8887; our process 93.1–102.4 s against nanoGPT's 159.4–166.4 s in the same pairs (0.584–0.641, median 0.600)
+before the packed attention, 85.7–98.0 s against 155.9–165.3 s (0.550–0.593, median 0.556) with it, a quieter hour.
+The val with AVX-512 was not re-measured (no such machine in session 29): the 7-bit left operand moves it too.
 
 Adapting a trained run (each setting names a previous run's output folder; its latest checkpoint is used;
 the code: :mod:`attnlab.training.recipes.char_runs`):
