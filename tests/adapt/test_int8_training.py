@@ -185,9 +185,9 @@ def test_int8_product_equals_int_mm_rescaled_bit_for_bit(isa, kernel, M, K, N, l
     ±63, the shift taken back per column, the rescaling fused, K padded to a multiple of 8) where b is within ±63,
     else torch._int_mm: either way the exact int32 sums rescaled as dequantize rescales them, so the same bits as
     torch._int_mm + dequantize, for a full 8-bit, within ±63 (at the bound) or both in one call (the last row 8-bit:
-    at 768 × 128 × 384 on 2 threads one task's rows take the paired loop, the other's not), b read by rows, by columns (a transposed matrix) or with
-    any strides, any M, N (partial tiles, partial panels), K not a multiple of 16, 8 or 4 (the padded rows), and b
-    past ±63."""
+    at 768 × 128 × 384 on 2 threads one task's rows take the paired loop, the other's not), b read by rows, by
+    columns (a transposed matrix) or with any strides, any M, N (partial tiles, partial panels), K not a multiple of
+    16, 8 or 4 (the padded rows), and b past ±63."""
     gen = torch.Generator().manual_seed(M * 1000 + K * 10 + N)
     if left == "8-bit":
         a = torch.randint(-128, 128, (M, K), generator=gen, dtype=torch.int8)

@@ -115,7 +115,9 @@ inline void tile(const uint8_t* A, int64_t lda, const int8_t* P, int64_t K4, con
   constexpr int64_t STEP = PAIRED ? 2 : 1;  // steps of 4 k an iteration
   for (int64_t k4 = 0; k4 < K4; k4 += STEP) {
     __m256i b[2 * STEP];
-    for (int64_t i = 0; i < 2 * STEP; ++i) b[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + 64 * k4 + 32 * i));
+    for (int64_t i = 0; i < 2 * STEP; ++i) {
+      b[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + 64 * k4 + 32 * i));
+    }
     for (int r = 0; r < R; ++r) {
       int32_t four[STEP];
       std::memcpy(four, A + r * lda + 4 * k4, 4 * STEP);
@@ -123,7 +125,8 @@ inline void tile(const uint8_t* A, int64_t lda, const int8_t* P, int64_t K4, con
       __m256i s0 = _mm256_maddubs_epi16(a0, b[0]), s1 = _mm256_maddubs_epi16(a0, b[1]);
       if constexpr (PAIRED) {
         const __m256i a1 = _mm256_set1_epi32(four[STEP - 1]);
-        s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(a1, b[2])), s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(a1, b[3]));
+        s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(a1, b[2]));
+        s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(a1, b[3]));
       }
       c[2 * r] = _mm256_add_epi32(c[2 * r], _mm256_madd_epi16(s0, ones));
       c[2 * r + 1] = _mm256_add_epi32(c[2 * r + 1], _mm256_madd_epi16(s1, ones));
