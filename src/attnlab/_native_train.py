@@ -311,7 +311,7 @@ def int8_kernel(kernel: Optional[str] = None) -> str:
 
     - ``"auto"`` (the default): ``csrc/int8_gemm.h`` where oneDNN has no VNNI instruction to use (a CPU without
       AVX-VNNI and AVX512-VNNI, or oneDNN capped by ``ONEDNN_MAX_CPU_ISA`` to AVX2 or below), else ``torch._int_mm``;
-    - ``"ours"``: ``csrc/int8_gemm.h`` wherever its condition holds (``b`` within ±63; K is padded to a multiple of 4);
+    - ``"ours"``: ``csrc/int8_gemm.h`` wherever its condition holds (``b`` within ±63; K is padded to a multiple of 8);
     - ``"onednn"``: ``torch._int_mm`` always.
 
     Either gives the same bits (the exact int32 sums, rescaled alike); only the time differs — by 50× or more on a CPU
