@@ -12,7 +12,7 @@
 // 128 Σ_k b_kn = Σ_k a_k b_kn, the exact int32 sums of torch._int_mm. Where A's rows (a thread's share of them) lie
 // within ±63 too — the int8 layers round both operands to ±63 — the shift is 64 and two steps' int16 sums add
 // exactly (2 · 2 · 127 · 63 = 32004) before one vpmaddwd widens them: 12 multiply-type instructions for 8 k
-// instead of 16, which bound the loop (two a cycle on Zen 3): 0.89× the products' time at nanogpt-cpu's shapes on
+// instead of 16, which bound the loop (~two a cycle on Zen 3): 0.89× the products' time at nanogpt-cpu's shapes on
 // 2 Zen 3 cores. Each 4 × 16 tile of sums is rescaled from its registers by the arithmetic of the dequant_row that
 // rescales torch._int_mm's rows (dequant_vec), so y has the same bits either way.
 //
