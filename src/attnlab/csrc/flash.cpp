@@ -90,7 +90,7 @@ at::Tensor transposed(const at::Tensor& x, int64_t isa) {
       const int64_t g = c / chunks, j0 = c % chunks * chunk, j1 = std::min(Lk, j0 + chunk);
       const float* from = src + g * Lk * D;
       float* to = dst + g * D * ld;
-      transpose(from, D, j0, j1, to, ld);
+      transpose(from, D, D, j0, j1, to, ld);
       if (j1 == Lk)
         for (int64_t d = 0; d < D; ++d) std::fill(to + d * ld + Lk, to + (d + 1) * ld, 0.f);
     }
