@@ -254,8 +254,9 @@ def test_int8_linear_is_its_roundings_product_and_rescaling_in_one_call(isa, col
 @pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
 @DTYPES
 def test_the_backward_gives_the_same_bits_on_any_thread_count(isa, kernel, dtype):
-    """On 2 threads the two gradient products run one a thread (each whole, single-threaded inside): the same
-    integers and rescalings as on 1 or 3 threads, so the same bits (with AVX2 by either product kernel)."""
+    """On 2 threads the two gradient products share the threads (attnlab's AVX2 kernel: chunks of rows taken by
+    whichever thread is free; oneDNN's: one product a thread): the same integers and rescalings as on 1 or 3 threads,
+    so the same bits (with AVX2 by either product kernel)."""
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(70, 48, generator=gen).to(dtype)
     w, b = torch.randn(33, 48, generator=gen), torch.randn(33, generator=gen)
@@ -273,6 +274,31 @@ def test_the_backward_gives_the_same_bits_on_any_thread_count(isa, kernel, dtype
     assert outs[0][0].dtype == dtype and outs[0][1].shape == (33, 48) and outs[0][2].shape == (33,)
     for out in outs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(out, outs[0]))
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
+@pytest.mark.parametrize("wide", ["dx", "dw", "both"])
+def test_a_gradient_product_whose_right_operand_is_wider_than_7_bits_is_still_exact_on_2_threads(isa, kernel, wide):
+    """The products sharing 2 threads take only right operands within ±63: where one (or both) holds wider entries
+    that one falls back to torch._int_mm, the other still shares nothing it should not — both exact."""
+    gen = torch.Generator().manual_seed(9)
+    T, out, inn = 70, 33, 48
+    qw = torch.randint(-127 if wide in ("dx", "both") else -63, 64, (out, inn), generator=gen, dtype=torch.int8)
+    qxt = torch.randint(-127 if wide in ("dw", "both") else -63, 64, (inn, T), generator=gen, dtype=torch.int8)
+    sw, sxc = torch.rand(out, generator=gen) + 0.5, torch.rand(inn, generator=gen) + 0.5
+    g = torch.randn(T, out, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        dx, dw, db = _native_train.int8_linear_backward(g, qw, sw, qxt, sxc, left=I.LEFT, right=127, dx=True, dw=True,
+                                                        db=True, dx_dtype=torch.float32)
+    finally:
+        torch.set_num_threads(before)
+    qz, sz, qgt, sg, gsum = _native_train.quantize_rows_cols(g, I.LEFT, I.LEFT, sw)
+    assert torch.equal(dx, _native_train.dequantize(torch._int_mm(qz, qw), sz))
+    assert torch.equal(dw, _native_train.dequantize(torch._int_mm(qgt, qxt.t().contiguous()), sg, sxc))
+    assert torch.equal(db, gsum)
 
 
 @needs_native

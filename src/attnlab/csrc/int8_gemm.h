@@ -247,97 +247,176 @@ inline void rescale_tile(const __m256i* c, int64_t rows, const float* rs, const 
 // (128 + 255) · 63 · K < 2^31
 constexpr int64_t MAX_K = ((int64_t{1} << 31) - 1) / (383 * 63);
 
+// B (K, N) packed for the tiles: panels of 16 columns (K padded to a multiple of 4, its steps of 4 to an even count:
+// the paired loop's; the padding's rows zero), the sums' starts for 8-bit (−128 Σ_k b_kn) and paired rows (−64 Σ_k
+// b_kn), and max |b|
+struct Packed {
+  int64_t panels = 0, K4 = 0, K4p = 0, Kp = 0;
+  std::unique_ptr<int8_t[]> memory;
+  int8_t* P = nullptr;  // (32-byte aligned in memory)
+  std::vector<int32_t> shift, half;
+  int top = 0;
+};
+
+// packs B (strides sk, sn) over torch's threads (serially inside a parallel region)
+inline void pack(const int8_t* B, int64_t sk, int64_t sn, int64_t K, int64_t N, Packed& pk) {
+  pk.panels = (N + NR - 1) / NR, pk.K4 = (K + 3) / 4, pk.K4p = pk.K4 + pk.K4 % 2, pk.Kp = 4 * pk.K4p;
+  pk.memory.reset(new int8_t[pk.panels * pk.Kp * NR + 32]);  // (uninitialised: every byte written)
+  pk.P = pk.memory.get() + (32 - reinterpret_cast<uintptr_t>(pk.memory.get()) % 32) % 32;
+  pk.shift.resize(pk.panels * NR), pk.half.resize(pk.panels * NR);
+  std::vector<int> top(pk.panels);
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K * NR));
+  at::parallel_for(0, pk.panels, grain, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      top[p] = pack_panel(B, sk, sn, K, N, p, pk.K4p, pk.P + p * pk.Kp * NR, pk.shift.data() + p * NR);
+      for (int64_t j = p * NR; j < (p + 1) * NR; ++j) pk.half[j] = pk.shift[j] / 2;  // (exact: shift is −128 Σ b)
+    }
+  });
+  pk.top = pk.panels ? *std::max_element(top.begin(), top.end()) : 0;
+}
+
+// The row groups [g0, g1) (4 rows each) of y = diag(rs) (A B) diag(cs) + bias, B packed in pk: these rows of A
+// shifted to unsigned once, not in every panel's tiles — a + 64 where they all lie within ±63 (the paired loop),
+// else a + 128 (the sign bit flipped) — then tile by tile, each rescaled from its registers
+template <class T>
+void groups(const Packed& pk, const int8_t* A, int64_t lda, int64_t M, int64_t K, int64_t N, int64_t g0, int64_t g1,
+            const float* rs, const float* cs, const float* bias, T* y) {
+  const int64_t panels = pk.panels, Kp = pk.Kp;
+  const auto full = cs ? (bias ? rescale_tile<T, true, true> : rescale_tile<T, true, false>)
+                       : (bias ? rescale_tile<T, false, true> : rescale_tile<T, false, false>);
+  const int64_t first = g0 * MR, count = std::min(M, g1 * MR) - first;
+  __m256i big = _mm256_setzero_si256();
+  int widest = 0;
+  for (int64_t r = 0; r < count; ++r) {
+    const int8_t* src = A + (first + r) * lda;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      big = _mm256_max_epu8(big, _mm256_abs_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k))));
+    }
+    for (; k < K; ++k) widest = std::max(widest, std::abs(static_cast<int>(src[k])));
+  }
+  alignas(32) uint8_t bytes[32];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), big);
+  const bool paired = std::max<int>(widest, *std::max_element(bytes, bytes + 32)) <= 63;
+  const uint8_t zero = paired ? 64 : 0x80;  // a = 0 shifted
+  const std::unique_ptr<uint8_t[]> shifted(new uint8_t[count * Kp + 32]);
+  const __m256i add = _mm256_set1_epi8(static_cast<char>(zero));
+  for (int64_t r = 0; r < count; ++r) {
+    const int8_t* src = A + (first + r) * lda;
+    uint8_t* dst = shifted.get() + r * Kp;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {  // (+128 and the sign bit's XOR are one and the same for bytes)
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), _mm256_add_epi8(v, add));
+    }
+    for (; k < K; ++k) dst[k] = static_cast<uint8_t>(src[k] + zero);
+    for (; k < Kp; ++k) dst[k] = zero;  // a = 0 past K (B's rows there are zero anyway)
+  }
+  const int32_t* start = paired ? pk.half.data() : pk.shift.data();
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t n0 = p * NR, cols = std::min(NR, N - n0);
+    const int8_t* panel = pk.P + p * Kp * NR;
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t r0 = g * MR, rows = std::min(MR, M - r0);
+      const uint8_t* a = shifted.get() + (r0 - first) * Kp;
+      __m256i c[2 * MR];
+      if (paired) {
+        any_tile<true>(rows, a, Kp, panel, pk.K4p, start + n0, c);
+      } else {
+        any_tile<false>(rows, a, Kp, panel, pk.K4, start + n0, c);
+      }
+      if (cols == NR) {
+        full(c, rows, rs + r0, cs ? cs + n0 : nullptr, bias ? bias + n0 : nullptr, y + r0 * N + n0, N);
+        continue;
+      }
+      for (int64_t i = 0; i < rows; ++i) {  // the last panel short of 16 columns: as dequant_row rescales a row
+        T* out = y + (r0 + i) * N + n0;
+        for (int64_t h = 0; h < 2 && 8 * (h + 1) <= cols; ++h) {
+          avx2::VI v;
+          std::memcpy(&v, &c[2 * i + h], sizeof v);
+          avx2::st(out + 8 * h, avx2::dequant_vec(v, rs[r0 + i], cs ? cs + n0 + 8 * h : nullptr,
+                                                   bias ? bias + n0 + 8 * h : nullptr));
+        }
+        if (cols % 8) {  // the last panel's columns past a multiple of 8: dequant_row's scalar tail
+          const int64_t j = cols - cols % 8;
+          alignas(32) int32_t acc[8];
+          std::memcpy(acc, &c[2 * i + j / 8], sizeof acc);
+          avx2::dequant_row<T>(acc, rs[r0 + i], cs ? cs + n0 + j : nullptr, bias ? bias + n0 + j : nullptr,
+                               cols % 8, out + j);
+        }
+      }
+    }
+  }
+}
+
 // y (M, N) = diag(rs) (A B) diag(cs) + bias (cs, bias null: 1, 0), as described above. Returns false, having
 // written nothing to y, where B holds an entry beyond ±63 (the caller then takes torch._int_mm)
 template <class T>
 bool product(const int8_t* A, int64_t lda, int64_t M, int64_t K, const int8_t* B, int64_t sk, int64_t sn, int64_t N,
              const float* rs, const float* cs, const float* bias, T* y) {
-  // K padded to a multiple of 4, its steps of 4 to an even count (the paired loop's); the padding's rows of B zero
-  const int64_t panels = (N + NR - 1) / NR, K4 = (K + 3) / 4, K4p = K4 + K4 % 2, Kp = 4 * K4p;
-  const std::unique_ptr<int8_t[]> packed(new int8_t[panels * Kp * NR + 32]);  // (uninitialised: every byte written)
-  int8_t* P = packed.get() + (32 - reinterpret_cast<uintptr_t>(packed.get()) % 32) % 32;  // 32-byte aligned
-  std::vector<int32_t> shift(panels * NR), half(panels * NR);  // −128 Σ_k b_kn (8-bit rows), −64 Σ_k b_kn (paired)
-  std::vector<int> top(panels);
-  at::parallel_for(0, panels, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K * NR)), [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      top[p] = pack_panel(B, sk, sn, K, N, p, K4p, P + p * Kp * NR, shift.data() + p * NR);
-      for (int64_t j = p * NR; j < (p + 1) * NR; ++j) half[j] = shift[j] / 2;  // (exact: shift is −128 Σ b)
-    }
-  });
-  if (*std::max_element(top.begin(), top.end()) > 63) return false;
-  const int64_t groups = (M + MR - 1) / MR;
+  Packed pk;
+  pack(B, sk, sn, K, N, pk);
+  if (pk.top > 63) return false;
   // a group (4 rows × all of N) is 4 K N multiply-adds: split across threads from ~2^20 of them
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, MR * K * N));
-  const auto full = cs ? (bias ? rescale_tile<T, true, true> : rescale_tile<T, true, false>)
-                      : (bias ? rescale_tile<T, false, true> : rescale_tile<T, false, false>);
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    // this task's rows of A shifted to unsigned once, not in every panel's tiles: a + 64 where they all lie within
-    // ±63 (the paired loop), else a + 128 (the sign bit flipped)
-    const int64_t first = g0 * MR, count = std::min(M, g1 * MR) - first;
-    __m256i big = _mm256_setzero_si256();
-    int widest = 0;
-    for (int64_t r = 0; r < count; ++r) {
-      const int8_t* src = A + (first + r) * lda;
-      int64_t k = 0;
-      for (; k + 32 <= K; k += 32) {
-        big = _mm256_max_epu8(big, _mm256_abs_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k))));
-      }
-      for (; k < K; ++k) widest = std::max(widest, std::abs(static_cast<int>(src[k])));
-    }
-    alignas(32) uint8_t bytes[32];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), big);
-    const bool paired = std::max<int>(widest, *std::max_element(bytes, bytes + 32)) <= 63;
-    const uint8_t zero = paired ? 64 : 0x80;  // a = 0 shifted
-    const std::unique_ptr<uint8_t[]> shifted(new uint8_t[count * Kp + 32]);
-    const __m256i add = _mm256_set1_epi8(static_cast<char>(zero));
-    for (int64_t r = 0; r < count; ++r) {
-      const int8_t* src = A + (first + r) * lda;
-      uint8_t* dst = shifted.get() + r * Kp;
-      int64_t k = 0;
-      for (; k + 32 <= K; k += 32) {  // (+128 and the sign bit's XOR are one and the same for bytes)
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), _mm256_add_epi8(v, add));
-      }
-      for (; k < K; ++k) dst[k] = static_cast<uint8_t>(src[k] + zero);
-      for (; k < Kp; ++k) dst[k] = zero;  // a = 0 past K (B's rows there are zero anyway)
-    }
-    const int32_t* start = paired ? half.data() : shift.data();
-    for (int64_t p = 0; p < panels; ++p) {
-      const int64_t n0 = p * NR, cols = std::min(NR, N - n0);
-      const int8_t* panel = P + p * Kp * NR;
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t r0 = g * MR, rows = std::min(MR, M - r0);
-        const uint8_t* a = shifted.get() + (r0 - first) * Kp;
-        __m256i c[2 * MR];
-        if (paired) {
-          any_tile<true>(rows, a, Kp, panel, K4p, start + n0, c);
-        } else {
-          any_tile<false>(rows, a, Kp, panel, K4, start + n0, c);
-        }
-        if (cols == NR) {
-          full(c, rows, rs + r0, cs ? cs + n0 : nullptr, bias ? bias + n0 : nullptr, y + r0 * N + n0, N);
-          continue;
-        }
-        for (int64_t i = 0; i < rows; ++i) {  // the last panel short of 16 columns: as dequant_row rescales a row
-          T* out = y + (r0 + i) * N + n0;
-          for (int64_t h = 0; h < 2 && 8 * (h + 1) <= cols; ++h) {
-            avx2::VI v;
-            std::memcpy(&v, &c[2 * i + h], sizeof v);
-            avx2::st(out + 8 * h, avx2::dequant_vec(v, rs[r0 + i], cs ? cs + n0 + 8 * h : nullptr,
-                                                     bias ? bias + n0 + 8 * h : nullptr));
-          }
-          if (cols % 8) {  // the last panel's columns past a multiple of 8: dequant_row's scalar tail
-            const int64_t j = cols - cols % 8;
-            alignas(32) int32_t acc[8];
-            std::memcpy(acc, &c[2 * i + j / 8], sizeof acc);
-            avx2::dequant_row<T>(acc, rs[r0 + i], cs ? cs + n0 + j : nullptr, bias ? bias + n0 + j : nullptr,
-                                 cols % 8, out + j);
-          }
-        }
-      }
-    }
+  at::parallel_for(0, (M + MR - 1) / MR, grain, [&](int64_t g0, int64_t g1) {
+    groups(pk, A, lda, M, K, N, g0, g1, rs, cs, bias, y);
   });
   return true;
+}
+
+// One product's arguments (as product's; y in float32 or, y16 given, bfloat16)
+struct Job {
+  const int8_t* A;
+  int64_t lda, M, K;
+  const int8_t* B;
+  int64_t sk, sn, N;
+  const float *rs, *cs, *bias;
+  float* y;
+  uint16_t* y16;
+};
+
+// Two products on the calling region's two threads, sharing the work: thread t packs job t's B and takes job t's
+// chunks of row groups, then helps with the other's (packing it first where that thread has not started). A
+// backward's ∂L/∂x and ∂L/∂W products have the same multiply-adds but not the same time (their shapes differ: 1.2–3×
+// at nanogpt-cpu's, one thread each), so one a thread left a core waiting. Each chunk is exact and rescaled as in
+// product, so y has the same bits. done[j]: whether job j was computed (false: its B holds an entry beyond ±63, y
+// not written; the caller takes torch._int_mm for it)
+inline void product_pair(const Job (&job)[2], bool (&done)[2]) {
+  Packed pk[2];
+  std::atomic<int> state[2] = {0, 0};  // 0 not packed, 1 being packed, 2 packed
+  std::atomic<int64_t> next[2] = {0, 0};
+  int64_t total[2], chunk[2];
+  for (int j = 0; j < 2; ++j) {
+    total[j] = (job[j].M + MR - 1) / MR;
+    chunk[j] = std::max<int64_t>(1, std::min<int64_t>(16, (total[j] + 7) / 8));  // ≥ 8 chunks a job, ≤ 64 rows each
+  }
+  const auto ready = [&](int j) {
+    int expected = 0;
+    if (state[j].compare_exchange_strong(expected, 1)) {
+      pack(job[j].B, job[j].sk, job[j].sn, job[j].K, job[j].N, pk[j]);
+      state[j].store(2, std::memory_order_release);
+    } else {
+      while (state[j].load(std::memory_order_acquire) != 2) _mm_pause();
+    }
+    return pk[j].top <= 63;
+  };
+  const auto work = [&](int j) {
+    if (!ready(j)) return;
+    const Job& b = job[j];
+    for (int64_t c = next[j].fetch_add(1); c * chunk[j] < total[j]; c = next[j].fetch_add(1)) {
+      const int64_t g0 = c * chunk[j], g1 = std::min(total[j], g0 + chunk[j]);
+      if (b.y16) {
+        groups(pk[j], b.A, b.lda, b.M, b.K, b.N, g0, g1, b.rs, b.cs, b.bias, b.y16);
+      } else {
+        groups(pk[j], b.A, b.lda, b.M, b.K, b.N, g0, g1, b.rs, b.cs, b.bias, b.y);
+      }
+    }
+  };
+  at::parallel_for(0, 2, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) work(static_cast<int>(t)), work(static_cast<int>(1 - t));
+  });
+  for (int j = 0; j < 2; ++j) done[j] = pk[j].top <= 63;
 }
 
 }  // namespace u8s8

@@ -514,6 +514,16 @@ int64_t int8_kernel(int64_t mode) {
   return mode == -2 ? int8_kernel_mode.load() : int8_kernel_mode.exchange(mode);
 }
 
+// whether int8_product takes int8_gemm.h's product for int8 a (M, K) and b (K, N) (where b lies within ±63)
+bool ours_for(const at::Tensor& a, const at::Tensor& b, int64_t max_inner, int64_t isa) {
+#ifdef ATTNLAB_ISAS
+  return take_ours(isa) && a.size(1) <= std::min(max_inner, u8s8::MAX_K) && a.stride(1) == 1 && a.size(0) > 0 &&
+         b.size(1) > 0;
+#else
+  return false;
+#endif
+}
+
 at::Tensor int8_product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& rs,
                         const std::optional<at::Tensor>& cs, const std::optional<at::Tensor>& bias, bool bf16,
                         int64_t max_inner, int64_t isa) {
@@ -524,8 +534,7 @@ at::Tensor int8_product(const at::Tensor& a, const at::Tensor& b, const at::Tens
   ATTNLAB_CHECK(max_inner >= 1, "attnlab::int8_product: max_inner must be >= 1, got ", max_inner);
   const int64_t K = a.size(1);
 #ifdef ATTNLAB_ISAS
-  if (take_ours(isa) && K <= std::min(max_inner, u8s8::MAX_K) && a.stride(1) == 1 && a.size(0) > 0 &&
-      b.size(1) > 0) {
+  if (ours_for(a, b, max_inner, isa)) {
     // AVX2 without VNNI: our product with the rescaling fused (int8_gemm.h), where b's entries lie within ±63
     const int64_t M = a.size(0), N = b.size(1);
     check_scales(rs, cs, bias, M, N, "int8_product");
@@ -598,7 +607,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_linear_backward(
   at::Tensor dxv = none, dwv = none;
   const auto run_dx = [&] { dxv = int8_product(qz, qw, sz, std::nullopt, std::nullopt, dx_bf16, max_inner, isa); };
   const auto run_dw = [&] { dwv = int8_product(qgt, qxt.t(), sg, sxc, std::nullopt, false, max_inner, isa); };
-  if (dx && dw && at::get_num_threads() == 2 && !at::in_parallel_region()) {
+  const bool two = dx && dw && at::get_num_threads() == 2 && !at::in_parallel_region();
+#ifdef ATTNLAB_ISAS
+  if (two && ours_for(qz, qw, max_inner, isa) && ours_for(qgt, qxt.t(), max_inner, isa)) {
+    // int8_gemm.h's two products sharing the two threads (u8s8::product_pair): the same bits as one a thread, no
+    // core waiting for the other's product
+    const int64_t T = g.size(0), in = qw.size(1), out = qw.size(0);
+    const auto f32 = g.options().dtype(at::kFloat);
+    dxv = at::empty({T, in}, dx_bf16 ? f32.dtype(at::kBFloat16) : f32), dwv = at::empty({out, in}, f32);
+    const u8s8::Job jobs[2] = {
+        {qz.data_ptr<int8_t>(), qz.stride(0), T, out, qw.data_ptr<int8_t>(), qw.stride(0), qw.stride(1), in,
+         sz.data_ptr<float>(), nullptr, nullptr, dx_bf16 ? nullptr : dxv.data_ptr<float>(),
+         dx_bf16 ? data<uint16_t>(dxv) : nullptr},
+        {qgt.data_ptr<int8_t>(), qgt.stride(0), out, T, qxt.data_ptr<int8_t>(), qxt.stride(1), qxt.stride(0), in,
+         sg.data_ptr<float>(), sxc.data_ptr<float>(), nullptr, dwv.data_ptr<float>(), nullptr}};
+    bool done[2];
+    u8s8::product_pair(jobs, done);
+    if (!done[0]) run_dx();
+    if (!done[1]) run_dw();
+    return {dxv, dwv, db ? gsum : none};
+  }
+#endif
+  if (two) {
     // on 2 threads the two products (the same FLOPs: T · out · in each) one a thread, each whole on its core
     // (oneDNN and our passes run single-threaded inside a parallel region): neither product split, one meeting
     // point. nanogpt-cpu's four shapes: 0.69-0.93x the time of one after the other on both threads (either ISA);
