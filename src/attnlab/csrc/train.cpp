@@ -385,21 +385,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
   }
   const auto f32 = x.options().dtype(at::kFloat);
   at::Tensor q = at::empty({R, n}, x.options().dtype(at::kChar)), qct = at::empty({n, R}, q.options());
-  at::Tensor s = at::empty({R}, f32), sc = at::empty({n}, f32), sum = at::empty({n}, f32), inv = at::empty({R}, f32);
-  at::Tensor cinv = at::empty({n}, f32);
+  at::Tensor s = at::empty({R}, f32), sc = at::empty({n}, f32), sum = at::empty({n}, f32);
   // pass 1: each block of rows its rows' maxima and its columns' partial maxima and sums (a fixed partition: the
-  // same bits on any thread count); then the columns over the blocks in order. Pass 2: both roundings in one read
+  // same bits on any thread count); then the columns over the blocks in order. Pass 2: both roundings in one read.
+  // (The scratch is plain memory: 32 calls a step of nanogpt-cpu, each ATen allocation a dispatch)
   constexpr int64_t block = 32;
   const int64_t blocks = std::max<int64_t>(1, (R + block - 1) / block);
-  at::Tensor pm = at::zeros({blocks, n}, f32), ps = at::zeros({blocks, n}, f32);
+  std::vector<float> inv(R), cinv(n), pm(blocks * n, 0.f), ps(blocks * n, 0.f);
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, n));
   const auto run = [&](auto tag) {
     using T = decltype(tag);
     const T* X = data<T>(x);
     const float* C = c ? c->data_ptr<float>() : nullptr;
     float *S = s.data_ptr<float>(), *SC = sc.data_ptr<float>(), *SUM = sum.data_ptr<float>();
-    float *INV = inv.data_ptr<float>(), *CINV = cinv.data_ptr<float>();
-    float *PM = pm.data_ptr<float>(), *PS = ps.data_ptr<float>();
+    float *INV = inv.data(), *CINV = cinv.data(), *PM = pm.data(), *PS = ps.data();
     const auto stats = ISA_FN(row_col_stats<T>);
     at::parallel_for(0, blocks, std::max<int64_t>(1, grain / block), [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
