@@ -384,7 +384,7 @@ struct Job {
 // not written; the caller takes torch._int_mm for it)
 inline void product_pair(const Job (&job)[2], bool (&done)[2]) {
   Packed pk[2];
-  std::atomic<int> state[2] = {0, 0};  // 0 not packed, 1 being packed, 2 packed
+  std::atomic<int> state[2] = {0, 0};  // 0 not packed, 1 being packed, 2 packed, 3 its packing threw
   std::atomic<int64_t> next[2] = {0, 0};
   int64_t total[2], chunk[2];
   for (int j = 0; j < 2; ++j) {
@@ -394,10 +394,16 @@ inline void product_pair(const Job (&job)[2], bool (&done)[2]) {
   const auto ready = [&](int j) {
     int expected = 0;
     if (state[j].compare_exchange_strong(expected, 1)) {
-      pack(job[j].B, job[j].sk, job[j].sn, job[j].K, job[j].N, pk[j]);
+      try {
+        pack(job[j].B, job[j].sk, job[j].sn, job[j].K, job[j].N, pk[j]);
+      } catch (...) {  // (no memory for the panels: the other thread must not wait for them; the error goes on)
+        state[j].store(3, std::memory_order_release);
+        throw;
+      }
       state[j].store(2, std::memory_order_release);
     } else {
-      while (state[j].load(std::memory_order_acquire) != 2) _mm_pause();
+      while (state[j].load(std::memory_order_acquire) == 1) _mm_pause();
+      if (state[j].load(std::memory_order_acquire) == 3) return false;
     }
     return pk[j].top <= 63;
   };
