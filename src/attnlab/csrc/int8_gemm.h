@@ -378,10 +378,10 @@ struct Job {
 
 // Two products on the calling region's two threads, sharing the work: thread t packs job t's B and takes job t's
 // chunks of row groups, then helps with the other's (packing it first where that thread has not started). A
-// backward's ∂L/∂x and ∂L/∂W products have the same multiply-adds but not the same time (their shapes differ: 1.2–3×
-// at nanogpt-cpu's, one thread each), so one a thread left a core waiting. Each chunk is exact and rescaled as in
-// product, so y has the same bits. done[j]: whether job j was computed (false: its B holds an entry beyond ±63, y
-// not written; the caller takes torch._int_mm for it)
+// backward's ∂L/∂x and ∂L/∂W products have the same multiply-adds but not the same time (their shapes differ: one
+// 0.9–1.5× the other at nanogpt-cpu's, one thread each), so one a thread left a core waiting. Each chunk is exact
+// and rescaled as in product, so y has the same bits. done[j]: whether job j was computed (false: its B holds an
+// entry beyond ±63, y not written; the caller takes torch._int_mm for it)
 inline void product_pair(const Job (&job)[2], bool (&done)[2]) {
   Packed pk[2];
   std::atomic<int> state[2] = {0, 0};  // 0 not packed, 1 being packed, 2 packed, 3 its packing threw
