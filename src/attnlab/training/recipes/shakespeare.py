@@ -56,6 +56,9 @@ bits too (:mod:`attnlab.adapt.int8_training`: the products' paired loop) and the
 val 1.8887; our process 93.1–102.4 s against nanoGPT's 159.4–166.4 s in the same pairs (0.584–0.641, median 0.600)
 before the packed attention, 85.7–98.0 s against 155.9–165.3 s (0.550–0.593, median 0.556) with it, a quieter hour.
 The val with AVX-512 was not re-measured (no such machine in session 29): the 7-bit left operand moves it too.
+Then (session 30, the same host) the backward's two int8 products sharing the threads and the attention reading
+float32 in place (the same bits: val 1.8887): 0.520–0.621 of nanoGPT's wall in nine pairs over three hours (medians
+0.561, 0.555, 0.578) — this host's hour-to-hour noise is larger than the change (~2 % of a step in-process).
 
 Adapting a trained run (each setting names a previous run's output folder; its latest checkpoint is used;
 the code: :mod:`attnlab.training.recipes.char_runs`):
