@@ -501,11 +501,6 @@ bool onednn_has_vnni() {
   return has;
 }
 
-bool take_ours(int64_t isa) {
-  const int64_t mode = int8_kernel_mode.load(std::memory_order_relaxed);
-  return isa == 1 && (mode == kOurs || (mode == kAuto && !onednn_has_vnni()));
-}
-
 // sets the mode (kAuto, kOneDnn, kOurs; −2 leaves it) and returns the one before
 int64_t int8_kernel(int64_t mode) {
   ATTNLAB_CHECK(mode >= -2 && mode <= 1, "attnlab::int8_kernel: mode must be -2 (ask), -1 (auto), 0 (oneDNN) or 1 "
@@ -513,11 +508,13 @@ int64_t int8_kernel(int64_t mode) {
   return mode == -2 ? int8_kernel_mode.load() : int8_kernel_mode.exchange(mode);
 }
 
-// whether int8_product takes int8_gemm.h's product for int8 a (M, K) and b (K, N) (where b lies within ±63)
+// whether int8_product takes int8_gemm.h's product for int8 a (M, K) and b (K, N) (where b lies within ±63): AVX2,
+// the int8_kernel setting, and a's layout and size
 bool ours_for(const at::Tensor& a, const at::Tensor& b, int64_t max_inner, int64_t isa) {
 #ifdef ATTNLAB_ISAS
-  return take_ours(isa) && a.size(1) <= std::min(max_inner, u8s8::MAX_K) && a.stride(1) == 1 && a.size(0) > 0 &&
-         b.size(1) > 0;
+  const int64_t mode = int8_kernel_mode.load(std::memory_order_relaxed);
+  return isa == 1 && (mode == kOurs || (mode == kAuto && !onednn_has_vnni())) &&
+         a.size(1) <= std::min(max_inner, u8s8::MAX_K) && a.stride(1) == 1 && a.size(0) > 0 && b.size(1) > 0;
 #else
   return false;
 #endif
@@ -628,10 +625,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_linear_backward(
   }
 #endif
   if (two) {
-    // on 2 threads the two products (the same FLOPs: T · out · in each) one a thread, each whole on its core
+    // on 2 threads, where the products are oneDNN's (not shared above), one a thread, each whole on its core
     // (oneDNN and our passes run single-threaded inside a parallel region): neither product split, one meeting
-    // point. nanogpt-cpu's four shapes: 0.69-0.93x the time of one after the other on both threads (either ISA);
-    // its step 0.992x (as AVX2), 0.983x (AVX-512), A/B in one process
+    // point. nanogpt-cpu's four shapes (session 26): 0.69-0.93x the time of one after the other on both threads
+    // (either ISA); its step 0.992x (as AVX2), 0.983x (AVX-512), A/B in one process
     const at::ThreadLocalState state;
     at::parallel_for(0, 2, 1, [&](int64_t t0, int64_t t1) {
       const at::ThreadLocalStateGuard guard(state);
