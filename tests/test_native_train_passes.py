@@ -425,3 +425,26 @@ def test_the_kept_activation_refuses_a_second_differentiation_instead_of_droppin
     assert torch.equal(dg, _native_train.act_with_grad(g.detach(), "gelu")[1])
     with pytest.raises(RuntimeError, match=r"act_kept_train: its backward cannot be differentiated again"):
         torch.autograd.grad(_activate(g, None, "gelu").sum(), g, create_graph=True)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kept_activation_multiplies_into_its_saved_factor_only_when_the_graph_is_not_kept(dtype):
+    """Without ``retain_graph`` the backward writes ∂L/∂h ⊙ act'(g) into act'(g)'s own buffer (read for the last
+    time); a kept graph multiplies out of place, so every backward gives the same bits and ∂L/∂h is never touched."""
+    gen = torch.Generator().manual_seed(5)
+    g = (torch.randn(4, 8, 32, generator=gen) * 2).to(dtype).requires_grad_()
+    h = _activate(g, None, "gelu")
+    dh = torch.randn(4, 8, 32, generator=gen).to(dtype)
+    dh0 = dh.clone()
+    want = dh * _native_train.act_with_grad(g.detach(), "gelu")[1]
+    kept = [torch.autograd.grad(h, g, dh, retain_graph=True)[0] for _ in range(2)]
+    (last,) = torch.autograd.grad(h, g, dh)
+    assert all(torch.equal(d, want) for d in (*kept, last)) and torch.equal(dh, dh0)
+    assert last.data_ptr() not in (dh.data_ptr(), kept[0].data_ptr(), kept[1].data_ptr())
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        torch.autograd.grad(h, g, dh)
+    # a gradient that also flows elsewhere (h used twice): each use's share intact
+    h2 = _activate(g, None, "gelu")
+    (both,) = torch.autograd.grad(h2 * 2 + h2, g, dh)
+    assert torch.equal(both, (dh * 2 + dh) * _native_train.act_with_grad(g.detach(), "gelu")[1])

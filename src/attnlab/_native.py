@@ -134,7 +134,8 @@ def _load() -> None:
                       int8_linear_train=ops.int8_linear_train.default, int8_kernel=ops.int8_kernel.default,
                       short_attention_train=ops.short_attention_train.default,
                       act_kept_train=ops.act_kept_train.default, all_finite=ops.all_finite.default,
-                      short_attention_packed=ops.short_attention_packed.default)
+                      short_attention_packed=ops.short_attention_packed.default,
+                      gpt_block_train=ops.gpt_block_train.default)
         isa()
     except Exception as e:  # no compiler, no ninja, a failed build: PyTorch's kernels serve instead
         why = " ".join(str(e).split())  # the compiler's message is at the end

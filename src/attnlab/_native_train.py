@@ -284,6 +284,26 @@ def int8_linear_train(x: Tensor, w: Tensor, b: Optional[Tensor], *, left: int, r
     return _native._state["int8_linear_train"](x, w, b, left, right, dtype == torch.bfloat16, _native._state["isa"])
 
 
+def gpt_block_train(x: Tensor, n1w: Tensor, n1b: Optional[Tensor], wqkv: Tensor, bqkv: Optional[Tensor], wo: Tensor,
+                    bo: Optional[Tensor], n2w: Tensor, n2b: Optional[Tensor], w1: Tensor, b1: Optional[Tensor],
+                    w2: Tensor, b2: Optional[Tensor], *, heads: int, scale: float, eps: tuple[float, float],
+                    activation: str, left: int, right: int) -> Tensor:
+    """A pre-norm GPT block's training forward as one C++ autograd node (``csrc/train.cpp``'s ``GptBlock``; the
+    caller, :meth:`attnlab.nn.DecoderLayer._train_native`, checks that it applies), ``x (B, L, C)`` float32::
+
+        h₁ = LN₁(x),  qkv = int8(h₁, W_qkv, b_qkv),  a = softmax(κ q kᵀ, causal) v,  x₃ = x + int8(a, W_o, b_o)
+        h₂ = LN₂(x₃),  y = x₃ + int8(act(int8(h₂, W₁, b₁)), W₂, b₂)
+
+    ``int8`` is :func:`int8_linear_train`'s layer at levels ``left``/``right``, the attention
+    :func:`short_attention_packed`'s, the activation :func:`act_kept_train`'s: the same calls as those nodes, so the
+    same bits, forward and backward. Raises RuntimeError "gpt_block_train: not finite" (no node recorded) where the
+    projection or the attention's output is not finite."""
+    _native._need()
+    return _native._state["gpt_block_train"](x, n1w, n1b, wqkv, bqkv, wo, bo, n2w, n2b, w1, b1, w2, b2, heads, scale,
+                                             eps[0], eps[1], ACTIVATIONS[activation], left, right,
+                                             _native._state["isa"])
+
+
 def int8_linear_backward(g: Tensor, qw: Tensor, sw: Tensor, qxt: Optional[Tensor], sxc: Optional[Tensor], *,
                          left: int, right: int, dx: bool, dw: bool, db: bool, dx_dtype: torch.dtype
                          ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:

@@ -531,3 +531,125 @@ def test_int8_training_none_takes_int8_where_the_products_would_be_fp32(tmp_path
     trainer = Trainer(model, cfg, train_batches=iter([]), loss_fn=lambda m, b: (m(b).sum(), 1), out_dir=tmp_path)
     assert len(trainer.int8_layers) == converted
     assert sum(type(m) is I.Int8TrainingLinear for m in model) == converted
+
+
+def _gpt_layer(C: int, heads: int, *, bias: bool = True, activation: str = "gelu", seed: int = 0) -> nn.Module:
+    """A pre-norm decoder-only layer with int8 products, in training mode."""
+    from attnlab.nn.block import DecoderLayer
+    torch.manual_seed(seed)
+    layer = DecoderLayer(C, heads, ffn_dim=4 * C, cross_attention=False, norm_first=True, dropout=0.0, bias=bias,
+                         activation=activation)
+    with torch.no_grad():  # LayerNorm's parameters away from 1 and 0, so their gradients are tested
+        for p in layer.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn(p.shape) * 0.1)
+    I.int8_training(layer, skip=())
+    return layer.train()
+
+
+def _fused_calls(monkeypatch) -> list:
+    calls = []
+    fn = _native_train.gpt_block_train
+    monkeypatch.setattr(_native_train, "gpt_block_train", lambda *a, **k: calls.append(1) or fn(*a, **k))
+    return calls
+
+
+def _layer_grads(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> tuple:
+    xr = x.clone().requires_grad_()
+    y = layer(xr)
+    grads = torch.autograd.grad(y, (xr, *layer.parameters()), dy)
+    return y.detach(), grads
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
+@pytest.mark.parametrize("B,L,C,heads,bias,activation", [(3, 17, 32, 2, True, "gelu"), (2, 64, 64, 4, True, "gelu"),
+                                                         (2, 9, 48, 3, False, "relu"), (1, 5, 32, 4, True, "gelu_tanh")])
+def test_a_gpt_layer_trains_as_one_node_with_the_bits_of_its_modules(isa, B, L, C, heads, bias, activation,
+                                                                    monkeypatch):
+    """``DecoderLayer._train_native``: LN, int8 qkv, causal short attention, int8 out, residual, LN, int8 FFN with the
+    kept activation, residual — the modules' own calls in one C++ node; output and every gradient the same bits."""
+    from attnlab.nn.block import DecoderLayer
+    layer = _gpt_layer(C, heads, bias=bias, activation=activation)
+    gen = torch.Generator().manual_seed(3)
+    x, dy = torch.randn(B, L, C, generator=gen), torch.randn(B, L, C, generator=gen)
+    calls = _fused_calls(monkeypatch)
+    y, grads = _layer_grads(layer, x, dy)
+    assert calls == [1]
+    monkeypatch.setattr(DecoderLayer, "_train_native", lambda self, x: None)
+    y_ref, grads_ref = _layer_grads(layer, x, dy)
+    assert calls == [1] and torch.equal(y, y_ref)
+    names = ["x"] + [n for n, _ in layer.named_parameters()]
+    for name, got, want in zip(names, grads, grads_ref):
+        assert got is not None and torch.equal(got, want), name
+
+
+@needs_native
+def test_the_one_node_layer_keeps_its_graph_for_a_second_backward_and_refuses_a_second_order(monkeypatch):
+    layer = _gpt_layer(32, 2)
+    calls = _fused_calls(monkeypatch)
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    y = layer(x)
+    first = torch.autograd.grad(y.square().sum(), x, retain_graph=True)[0]
+    again = torch.autograd.grad(y.square().sum(), x)[0]
+    assert calls == [1] and torch.equal(first, again)
+    with pytest.raises(RuntimeError, match="gpt_block_train: its backward cannot be differentiated again"):
+        torch.autograd.grad(layer(x).sum(), x, create_graph=True)
+
+
+@needs_native
+@pytest.mark.parametrize("case", ["eval", "no_grad", "dropout", "hook", "frozen", "autocast", "float_linear",
+                                  "not_causal", "rotary", "long"])
+def test_the_one_node_layer_steps_aside_where_the_modules_would_not_make_its_calls(case, monkeypatch):
+    from attnlab.nn.block import DecoderLayer
+    from attnlab.nn.positional import RotaryEmbedding
+    L, kw = 8, {}
+    if case in ("rotary", "dropout"):
+        torch.manual_seed(0)
+        layer = DecoderLayer(32, 2, ffn_dim=128, cross_attention=False, norm_first=True,
+                             **({"rotary": RotaryEmbedding(16, max_positions=16)} if case == "rotary"
+                                else {"dropout": 0.1}))
+        I.int8_training(layer, skip=())
+    else:
+        layer = _gpt_layer(32, 2)
+    if case == "eval":
+        layer.eval()
+    elif case == "hook":
+        layer.ffn.w1.register_forward_hook(lambda m, i, o: None)
+    elif case == "frozen":
+        layer.norm2.weight.requires_grad_(False)
+    elif case == "float_linear":
+        layer.self_attn.out_proj.__class__ = nn.Linear
+    elif case == "not_causal":
+        kw = {"is_causal": False}
+    elif case == "long":
+        from attnlab.backends import short
+        L = short.FUSED_KEYS + 1
+    calls = _fused_calls(monkeypatch)
+    x = torch.randn(2, L, 32, requires_grad=True)
+    if case == "no_grad":
+        with torch.no_grad():
+            y = layer(x)
+    elif case == "autocast":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+    else:
+        y = layer(x, **kw)
+    assert calls == [] and y.shape == x.shape
+
+
+@needs_native
+def test_a_non_finite_projection_leaves_the_one_node_path_for_the_modules_pipeline(monkeypatch):
+    """A NaN in the input makes the qkv projection non-finite: the node raises before recording anything and the
+    layer runs its modules, whose attention pipeline handles it — the same result as without the node."""
+    from attnlab.nn.block import DecoderLayer
+    layer = _gpt_layer(32, 2)
+    x = torch.randn(2, 8, 32)
+    x[1, 3, 5] = float("nan")
+    calls = _fused_calls(monkeypatch)
+    y = layer(x.clone().requires_grad_())
+    assert calls == [1]
+    monkeypatch.setattr(DecoderLayer, "_train_native", lambda self, x: None)
+    y_ref = layer(x.clone().requires_grad_())
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0, equal_nan=True)
+    assert torch.isfinite(y[0]).all()  # the other sequence untouched

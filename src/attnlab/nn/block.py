@@ -24,8 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab import _native
+from attnlab import _native, _native_train
 from attnlab._checks import boolean, one_of, positive_int, positive_number, rate
+from attnlab.backends import AUTO_ORDER, short
+from attnlab.functional.request import default_scale
 from attnlab.modules.multihead import MultiheadAttention
 from attnlab.modules.cache import KVCache
 from attnlab.nn.dropout import Dropout
@@ -376,6 +378,57 @@ class DecoderLayer(_ResidualLayer):
         cache.advance(1, finite=True)
         return out
 
+    def _train_native(self, x: Tensor) -> Optional[Tensor]:
+        """The layer's training forward as one C++ autograd node (:func:`attnlab._native_train.gpt_block_train`:
+        both LayerNorms, the four int8 products, the short backend's causal attention, the activation with its
+        derivative kept, both residuals — the calls the modules would make, in their order, so the same bits forward
+        and backward) where the modules would take exactly those calls: a pre-norm decoder-only layer in training,
+        float32 ``x`` needing a gradient on the CPU, no autocast, LayerNorms with a weight, ``Int8TrainingLinear``
+        products (:func:`attnlab.adapt.int8_training`) whose parameters all need gradients, a packed causal softmax
+        self-attention the short backend serves (``auto`` or ``short``; no window, position bias, QK-norm, RoPE or
+        grouped heads; at most ``SHORT_KEYS`` keys), a plain activation, no dropout, no module hooks. Else None; also
+        where the projection or the attention's output is not finite (the modules then run, whose pipeline handles
+        or explains it). Why: the layer's ten nodes and ~100 Python-level operations cost ~2 ms of nanogpt-cpu's
+        ~40 ms step on 2 cores (the per-operation overhead, not the arithmetic)."""
+        attn, ffn, n1, n2 = self.self_attn, self.ffn, self.norm1, self.norm2
+        if not (self.training and torch.is_grad_enabled() and self.norm_first and self.cross_attn is None
+                and x.dtype == torch.float32 and x.dim() == 3 and x.requires_grad and x.device.type == "cpu"
+                and not torch.is_autocast_enabled("cpu") and attn.packed and type(ffn) is FeedForward
+                and ffn.w3 is None and ffn.dropout.p == 0 and attn.dropout == 0 and self.dropout1.p == 0
+                and self.dropout2.p == 0 and self.drop_path.p == 0 and type(n1) is nn.LayerNorm
+                and type(n2) is nn.LayerNorm and n1.weight is not None and n2.weight is not None
+                and attn.num_kv_heads == attn.num_heads and attn.q_norm is None and attn.k_norm is None
+                and attn.rotary is None and attn.position_bias is None and attn.window is None
+                and attn.normalize == "softmax" and attn.top_k is None and ffn.activation in _native.ACTIVATIONS
+                and attn.backend in ("auto", "short") and 0 < x.shape[1] <= short.FUSED_KEYS
+                and x.shape[-1] == attn.embed_dim and n1.normalized_shape == n2.normalized_shape == x.shape[-1:]
+                and _native.runs_on(x)):
+            return None
+        from attnlab.adapt.int8_training import LEFT, RIGHT, Int8TrainingLinear  # (adapt imports this module)
+
+        layers = (attn.in_proj, attn.out_proj, ffn.w1, ffn.w2)
+        if attn.backend == "auto" and AUTO_ORDER[0] != "short":
+            return None
+        modules = (attn, ffn, n1, n2, *layers)
+        if any(type(m) is not Int8TrainingLinear for m in layers) or any(
+                m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                for m in modules) or _module_hooks_everywhere():
+            return None
+        params = (n1.weight, n1.bias, layers[0].weight, layers[0].bias, layers[1].weight, layers[1].bias, n2.weight,
+                  n2.bias, layers[2].weight, layers[2].bias, layers[3].weight, layers[3].bias)
+        if any(p is not None and (p.dtype != torch.float32 or not p.requires_grad) for p in params):
+            return None
+        scale = default_scale(attn.head_dim) if attn.scale is None else float(attn.scale)
+        if not abs(scale) <= 1e3:
+            return None
+        try:
+            return _native_train.gpt_block_train(x, *params, heads=attn.num_heads, scale=scale, eps=(n1.eps, n2.eps),
+                                                 activation=ffn.activation, left=LEFT, right=RIGHT)
+        except RuntimeError as e:
+            if "gpt_block_train: not finite" in str(e):
+                return None
+            raise
+
     def forward(self, x: Tensor, memory: Optional[Tensor] = None, *, tgt_key_padding_mask: Optional[Tensor] = None,
                 memory_key_padding_mask: Optional[Tensor] = None, tgt_mask: Optional[Tensor] = None,
                 memory_mask: Optional[Tensor] = None, is_causal: bool = True, cache: Optional[LayerCache] = None,
@@ -391,6 +444,11 @@ class DecoderLayer(_ResidualLayer):
         if (self.cross_attn is None) != (memory is None):
             raise ValueError("memory is required with cross-attention and must be None without it"
                              f" (cross_attention={self.cross_attn is not None})")
+        if (is_causal is True and memory is None and cache is None and not need_weights and value_embed is None
+                and tgt_key_padding_mask is None and tgt_mask is None and self.training):
+            out = self._train_native(x)  # training's common case: the layer as one C++ node
+            if out is not None:
+                return out
         weights: list[Optional[Tensor]] = []
 
         def self_attend(h: Tensor) -> Tensor:
@@ -439,3 +497,11 @@ def _torch_layer_kwargs(layer: nn.Module) -> dict:
     return dict(dim=layer.self_attn.embed_dim, num_heads=layer.self_attn.num_heads,
                 ffn_dim=layer.linear1.out_features, activation=activation, dropout=layer.dropout.p,
                 norm_first=layer.norm_first, norm_eps=layer.norm1.eps, bias=layer.linear1.bias is not None)
+
+
+def _module_hooks_everywhere() -> bool:
+    """Whether a global module hook is registered (``torch.nn.modules.module.register_module_forward_hook`` and the
+    like): it watches every module call, which a fused layer would skip."""
+    from torch.nn.modules import module as m
+    return bool(m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
+                or m._global_backward_pre_hooks)
