@@ -221,10 +221,12 @@ inline void any_tile(int64_t rows, const uint8_t* A, int64_t lda, const int8_t* 
 }
 
 // A tile's R rows × 16 columns rescaled from its registers as dequant_row rescales a row (dequant_vec's arithmetic:
-// s = rs cs, y = v s + b with the add fused), cs and b read once a tile; CS, BIAS: whether cs and b are given
+// s = rs cs, y = v s + b with the add fused), cs and b read once a tile; CS, BIAS: whether cs and b are given. With
+// res (float32 y only; rows ldy apart as y's) y = res + (v s + b), the sum rounded after v s + b is: a residual added
+// to the layer's output in the same pass, the same bits as the separate add
 template <class T, bool CS, bool BIAS>
 inline void rescale_tile(const __m256i* c, int64_t rows, const float* rs, const float* cs, const float* b, T* y,
-                         int64_t ldy) {
+                         int64_t ldy, const float* res) {
   avx2::VF c0{}, c1{}, b0{}, b1{};
   if constexpr (CS) c0 = avx2::load(cs), c1 = avx2::load(cs + 8);
   if constexpr (BIAS) b0 = avx2::load(b), b1 = avx2::load(b + 8);
@@ -235,11 +237,19 @@ inline void rescale_tile(const __m256i* c, int64_t rows, const float* rs, const 
     avx2::VI a0, a1;
     std::memcpy(&a0, &c[2 * i], sizeof a0), std::memcpy(&a1, &c[2 * i + 1], sizeof a1);
     const avx2::VF v0 = __builtin_convertvector(a0, avx2::VF), v1 = __builtin_convertvector(a1, avx2::VF);
+    avx2::VF y0, y1;
     if constexpr (BIAS) {
-      avx2::st(y + i * ldy, avx2::fmadd(v0, s0, b0)), avx2::st(y + i * ldy + 8, avx2::fmadd(v1, s1, b1));
+      y0 = avx2::fmadd(v0, s0, b0), y1 = avx2::fmadd(v1, s1, b1);
     } else {
-      avx2::st(y + i * ldy, v0 * s0), avx2::st(y + i * ldy + 8, v1 * s1);
+      y0 = v0 * s0, y1 = v1 * s1;
     }
+    if constexpr (std::is_same_v<T, float>) {
+      if (res) {
+        asm("" : "+x"(y0), "+x"(y1));  // (y rounded first: GCC would otherwise fuse v s + res into one FMA)
+        y0 = avx2::load(res + i * ldy) + y0, y1 = avx2::load(res + i * ldy + 8) + y1;
+      }
+    }
+    avx2::st(y + i * ldy, y0), avx2::st(y + i * ldy + 8, y1);
   }
 }
 
@@ -280,7 +290,7 @@ inline void pack(const int8_t* B, int64_t sk, int64_t sn, int64_t K, int64_t N, 
 // else a + 128 (the sign bit flipped) — then tile by tile, each rescaled from its registers
 template <class T>
 void groups(const Packed& pk, const int8_t* A, int64_t lda, int64_t M, int64_t K, int64_t N, int64_t g0, int64_t g1,
-            const float* rs, const float* cs, const float* bias, T* y) {
+            const float* rs, const float* cs, const float* bias, T* y, const float* res = nullptr) {
   const int64_t panels = pk.panels, Kp = pk.Kp;
   const auto full = cs ? (bias ? rescale_tile<T, true, true> : rescale_tile<T, true, false>)
                        : (bias ? rescale_tile<T, false, true> : rescale_tile<T, false, false>);
@@ -326,7 +336,8 @@ void groups(const Packed& pk, const int8_t* A, int64_t lda, int64_t M, int64_t K
         any_tile<false>(rows, a, Kp, panel, pk.K4, start + n0, c);
       }
       if (cols == NR) {
-        full(c, rows, rs + r0, cs ? cs + n0 : nullptr, bias ? bias + n0 : nullptr, y + r0 * N + n0, N);
+        full(c, rows, rs + r0, cs ? cs + n0 : nullptr, bias ? bias + n0 : nullptr, y + r0 * N + n0, N,
+             res ? res + r0 * N + n0 : nullptr);
         continue;
       }
       for (int64_t i = 0; i < rows; ++i) {  // the last panel short of 16 columns: as dequant_row rescales a row
@@ -344,23 +355,31 @@ void groups(const Packed& pk, const int8_t* A, int64_t lda, int64_t M, int64_t K
           avx2::dequant_row<T>(acc, rs[r0 + i], cs ? cs + n0 + j : nullptr, bias ? bias + n0 + j : nullptr,
                                cols % 8, out + j);
         }
+        if constexpr (std::is_same_v<T, float>) {  // the residual of these columns added to what was stored
+          for (int64_t j = 0; res && j < cols; ++j) {
+            float o = out[j];
+            asm("" : "+x"(o));  // (as in rescale_tile: no FMA across the stored value)
+            out[j] = res[(r0 + i) * N + n0 + j] + o;
+          }
+        }
       }
     }
   }
 }
 
-// y (M, N) = diag(rs) (A B) diag(cs) + bias (cs, bias null: 1, 0), as described above. Returns false, having
-// written nothing to y, where B holds an entry beyond ±63 (the caller then takes torch._int_mm)
+// y (M, N) = diag(rs) (A B) diag(cs) + bias (cs, bias null: 1, 0), as described above; with res (float32 y, (M, N)
+// contiguous) res + that. Returns false, having written nothing to y, where B holds an entry beyond ±63 (the caller
+// then takes torch._int_mm)
 template <class T>
 bool product(const int8_t* A, int64_t lda, int64_t M, int64_t K, const int8_t* B, int64_t sk, int64_t sn, int64_t N,
-             const float* rs, const float* cs, const float* bias, T* y) {
+             const float* rs, const float* cs, const float* bias, T* y, const float* res = nullptr) {
   Packed pk;
   pack(B, sk, sn, K, N, pk);
   if (pk.top > 63) return false;
   // a group (4 rows × all of N) is 4 K N multiply-adds: split across threads from ~2^20 of them
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, MR * K * N));
   at::parallel_for(0, (M + MR - 1) / MR, grain, [&](int64_t g0, int64_t g1) {
-    groups(pk, A, lda, M, K, N, g0, g1, rs, cs, bias, y);
+    groups(pk, A, lda, M, K, N, g0, g1, rs, cs, bias, y, res);
   });
   return true;
 }

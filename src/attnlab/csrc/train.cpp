@@ -524,9 +524,11 @@ bool ours_for(const at::Tensor& a, const at::Tensor& b, int64_t max_inner, int64
 #endif
 }
 
-at::Tensor int8_product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& rs,
-                        const std::optional<at::Tensor>& cs, const std::optional<at::Tensor>& bias, bool bf16,
-                        int64_t max_inner, int64_t isa) {
+// int8_product, with res (where given: float32 (M, N) contiguous, bf16 false) added to the result: res + y, each sum
+// rounded once after y's (our product adds it in its rescaling; oneDNN's path in place after)
+at::Tensor int8_product_plus(const at::Tensor& a, const at::Tensor& b, const at::Tensor& rs,
+                             const std::optional<at::Tensor>& cs, const std::optional<at::Tensor>& bias, bool bf16,
+                             int64_t max_inner, int64_t isa, const at::Tensor* res) {
   ATTNLAB_CHECK(a.scalar_type() == at::kChar && b.scalar_type() == at::kChar && a.dim() == 2 && b.dim() == 2 &&
                     a.size(1) == b.size(0),
                 "attnlab::int8_product: a (M, K) and b (K, N) must be int8, got ", a.scalar_type(), " ", a.sizes(),
@@ -545,10 +547,11 @@ at::Tensor int8_product(const at::Tensor& a, const at::Tensor& b, const at::Tens
     const bool done = bf16 ? u8s8::product(A, a.stride(0), M, K, B, b.stride(0), b.stride(1), N, RS, CS, BIAS,
                                            data<uint16_t>(y))
                            : u8s8::product(A, a.stride(0), M, K, B, b.stride(0), b.stride(1), N, RS, CS, BIAS,
-                                           data<float>(y));
+                                           data<float>(y), res ? res->data_ptr<float>() : nullptr);
     if (done) return y;
   }
 #endif
+  if (res) return int8_product_plus(a, b, rs, cs, bias, bf16, max_inner, isa, nullptr).add_(*res);
   if (K <= max_inner) return dequantize(at::_int_mm(a, b), rs, cs, bias, bf16, isa);
   at::Tensor out;
   for (int64_t k0 = 0; k0 < K; k0 += max_inner) {
@@ -558,6 +561,12 @@ at::Tensor int8_product(const at::Tensor& a, const at::Tensor& b, const at::Tens
     out = k0 == 0 ? part : out.add_(part);
   }
   return bf16 ? out.to(at::kBFloat16) : out;
+}
+
+at::Tensor int8_product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& rs,
+                        const std::optional<at::Tensor>& cs, const std::optional<at::Tensor>& bias, bool bf16,
+                        int64_t max_inner, int64_t isa) {
+  return int8_product_plus(a, b, rs, cs, bias, bf16, max_inner, isa, nullptr);
 }
 
 // the longest sum of products of ±left and ±right integers an int32 holds exactly
@@ -577,10 +586,11 @@ double abs_max(const at::Tensor& t) {
   return m;
 }
 
-// int8_linear, with bound (where given) set to a bound of |y|
+// int8_linear, with bound (where given) set to a bound of |y| and res (where given: float32 (T, out) contiguous, bf16
+// false) added to y as int8_product_plus adds it
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> int8_linear_bounded(
     const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, int64_t left, int64_t right,
-    bool cols, bool bf16, int64_t isa, double* bound) {
+    bool cols, bool bf16, int64_t isa, double* bound, const at::Tensor* res = nullptr) {
   check_fb(x, "int8_linear", "x");
   attnlab_native::check_f32(w, "int8_linear", "w");
   ATTNLAB_CHECK(x.dim() == 2 && w.dim() == 2 && w.size(1) == x.size(1),
@@ -593,7 +603,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> int8_line
     std::tie(qx, sx) = quantize_rows(x, std::nullopt, left, isa);
     qxt = at::empty({0}, qx.options()), sxc = at::empty({0}, sx.options());
   }
-  at::Tensor y = int8_product(qx, qw.t(), sx, sw, b, bf16, max_terms(left, right), isa);
+  at::Tensor y = int8_product_plus(qx, qw.t(), sx, sw, b, bf16, max_terms(left, right), isa, res);
   if (bound) {  // |y| ≤ K · left · right · max s_x · max s_w + max |b| (the integer sums' bound): +inf if any is not finite
     *bound = static_cast<double>(x.size(1)) * left * right * abs_max(sx) * abs_max(sw) + (b ? abs_max(*b) : 0.0);
   }
@@ -960,12 +970,16 @@ struct GptBlock : public torch::autograd::Function<GptBlock> {
     auto [ao, p] = short_attention(q, k, v, scale, true, -1, isa);
     const at::Tensor a = ao.transpose(1, 2).reshape({T, E3 / 3});  // (a view: ao is (B, L, H, D))
     ATTNLAB_CHECK(!scan || all_finite({a}, isa), "attnlab::gpt_block_train: not finite (the attention's output)");
-    auto [o, qw2, sw2, qxt2, sxc2] = int8_linear(a, wo, bo, left, right, true, false, isa);
-    const at::Tensor x3 = at::add(x, o.view({B, L, C}));
+    // the residuals added in the products' rescaling (x must be contiguous for it; else at::add: the same bits)
+    const at::Tensor xr = x.is_contiguous() ? x.view({T, C}) : at::Tensor();
+    auto [o, qw2, sw2, qxt2, sxc2] = int8_linear_bounded(a, wo, bo, left, right, true, false, isa, nullptr,
+                                                         xr.defined() ? &xr : nullptr);
+    const at::Tensor x3 = xr.defined() ? o.view({B, L, C}) : at::add(x, o.view({B, L, C}));
     auto [h2, mean2, rstd2] = at::native_layer_norm(x3, {C}, n2w, n2b, eps2);
     auto [f, qw3, sw3, qxt3, sxc3] = int8_linear(h2.view({T, C}), w1, b1, left, right, true, false, isa);
     auto [g, d] = act_train(f, std::nullopt, act, true, isa);
-    auto [z, qw4, sw4, qxt4, sxc4] = int8_linear(g, w2, b2, left, right, true, false, isa);
+    const at::Tensor x3r = x3.view({T, C});
+    auto [y, qw4, sw4, qxt4, sxc4] = int8_linear_bounded(g, w2, b2, left, right, true, false, isa, nullptr, &x3r);
     ctx->save_for_backward({x, mean1, rstd1, n1w, n1b.value_or(at::Tensor()), qw1, sw1, qxt1, sxc1, qkv, p, qw2, sw2,
                             qxt2, sxc2, x3, mean2, rstd2, n2w, n2b.value_or(at::Tensor()), qw3, sw3, qxt3, sxc3, d,
                             qw4, sw4, qxt4, sxc4});
@@ -975,7 +989,7 @@ struct GptBlock : public torch::autograd::Function<GptBlock> {
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["b"] = c10::IValue(std::vector<bool>{bqkv.has_value(), bo.has_value(), b1.has_value(),
                                                          b2.has_value()});
-    return at::add(x3, z.view({B, L, C}));
+    return y.view({B, L, C});
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
