@@ -390,33 +390,34 @@ class DecoderLayer(_ResidualLayer):
         where the projection or the attention's output is not finite (the modules then run, whose pipeline handles
         or explains it). Why: the layer's ten nodes and ~100 Python-level operations cost ~2 ms of nanogpt-cpu's
         ~40 ms step on 2 cores (the per-operation overhead, not the arithmetic)."""
-        attn, ffn, n1, n2 = self.self_attn, self.ffn, self.norm1, self.norm2
+        # (submodules and parameters read from their dicts: Module.__getattr__ would be ~26 lookups a call)
+        mods = self._modules
+        attn, ffn, n1, n2 = mods["self_attn"], mods["ffn"], mods["norm1"], mods["norm2"]
         if not (self.training and torch.is_grad_enabled() and self.norm_first and self.cross_attn is None
                 and x.dtype == torch.float32 and x.dim() == 3 and x.requires_grad and x.device.type == "cpu"
-                and not torch.is_autocast_enabled("cpu") and attn.packed and type(ffn) is FeedForward
-                and ffn.w3 is None and ffn.dropout.p == 0 and attn.dropout == 0 and self.dropout1.p == 0
-                and self.dropout2.p == 0 and self.drop_path.p == 0 and type(n1) is nn.LayerNorm
-                and type(n2) is nn.LayerNorm and n1.weight is not None and n2.weight is not None
+                and type(ffn) is FeedForward and type(n1) is nn.LayerNorm and type(n2) is nn.LayerNorm
+                and attn.packed and ffn.w3 is None and attn.dropout == 0 and ffn._modules["dropout"].p == 0
+                and mods["dropout1"].p == 0 and mods["dropout2"].p == 0 and mods["drop_path"].p == 0
                 and attn.num_kv_heads == attn.num_heads and attn.q_norm is None and attn.k_norm is None
                 and attn.rotary is None and attn.position_bias is None and attn.window is None
                 and attn.normalize == "softmax" and attn.top_k is None and ffn.activation in _native.ACTIVATIONS
-                and attn.backend in ("auto", "short") and 0 < x.shape[1] <= short.FUSED_KEYS
-                and x.shape[-1] == attn.embed_dim and n1.normalized_shape == n2.normalized_shape == x.shape[-1:]
+                and (attn.backend == "short" or (attn.backend == "auto" and AUTO_ORDER[0] == "short"))
+                and 0 < x.shape[1] <= short.FUSED_KEYS and x.shape[-1] == attn.embed_dim
+                and n1.normalized_shape == n2.normalized_shape == x.shape[-1:] and not torch.is_autocast_enabled("cpu")
                 and _native.runs_on(x)):
             return None
         from attnlab.adapt.int8_training import LEFT, RIGHT, Int8TrainingLinear  # (adapt imports this module)
 
-        layers = (attn.in_proj, attn.out_proj, ffn.w1, ffn.w2)
-        if attn.backend == "auto" and AUTO_ORDER[0] != "short":
-            return None
+        layers = (attn._modules["in_proj"], attn._modules["out_proj"], ffn._modules["w1"], ffn._modules["w2"])
         modules = (attn, ffn, n1, n2, *layers)
         if any(type(m) is not Int8TrainingLinear for m in layers) or any(
                 m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
                 for m in modules) or _module_hooks_everywhere():
             return None
-        params = (n1.weight, n1.bias, layers[0].weight, layers[0].bias, layers[1].weight, layers[1].bias, n2.weight,
-                  n2.bias, layers[2].weight, layers[2].bias, layers[3].weight, layers[3].bias)
-        if any(p is not None and (p.dtype != torch.float32 or not p.requires_grad) for p in params):
+        params = [t for m in (n1, layers[0], layers[1], n2, layers[2], layers[3])
+                  for t in (m._parameters["weight"], m._parameters.get("bias"))]
+        if params[0] is None or params[6] is None or any(  # (the norms' weights)
+                p is not None and (p.dtype != torch.float32 or not p.requires_grad) for p in params):
             return None
         scale = default_scale(attn.head_dim) if attn.scale is None else float(attn.scale)
         if not abs(scale) <= 1e3:
