@@ -35,7 +35,9 @@ Evaluation and inference are not quantised: the layer is an ``nn.Linear`` (same 
 training forward takes this path — one C++ autograd node (:func:`attnlab._native_train.int8_linear_train`): the
 roundings, products and rescalings of each direction in one native call, no Python between them; in ``eval()``
 mode, or where the native kernels are not built, it is the float layer. :func:`int8_training` swaps the layers of a
-model in place.
+model in place. A pre-norm GPT layer whose four products are such layers trains as one node in all
+(:meth:`attnlab.nn.block.DecoderLayer._train_native`: the norms, these products, the attention, the activation and
+the residuals, the same calls and bits).
 """
 from __future__ import annotations
 

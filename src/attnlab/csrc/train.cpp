@@ -62,6 +62,12 @@
 //   attnlab::short_attention_packed(qkv, heads, scale, causal, window) -> out
 //       short_attention_train on the packed projection qkv (B, L, 3E) that q, k, v are cut from (q, k, v in that
 //       order, H = heads of E / H each), out (B, L, E); its backward writes ∂L/∂qkv (B, L, 3E) in one tensor
+//   attnlab::gpt_block_train(x, n1w, n1b, wqkv, bqkv, wo, bo, n2w, n2b, w1, b1, w2, b2, heads, scale, eps1, eps2,
+//                            act, left, right) -> y
+//       a pre-norm GPT layer of training as one autograd node (CompositeImplicitAutograd), x (B, L, C) float32:
+//       h₁ = LN₁(x), qkv = int8_linear(h₁), a = short_attention (causal), x₃ = x + int8_linear(a), h₂ = LN₂(x₃),
+//       y = x₃ + int8_linear(act(int8_linear(h₂))) (act_train with keep) — those calls, and in the backward theirs,
+//       so the same bits as the layer's modules; raises "not finite" (recording nothing) where qkv or a is not
 //   attnlab::all_finite(tensors) -> bool
 //       no entry of any tensor NaN or ±inf (the attention pipeline's check: one pass, no tensor made)
 //   attnlab::clip_grad_norm_(grads, max_norm) -> norm
@@ -1017,7 +1023,7 @@ struct GptBlock : public torch::autograd::Function<GptBlock> {
     auto [dh2, dw1, db1] = layer(df, 20, has_b[2]);
     auto [dx3n, dn2w, dn2b] = at::native_layer_norm_backward(dh2.view({B, L, C}), x3, {C}, s[16], s[17], s[18], s[19],
                                                              {true, true, s[19].defined()});
-    const at::Tensor dx3 = at::add(dy, dx3n);
+    const at::Tensor dx3 = dx3n.add_(dy);  // (into LN's fresh gradient: no new buffer; the sum commutes)
     auto [da, dwo, dbo] = layer(dx3, 11, has_b[1]);
     const auto [q, k, v] = unpacked(qkv, heads);
     const at::Tensor go = da.view({B, L, heads, q.size(3)}).transpose(1, 2);
@@ -1029,7 +1035,7 @@ struct GptBlock : public torch::autograd::Function<GptBlock> {
     auto [dxn, dn1w, dn1b] = at::native_layer_norm_backward(dh1.view({B, L, C}), x, {C}, s[1], s[2], s[3], s[4],
                                                             {true, true, s[4].defined()});
     const auto opt = [](bool has, const at::Tensor& t) { return has ? t : at::Tensor(); };
-    torch::autograd::variable_list out{at::add(dx3, dxn), dn1w, opt(s[4].defined(), dn1b), dwqkv, opt(has_b[0], dbqkv), dwo,
+    torch::autograd::variable_list out{dxn.add_(dx3), dn1w, opt(s[4].defined(), dn1b), dwqkv, opt(has_b[0], dbqkv), dwo,
                                        opt(has_b[1], dbo), dn2w, opt(s[19].defined(), dn2b), dw1, opt(has_b[2], db1),
                                        dw2, opt(has_b[3], db2)};
     out.resize(21);  // the scalars' (none)
