@@ -600,8 +600,8 @@ def test_the_one_node_layer_keeps_its_graph_for_a_second_backward_and_refuses_a_
 
 
 @needs_native
-@pytest.mark.parametrize("case", ["eval", "no_grad", "dropout", "hook", "frozen", "autocast", "float_linear",
-                                  "not_causal", "rotary", "long"])
+@pytest.mark.parametrize("case", ["eval", "no_grad", "dropout", "hook", "dropout_hook", "frozen", "autocast",
+                                  "float_linear", "eval_linear", "not_causal", "rotary", "long"])
 def test_the_one_node_layer_steps_aside_where_the_modules_would_not_make_its_calls(case, monkeypatch):
     from attnlab.nn.block import DecoderLayer
     from attnlab.nn.positional import RotaryEmbedding
@@ -620,8 +620,12 @@ def test_the_one_node_layer_steps_aside_where_the_modules_would_not_make_its_cal
         layer.ffn.w1.register_forward_hook(lambda m, i, o: None)
     elif case == "frozen":
         layer.norm2.weight.requires_grad_(False)
+    elif case == "dropout_hook":
+        layer.ffn.dropout.register_forward_hook(lambda m, i, o: None)
     elif case == "float_linear":
         layer.self_attn.out_proj.__class__ = nn.Linear
+    elif case == "eval_linear":
+        layer.ffn.w2.eval()
     elif case == "not_causal":
         kw = {"is_causal": False}
     elif case == "long":

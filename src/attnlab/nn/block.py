@@ -386,10 +386,11 @@ class DecoderLayer(_ResidualLayer):
         float32 ``x`` needing a gradient on the CPU, no autocast, LayerNorms with a weight, ``Int8TrainingLinear``
         products (:func:`attnlab.adapt.int8_training`) whose parameters all need gradients, a packed causal softmax
         self-attention the short backend serves (``auto`` or ``short``; no window, position bias, QK-norm, RoPE or
-        grouped heads; at most ``SHORT_KEYS`` keys), a plain activation, no dropout, no module hooks. Else None; also
-        where the projection or the attention's output is not finite (the modules then run, whose pipeline handles
-        or explains it). Why: the layer's ten nodes and ~100 Python-level operations cost ~2 ms of nanogpt-cpu's
-        ~40 ms step on 2 cores (the per-operation overhead, not the arithmetic)."""
+        grouped heads; at most ``SHORT_KEYS`` keys), a plain activation, no dropout, no module hooks, the products in
+        training mode (one in ``eval()`` is a float layer). Else None; also where the projection or the attention's
+        output is not finite (the modules then run, whose pipeline handles or explains it). Why: the layer's ten
+        nodes and ~100 Python-level operations cost ~2 ms of nanogpt-cpu's ~40 ms step on 2 cores (the per-operation
+        overhead, not the arithmetic)."""
         # (submodules and parameters read from their dicts: Module.__getattr__ would be ~26 lookups a call)
         mods = self._modules
         attn, ffn, n1, n2 = mods["self_attn"], mods["ffn"], mods["norm1"], mods["norm2"]
@@ -409,8 +410,8 @@ class DecoderLayer(_ResidualLayer):
         from attnlab.adapt.int8_training import LEFT, RIGHT, Int8TrainingLinear  # (adapt imports this module)
 
         layers = (attn._modules["in_proj"], attn._modules["out_proj"], ffn._modules["w1"], ffn._modules["w2"])
-        modules = (attn, ffn, n1, n2, *layers)
-        if any(type(m) is not Int8TrainingLinear for m in layers) or any(
+        modules = (attn, ffn, n1, n2, ffn._modules["dropout"], *layers)  # (the FFN calls its dropout even at p = 0)
+        if any(type(m) is not Int8TrainingLinear or not m.training for m in layers) or any(
                 m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
                 for m in modules) or _module_hooks_everywhere():
             return None
