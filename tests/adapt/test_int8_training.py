@@ -601,7 +601,7 @@ def test_the_one_node_layer_keeps_its_graph_for_a_second_backward_and_refuses_a_
 
 @needs_native
 @pytest.mark.parametrize("case", ["eval", "no_grad", "dropout", "hook", "dropout_hook", "frozen", "autocast",
-                                  "float_linear", "eval_linear", "not_causal", "rotary", "long"])
+                                  "float_linear", "subclass", "eval_linear", "not_causal", "rotary", "long"])
 def test_the_one_node_layer_steps_aside_where_the_modules_would_not_make_its_calls(case, monkeypatch):
     from attnlab.nn.block import DecoderLayer
     from attnlab.nn.positional import RotaryEmbedding
@@ -624,6 +624,8 @@ def test_the_one_node_layer_steps_aside_where_the_modules_would_not_make_its_cal
         layer.ffn.dropout.register_forward_hook(lambda m, i, o: None)
     elif case == "float_linear":
         layer.self_attn.out_proj.__class__ = nn.Linear
+    elif case == "subclass":  # a subclass may compute otherwise: only the class that declares its levels
+        layer.ffn.w1.__class__ = type("Sub", (I.Int8TrainingLinear,), {})
     elif case == "eval_linear":
         layer.ffn.w2.eval()
     elif case == "not_causal":

@@ -62,6 +62,10 @@ class Int8TrainingLinear(nn.Linear):
     mode, inputs other than float32/bfloat16 on the CPU, or no native kernels: the float layer. Same parameters
     and state dict as ``nn.Linear``."""
 
+    # the levels of its products' operands, declared in this class's own body: what DecoderLayer's one-node training
+    # path (nn.block) reads to know a layer computes exactly this (without importing adapt)
+    int8_levels = (LEFT, RIGHT)
+
     def forward(self, x: Tensor) -> Tensor:
         if not (self.training and torch.is_grad_enabled() and x.device.type == "cpu"
                 and x.dtype in (torch.float32, torch.bfloat16) and self.weight.dtype == torch.float32

@@ -383,11 +383,11 @@ class DecoderLayer(_ResidualLayer):
         both LayerNorms, the four int8 products, the short backend's causal attention, the activation with its
         derivative kept, both residuals — the calls the modules would make, in their order, so the same bits forward
         and backward) where the modules would take exactly those calls: a pre-norm decoder-only layer in training,
-        float32 ``x`` needing a gradient on the CPU, no autocast, LayerNorms with a weight, ``Int8TrainingLinear``
-        products (:func:`attnlab.adapt.int8_training`) whose parameters all need gradients, a packed causal softmax
-        self-attention the short backend serves (``auto`` or ``short``; no window, position bias, QK-norm, RoPE or
-        grouped heads; at most ``SHORT_KEYS`` keys), a plain activation, no dropout, no module hooks, the products in
-        training mode (one in ``eval()`` is a float layer). Else None; also where the projection or the attention's
+        float32 ``x`` needing a gradient on the CPU, no autocast, LayerNorms with a weight, int8 training products
+        (a class declaring ``int8_levels``: :class:`attnlab.adapt.int8_training.Int8TrainingLinear`) in training
+        mode whose parameters all need gradients, a packed causal softmax self-attention the short backend serves
+        (``auto`` or ``short``; no window, position bias, QK-norm, RoPE or grouped heads; at most ``SHORT_KEYS``
+        keys), a plain activation, no dropout, no module hooks. Else None; also where the projection or the attention's
         output is not finite (the modules then run, whose pipeline handles or explains it). Why: the layer's ten
         nodes and ~100 Python-level operations cost ~2 ms of nanogpt-cpu's ~40 ms step on 2 cores (the per-operation
         overhead, not the arithmetic)."""
@@ -407,11 +407,12 @@ class DecoderLayer(_ResidualLayer):
                 and n1.normalized_shape == n2.normalized_shape == x.shape[-1:] and not torch.is_autocast_enabled("cpu")
                 and _native.runs_on(x)):
             return None
-        from attnlab.adapt.int8_training import LEFT, RIGHT, Int8TrainingLinear  # (adapt imports this module)
-
         layers = (attn._modules["in_proj"], attn._modules["out_proj"], ffn._modules["w1"], ffn._modules["w2"])
         modules = (attn, ffn, n1, n2, ffn._modules["dropout"], *layers)  # (the FFN calls its dropout even at p = 0)
-        if any(type(m) is not Int8TrainingLinear or not m.training for m in layers) or any(
+        # an int8 training layer's class declares its levels in its own body (adapt.int8_training.Int8TrainingLinear;
+        # a subclass, which may compute otherwise, does not: the modules then run)
+        levels = {type(m).__dict__.get("int8_levels") for m in layers}
+        if len(levels) != 1 or None in levels or not all(m.training for m in layers) or any(
                 m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
                 for m in modules) or _module_hooks_everywhere():
             return None
@@ -424,8 +425,9 @@ class DecoderLayer(_ResidualLayer):
         if not abs(scale) <= 1e3:
             return None
         try:
+            (left, right), = levels
             return _native_train.gpt_block_train(x, *params, heads=attn.num_heads, scale=scale, eps=(n1.eps, n2.eps),
-                                                 activation=ffn.activation, left=LEFT, right=RIGHT)
+                                                 activation=ffn.activation, left=left, right=right)
         except RuntimeError as e:
             if "gpt_block_train: not finite" in str(e):
                 return None
