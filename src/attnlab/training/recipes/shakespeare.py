@@ -61,7 +61,8 @@ float32 in place (the same bits: val 1.8887): 0.520–0.621 of nanoGPT's wall in
 0.561, 0.555, 0.578) — this host's hour-to-hour noise is larger than the change (~2 % of a step in-process).
 Then (session 31, the same host) each transformer layer's training step as one C++ autograd node (the same calls,
 the same bits: val 1.8887) and the command's shutdown without the garbage collector's walk over torch's objects:
-0.509–0.555 of nanoGPT's wall in six pairs over two benchmark runs (medians 0.535 and 0.547).
+0.448–0.555 of nanoGPT's wall in nine pairs over three benchmark runs (medians 0.535, 0.547, 0.540): one pair
+under 0.5, the median ~7 % above it.
 
 Adapting a trained run (each setting names a previous run's output folder; its latest checkpoint is used;
 the code: :mod:`attnlab.training.recipes.char_runs`):
