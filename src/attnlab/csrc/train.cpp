@@ -581,17 +581,6 @@ int64_t max_terms(int64_t left, int64_t right) {
   return ((int64_t{1} << 31) - 1) / (left * right);
 }
 
-// the largest |entry| of a float32 tensor, +inf where one is NaN or infinite
-double abs_max(const at::Tensor& t) {
-  const float* v = t.data_ptr<float>();
-  double m = 0;
-  for (int64_t i = 0, n = t.numel(); i < n; ++i) {
-    const double a = std::fabs(static_cast<double>(v[i]));
-    if (!(a <= m)) m = std::isfinite(a) ? a : INFINITY;  // (NaN fails a <= m: +inf)
-  }
-  return m;
-}
-
 // int8_linear, with bound (where given) set to a bound of |y| and res (where given: float32 (T, out) contiguous, bf16
 // false) added to y as int8_product_plus adds it
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> int8_linear_bounded(
@@ -610,8 +599,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> int8_line
     qxt = at::empty({0}, qx.options()), sxc = at::empty({0}, sx.options());
   }
   at::Tensor y = int8_product_plus(qx, qw.t(), sx, sw, b, bf16, max_terms(left, right), isa, res);
-  if (bound) {  // |y| ≤ K · left · right · max s_x · max s_w + max |b| (the integer sums' bound): +inf if any is not finite
-    *bound = static_cast<double>(x.size(1)) * left * right * abs_max(sx) * abs_max(sw) + (b ? abs_max(*b) : 0.0);
+  if (bound) {  // |y| ≤ K · left · right · max s_x · max s_w + max |b| (the integer sums' bound); NaN if one is not finite
+    const auto amax = [&](const at::Tensor& t) {  // (NaN where an entry is NaN or infinite)
+      return static_cast<double>(ISA_FN(absmax_row<float>)(t.data_ptr<float>(), nullptr, t.numel()));
+    };
+    *bound = static_cast<double>(x.size(1)) * left * right * amax(sx) * amax(sw) + (b ? amax(*b) : 0.0);
   }
   return {y, qw, sw, qxt, sxc};
 }
