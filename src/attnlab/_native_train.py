@@ -289,7 +289,7 @@ def gpt_block_train(x: Tensor, n1w: Tensor, n1b: Optional[Tensor], wqkv: Tensor,
                     w2: Tensor, b2: Optional[Tensor], *, heads: int, scale: float, eps: tuple[float, float],
                     activation: str, left: int, right: int) -> Tensor:
     """A pre-norm GPT block's training forward as one C++ autograd node (``csrc/train.cpp``'s ``GptBlock``; the
-    caller, :meth:`attnlab.nn.DecoderLayer._train_native`, checks that it applies), ``x (B, L, C)`` float32::
+    caller, :func:`attnlab.nn.layer_native.decoder_train`, checks that it applies), ``x (B, L, C)`` float32::
 
         h₁ = LN₁(x),  qkv = int8(h₁, W_qkv, b_qkv),  a = softmax(κ q kᵀ, causal) v,  x₃ = x + int8(a, W_o, b_o)
         h₂ = LN₂(x₃),  y = x₃ + int8(act(int8(h₂, W₁, b₁)), W₂, b₂)

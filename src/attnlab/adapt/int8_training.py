@@ -36,7 +36,7 @@ training forward takes this path — one C++ autograd node (:func:`attnlab._nati
 roundings, products and rescalings of each direction in one native call, no Python between them; in ``eval()``
 mode, or where the native kernels are not built, it is the float layer. :func:`int8_training` swaps the layers of a
 model in place. A pre-norm GPT layer whose four products are such layers trains as one node in all
-(:meth:`attnlab.nn.block.DecoderLayer._train_native`: the norms, these products, the attention, the activation and
+(:func:`attnlab.nn.layer_native.decoder_train`: the norms, these products, the attention, the activation and
 the residuals, the same calls and bits).
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ class Int8TrainingLinear(nn.Linear):
     and state dict as ``nn.Linear``."""
 
     # the levels of its products' operands, declared in this class's own body: what DecoderLayer's one-node training
-    # path (nn.block) reads to know a layer computes exactly this (without importing adapt)
+    # path (nn.layer_native) reads to know a layer computes exactly this (without importing adapt)
     int8_levels = (LEFT, RIGHT)
 
     def forward(self, x: Tensor) -> Tensor:
