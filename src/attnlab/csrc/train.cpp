@@ -540,6 +540,9 @@ at::Tensor int8_product_plus(const at::Tensor& a, const at::Tensor& b, const at:
                 "attnlab::int8_product: a (M, K) and b (K, N) must be int8, got ", a.scalar_type(), " ", a.sizes(),
                 " and ", b.scalar_type(), " ", b.sizes());
   ATTNLAB_CHECK(max_inner >= 1, "attnlab::int8_product: max_inner must be >= 1, got ", max_inner);
+  ATTNLAB_CHECK(!res || (!bf16 && res->scalar_type() == at::kFloat && res->is_contiguous() && res->dim() == 2 &&
+                         res->size(0) == a.size(0) && res->size(1) == b.size(1)),
+                "attnlab::int8_product: a residual must be float32 (M, N) contiguous with a float32 result");
   const int64_t K = a.size(1);
 #ifdef ATTNLAB_ISAS
   if (ours_for(a, b, max_inner, isa)) {
