@@ -103,6 +103,15 @@ def test_fused_adamw_equals_torchs_fused_adamw_bit_for_bit_and_shares_its_state_
     _steps(((a, ours), (b, ref), (c, ours2), (d, ref2)), x, 2)
     for p, q, r, t in zip(a.parameters(), b.parameters(), c.parameters(), d.parameters()):
         assert torch.equal(p, q) and torch.equal(p, r) and torch.equal(p, t)
+    for m in (a, b):  # its gradient back: its own step count goes on from where it stopped (3), the others' from 7
+        m.wpe.weight.requires_grad_(True)
+    _steps(((a, ours), (b, ref)), x, 2)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    steps = {i: st["step"] for i, st in ours.state_dict()["state"].items()}
+    assert steps == {i: st["step"] for i, st in ref.state_dict()["state"].items()} and sorted(set(
+        float(v) for v in steps.values())) == [5.0, 9.0]
+    assert len({v.untyped_storage().data_ptr() for v in steps.values()}) == len(steps)  # each its own scalar
     with pytest.raises(ValueError, match="does not match the parameter groups"):
         ours.load_state_dict({"state": {}, "param_groups": theirs["param_groups"][:1]})
     with pytest.raises(ValueError, match="not AdamW's for these parameters"):  # e.g. Adafactor's state

@@ -180,6 +180,7 @@ class FusedAdamW:
                 raise ValueError(f"FusedAdamW takes floating-point CPU or CUDA parameters, got {p.dtype} on "
                                  f"{p.device}")
         self.state: dict = {}
+        self._plans: dict = {}  # group index -> (its parameters with a gradient, their kernel calls' lists)
 
     @staticmethod
     def takes(p: Tensor) -> bool:
@@ -194,24 +195,40 @@ class FusedAdamW:
                                   "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
         return st
 
+    def _plan(self, live: list[Tensor]) -> list[tuple]:
+        """The kernel calls for the parameters ``live`` (those with a gradient): per device and dtype ``(params,
+        exp_avgs, exp_avg_sqs, steps, counts)``, the step counts made views of one tensor ``counts`` — one ``add_``
+        a step for all, where ``torch._foreach_add_`` on CPU adds to each scalar in turn (52 calls, ~0.3 ms a step
+        at nanogpt-cpu's)."""
+        lists: dict = {}
+        for p in live:
+            st = self._state(p)
+            for lst, t in zip(lists.setdefault((p.device, p.dtype), ([], [], [], [])),
+                              (p, st["exp_avg"], st["exp_avg_sq"], st["step"])):
+                lst.append(t)
+        calls = []
+        for params, exp_avgs, exp_avg_sqs, steps in lists.values():
+            counts = torch.stack(steps)  # (each parameter's own count: a view of its own element)
+            steps = list(counts.unbind(0))
+            for p, step in zip(params, steps):
+                self.state[p]["step"] = step
+            calls.append((params, exp_avgs, exp_avg_sqs, steps, counts))
+        return calls
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = _closure_loss(closure)
-        for group in self.param_groups:
-            lists: dict = {}  # (device, dtype) -> params, grads, exp_avgs, exp_avg_sqs, steps
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("FusedAdamW does not take sparse gradients")
-                st = self._state(p)
-                for lst, t in zip(lists.setdefault((p.device, p.dtype), ([], [], [], [], [])),
-                                  (p, p.grad, st["exp_avg"], st["exp_avg_sq"], st["step"])):
-                    lst.append(t)
+        for i, group in enumerate(self.param_groups):
+            live = [p for p in group["params"] if p.grad is not None]
+            if any(p.grad.is_sparse for p in live):
+                raise RuntimeError("FusedAdamW does not take sparse gradients")
+            plan = self._plans.get(i)
+            if plan is None or len(plan[0]) != len(live) or any(a is not b for a, b in zip(plan[0], live)):
+                plan = self._plans[i] = (live, self._plan(live))  # (the first step, or other gradients than the last)
             beta1, beta2 = group["betas"]
-            for params, grads, exp_avgs, exp_avg_sqs, steps in lists.values():
-                torch._foreach_add_(steps, 1)
-                torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=group["lr"], beta1=beta1,
+            for params, exp_avgs, exp_avg_sqs, steps, counts in plan[1]:
+                counts.add_(1)
+                torch._fused_adamw_(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, [], steps, lr=group["lr"], beta1=beta1,
                                     beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
                                     amsgrad=False, maximize=False, grad_scale=None, found_inf=None)
         return loss
@@ -231,7 +248,8 @@ class FusedAdamW:
         for g in self.param_groups:
             ids = [index.setdefault(p, len(index)) for p in g["params"]]
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
-        return {"state": {index[p]: dict(st) for p, st in self.state.items()}, "param_groups": groups}
+        return {"state": {index[p]: {**st, "step": st["step"].clone()} for p, st in self.state.items()},
+                "param_groups": groups}
 
     def load_state_dict(self, state: dict) -> None:
         """Load an AdamW state (ours or ``torch.optim.AdamW``'s) for the same parameter groups; the moments are
@@ -253,7 +271,7 @@ class FusedAdamW:
                             "exp_avg_sq": st["exp_avg_sq"].to(device=p.device, dtype=p.dtype, copy=True)}
         for s, g in zip(saved, self.param_groups):
             g.update({k: (tuple(v) if k == "betas" else v) for k, v in s.items() if k != "params"})
-        self.state = new_state
+        self.state, self._plans = new_state, {}
 
 
 class MuonWithAdamW:
