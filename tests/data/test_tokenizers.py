@@ -21,6 +21,27 @@ def test_char_roundtrip_and_sorted_ids(tmp_path):
     assert CharTokenizer.load(tmp_path / "tok.json") == tok
 
 
+def test_char_encode_tensor_is_encode_as_a_tensor():
+    """The table lookup gives encode's ids for any code points (accents, emoji beyond the BMP), in the asked dtype, and
+    encode's error for a character outside the vocabulary, wherever it sits (past the table's largest code point too)."""
+    text = "wörld 😀 hello\n"
+    tok = CharTokenizer.from_text(text)
+    for s in (text, "😀", "h", text[::-1] * 3):
+        for dtype in (torch.long, torch.uint8, torch.int16):
+            ids = tok.encode_tensor(s, dtype)
+            assert ids.dtype == dtype and ids.tolist() == tok.encode(s)
+    assert tok.encode_tensor("").shape == (0,)
+    for bad, char in (("hello!", "'!'"), ("héllo", "'é'"), ("hello\U0001F600\U0001F601", "'\U0001f601'")):
+        with pytest.raises(ValueError, match=char):
+            tok.encode_tensor(bad)
+    with pytest.raises(ValueError, match="integer type"):
+        tok.encode_tensor("hello", torch.float32)
+    with pytest.raises(ValueError, match="integer type holding ids up to 299"):
+        CharTokenizer([chr(0x100 + i) for i in range(300)]).encode_tensor("x", torch.uint8)
+    with pytest.raises(TypeError, match="str"):
+        tok.encode_tensor(b"hello")
+
+
 def test_char_errors(tmp_path):
     tok = CharTokenizer.from_text("abc")
     with pytest.raises(ValueError, match="'z'"):

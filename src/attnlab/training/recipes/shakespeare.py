@@ -357,7 +357,7 @@ def build(s: ShakespeareSettings, *, out: Path, dist: DistInfo, training: bool) 
     tokenizer = CharTokenizer.from_text(text)
     if training and dist.is_main:
         tokenizer.save(Path(out) / "tokenizer.json")
-    data = torch.tensor(tokenizer.encode(text), dtype=torch.uint8 if tokenizer.vocab_size <= 256 else torch.long)
+    data = tokenizer.encode_tensor(text, torch.uint8 if tokenizer.vocab_size <= 256 else torch.long)
     n_train = int(len(data) * (1.0 - s.val_fraction))
     train, val = data[:n_train], data[n_train:]  # (N_train,), (N_val,)
     dropout, why = train_dropout(s, resolve_device(s.device, dist)) if training else (0.0, "evaluation")
