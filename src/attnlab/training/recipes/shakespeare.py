@@ -62,7 +62,9 @@ float32 in place (the same bits: val 1.8887): 0.520–0.621 of nanoGPT's wall in
 Then (session 31, the same host) each transformer layer's training step as one C++ autograd node (the same calls,
 the same bits: val 1.8887) and the command's shutdown without the garbage collector's walk over torch's objects:
 0.448–0.555 of nanoGPT's wall in nine pairs over three benchmark runs (medians 0.535, 0.547, 0.540): one pair
-under 0.5, the median ~7 % above it.
+under 0.5, the median ~7 % above it. Then (session 32, the same host) the optimizer's step counts advanced by one
+call and the text encoded by a table lookup (the same bits): 0.418–0.552 in six pairs over two runs (medians 0.461
+and 0.502), the host's speed moving by a quarter within minutes.
 
 Adapting a trained run (each setting names a previous run's output folder; its latest checkpoint is used;
 the code: :mod:`attnlab.training.recipes.char_runs`):
