@@ -344,3 +344,24 @@ def test_muon_errors_and_state_round_trip():
         opt.step()
     for p, q in zip(model.parameters(), other.parameters()):
         assert torch.equal(p, q)
+
+
+def test_fused_adamw_keeps_equal_to_torchs_when_its_state_is_replaced():
+    """The kept call lists follow a state replaced whole (a reset): both optimizers start their moments and counts
+    over, bit for bit."""
+    torch.manual_seed(0)
+    p, q = torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(3))
+    p2, q2 = (torch.nn.Parameter(t.detach().clone()) for t in (p, q))
+    ours = FusedAdamW([{"params": [p, q]}], lr=0.1, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    ref = torch.optim.AdamW([p2, q2], lr=0.1, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, fused=True)
+    for step in range(6):
+        for a, b in ((p, p2), (q, q2)):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        ours.step()
+        ref.step()
+        if step == 2:
+            ours.state = {}
+            ref.state.clear()
+    assert torch.equal(p, p2) and torch.equal(q, q2)
+    assert float(ours.state[p]["step"]) == float(ref.state[p2]["step"]) == 3.0

@@ -180,7 +180,9 @@ class FusedAdamW:
                 raise ValueError(f"FusedAdamW takes floating-point CPU or CUDA parameters, got {p.dtype} on "
                                  f"{p.device}")
         self.state: dict = {}
-        self._plans: dict = {}  # group index -> (its parameters with a gradient, their kernel calls' lists)
+        # group index -> (its parameters with a gradient, their kernel calls' lists, the state they were made from);
+        # a state replaced whole (load_state_dict, or ``opt.state = {}``) is seen, one entry edited in place is not
+        self._plans: dict = {}
 
     @staticmethod
     def takes(p: Tensor) -> bool:
@@ -223,14 +225,15 @@ class FusedAdamW:
             if any(p.grad.is_sparse for p in live):
                 raise RuntimeError("FusedAdamW does not take sparse gradients")
             plan = self._plans.get(i)
-            if plan is None or len(plan[0]) != len(live) or any(a is not b for a, b in zip(plan[0], live)):
-                plan = self._plans[i] = (live, self._plan(live))  # (the first step, or other gradients than the last)
+            if plan is None or plan[2] is not self.state or len(plan[0]) != len(live) or any(
+                    a is not b for a, b in zip(plan[0], live)):  # the first step, other gradients, a new state
+                plan = self._plans[i] = (live, self._plan(live), self.state)
             beta1, beta2 = group["betas"]
             for params, exp_avgs, exp_avg_sqs, steps, counts in plan[1]:
                 counts.add_(1)
-                torch._fused_adamw_(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, [], steps, lr=group["lr"], beta1=beta1,
-                                    beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
-                                    amsgrad=False, maximize=False, grad_scale=None, found_inf=None)
+                torch._fused_adamw_(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, [], steps,
+                                    lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+                                    eps=group["eps"], amsgrad=False, maximize=False, grad_scale=None, found_inf=None)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
