@@ -34,8 +34,9 @@ def test_char_encode_tensor_is_encode_as_a_tensor():
     for bad, char in (("hello!", "'!'"), ("héllo", "'é'"), ("hello\U0001F600\U0001F601", "'\U0001f601'")):
         with pytest.raises(ValueError, match=char):
             tok.encode_tensor(bad)
-    with pytest.raises(ValueError, match="integer type"):
-        tok.encode_tensor("hello", torch.float32)
+    for dtype in (torch.float32, torch.bool, "uint8"):
+        with pytest.raises(ValueError, match="integer type"):
+            tok.encode_tensor("hello", dtype)
     with pytest.raises(ValueError, match="integer type holding ids up to 299"):
         CharTokenizer([chr(0x100 + i) for i in range(300)]).encode_tensor("x", torch.uint8)
     with pytest.raises(TypeError, match="str"):
