@@ -63,8 +63,8 @@ Then (session 31, the same host) each transformer layer's training step as one C
 the same bits: val 1.8887) and the command's shutdown without the garbage collector's walk over torch's objects:
 0.448–0.555 of nanoGPT's wall in nine pairs over three benchmark runs (medians 0.535, 0.547, 0.540): one pair
 under 0.5, the median ~7 % above it. Then (session 32, the same host) the optimizer's step counts advanced by one
-call and the text encoded by a table lookup (the same bits): 0.418–0.552 in nine pairs over three runs (medians
-0.461, 0.502, 0.491), the host's speed moving by a third within the hour.
+call and the text encoded by a table lookup (the same bits): 0.418–0.552 in twelve pairs over four runs (medians
+0.461, 0.502, 0.491, 0.493), the host's speed moving by a third within the hour.
 
 Adapting a trained run (each setting names a previous run's output folder; its latest checkpoint is used;
 the code: :mod:`attnlab.training.recipes.char_runs`):
