@@ -109,8 +109,9 @@ def test_fused_adamw_equals_torchs_fused_adamw_bit_for_bit_and_shares_its_state_
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
     steps = {i: st["step"] for i, st in ours.state_dict()["state"].items()}
-    assert steps == {i: st["step"] for i, st in ref.state_dict()["state"].items()} and sorted(set(
-        float(v) for v in steps.values())) == [5.0, 9.0]
+    counts = {i: float(v) for i, v in steps.items()}
+    assert counts == {i: float(st["step"]) for i, st in ref.state_dict()["state"].items()}
+    assert sorted(set(counts.values())) == [5.0, 9.0]
     assert len({v.untyped_storage().data_ptr() for v in steps.values()}) == len(steps)  # each its own scalar
     with pytest.raises(ValueError, match="does not match the parameter groups"):
         ours.load_state_dict({"state": {}, "param_groups": theirs["param_groups"][:1]})

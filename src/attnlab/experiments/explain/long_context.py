@@ -68,8 +68,8 @@ def run(out_dir: Union[str, Path], *, seed: int = 0, quick: bool = False) -> dic
     """Train every (context, window) at equal training tokens; validation losses and step times."""
     out = check_run_args(out_dir, seed, quick)
     text = load_text("tinyshakespeare")
-    tok = CharTokenizer(sorted(set(text)))
-    data = torch.tensor(tok.encode(text), dtype=torch.long)
+    tok = CharTokenizer.from_text(text)
+    data = tok.encode_tensor(text)  # (N,) int64
     split = int(0.9 * len(data))
     train_data, val_data = data[:split], data[split:]
     contexts = [64, 256] if quick else [128, 512, 2048]
