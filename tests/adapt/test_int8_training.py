@@ -27,6 +27,11 @@ def _half_even(v: torch.Tensor) -> torch.Tensor:
     return torch.round(v)  # torch.round rounds half to even
 
 
+def _exact_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The exact int32 sums of int8 ``a @ b`` by float64 (|Σ| ≤ 128² K < 2⁵³: no rounding), independent of oneDNN."""
+    return (a.double() @ b.double()).to(torch.int32)
+
+
 def _check_rounding(q, s, x, levels):
     """q, s of x (float64, rows) rounded with one scale per row: the scale exact, every value within s/2."""
     assert q.dtype == torch.int8 and (q.abs() <= levels).all()
@@ -151,6 +156,25 @@ def test_int_mm_is_exact_with_8_bit_left_and_7_bit_right_operands():
 
 
 @needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
+def test_operands_of_one_row_or_column_with_unusual_strides_give_the_exact_sums(isa):
+    """A one-row or one-column operand whose size-1 dimension has a stride of 1 (``(33, 1).t()``: strides (1, 1),
+    which torch calls contiguous) made oneDNN's VNNI product (torch 2.13 on Zen 4) return memory it never wrote;
+    int8_product copies such a vector with the plain strides first."""
+    gen = torch.Generator().manual_seed(3)
+    r = lambda *s: torch.randint(-63, 64, s, generator=gen, dtype=torch.int8)  # noqa: E731
+    cases = [(r(5, 1), r(33, 1).t()), (r(7, 1).t(), r(7, 9)), (r(7, 1).t(), r(9, 7).t()), (r(1, 6).t(), r(1, 4)),
+             (r(4, 1).t(), r(1, 4).t())]
+    for a, b in cases:
+        rs = torch.rand(a.shape[0], generator=gen) + 0.5
+        for max_inner in (I.MAX_INNER, 1):  # whole, and one inner index a part (the slices are vectors too)
+            got = _native_train.int8_product(a, b, rs, max_inner=max_inner)
+            want = _native_train.dequantize(_exact_mm(a, b), rs)
+            assert torch.allclose(got, want, rtol=a.shape[1] * 2 * EPS32, atol=0), (a.stride(), b.stride())
+        assert torch.equal(_native_train.int8_product(a, b, rs, max_inner=I.MAX_INNER), want)
+
+
+@needs_native
 def test_a_sum_longer_than_an_int32_holds_runs_in_exact_parts():
     gen = torch.Generator().manual_seed(2)
     a = torch.randint(-127, 128, (16, 200), generator=gen, dtype=torch.int8)
@@ -202,17 +226,19 @@ def test_int8_product_equals_int_mm_rescaled_bit_for_bit(isa, kernel, M, K, N, l
     b = torch.randint(-I.RIGHT, I.RIGHT + 1, shape, generator=gen, dtype=torch.int8)
     b = {"rows": b, "columns": b.t(), "strided": b[:, ::2]}[layout]
     rs, cs, bias = torch.rand(M, generator=gen) + 0.5, torch.rand(N, generator=gen) + 0.5, torch.randn(N, generator=gen)
-    acc = torch._int_mm(a, b.contiguous()) if M and K else torch.zeros(M, N, dtype=torch.int32)
+    acc = _exact_mm(a, b)
     for dtype in (torch.float32, torch.bfloat16):
         for kw in ({}, {"cs": cs}, {"cs": cs, "bias": bias}, {"bias": bias}):
             got = _native_train.int8_product(a, b, rs, dtype=dtype, max_inner=I.MAX_INNER, **kw)
             assert got.dtype == dtype and torch.equal(got, _native_train.dequantize(acc, rs, dtype=dtype, **kw))
-    if M and K:  # one entry of b past ±63 (vpmaddubsw's int16 could saturate): torch._int_mm's sums, still exact
+    if M and K:  # one entry of b past ±63 (vpmaddubsw's int16 could saturate): torch._int_mm's own sums (oneDNN's
+        # AVX2 path saturates with an 8-bit a too: what int8_product promises is its result, not the exact one)
         for big in (64, -128):
             b2 = b.clone()
             b2[K // 2, N // 2] = big
             got = _native_train.int8_product(a, b2, rs, cs, bias, max_inner=I.MAX_INNER)
-            assert torch.equal(got, _native_train.dequantize(torch._int_mm(a, b2.contiguous()), rs, cs, bias))
+            plain = b2.clone(memory_format=torch.contiguous_format)  # the plain strides (the vector test above)
+            assert torch.equal(got, _native_train.dequantize(torch._int_mm(a, plain), rs, cs, bias))
 
 
 @needs_native

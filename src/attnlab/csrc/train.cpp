@@ -530,6 +530,17 @@ bool ours_for(const at::Tensor& a, const at::Tensor& b, int64_t max_inner, int64
 #endif
 }
 
+// torch._int_mm's sums. oneDNN's VNNI path (torch 2.13, AVX512-VNNI on Zen 4) reads memory it never wrote for an
+// operand of one row or one column whose strides are not the plain ones ((33, 1).t(): sizes (1, 33), strides (1, 1),
+// which torch calls contiguous); such an operand is a vector, copied here with the plain strides first.
+at::Tensor int_mm(const at::Tensor& a, const at::Tensor& b) {
+  auto plain = [](const at::Tensor& t) {
+    const bool vector = t.size(0) == 1 || t.size(1) == 1;
+    return vector && (t.stride(0) != t.size(1) || t.stride(1) != 1) ? t.clone(at::MemoryFormat::Contiguous) : t;
+  };
+  return at::_int_mm(plain(a), plain(b));
+}
+
 // int8_product, with res (where given: float32 (M, N) contiguous, bf16 false) added to the result: res + y, each sum
 // rounded once after y's (our product adds it in its rescaling; oneDNN's path in place after)
 at::Tensor int8_product_plus(const at::Tensor& a, const at::Tensor& b, const at::Tensor& rs,
@@ -561,11 +572,11 @@ at::Tensor int8_product_plus(const at::Tensor& a, const at::Tensor& b, const at:
   }
 #endif
   if (res) return int8_product_plus(a, b, rs, cs, bias, bf16, max_inner, isa, nullptr).add_(*res);
-  if (K <= max_inner) return dequantize(at::_int_mm(a, b), rs, cs, bias, bf16, isa);
+  if (K <= max_inner) return dequantize(int_mm(a, b), rs, cs, bias, bf16, isa);
   at::Tensor out;
   for (int64_t k0 = 0; k0 < K; k0 += max_inner) {
     const int64_t k1 = std::min(K, k0 + max_inner);
-    at::Tensor part = dequantize(at::_int_mm(a.slice(1, k0, k1), b.slice(0, k0, k1)), rs, cs,
+    at::Tensor part = dequantize(int_mm(a.slice(1, k0, k1), b.slice(0, k0, k1)), rs, cs,
                                  k0 == 0 ? bias : std::nullopt, false, isa);
     out = k0 == 0 ? part : out.add_(part);
   }
