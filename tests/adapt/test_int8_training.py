@@ -559,6 +559,21 @@ def test_int8_training_none_takes_int8_where_the_products_would_be_fp32(tmp_path
     assert sum(type(m) is I.Int8TrainingLinear for m in model) == converted
 
 
+@needs_native
+@pytest.mark.parametrize("dtype,want", [("auto", "fp32"), ("bf16", "bf16"), ("fp32", "fp32")])
+def test_int8_training_asked_for_makes_auto_fp32_and_keeps_an_explicit_dtype(tmp_path, dtype, want):
+    """With int8 products a run's dtype="auto" is fp32 on any CPU (bf16 autocast would only cast around the int8
+    products, and the fused layer node is float32); an explicit dtype is what was asked for."""
+    from attnlab.training.config import TrainConfig
+    from attnlab.training.trainer import Trainer
+
+    cfg = TrainConfig(max_steps=1, dtype=dtype, int8_training=True, progress=False)
+    trainer = Trainer(nn.Sequential(nn.Linear(8, 8)), cfg, train_batches=iter([]),
+                      loss_fn=lambda m, b: (m(b).sum(), 1), out_dir=tmp_path)
+    assert trainer.dtype == want and len(trainer.int8_layers) == 1
+    assert ("int8" in trainer.dtype_reason) == (dtype == "auto")
+
+
 def _gpt_layer(C: int, heads: int, *, bias: bool = True, activation: str = "gelu", seed: int = 0) -> nn.Module:
     """A pre-norm decoder-only layer with int8 products, in training mode."""
     from attnlab.nn.block import DecoderLayer

@@ -96,6 +96,10 @@ class Trainer:
         self.device = D.resolve_device(config.device, self.dist)
         # "auto" -> what this machine computes natively (bf16 or fp32); printed once in fit, kept in metrics
         self.dtype, self.dtype_reason = resolve_dtype(config.dtype, self.device, name="TrainConfig.dtype")
+        if config.int8_training is True and config.dtype == "auto" and self.device.type == "cpu":
+            # the linear layers' products are int8 either way: bf16 autocast would only cast around them, and a
+            # layer's fused training node is float32 (nanogpt-cpu on 2 Zen 4 cores: 8-15 % more tokens/s in fp32)
+            self.dtype, self.dtype_reason = "fp32", "auto with int8 products: bf16 would only cast around them"
         self.model = model.to(self.device)
         self.int8_layers = self._int8(config)
         if config.grad_checkpointing:

@@ -65,6 +65,9 @@ the same bits: val 1.8887) and the command's shutdown without the garbage collec
 under 0.5, the median ~7 % above it. Then (session 32, the same host) the optimizer's step counts advanced by one
 call and the text encoded by a table lookup (the same bits): 0.418–0.552 in twelve pairs over four runs (medians
 0.461, 0.502, 0.491, 0.493), the host's speed moving by a third within the hour.
+Then (session 33, a Zen 4 host: AVX-512 again) ``dtype="auto"`` became fp32 for int8 products (bf16 only cast
+around them, and kept the layers off their fused float32 node): 0.322–0.440 of nanoGPT's wall (median 0.408; bf16
+0.413–0.492), val 1.8896 against nanoGPT's 1.8930; as AVX2 on the same host 0.499–0.534 (median 0.526), val 1.8887.
 
 Adapting a trained run (each setting names a previous run's output folder; its latest checkpoint is used;
 the code: :mod:`attnlab.training.recipes.char_runs`):
