@@ -25,7 +25,8 @@ class TrainConfig:
     off. ``dtype``: ``"auto"`` = bf16 where the machine computes it natively and faster, else fp32
     (:func:`attnlab._runtime.resolve_dtype`; the trainer prints and records the choice), and fp32 on the CPU with
     ``int8_training=True`` (the products are int8 either way; bf16 would only cast around them); ``"bf16"``
-    autocasts on CPU or CUDA, ``"fp16"`` (CUDA only) adds a ``GradScaler``. ``compile`` runs the forward through ``torch.compile``.
+    autocasts on CPU or CUDA, ``"fp16"`` (CUDA only) adds a ``GradScaler``. ``compile`` runs the forward through
+    ``torch.compile``.
     ``optimizer="muon"`` only: ``muon_lr_scale`` (the hidden matrices' lr is that times the schedule's) and
     ``muon_ns_steps`` (Newton–Schulz steps), see :class:`~attnlab.training.optim.Muon`. ``schedule``: one of
     :data:`~attnlab.training.schedules.SCHEDULES`; ``decay_fraction`` is the share of the steps ``"wsd"`` decays over.
