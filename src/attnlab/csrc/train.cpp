@@ -532,7 +532,8 @@ bool ours_for(const at::Tensor& a, const at::Tensor& b, int64_t max_inner, int64
 
 // torch._int_mm's sums. oneDNN's VNNI path (torch 2.13, AVX512-VNNI on Zen 4) reads memory it never wrote for an
 // operand of one row or one column whose strides are not the plain ones ((33, 1).t(): sizes (1, 33), strides (1, 1),
-// which torch calls contiguous); such an operand is a vector, copied here with the plain strides first.
+// which torch calls contiguous: a known oneDNN-path bug, pytorch/pytorch#195066, open); such an operand is a vector,
+// copied here with the plain strides first.
 at::Tensor int_mm(const at::Tensor& a, const at::Tensor& b) {
   auto plain = [](const at::Tensor& t) {
     const bool vector = t.size(0) == 1 || t.size(1) == 1;
