@@ -69,11 +69,14 @@ def test_default_dropout_follows_the_dtype_the_run_computes_in(tmp_path, shakesp
     assert recipe_module.train_dropout(resolve_settings(recipe, overrides={"dtype": "fp32"}), cpu)[0] == 0.0
     assert recipe_module.train_dropout(resolve_settings(recipe, overrides={"dtype": "fp32", "dropout": "0.1"}),
                                        cpu) == (0.1, "asked for")
+    from attnlab.training import config as config_module
     seen = []
-    monkeypatch.setattr(recipe_module, "resolve_dtype", lambda value, device, name: seen.append((value, device))
+    monkeypatch.setattr(config_module, "resolve_dtype", lambda value, device, name: seen.append((value, device))
                         or ("bf16", "native bf16"))  # a CPU with native bf16, whatever this one has
     rate, why = recipe_module.train_dropout(resolve_settings(recipe), cpu)
     assert (rate, seen) == (0.05, [("auto", cpu)]) and why.startswith("bf16")
+    # int8 products: the run computes in fp32 there too (config.run_dtype, as the trainer), so no dropout
+    assert recipe_module.train_dropout(resolve_settings(recipe, overrides={"int8_training": "true"}), cpu)[0] == 0.0
     with pytest.raises(ValueError, match=r"dropout must be"):
         resolve_settings(recipe, overrides={"dropout": "1.5"})
 

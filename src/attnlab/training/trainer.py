@@ -28,13 +28,12 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from attnlab import _native
-from attnlab._runtime import resolve_dtype
 from attnlab.adapt.int8_training import int8_training
 from attnlab.training import distributed as D
 from attnlab.training.activation_checkpointing import enable_gradient_checkpointing
 from attnlab.training.checkpoint import (latest_checkpoint, latest_intact_checkpoint, rng_state, save_checkpoint,
                                         set_rng_state)
-from attnlab.training.config import DTYPES, TrainConfig
+from attnlab.training.config import DTYPES, TrainConfig, run_dtype
 from attnlab.training.optim import build_optimizer, clip_grad_norm_
 from attnlab.training.pacing import PLAN_AT, BudgetClock, LogWindow  # noqa: F401  (PLAN_AT: part of this API)
 from attnlab.training.reporting import MetricsLog, plot_loss_curve, write_json
@@ -95,11 +94,8 @@ class Trainer:
         self.dist = D.dist_info_from_env()
         self.device = D.resolve_device(config.device, self.dist)
         # "auto" -> what this machine computes natively (bf16 or fp32); printed once in fit, kept in metrics
-        self.dtype, self.dtype_reason = resolve_dtype(config.dtype, self.device, name="TrainConfig.dtype")
-        if config.int8_training is True and config.dtype == "auto" and self.device.type == "cpu":
-            # the linear layers' products are int8 either way: bf16 autocast would only cast around them, and a
-            # layer's fused training node is float32 (nanogpt-cpu on 2 Zen 4 cores: 8-15 % more tokens/s in fp32)
-            self.dtype, self.dtype_reason = "fp32", "auto with int8 products: bf16 would only cast around them"
+        self.dtype, self.dtype_reason = run_dtype(config.dtype, self.device, int8_training=config.int8_training,
+                                                  name="TrainConfig.dtype")
         self.model = model.to(self.device)
         self.int8_layers = self._int8(config)
         if config.grad_checkpointing:

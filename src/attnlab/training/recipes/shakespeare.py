@@ -93,7 +93,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab._checks import check_int, check_rate, one_of, positive_number
-from attnlab._runtime import resolve_dtype
 from attnlab.adapt.lora import parse_lora_spec
 from attnlab.data.batching import LMBatches, lm_eval_batches
 from attnlab.data.datasets import load_text
@@ -101,6 +100,7 @@ from attnlab.data.tokenizers import CharTokenizer
 from attnlab.evaluation.metrics import expected_calibration_error, perplexity, reliability_diagram
 from attnlab.models.gpt import GPT2Config, GPT2LMHeadModel
 from attnlab.models.llama import LlamaConfig, LlamaForCausalLM
+from attnlab.training.config import run_dtype
 from attnlab.training.distributed import DistInfo, resolve_device
 from attnlab.training.recipes import Built, Recipe, register
 from attnlab.training.recipes.char_runs import adapt_run
@@ -386,7 +386,7 @@ def build(s: ShakespeareSettings, *, out: Path, dist: DistInfo, training: bool) 
 
 def train_dropout(s: ShakespeareSettings, device: torch.device) -> tuple[float, str]:
     """The dropout rate to train with, and why: ``s.dropout`` when set; else 0.05 where the run computes in bf16
-    (``dtype`` resolved on ``device`` as the trainer does) and 0 in fp32.
+    (``dtype`` resolved on ``device`` as the trainer does: :func:`~attnlab.training.config.run_dtype`) and 0 in fp32.
 
     Dropout pays once a run is long enough to overfit: on 2 cores of a CPU with native bf16 the 10 minutes hold
     ~2,400–2,700 steps, which overfit without it (Muon at 128 × 32: 1.5057 without, 1.4750 with 0.1); on a CPU
@@ -395,7 +395,7 @@ def train_dropout(s: ShakespeareSettings, device: torch.device) -> tuple[float, 
     """
     if s.dropout is not None:
         return s.dropout, "asked for"
-    dtype, _ = resolve_dtype(s.dtype, device, name="dtype")
+    dtype, _ = run_dtype(s.dtype, device, int8_training=s.int8_training)
     if dtype == "fp32":
         return 0.0, "fp32: ~850 steps of the 10-minute default on 2 cores, too few to overfit"
     return 0.05, f"{dtype}: ~2,400 steps of the 10-minute default on 2 cores overfit without it"
