@@ -401,27 +401,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
   // (The scratch is plain memory: 32 calls a step of nanogpt-cpu, each ATen allocation a dispatch)
   constexpr int64_t block = 32;
   const int64_t blocks = std::max<int64_t>(1, (R + block - 1) / block);
-  std::vector<float> inv(R), cinv(n), pm(blocks * n, 0.f), ps(blocks * n, 0.f);
+  // (the partials uninitialised here: each block zeroes its own rows on its thread)
+  std::vector<float> inv(R), cinv(n), mx(n, 0.f);
+  const std::unique_ptr<float[]> pm(new float[blocks * n]), ps(new float[blocks * n]);
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, n));
   const auto run = [&](auto tag) {
     using T = decltype(tag);
     const T* X = data<T>(x);
     const float* C = c ? c->data_ptr<float>() : nullptr;
     float *S = s.data_ptr<float>(), *SC = sc.data_ptr<float>(), *SUM = sum.data_ptr<float>();
-    float *INV = inv.data(), *CINV = cinv.data(), *PM = pm.data(), *PS = ps.data();
+    float *INV = inv.data(), *CINV = cinv.data(), *PM = pm.get(), *PS = ps.get(), *MX = mx.data();
     const auto stats = ISA_FN(row_col_stats<T>);
     at::parallel_for(0, blocks, std::max<int64_t>(1, grain / block), [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
+        std::fill(PM + b * n, PM + (b + 1) * n, 0.f), std::fill(PS + b * n, PS + (b + 1) * n, 0.f);
         for (int64_t r = b * block; r < std::min(R, (b + 1) * block); ++r) {
           std::tie(S[r], INV[r]) = scale_of(stats(X + r * n, C, n, PM + b * n, PS + b * n), levels);
         }
       }
     });
+    // the columns over the blocks in order, a block's row at a time (contiguous: the loop over columns vectorises;
+    // each column's max and sum still taken in the blocks' order, so the same bits as column by column)
+    std::fill(SUM, SUM + n, 0.f);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float *pmb = PM + b * n, *psb = PS + b * n;
+      for (int64_t j = 0; j < n; ++j) MX[j] = std::max(MX[j], pmb[j]), SUM[j] += psb[j];
+    }
     for (int64_t j = 0; j < n; ++j) {
-      float m = 0.f, total = 0.f;
-      for (int64_t b = 0; b < blocks; ++b) m = std::max(m, PM[b * n + j]), total += PS[b * n + j];
-      SUM[j] = total;
-      std::tie(SC[j], CINV[j]) = scale_of(std::isnan(total) ? NAN : m, col_levels);
+      std::tie(SC[j], CINV[j]) = scale_of(std::isnan(SUM[j]) ? NAN : MX[j], col_levels);
     }
     bool bad = false;  // a column with a NaN or an infinity gets q 0 like such a row (its x · 0 is NaN)
     for (int64_t j = 0; j < n; ++j) bad |= std::isnan(SC[j]);
