@@ -69,8 +69,8 @@ Then (session 33, a Zen 4 host: AVX-512 again) ``dtype="auto"`` became fp32 for 
 around them, and kept the layers off their fused float32 node): 0.322–0.440 of nanoGPT's wall (median 0.408; bf16
 0.413–0.492), val 1.8896 against nanoGPT's 1.8930; as AVX2 on the same host 0.499–0.534 (median 0.526), val 1.8887.
 Then (session 34, the same host, noisier hours) the roundings' column reduction contiguous (the same bits: val 1.8896,
-1.8887): six pairs 0.416–0.478 (median 0.447) with AVX-512; as AVX2 six pairs 0.394–0.573 (medians 0.470 and 0.492; the six
-0.481) — our process 38.9–59.0 s for the same computation.
+1.8887): six pairs 0.416–0.478 (median 0.447) with AVX-512; as AVX2 six pairs 0.394–0.573 (medians 0.470 and 0.492; the
+six 0.481) — our process 38.9–59.0 s for the same computation.
 
 Adapting a trained run (each setting names a previous run's output folder; its latest checkpoint is used;
 the code: :mod:`attnlab.training.recipes.char_runs`):
