@@ -37,40 +37,10 @@ seed=S``, the run's own val blocks; "as AVX2": ``ATEN_CPU_CAPABILITY=avx2 ONEDNN
     2     val loss             1.8950   1.8949
 
 (*: beside another process; the other float runs took 29.0 s.) The roundings move the loss by less than a
-change of seed does. Since, the int8 layers' C++ calls (one a direction, AVX2's narrowing by packs, the weight
-gradient's operands stored transposed) brought the seed-0 int8 run to 26.8 s (AVX-512) and 42.0 s (as AVX2), the
-run's own wall in ``benchmarks/train.py``'s quietest pairs, at the same val loss to the last digit. Then the short
-backend's fused attention (float32 arithmetic for bf16 inputs too) and the native GELU and clipping: seed 0 at val
-1.8849 (AVX-512; seeds 1 and 2: 1.8972, 1.8928) and 1.8866 (as AVX2), 25.2–28.8 s and 41.4–43.8 s of the run's own
-wall in ``benchmarks/train.py``'s pairs (this host's minutes move a run's wall by ~10 %). Then (session 26) the
-backward's two int8 products one a thread, GELU's derivative kept from its forward (ours in bf16 too) and the int8
-layer as one C++ autograd node: seed 0 at val 1.8851 (AVX-512; seeds 1 and 2: 1.9007, 1.8917) and 1.8866 (as AVX2,
-float32: the same bits); the run's own wall in each benchmark's last pair 22.6–29.4 s and 37.7–44.7 s (noisier minutes).
-Then (session 27) with AVX2 and no VNNI the int8 products by attnlab's own kernel, the fused attention and the plain
-activation as C++ autograd nodes, the attention pipeline's NaN check native: as AVX2 the same bits again (1.8866),
-our process 34.2–41.7 s in ``benchmarks/train.py``'s pairs (nanoGPT's 67–81 s in the same pairs); AVX-512 1.8851.
-On a real AVX2-only CPU (2 Zen 3 cores, session 28: no VNNI, where ``torch._int_mm`` is oneDNN's reference loop and
-the products are attnlab's own) the same bits again, val 1.8866; our process 100.6–104.8 s against nanoGPT's
-159.3–165.7 s in the same pairs (0.607–0.658). Then (session 29, the same host) the int8 layers' left operand in 7
-bits too (:mod:`attnlab.adapt.int8_training`: the products' paired loop) and the attention on the packed projection:
-val 1.8887; our process 93.1–102.4 s against nanoGPT's 159.4–166.4 s in the same pairs (0.584–0.641, median 0.600)
-before the packed attention, 85.7–98.0 s against 155.9–165.3 s (0.550–0.593, median 0.556) with it, a quieter hour.
-The val with AVX-512 was not re-measured (no such machine in session 29): the 7-bit left operand moves it too.
-Then (session 30, the same host) the backward's two int8 products sharing the threads and the attention reading
-float32 in place (the same bits: val 1.8887): 0.520–0.621 of nanoGPT's wall in nine pairs over three hours (medians
-0.561, 0.555, 0.578) — this host's hour-to-hour noise is larger than the change (~2 % of a step in-process).
-Then (session 31, the same host) each transformer layer's training step as one C++ autograd node (the same calls,
-the same bits: val 1.8887) and the command's shutdown without the garbage collector's walk over torch's objects:
-0.448–0.555 of nanoGPT's wall in nine pairs over three benchmark runs (medians 0.535, 0.547, 0.540): one pair
-under 0.5, the median ~7 % above it. Then (session 32, the same host) the optimizer's step counts advanced by one
-call and the text encoded by a table lookup (the same bits): 0.418–0.552 in twelve pairs over four runs (medians
-0.461, 0.502, 0.491, 0.493), the host's speed moving by a third within the hour.
-Then (session 33, a Zen 4 host: AVX-512 again) ``dtype="auto"`` became fp32 for int8 products (bf16 only cast
-around them, and kept the layers off their fused float32 node): 0.322–0.440 of nanoGPT's wall (median 0.408; bf16
-0.413–0.492), val 1.8896 against nanoGPT's 1.8930; as AVX2 on the same host 0.499–0.534 (median 0.526), val 1.8887.
-Then (session 34, the same host, noisier hours) the roundings' column reduction contiguous (the same bits: val 1.8896,
-1.8887): six pairs 0.416–0.478 (median 0.447) with AVX-512; as AVX2 six pairs 0.394–0.573 (medians 0.470 and 0.492; the
-six 0.481) — our process 38.9–59.0 s for the same computation.
+change of seed does. Against nanoGPT's own ``train.py`` on the same machine (``benchmarks/train.py --nanogpt-dir``, our
+process ÷ its process, session 34, Zen 4): median 0.447 with AVX-512 (val 1.8896 against its 1.8930 on the same
+blocks) and 0.481 as AVX2 (1.8887), each over six alternating pairs; each change that brought it there and its
+measurement: ``docs/architecture.md`` §6 (nanogpt-cpu's record).
 
 Adapting a trained run (each setting names a previous run's output folder; its latest checkpoint is used;
 the code: :mod:`attnlab.training.recipes.char_runs`):
