@@ -267,7 +267,9 @@ def int8_linear(x: Tensor, w: Tensor, b: Optional[Tensor], *, left: int, right: 
         y = diag(s_x) (q(x) q(w)ᵀ) diag(s_w) + b          (in ``dtype``, float32 or bfloat16)
 
     Returns ``(y, qw, sw, qxt, sxc)``: with ``cols`` also ``x`` by columns to ``±right``, transposed (``qxt (in, T)``,
-    ``sxc (in,)``: the weight gradient's operand), else those two None."""
+    ``sxc (in,)``: the weight gradient's operand; contiguous, or where that product will be ``csrc/int8_gemm.h``'s,
+    which reads either layout, the ``(in, T)`` view of the rounding written as ``x`` lies: no transposing pass), else
+    those two None."""
     _native._need()
     y, qw, sw, qxt, sxc = _native._state["int8_linear"](x, w, b, left, right, cols, dtype == torch.bfloat16,
                                                         _native._state["isa"])

@@ -279,6 +279,29 @@ def test_int8_linear_is_its_roundings_product_and_rescaling_in_one_call(isa, col
 @needs_native
 @pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
 @DTYPES
+def test_the_columns_rounding_is_laid_out_for_the_weight_gradients_product(isa, kernel, dtype):
+    """Where attnlab's AVX2 product takes the weight gradient (its packing reads either layout), the layer's forward
+    writes x's rounding by columns as x lies and returns its (in, T) view, no transposing pass; elsewhere transposed
+    and contiguous (oneDNN's operand). The same values either way, and the same ∂L/∂W bits from either layout."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(70, 48, generator=gen).to(dtype)
+    w, b = torch.randn(33, 48, generator=gen), torch.randn(33, generator=gen)
+    g = torch.randn(70, 33, generator=gen).to(dtype)
+    _, qw, sw, qxt, sxc = _native_train.int8_linear(x, w, b, left=I.LEFT, right=I.RIGHT, cols=True, dtype=dtype)
+    _, _, qct, sc, _ = _native_train.quantize_rows_cols(x, I.LEFT, I.RIGHT)
+    assert qxt.shape == qct.shape == (48, 70) and qct.is_contiguous()
+    assert torch.equal(qxt, qct) and torch.equal(sxc, sc)
+    laid = isa == 1 and kernel == "ours"
+    assert qxt.is_contiguous() is not laid and qxt.t().is_contiguous() is laid
+    grads = [_native_train.int8_linear_backward(g, qw, sw, q, sxc, left=I.LEFT, right=I.RIGHT, dx=True, dw=True,
+                                                db=True, dx_dtype=dtype) for q in (qxt, qct, qct.t().contiguous().t())]
+    for other in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], other))
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
+@DTYPES
 def test_the_backward_gives_the_same_bits_on_any_thread_count(isa, kernel, dtype):
     """On 2 threads the two gradient products share the threads (attnlab's AVX2 kernel: chunks of rows taken by
     whichever thread is free; oneDNN's: one product a thread): the same integers and rescalings as on 1 or 3 threads,

@@ -38,7 +38,8 @@
 //   attnlab::int8_linear(x, w, b, left, right, cols, bf16) -> (y, qw, sw, qxt, sxc)
 //       an int8 linear layer's forward (attnlab/adapt/int8_training.py): x by rows to ±left, w by rows to ±right,
 //       y = diag(s_x) (q(x) q(w)ᵀ) diag(s_w) + b; with `cols` also x by columns to ±right, transposed (qxt, sxc:
-//       the weight gradient's operand), else qxt and sxc empty
+//       the weight gradient's operand; qxt (in, T) contiguous, or where that product is int8_gemm.h's the (in, T)
+//       view of the rounding written as x lies, no transposing pass), else qxt and sxc empty
 //   attnlab::int8_linear_backward(g, qw, sw, qxt, sxc, left, right, dx, dw, db, dx_bf16) -> (dx, dw, db)
 //       its gradients: Z = g diag(s_w) by rows, dx = diag(s_z) (q(Z) q(w)); g by columns transposed, dw =
 //       diag(s_g) (q(g)ᵀ q(x)) diag(s_x cols); db = Σ_rows g; each only where asked for (else empty)
@@ -381,8 +382,11 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const std:
   return {q, s};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_rows_cols(
-    const at::Tensor& x, const std::optional<at::Tensor>& c, int64_t levels, int64_t col_levels, int64_t isa) {
+// (transposed false: the columns' rounding written as x lies, qc (R, n) contiguous, returned as its (n, R) view qc.t()
+// — the same values without the transposing pass, for a product that reads either layout: int8_gemm.h's)
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_rows_cols_laid(
+    const at::Tensor& x, const std::optional<at::Tensor>& c, int64_t levels, int64_t col_levels, int64_t isa,
+    bool transposed) {
   check_fb(x, "quantize_rows_cols", "x");
   check_levels(levels, "quantize_rows_cols");
   check_levels(col_levels, "quantize_rows_cols");
@@ -394,7 +398,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
                   c->sizes());
   }
   const auto f32 = x.options().dtype(at::kFloat);
-  at::Tensor q = at::empty({R, n}, x.options().dtype(at::kChar)), qct = at::empty({n, R}, q.options());
+  at::Tensor q = at::empty({R, n}, x.options().dtype(at::kChar));
+  at::Tensor qct = transposed ? at::empty({n, R}, q.options()) : at::empty({R, n}, q.options());
   at::Tensor s = at::empty({R}, f32), sc = at::empty({n}, f32), sum = at::empty({n}, f32);
   // pass 1: each block of rows its rows' maxima and its columns' partial maxima and sums (a fixed partition: the
   // same bits on any thread count); then the columns over the blocks in order. Pass 2: both roundings in one read.
@@ -437,23 +442,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
     const auto transpose = ISA_FN(transpose_bytes);
     constexpr int64_t tile = 64;  // rows rounded by columns into a buffer, then written transposed: 64 bytes a line
     at::parallel_for(0, (R + tile - 1) / tile, std::max<int64_t>(1, grain / tile), [&](int64_t t0, int64_t t1) {
-      std::vector<int8_t> buf(tile * n);
+      std::vector<int8_t> buf(transposed ? tile * n : 0);
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t r0 = t * tile, rows = std::min(tile, R - r0);
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t r = r0 + i;
-          quant(X + r * n, C, n, INV[r], CINV, Q + r * n, buf.data() + i * n);
+          int8_t* qc = transposed ? buf.data() + i * n : QCT + r * n;
+          quant(X + r * n, C, n, INV[r], CINV, Q + r * n, qc);
           if (INV[r] == 0.f) std::memset(Q + r * n, 0, n);
           for (int64_t j = 0; bad && j < n; ++j) {
-            if (std::isnan(SC[j])) buf[i * n + j] = 0;
+            if (std::isnan(SC[j])) qc[j] = 0;
           }
         }
-        transpose(buf.data(), n, rows, n, QCT + r0, R);
+        if (transposed) transpose(buf.data(), n, rows, n, QCT + r0, R);
       }
     });
   };
   x.scalar_type() == at::kFloat ? run(float{}) : run(uint16_t{});
-  return {q, s, qct, sc, sum};
+  return {q, s, transposed ? qct : qct.t(), sc, sum};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_rows_cols(
+    const at::Tensor& x, const std::optional<at::Tensor>& c, int64_t levels, int64_t col_levels, int64_t isa) {
+  return quantize_rows_cols_laid(x, c, levels, col_levels, isa, true);
 }
 
 // the rescaling of an (R, n) int32 product: rs (R,), cs and b (n,) or absent, contiguous float32
@@ -527,14 +538,18 @@ int64_t int8_kernel(int64_t mode) {
 
 // whether int8_product takes int8_gemm.h's product for int8 a (M, K) and b (K, N) (where b lies within ±63): AVX2,
 // the int8_kernel setting, and a's layout and size
-bool ours_for(const at::Tensor& a, const at::Tensor& b, int64_t max_inner, int64_t isa) {
+// whether int8_product takes int8_gemm.h's product for K terms a sum: AVX2, the int8_kernel setting, K's size
+bool ours_takes(int64_t K, int64_t max_inner, int64_t isa) {
 #ifdef ATTNLAB_ISAS
   const int64_t mode = int8_kernel_mode.load(std::memory_order_relaxed);
-  return isa == 1 && (mode == kOurs || (mode == kAuto && !onednn_has_vnni())) &&
-         a.size(1) <= std::min(max_inner, u8s8::MAX_K) && a.stride(1) == 1 && a.size(0) > 0 && b.size(1) > 0;
+  return isa == 1 && (mode == kOurs || (mode == kAuto && !onednn_has_vnni())) && K <= std::min(max_inner, u8s8::MAX_K);
 #else
   return false;
 #endif
+}
+
+bool ours_for(const at::Tensor& a, const at::Tensor& b, int64_t max_inner, int64_t isa) {
+  return ours_takes(a.size(1), max_inner, isa) && a.stride(1) == 1 && a.size(0) > 0 && b.size(1) > 0;
 }
 
 // torch._int_mm's sums. oneDNN's VNNI path (torch 2.13, AVX512-VNNI on Zen 4) reads memory it never wrote for an
@@ -615,7 +630,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> int8_line
   auto [qw, sw] = quantize_rows(w, std::nullopt, right, isa);
   at::Tensor qx, sx, qxt, sxc;
   if (cols) {
-    std::tie(qx, sx, qxt, sxc, std::ignore) = quantize_rows_cols(x, std::nullopt, left, right, isa);
+    // qxt: the right operand qxt.t() (T, in) of the weight gradient's product over the T tokens; where that product
+    // is ours (it reads either layout) x's rows as they lie, else transposed (oneDNN's VNNI path reads it fastest so)
+    const bool laid = ours_takes(x.size(0), max_terms(left, right), isa);
+    std::tie(qx, sx, qxt, sxc, std::ignore) = quantize_rows_cols_laid(x, std::nullopt, left, right, isa, !laid);
   } else {
     std::tie(qx, sx) = quantize_rows(x, std::nullopt, left, isa);
     qxt = at::empty({0}, qx.options()), sxc = at::empty({0}, sx.options());

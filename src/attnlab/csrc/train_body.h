@@ -470,12 +470,60 @@ inline VF vabs(VF a) {
   return a;
 }
 inline VF vmax(VF m, VF a) { return a > m ? a : m; }  // drops a NaN of a: callers also sum (a NaN sum flags it)
-// round half to even (|v| < 2²²), then to int8: v holds values in [−127, 127]
-inline void st_q(int8_t* q, VF v) {
-  const VF r = (v + splat(12582912.f)) - splat(12582912.f);
-  store_i8<L>(q, __builtin_convertvector(r, VI));
+// a b + c rounded once with AVX2 and AVX-512 (FMA), twice in the portable set. Written out, not left to GCC's
+// contraction, which fuses or not by the context a function is inlined into (dequant_row runs both whole and inside
+// int8_gemm.h's tiles, and must give the same bits in both)
+template <class R, class F>  // fn on a, b, c as the set's registers R
+inline VF as_registers(VF a, VF b, VF c, F fn) {
+  R x, y, z;
+  std::memcpy(&x, &a, sizeof x), std::memcpy(&y, &b, sizeof y), std::memcpy(&z, &c, sizeof z);
+  const R r = fn(x, y, z);
+  VF out;
+  std::memcpy(&out, &r, sizeof out);
+  return out;
 }
-inline int8_t round_q(float v) { return static_cast<int8_t>(static_cast<int32_t>((v + 12582912.f) - 12582912.f)); }
+inline VF fmadd(VF a, VF b, VF c) {
+#if defined(__x86_64__) || defined(_M_X64)
+  if constexpr (L == 16) return as_registers<__m512>(a, b, c, [](__m512 x, __m512 y, __m512 z) {
+    return _mm512_fmadd_ps(x, y, z);
+  });
+  if constexpr (L == 8) return as_registers<__m256>(a, b, c, [](__m256 x, __m256 y, __m256 z) {
+    return _mm256_fmadd_ps(x, y, z);
+  });
+#endif
+  return a * b + c;
+}
+inline float fmadd1(float a, float b, float c) {
+  if constexpr (L > 4) return __builtin_fmaf(a, b, c);
+  return a * b + c;
+}
+
+// round(a s) half to even for |a s| < 2²²: a s + 1.5·2²³ rounded once (fmadd: the exact product, as the tests'
+// reference; one rule on every lane, where GCC's contraction had fused some registers of a row and not others)
+inline VF rounded(VF a, VF s) { return fmadd(a, s, splat(12582912.f)) - splat(12582912.f); }
+inline int8_t round_q(float a, float s) {
+  return static_cast<int8_t>(static_cast<int32_t>(fmadd1(a, s, 12582912.f) - 12582912.f));
+}
+// integers in [−127, 127] to int8: L lanes (st_q), or four registers' (st_q4: with AVX2 the 32 bytes packed together,
+// two vpackssdw, one vpacksswb and one vpermd, 1¼ instructions a register where st_q's extract, packs and store take 4)
+inline void st_q(int8_t* q, VF r) { store_i8<L>(q, __builtin_convertvector(r, VI)); }
+inline void st_q4(int8_t* q, VF r0, VF r1, VF r2, VF r3) {
+#if defined(__x86_64__) || defined(_M_X64)
+  if constexpr (L == 8) {
+    __m256i i[4];
+    const VI r[4] = {__builtin_convertvector(r0, VI), __builtin_convertvector(r1, VI),
+                     __builtin_convertvector(r2, VI), __builtin_convertvector(r3, VI)};
+    std::memcpy(i, r, sizeof i);
+    // the packs work within 128-bit halves: the bytes come out in groups of 4 lanes (r0 r1 r2 r3's low halves, then
+    // their high halves); vpermd puts the eight 4-byte groups back in order
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                        _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    return;
+  }
+#endif
+  st_q(q, r0), st_q(q + L, r1), st_q(q + 2 * L, r2), st_q(q + 3 * L, r3);
+}
 // the largest lane, and whether a lane is NaN: halving trees (log₂ L steps deep, not L)
 inline float tree_max(VF v) {
   float t[L];
@@ -542,9 +590,12 @@ inline bool finite_span(const T* x, int64_t n) {
 // q_j = round(x_j c_j inv) (c null: 1)
 template <class T>
 inline void quantize_row(const T* x, const float* c, int64_t n, float inv, int8_t* q) {
+  const VF s = splat(inv);
+  const auto at = [&](int64_t j) { return rounded(c ? ld(x + j) * load(c + j) : ld(x + j), s); };
   int64_t j = 0;
-  for (; j + L <= n; j += L) st_q(q + j, (c ? ld(x + j) * load(c + j) : ld(x + j)) * splat(inv));
-  for (; j < n; ++j) q[j] = round_q((c ? ld1(x + j) * c[j] : ld1(x + j)) * inv);
+  for (; j + 4 * L <= n; j += 4 * L) st_q4(q + j, at(j), at(j + L), at(j + 2 * L), at(j + 3 * L));
+  for (; j + L <= n; j += L) st_q(q + j, at(j));
+  for (; j < n; ++j) q[j] = round_q(c ? ld1(x + j) * c[j] : ld1(x + j), inv);
 }
 
 // One row's part of both quantisations: returns max_j |x_j c_j| (c null: 1; NaN if the row holds a NaN) and folds
@@ -580,16 +631,23 @@ inline float row_col_stats(const T* x, const float* c, int64_t n, float* m, floa
 template <class T>
 inline void quantize_row_col(const T* x, const float* c, int64_t n, float inv, const float* cinv, int8_t* q,
                              int8_t* qc) {
+  const VF s = splat(inv);
+  const auto row = [&](VF a, int64_t j) { return rounded(c ? a * load(c + j) : a, s); };
+  const auto col = [&](VF a, int64_t j) { return rounded(a, load(cinv + j)); };
   int64_t j = 0;
+  for (; j + 4 * L <= n; j += 4 * L) {
+    const VF a0 = ld(x + j), a1 = ld(x + j + L), a2 = ld(x + j + 2 * L), a3 = ld(x + j + 3 * L);
+    st_q4(q + j, row(a0, j), row(a1, j + L), row(a2, j + 2 * L), row(a3, j + 3 * L));
+    st_q4(qc + j, col(a0, j), col(a1, j + L), col(a2, j + 2 * L), col(a3, j + 3 * L));
+  }
   for (; j + L <= n; j += L) {
     const VF a = ld(x + j);
-    st_q(q + j, (c ? a * load(c + j) : a) * splat(inv));
-    st_q(qc + j, a * load(cinv + j));
+    st_q(q + j, row(a, j)), st_q(qc + j, col(a, j));
   }
   for (; j < n; ++j) {
     const float a = ld1(x + j);
-    q[j] = round_q((c ? a * c[j] : a) * inv);
-    qc[j] = round_q(a * cinv[j]);
+    q[j] = round_q(c ? a * c[j] : a, inv);
+    qc[j] = round_q(a, cinv[j]);
   }
 }
 
@@ -620,34 +678,6 @@ inline void transpose_bytes(const int8_t* src, int64_t ss, int64_t rows, int64_t
   for (int64_t c = c0; c < cols; ++c) {
     for (int64_t r = 0; r < rows; ++r) dst[c * ds + r] = src[r * ss + c];
   }
-}
-
-// a b + c rounded once with AVX2 and AVX-512 (FMA), twice in the portable set. Written out, not left to GCC's
-// contraction, which fuses or not by the context a function is inlined into (dequant_row runs both whole and inside
-// int8_gemm.h's tiles, and must give the same bits in both)
-template <class R, class F>  // fn on a, b, c as the set's registers R
-inline VF as_registers(VF a, VF b, VF c, F fn) {
-  R x, y, z;
-  std::memcpy(&x, &a, sizeof x), std::memcpy(&y, &b, sizeof y), std::memcpy(&z, &c, sizeof z);
-  const R r = fn(x, y, z);
-  VF out;
-  std::memcpy(&out, &r, sizeof out);
-  return out;
-}
-inline VF fmadd(VF a, VF b, VF c) {
-#if defined(__x86_64__) || defined(_M_X64)
-  if constexpr (L == 16) return as_registers<__m512>(a, b, c, [](__m512 x, __m512 y, __m512 z) {
-    return _mm512_fmadd_ps(x, y, z);
-  });
-  if constexpr (L == 8) return as_registers<__m256>(a, b, c, [](__m256 x, __m256 y, __m256 z) {
-    return _mm256_fmadd_ps(x, y, z);
-  });
-#endif
-  return a * b + c;
-}
-inline float fmadd1(float a, float b, float c) {
-  if constexpr (L > 4) return __builtin_fmaf(a, b, c);
-  return a * b + c;
 }
 
 // y_j = acc_j (rs cs_j) + b_j  (cs null: 1, b null: 0; the add fused, see fmadd): a row of an int32 product back to
