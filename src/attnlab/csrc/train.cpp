@@ -536,8 +536,6 @@ int64_t int8_kernel(int64_t mode) {
   return mode == -2 ? int8_kernel_mode.load() : int8_kernel_mode.exchange(mode);
 }
 
-// whether int8_product takes int8_gemm.h's product for int8 a (M, K) and b (K, N) (where b lies within ±63): AVX2,
-// the int8_kernel setting, and a's layout and size
 // whether int8_product takes int8_gemm.h's product for K terms a sum: AVX2, the int8_kernel setting, K's size
 bool ours_takes(int64_t K, int64_t max_inner, int64_t isa) {
 #ifdef ATTNLAB_ISAS
@@ -548,6 +546,7 @@ bool ours_takes(int64_t K, int64_t max_inner, int64_t isa) {
 #endif
 }
 
+// whether it takes it for int8 a (M, K) and b (K, N) (where b lies within ±63): ours_takes, and a's layout and size
 bool ours_for(const at::Tensor& a, const at::Tensor& b, int64_t max_inner, int64_t isa) {
   return ours_takes(a.size(1), max_inner, isa) && a.stride(1) == 1 && a.size(0) > 0 && b.size(1) > 0;
 }

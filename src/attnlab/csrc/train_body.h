@@ -499,7 +499,8 @@ inline float fmadd1(float a, float b, float c) {
 }
 
 // round(a s) half to even for |a s| < 2²²: a s + 1.5·2²³ rounded once (fmadd: the exact product, as the tests'
-// reference; one rule on every lane, where GCC's contraction had fused some registers of a row and not others)
+// reference; one rule on every lane and tail, spelt out: left to GCC's contraction, which register of a row was fused
+// changed with the loop's shape, and the scalar tails were not)
 inline VF rounded(VF a, VF s) { return fmadd(a, s, splat(12582912.f)) - splat(12582912.f); }
 inline int8_t round_q(float a, float s) {
   return static_cast<int8_t>(static_cast<int32_t>(fmadd1(a, s, 12582912.f) - 12582912.f));
