@@ -629,12 +629,14 @@ def _layer_grads(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> tuple:
 @pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
 @pytest.mark.parametrize("B,L,C,heads,bias,activation", [(3, 17, 32, 2, True, "gelu"), (2, 64, 64, 4, True, "gelu"),
                                                          (2, 9, 48, 3, False, "relu"), (1, 5, 32, 4, True, "gelu_tanh"),
-                                                         (2, 7, 40, 2, False, "gelu"), (3, 6, 36, 3, True, "gelu")])
+                                                         (2, 7, 40, 2, False, "gelu"), (3, 6, 36, 3, True, "gelu"),
+                                                         (2, 5, 35, 5, True, "gelu"), (1, 6, 34, 2, False, "relu")])
 def test_a_gpt_layer_trains_as_one_node_with_the_bits_of_its_modules(isa, B, L, C, heads, bias, activation,
                                                                     monkeypatch):
     """``DecoderLayer._train_native``: LN, int8 qkv, causal short attention, int8 out, residual, LN, int8 FFN with the
     kept activation, residual — the modules' own calls in one C++ node (the residuals added in the products'
-    rescaling, widths 40 and 36: a last panel of 8 and of 4 columns); output and every gradient the same bits."""
+    rescaling, widths 40 and 36: a last panel of 8 and of 4 columns; widths 35 and 34: panels of 3 and 2 columns, the
+    scalar tails, and FFN widths 140 and 136, a last panel of 12 and of 8); output and every gradient the same bits."""
     from attnlab.nn.block import DecoderLayer
     layer = _gpt_layer(C, heads, bias=bias, activation=activation)
     gen = torch.Generator().manual_seed(3)
