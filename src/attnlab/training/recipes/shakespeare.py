@@ -39,8 +39,9 @@ seed=S``, the run's own val blocks; "as AVX2": ``ATEN_CPU_CAPABILITY=avx2 ONEDNN
 (*: beside another process; the other float runs took 29.0 s.) The roundings move the loss by less than a
 change of seed does. Against nanoGPT's own ``train.py`` on the same machine (``benchmarks/train.py --nanogpt-dir``, our
 process ÷ its process, session 34, Zen 4): median 0.447 with AVX-512 (val 1.8896 against its 1.8930 on the same
-blocks) and 0.481 as AVX2 (1.8887), each over six alternating pairs; each change that brought it there and its
-measurement: ``docs/architecture.md`` §6 (nanogpt-cpu's record).
+blocks) and 0.481 as AVX2 (1.8887), each over six alternating pairs; on a real AVX2 host (2 Zen 3 cores, session 36)
+0.482 over six; each change that brought it there and its measurement: ``docs/architecture.md`` §6 (nanogpt-cpu's
+record).
 
 Adapting a trained run (each setting names a previous run's output folder; its latest checkpoint is used;
 the code: :mod:`attnlab.training.recipes.char_runs`):
