@@ -290,7 +290,7 @@ inline void pack(const int8_t* B, int64_t sk, int64_t sn, int64_t K, int64_t N, 
 // else a + 128 (the sign bit flipped) — then tile by tile, each rescaled from its registers. While a tile computes,
 // the next one's lines of y are asked for, for writing (PREFETCHW): y is fresh memory that a training step's tens of
 // MB have pushed out of the caches, and a store to a line no cache holds waits for the line to be read first
-// (nanogpt-cpu's products on 2 Zen 3 cores after a 48 MB sweep: 1.1-1.6x their time with warm caches, 1.0-1.1x
+// (nanogpt-cpu's forward products on 2 Zen 3 cores after a 48 MB sweep: 1.1-1.6x their time with warm caches, 1.0-1.1x
 // with the prefetch; the step 0.95-0.98x, A/B in one process)
 template <class T>
 void groups(const Packed& pk, const int8_t* A, int64_t lda, int64_t M, int64_t K, int64_t N, int64_t g0, int64_t g1,
