@@ -3,6 +3,7 @@
 Fast tests run FlexAttention eagerly (``set_compile(False)``: unfused, fine for small shapes);
 the ``slow`` test compiles it. Tolerances: float32 atol 1e-5, float64 atol 1e-12.
 """
+import functools
 import logging
 import math
 import os
@@ -153,6 +154,19 @@ def test_block_mask_is_built_once_per_mask_and_shape(monkeypatch):
     assert len(calls) == 4, calls
     assert_close(run_flex(q, k, v, mask=mask), run_reference(q, k, v, mask=mask), torch.float32)
 
+
+def test_block_mask_follows_document_ids_refilled_in_place():
+    ids = torch.tensor([0] * 256 + [1] * 256)
+    mod = document_mod(ids)
+    blocks = functools.partial(flex._block_mask, 1, 2, 512, 512, "cpu", None, False, None)
+    before = blocks(mod).to_dense()
+    ids.copy_(torch.tensor([0] * 8 + [1] * 504))  # the first query block now reaches the second document's keys
+    after = blocks(mod).to_dense()
+    assert torch.equal(after, blocks(document_mod(ids.clone())).to_dense())
+    assert not torch.equal(after, before)
+    q, k, v = qkv(B=1, H=2, Hkv=2, Lq=512, Lk=512)
+    assert_close(run_flex(q, k, v, mask_mod=mod), run_reference(q, k, v, mask_mod=document_mod(ids.clone())),
+                 torch.float32)
 
 # ---- fallbacks to tiled -----------------------------------------------------------------
 

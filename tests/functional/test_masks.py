@@ -87,6 +87,16 @@ def test_document_mod_per_batch_ids():
     assert torch.equal(materialise(document_mod(ids), 3, 2, 6, 6), expected)
 
 
+def test_document_mod_follows_ids_refilled_in_place():
+    ids = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    mod = document_mod(ids)
+    before = mod.key_spans(8).clone()
+    ids.copy_(torch.tensor([0, 1, 1, 1, 1, 1, 1, 2]))  # the same tensor, new documents
+    assert torch.equal(mod.key_spans(8), document_mod(ids.clone()).key_spans(8))
+    assert not torch.equal(mod.key_spans(8), before)
+    assert torch.equal(materialise(mod, 1, 1, 8, 8), loop_mask(8, 8, lambda b, h, p, j: ids[p] == ids[j]))
+
+
 def test_and_or_masks():
     doc = torch.tensor([0, 0, 0, 1, 1, 1, 1])
     mods = [causal_mod(), document_mod(doc), lambda b, h, q, kv: (kv + h) % 3 != 0]

@@ -230,7 +230,9 @@ def _block_mask(B: int, H: int, Lq: int, Lk: int, device, bool_mask: Optional[Te
     # the entry holds both, so neither address nor id can be reused while it lives
     tensor_key = None if bool_mask is None else (bool_mask.data_ptr(), bool_mask.shape, bool_mask.stride(),
                                                  bool_mask._version)
-    key = (id(mask_mod), tensor_key, causal, window, B, H, mB, mH, Lq, Lk, str(device))
+    # a mod over a tensor (document_mod) says what of it the mask reflects: refilled ids give a new BlockMask
+    mod_key = (id(mask_mod), getattr(mask_mod, "cache_key", lambda: None)())
+    key = (mod_key, tensor_key, causal, window, B, H, mB, mH, Lq, Lk, str(device))
     hit = _block_masks.get(key)
     if hit is not None:
         _block_masks.move_to_end(key)

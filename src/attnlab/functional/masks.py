@@ -259,7 +259,10 @@ def document_mod(doc_ids: Tensor) -> MaskMod:
         row = b if ids.shape[0] > 1 else torch.zeros_like(b)
         return ids[row, q_idx] == ids[row, kv_idx]
 
-    mod.key_spans = functools.lru_cache(maxsize=4)(functools.partial(_document_spans, ids))  # per length, once
+    # per length and per contents of ``ids``: refilling it in place (its version) or swapping its storage gives new spans
+    spans = functools.lru_cache(maxsize=4)(lambda Lk, version, ptr: _document_spans(ids, Lk))
+    mod.key_spans = lambda Lk: spans(Lk, ids._version, ids.data_ptr())
+    mod.cache_key = lambda: (ids._version, ids.data_ptr())
     return mod
 
 
