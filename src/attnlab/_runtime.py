@@ -210,13 +210,14 @@ def check_dtype_name(value, *, name: str = "dtype") -> str:
 _WARNED: set[str] = set()
 
 
-def resolve_dtype(value="auto", device="cpu", *, name: str = "dtype") -> tuple[str, str]:
+def resolve_dtype(value="auto", device="cpu", *, name: str = "dtype", source: str = "asked for") -> tuple[str, str]:
     """The precision to compute in, and why: ``(dtype, reason)`` with dtype one of fp32, bf16, fp16.
 
     ``auto`` on a CPU = bf16 where the CPU computes it natively **and** a measured bf16 product is at least
     1.2× as fast as fp32 (see :func:`probe`; the margin keeps a noisy timing from flipping it), else fp32; on CUDA, bf16 where the device supports it, else fp32. An
     explicit ``bf16`` on a CPU without native bf16 is honoured with one warning (once per process)
-    saying how much slower it is measured to be; ``fp16`` needs CUDA.
+    saying how much slower it is measured to be; ``fp16`` needs CUDA. An explicit value's reason is ``source``
+    (where the value came from: the default "asked for", or e.g. "recipe default").
 
     Raises:
         ValueError: an unknown ``value`` (naming ``name`` and the valid values), or fp16 on a CPU.
@@ -228,7 +229,7 @@ def resolve_dtype(value="auto", device="cpu", *, name: str = "dtype") -> tuple[s
     if device.type == "cuda":
         if dtype == "auto":
             return ("bf16", "CUDA with bf16") if torch.cuda.is_bf16_supported() else ("fp32", "CUDA without bf16")
-        return dtype, "asked for"
+        return dtype, source
     if dtype == "fp16":
         raise ValueError(f"{name}=fp16 needs a CUDA device; on a CPU use fp32 or bf16 (or auto)")
     cap = probe()
@@ -247,7 +248,7 @@ def resolve_dtype(value="auto", device="cpu", *, name: str = "dtype") -> tuple[s
         how = f"about {slower:.0f}x" if slower <= 100 else "over 100x"
         warnings.warn(f"{name}=bf16 on a CPU without native bf16 ({cap.isa}): matrix products run {how} "
                       f"slower than fp32 here; {name}=auto would choose fp32", stacklevel=2)
-    return dtype, "asked for"
+    return dtype, source
 
 
 def torch_dtype(name: str):

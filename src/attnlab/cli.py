@@ -74,17 +74,41 @@ COMMANDS = {
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_SHORT = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # the names every message prints
+
+
+def dtype_flag(value: str) -> str:
+    """``--dtype``'s value as one of :data:`DTYPES`: the long names, or fp32 / bf16 / fp16 for them."""
+    name = DTYPE_SHORT.get(value, value)
+    if name not in DTYPES:
+        raise argparse.ArgumentTypeError(f"must be one of auto, fp32, bf16, fp16 (or float32, bfloat16, float16), "
+                                         f"got {value!r}")
+    return name
+
+
+def version_line() -> str:
+    """``attnlab X.Y.Z``: the installed package's version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"attnlab {version('attnlab')}"
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        from attnlab import __version__
+        return f"attnlab {__version__}"
 
 
 def common_flags() -> argparse.ArgumentParser:
     """The flags every subcommand takes (an argparse parent parser)."""
     common = argparse.ArgumentParser(add_help=False)
     g = common.add_argument_group("common options")
+    # --debug is also the main parser's: accepted before or after the subcommand (SUPPRESS: absent here leaves
+    # the main parser's value)
+    g.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks on errors")
     g.add_argument("--seed", type=int, default=None, help="random seed (default 0)")
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     g.add_argument("--device", default=None, help="cpu (default), cuda, cuda:1, ...")
-    g.add_argument("--dtype", choices=DTYPES, default=None,
-                   help="model dtype (default float32; auto = bfloat16 where this CPU computes it natively and "
+    g.add_argument("--dtype", type=dtype_flag, default=None, metavar="{auto,fp32,bf16,fp16}",
+                   help="model dtype, also float32/bfloat16/float16 (default float32; auto = bfloat16 where this CPU computes it natively and "
                    "faster, see `attnlab env`; for train: the autocast dtype, default the recipe's: auto)")
     return common
 
@@ -131,6 +155,7 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    parser.add_argument("--version", action="version", version=version_line(), help="print attnlab's version")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
     common = common_flags()
     for name, (help_, module) in COMMANDS.items():

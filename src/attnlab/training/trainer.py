@@ -71,6 +71,8 @@ class Trainer:
         out_dir: receives checkpoints, ``metrics.jsonl``, ``metrics.json``, ``loss.png``.
         run_info: saved in every checkpoint as ``"run"`` (plain values): e.g. the recipe, preset and full
             settings the run was made with, so a resume never depends on a file beside the checkpoint.
+        dtype_source: where an explicit ``config.dtype`` came from, printed and recorded as its reason
+            ("asked for", "recipe default", ...; ``"auto"`` states its own reason).
 
     Raises:
         TypeError / ValueError: bad arguments (the message names them).
@@ -78,7 +80,7 @@ class Trainer:
 
     def __init__(self, model: nn.Module, config: TrainConfig, *, train_batches, loss_fn: Callable,
                  evaluate: Optional[Callable[[nn.Module], dict]] = None, out_dir: Union[str, Path],
-                 run_info: Optional[dict] = None) -> None:
+                 run_info: Optional[dict] = None, dtype_source: str = "asked for") -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if not isinstance(config, TrainConfig):
@@ -95,7 +97,7 @@ class Trainer:
         self.device = D.resolve_device(config.device, self.dist)
         # "auto" -> what this machine computes natively (bf16 or fp32); printed once in fit, kept in metrics
         self.dtype, self.dtype_reason = run_dtype(config.dtype, self.device, int8_training=config.int8_training,
-                                                  name="TrainConfig.dtype")
+                                                  name="TrainConfig.dtype", source=dtype_source)
         self.model = model.to(self.device)
         self.int8_layers = self._int8(config)
         if config.grad_checkpointing:

@@ -238,6 +238,17 @@ def _resume_settings(recipe: Recipe, saved: dict, overrides: Mapping[str, Any], 
     return new
 
 
+def _dtype_source(recipe: Recipe, preset: Optional[str], overrides: Mapping[str, Any], *, resumed: bool) -> str:
+    """Where the run's ``dtype`` setting came from: the words of its dtype line."""
+    if "dtype" in overrides:
+        return "asked for"
+    if resumed:
+        return "the run's saved setting"
+    if "dtype" in recipe.presets.get(preset or "default", {}):
+        return f"preset {preset}'s default"
+    return "recipe default"
+
+
 def run_recipe(name: str, *, out: PathLike, preset: Optional[str] = None,
                overrides: Optional[Mapping[str, Any]] = None, resume: bool = False) -> dict:
     """Check everything, then lock ``out``, build, write ``out/config.json``, train, write ``out/metrics.json``.
@@ -289,7 +300,8 @@ def run_recipe(name: str, *, out: PathLike, preset: Optional[str] = None,
             write_json(out / "config.json", {**run_info, "world_size": dist.world_size, "torch": torch.__version__})
         train_cfg = TrainConfig.of(settings)
         trainer = Trainer(built.model, train_cfg, train_batches=built.train_batches, loss_fn=built.loss_fn,
-                          evaluate=built.evaluate, out_dir=out, run_info=run_info)
+                          evaluate=built.evaluate, out_dir=out, run_info=run_info,
+                          dtype_source=_dtype_source(recipe, preset, overrides or {}, resumed=saved is not None))
         metrics = trainer.fit(resume=resume)
         if built.finish is not None and dist.is_main:
             built.model.eval()
