@@ -3,6 +3,11 @@
 Timings are wall-clock medians in milliseconds. When two implementations are compared,
 :func:`compare` runs them round-robin (one call of each per round, starting with a different one
 each round), so thermal or background drift hits every peer equally.
+
+Each run writes two files through :func:`write_json`: its full detail (``--out``, by default under
+``results/runs/``, not tracked) and its summary into ``results/<cpu class>.json`` (tracked, one file per
+CPU class, one entry per benchmark, replaced by the next run of that benchmark on that class), from which
+``_report.py`` generates ``docs/performance.md``.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ def parser(description: str, out: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (a smoke run)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
-    p.add_argument("--out", default=str(RESULTS / out), help="where to write the JSON results")
+    p.add_argument("--out", default=str(RESULTS / "runs" / out), help="where to write the run's full JSON results")
     return p
 
 
@@ -146,11 +151,126 @@ def environment() -> dict:
     }
 
 
-def write_json(path: str | Path, rows: list[dict], **meta) -> None:
-    """``{"environment": ..., **meta, "rows": rows}`` to ``path`` (folders created)."""
+def write_json(path: str | Path, rows: list[dict], *, results: list[dict] | None = None, **meta) -> None:
+    """``{"environment": ..., **meta, "rows": rows}`` to ``path`` (folders created); for a full run written under
+    ``results/`` (the default ``--out``; not ``--quick``), also its summary (``results``, else :func:`summarize` of
+    ``rows``) into this CPU class's file (:func:`record`), under the benchmark named by ``path``'s stem."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"environment": environment(), **meta, "rows": rows}, indent=2) + "\n")
+    path.write_text(json.dumps({"environment": environment(), **meta, "rows": rows}, indent=2, default=str) + "\n")
+    if not meta.get("quick") and path.resolve().is_relative_to(RESULTS):
+        record(path.stem, summarize(rows) if results is None else results)
+
+
+# ---- the per-CPU-class summaries that docs/performance.md is generated from ----------------------------------
+
+def result(case: str, ours, peer, *, unit: str, target: str = "", met: bool | None = None,
+           ratio: float | None | str = "ours/peer") -> dict:
+    """One summary row: ``ours`` and ``peer`` in ``unit``, ``ratio`` = ours / peer unless given (None: no ratio),
+    the target in words and whether it was met (None: no target)."""
+    if ratio == "ours/peer":
+        numbers = isinstance(ours, (int, float)) and isinstance(peer, (int, float)) and peer
+        ratio = ours / peer if numbers else None
+    return {"case": case, "ours": ours, "peer": peer, "unit": unit, "ratio": ratio, "target": target, "met": met}
+
+
+def _met(value) -> bool | None:
+    return {"yes": True, "no": False, True: True, False: False}.get(value) if isinstance(value, (str, bool)) else None
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """The summary of a benchmark's rows by their column names: rows with a ``ratio`` or a ``met``; the case from
+    ``case`` / ``scenario`` / ``run`` / ``preset`` / ``dtype`` / ``N``; ours and the peer from the first
+    ``ours_*`` and ``peer_*`` / ``theirs_*`` column (the suffix is the unit)."""
+    out = []
+    for row in rows:
+        if row.get("ratio") is None and _met(row.get("met")) is None:
+            continue
+        case = " ".join(str(row[k]) for k in ("case", "scenario", "run", "preset", "dtype", "N") if row.get(k) not in
+                        (None, ""))
+        ours = next((k for k in row if k.startswith("ours_")), None)
+        peer = next((k for k in row if k.startswith(("peer_", "theirs_"))), None)
+        target = row.get("target", row.get("targets", ""))
+        out.append(result(case, row.get(ours) if ours else None, row.get(peer) if peer else None,
+                          unit=ours.split("_", 1)[1] if ours else "", target="" if target in ("-", None) else str(target),
+                          met=_met(row.get("met")), ratio=row.get("ratio")))
+    return out
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's ``/proc/cpuinfo`` fields (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields = {}
+    for line in text.split("\n\n", 1)[0].splitlines():
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+def cpu_class(info: dict[str, str] | None = None) -> str:
+    """The class of CPU whose numbers are comparable: vendor, microarchitecture and widest vector ISA, e.g.
+    ``"AMD Zen 3 AVX2"``, ``"Intel Xeon AVX-512 AMX"`` (from ``/proc/cpuinfo``; the hardware's, not an
+    ``ATEN_CPU_CAPABILITY`` override, which :func:`machine_record`'s ``isa`` shows)."""
+    info = _cpuinfo() if info is None else info
+    flags = set(info.get("flags", "").split())
+    vendor, name = info.get("vendor_id", ""), info.get("model name", platform.processor() or platform.machine())
+    family, model = int(info.get("cpu family", "0") or 0), int(info.get("model", "0") or 0)
+    if vendor == "AuthenticAMD":
+        arch = {23: "Zen 2" if model >= 0x30 else "Zen", 26: "Zen 5"}.get(family)
+        if family == 25:  # Zen 3 and Zen 4 share the family; Zen 4's models are 0x10-0x1f and 0x60-0xaf
+            arch = "Zen 4" if 0x10 <= model <= 0x1F or 0x60 <= model <= 0xAF else "Zen 3"
+        head = f"AMD {arch or f'family {family}'}"
+    elif vendor == "GenuineIntel":
+        head = "Intel Xeon" if "Xeon" in name else "Intel"
+    else:
+        head = name
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
+    return " ".join(x for x in (head, isa, "AMX" if "amx_tile" in flags else "") if x)
+
+
+def machine_record(info: dict[str, str] | None = None) -> dict:
+    """The machine a summary was measured on: CPU model, vendor, family/model, the ISA torch's kernels use, native
+    bf16, AMX and VNNI, threads and torch's version."""
+    import torch.backends.cpu
+
+    from attnlab._runtime import probe
+
+    info = _cpuinfo() if info is None else info
+    flags, cap = set(info.get("flags", "").split()), probe()
+    return {"cpu": cap.cpu, "vendor": info.get("vendor_id", ""), "family": info.get("cpu family", ""),
+            "model": info.get("model", ""), "isa": torch.backends.cpu.get_cpu_capability(),
+            "bf16_native": cap.bf16_native, "amx": cap.amx, "vnni": bool({"avx512_vnni", "avx_vnni"} & flags),
+            "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def class_file(cls: str) -> Path:
+    """``results/<cpu class as a file name>.json``: ``"AMD Zen 3 AVX2"`` -> ``results/amd-zen-3-avx2.json``."""
+    return RESULTS / ("-".join("".join(c if c.isalnum() else " " for c in cls.lower()).split()) + ".json")
+
+
+def record(benchmark: str, results: list[dict], *, cls: str | None = None, machine: dict | None = None) -> Path:
+    """Put ``results`` under ``benchmark`` in the CPU class's file (created, or that one entry replaced; the
+    others kept), with the machine they were measured on. A run whose ISA is not the hardware's widest (an
+    ``ATEN_CPU_CAPABILITY`` override) is its own entry, ``"<benchmark> as <isa>"``. Returns the file."""
+    cls = cpu_class() if cls is None else cls
+    machine = machine_record() if machine is None else machine
+    hardware_isa = "avx512" if "AVX-512" in cls else "avx2" if "AVX2" in cls else None
+    if hardware_isa and not str(machine.get("isa", "")).lower().startswith(hardware_isa):
+        benchmark = f"{benchmark} as {machine['isa']}"
+    path = class_file(cls)
+    data = json.loads(path.read_text()) if path.is_file() else {"cpu_class": cls, "benchmarks": {}}
+    if data.get("cpu_class") != cls:
+        raise ValueError(f"{path} holds cpu_class {data.get('cpu_class')!r}, not {cls!r}")
+    data["benchmarks"][benchmark] = {"machine": machine, "results": results}
+    data["benchmarks"] = dict(sorted(data["benchmarks"].items()))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+    return path
 
 
 def _fmt(x) -> str:

@@ -29,7 +29,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from _common import print_table, write_json
+from _common import print_table, result, write_json
 from _mfu import mfu, nanogpt_flops, shown
 from nanogpt_upstream import budget_flags, fitted_iters, run_upstream_for
 
@@ -115,7 +115,9 @@ def compare_budget(args: argparse.Namespace, *, run_preset) -> dict:
                        f"ours {ours['dtype']}, nanoGPT fp32"))
     summary = {"ours": ours["val_loss"], "nanogpt": theirs["val_loss"], "difference": difference,
                "target": f"ours <= nanogpt - {MARGIN}", "met": met}
-    write_json(args.out, [ours, theirs], mode="compare-budget", budget_s=args.budget_s, threads=args.threads,
+    results = [result(f"{args.budget_s:.0f} s race: val loss", ours["val_loss"], theirs["val_loss"], unit="val loss",
+                      ratio=None, target=f"ours <= nanoGPT's - {MARGIN}", met=met)]
+    write_json(args.out, [ours, theirs], results=results, mode="compare-budget", budget_s=args.budget_s, threads=args.threads,
                nanogpt_dir=str(args.nanogpt_dir), nanogpt_flags=flags, nanogpt_fitted=fitted, summary=summary,
                curves={"ours": ours_curve, "nanogpt": up["evals"]}, png=str(png))
     print(f"wrote {args.out} and {png}")

@@ -135,7 +135,7 @@ def run_basic(args) -> None:
 def main(argv=None) -> None:
     p = parser(__doc__.splitlines()[0], "attention.json")
     p.add_argument("--suite", choices=["basic", "efficient", "all"], default="all", help="which suite (default all)")
-    p.add_argument("--out-efficient", default=str(RESULTS / "attention_efficient.json"),
+    p.add_argument("--out-efficient", default=str(RESULTS / "runs" / "attention_efficient.json"),
                    help="where the efficient suite writes its JSON results")
     p.add_argument("--only", nargs="+", choices=SECTIONS, metavar="SECTION",
                    help=f"run only these sections of the efficient suite ({', '.join(SECTIONS)}; default all)")

@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import parser, print_table, setup, write_json  # noqa: E402
+from _common import parser, print_table, result, setup, write_json  # noqa: E402
 from _compare_budget import add_arguments as add_budget_arguments, compare_budget  # noqa: E402
 from _levers import add_arguments as add_lever_arguments, run_levers  # noqa: E402
 from _mfu import mfu, nanogpt_flops, peak_gflops, settings_flops, shown  # noqa: E402
@@ -104,6 +104,21 @@ def run_preset(preset: str, *, threads: int, overrides: list[str], out: Path) ->
             "dtype_reason": m.get("dtype_reason"), "wall_s": m["wall_s"], "train_tokens": m["train_tokens"],
             "flops": flops, "mfu": mfu(flops, process_s, "int8" if m.get("int8_layers") else m["dtype"]),
             "int8_layers": m.get("int8_layers", 0)}
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Our rows' targets for ``results/<cpu class>.json``: quality and time, and the ratio to nanoGPT's own
+    ``train.py`` process where it ran."""
+    out = []
+    for row in (r for r in rows if r["run"] == "attnlab"):
+        key = TARGETS[row["preset"]][0]
+        out.append(result(f"{row['preset']}: {key}, run_s", row[key], None, unit="val loss", ratio=None,
+                          target=row["target"], met=row["met"] == "yes"))
+        if "vs_upstream" in row:
+            out.append(result(f"{row['preset']}: process wall vs nanoGPT's train.py", row["process_s"],
+                              row["process_s"] / row["vs_upstream"], unit="s", ratio=row["vs_upstream"],
+                              target=f"ratio <= {UPSTREAM_RATIO} at val <= its val", met=row["upstream_met"] == "yes"))
+    return out
 
 
 def resolve_saved(out: Path):
@@ -248,7 +263,7 @@ def main() -> None:
     if args.nanogpt_dir is not None:
         print(f"vs_upstream: our process wall / nanoGPT's own train.py wall; target <= {UPSTREAM_RATIO} at a val loss "
               "<= its val loss on the same fixed blocks (upstream_met)")
-    write_json(args.out, rows, quick=args.quick, threads=args.threads, nanogpt_recorded=NANOGPT,
+    write_json(args.out, rows, results=summary(rows), quick=args.quick, threads=args.threads, nanogpt_recorded=NANOGPT,
                peak_gflops={d: peak_gflops(d) for d in ("fp32", "bf16", "int8")},
                nanogpt_dir=None if args.nanogpt_dir is None else str(args.nanogpt_dir))
     print(f"wrote {args.out}")

@@ -44,13 +44,17 @@ EPILOG = """examples:
   attnlab bench                                      # attention: ours vs SDPA / torch MHA, as ratios
   attnlab bench generate encode --threads 2          # GPT-2 decoding, BERT / MiniLM encoding vs transformers
   attnlab bench attention --quick --script-args "--suite efficient"
-Needs the benchmarks/ folder of a source checkout; tables print, JSON goes to benchmarks/results/."""
+  attnlab bench --report                             # regenerate docs/performance.md from benchmarks/results/
+Needs the benchmarks/ folder of a source checkout; tables print; a full run's JSON goes to benchmarks/results/runs/
+and its summary into benchmarks/results/<cpu class>.json, from which --report generates docs/performance.md."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``attnlab bench`` (the common flags are added by :mod:`attnlab.cli`)."""
     p.add_argument("names", nargs="*", help="benchmarks to run (default: attention); see --list")
     p.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    p.add_argument("--report", action="store_true",
+                   help="regenerate docs/performance.md from benchmarks/results/*.json (after any benchmarks named)")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run of seconds")
     p.add_argument("--script-args", default="", help="more arguments for the scripts, quoted")
 
@@ -66,7 +70,7 @@ def main(args) -> int:
         for name, line in names.items():
             print(f"{name:<{width}}  {line}")
         return 0
-    chosen = args.names or ["attention"]
+    chosen = args.names or ([] if args.report else ["attention"])
     unknown = [n for n in chosen if n not in names]
     if unknown:
         raise ValueError(f"unknown benchmark(s) {unknown}; available: {', '.join(names)}")
@@ -79,6 +83,8 @@ def main(args) -> int:
         print(f"== attnlab bench {name}: {' '.join(cmd[1:])}", flush=True)
         if subprocess.run(cmd).returncode != 0:
             failed.append(name)
+    if args.report and subprocess.run([sys.executable, str(benchmarks_dir() / "_report.py")]).returncode != 0:
+        failed.append("_report.py")
     if failed:
         print(f"attnlab bench: failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
