@@ -7,7 +7,7 @@ never accepted where a number is expected (``True`` is an ``int`` to Python, not
 * ints: :func:`integer`, :func:`positive_int`, :func:`non_negative_int`, :func:`int_at_least`, :func:`index`
 * reals: :func:`real`, :func:`positive_number`, :func:`non_negative_number`, :func:`rate`,
   :func:`fraction`
-* others: :func:`boolean`, :func:`one_of`, :func:`tensor`
+* others: :func:`boolean`, :func:`one_of`, :func:`tensor`, :func:`stored_dtype` (a tensor read from a file)
 * predicates for checks with a message of their own: :func:`is_int`, :func:`is_real`
 
 ``check_int``, ``check_rate`` and ``check_positive_float`` are the names the configs used first;
@@ -147,6 +147,18 @@ def tensor(name: str, value, *, kind: Optional[str] = None, ndim: Optional[int] 
         raise TypeError(f"{name} must be {what}{layout}, got {value.dtype}")
     if kind == "integer" and (value.is_floating_point() or value.is_complex()):
         raise TypeError(f"{name} must be {what}{layout}, got {value.dtype}")
+
+
+def stored_dtype(name: str, stored: torch.Tensor, expected: torch.Tensor) -> None:
+    """A tensor read from a file must suit the parameter it fills: a floating-point one for a floating-point
+    parameter (integer or bool values copied into a weight are numbers of another scale, silently).
+
+    Raises:
+        ValueError: naming the tensor, its stored dtype and the parameter's.
+    """
+    if expected.is_floating_point() and not stored.is_floating_point():
+        raise ValueError(f"tensor {name} is stored as {stored.dtype}, but the parameter it fills is {expected.dtype}: "
+                         f"a floating-point weight cannot be read from integer or bool data")
 
 
 # ------------------------------------------------------- the configs' first names, kept

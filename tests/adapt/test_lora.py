@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 from attnlab.adapt import (
     LoRALinear,
@@ -173,6 +174,20 @@ def test_save_and_load_adapter_onto_a_base_checkpoint(make_gpt2, ids, tmp_path):
         assert torch.equal(loaded(ids).logits, model(ids).logits)
     assert set(lora_state_dict(loaded)) == set(lora_state_dict(model))
     assert trainable_parameters(loaded) == trainable_parameters(model)
+
+
+def test_adapter_weight_stored_as_integers_is_refused_by_name(make_gpt2, tmp_path):
+    model = apply_lora(make_gpt2(), r=2, alpha=2)
+    save_adapter(model, tmp_path / "a")
+    file = tmp_path / "a" / "adapter_model.safetensors"
+    sd = load_file(file)
+    name = sorted(sd)[0]
+    sd[name] = sd[name].view(torch.int32)  # the same bytes, declared I32
+    save_file(sd, file)
+    base = make_gpt2()
+    with pytest.raises(ValueError, match=rf"'{name}' .*stored as torch.int32.*torch.float32"):
+        load_adapter(base, tmp_path / "a")
+    assert not any(isinstance(m, LoRALinear) for m in base.modules())  # left untouched
 
 
 def test_errors(make_gpt2, tmp_path):

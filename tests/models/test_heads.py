@@ -196,6 +196,12 @@ def test_classifier_from_pretrained_keeps_the_body_and_sizes_the_head(tmp_path):
         two = classifier_from_pretrained(tmp_path / "bert", {0: "x", 1: "y"})
     assert two.classifier.weight.shape == (2, 32)
     assert torch.equal(two.bert.pooler.weight, hf.bert.pooler.dense.weight)
+    from safetensors.torch import load_file, save_file
+    sd = load_file(tmp_path / "bert" / "model.safetensors")
+    sd["bert.pooler.dense.weight"] = sd["bert.pooler.dense.weight"].view(torch.int32)  # the same bytes, declared I32
+    save_file(sd, tmp_path / "bert" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"'bert.pooler.dense.weight' .*stored as torch.int32.*torch.float32"):
+        classifier_from_pretrained(tmp_path / "bert", {0: "x", 1: "y", 2: "z"})
 
 
 def test_gpt2_left_padding_gives_the_unpadded_logits(tmp_path):

@@ -141,6 +141,23 @@ def test_wrong_shape_names_tensor_and_shapes(saved):
         from_pretrained(path)
 
 
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+@pytest.mark.parametrize("as_dtype", [torch.int32, torch.int64, torch.bool])
+def test_integer_dtype_for_a_float_weight_is_refused_by_name(saved, fmt, as_dtype):
+    _, path = saved
+    sd = load_file(path / "model.safetensors")
+    name = "encoder.layer.1.intermediate.dense.weight"
+    w = sd[name]
+    sd[name] = w.view(torch.int32) if as_dtype == torch.int32 else w.to(as_dtype)  # I32: the float's bits as ints
+    if fmt == "bin":
+        (path / "model.safetensors").unlink()
+        torch.save(sd, path / "pytorch_model.bin")
+    else:
+        save_file(sd, path / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"'{name}' .*stored as {as_dtype}.*torch.float32"):
+        from_pretrained(path)
+
+
 def test_failed_save_leaves_previous_files(saved, monkeypatch):
     model, path = saved
     before = (path / "model.safetensors").read_bytes()

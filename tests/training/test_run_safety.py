@@ -94,9 +94,9 @@ def test_out_may_not_be_an_input(run, capsys):
     assert cli.main([*TINY, "--out", os.environ["ATTNLAB_DATA_DIR"]]) == 2  # the data folder: not a run of ours
     _one_line(capsys, "not an attnlab run")
     assert cli.main([*TINY, "--out", str(run), "--init", str(run)]) == 2
-    _one_line(capsys, "would write over the run this command reads (init=")
+    _one_line(capsys, "--set init", "would write over its own input")
     assert cli.main([*TINY, "--out", str(run.parent), "--set", f"teacher={run}"]) == 2
-    _one_line(capsys, "teacher=")
+    _one_line(capsys, "--set teacher", "would write over its own input")
 
 
 def test_refused_fresh_run_leaves_no_folder(tmp_path, capsys):
@@ -154,6 +154,15 @@ def test_eval_of_weights_that_do_not_fit_the_config_is_one_line(run, capsys):
     torch.save(state, path)
     assert cli.main(["eval", "--checkpoint", str(run)]) == 2
     _one_line(capsys, "does not fit the model", "wte.weight (3,) vs (")
+
+
+def test_integer_weights_for_float_parameters_are_refused_by_name():
+    from attnlab.training.recipes import load_weights_checked
+
+    model = torch.nn.Linear(3, 2)
+    weights = {"weight": model.weight.detach().view(torch.int32), "bias": model.bias.detach()}  # same bytes, I32
+    with pytest.raises(ValueError, match=r"weight of ckpt.pt is stored as torch.int32.*torch.float32"):
+        load_weights_checked(model, weights, source="ckpt.pt")
 
 
 def test_stale_temporary_files_are_removed_on_the_next_open(run):

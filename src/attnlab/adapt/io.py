@@ -19,6 +19,7 @@ from typing import Union
 import torch
 from torch import Tensor, nn
 
+from attnlab._checks import stored_dtype
 from attnlab.adapt.adapters import (
     BottleneckAdapter,
     adapter_layers,
@@ -125,12 +126,11 @@ def read_adapter_config(path: PathLike) -> dict:
     """
     path = Path(path)
     for f in (CONFIG_FILE, WEIGHTS_FILE):
-        if not (path / f).is_file():
+        if not (path / f).exists():
             raise FileNotFoundError(f"no {f} in adapter directory {str(path)!r}")
-    try:
-        cfg = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{str(path / CONFIG_FILE)!r} is not valid JSON: {e}") from e
+    from attnlab._io import read_input_json
+
+    cfg = read_input_json("", path / CONFIG_FILE, "config")
     if not isinstance(cfg, dict) or cfg.get("format") != FORMAT or not isinstance(cfg.get("adapters"), dict) \
             or not isinstance(cfg.get("base_shapes"), dict):
         raise ValueError(f"{str(path / CONFIG_FILE)!r} is not an attnlab adapter config (format {FORMAT})")
@@ -168,7 +168,8 @@ def load_adapter(model: nn.Module, path: PathLike) -> nn.Module:
     Raises:
         FileNotFoundError: the directory or one of its files is missing.
         ValueError: the model already has adapters; the base differs in shape from the adapter's base
-            (the message names the parameter); the saved tensors do not match the config.
+            (the message names the parameter); the saved tensors do not match the config; an integer or bool
+            tensor for a floating-point parameter (named, with both dtypes).
     """
     from safetensors.torch import load_file
 
@@ -176,6 +177,9 @@ def load_adapter(model: nn.Module, path: PathLike) -> nn.Module:
     if lora_layers(model) or adapter_layers(model) or isinstance(model, _VirtualTokensLM):
         raise ValueError("load_adapter needs a base model without adapters; this one already has some")
     check_base(model, cfg["base_shapes"])
+    from attnlab._io import check_input_file
+
+    check_input_file("", Path(path) / WEIGHTS_FILE, "weights")
     try:
         saved = load_file(str(Path(path) / WEIGHTS_FILE))
     except Exception as e:  # safetensors raises SafetensorError / OSError on a corrupt file
@@ -192,15 +196,20 @@ def load_adapter(model: nn.Module, path: PathLike) -> nn.Module:
     expected = adapter_state_dict(model)
     missing, unexpected = sorted(expected.keys() - saved.keys()), sorted(saved.keys() - expected.keys())
     wrong = [n for n in sorted(expected.keys() & saved.keys()) if saved[n].shape != expected[n].shape]
-    if missing or unexpected or wrong:
+    try:
+        if missing or unexpected or wrong:
+            raise ValueError(f"{str(Path(path) / WEIGHTS_FILE)!r} does not match its config: missing tensors "
+                             f"{missing[:5]}, unexpected tensors {unexpected[:5]}, wrong shapes {wrong[:5]}")
+        for name in sorted(saved):
+            stored_dtype(f"{name!r} of {str(Path(path) / WEIGHTS_FILE)!r}", saved[name], expected[name])
+    except ValueError:
         if lora_layers(base):  # leave the caller's model as it came
             unload_lora(base, merge=False)
         if adapter_layers(base):
             remove_adapters(base)
         for p, flag in flags:
             p.requires_grad_(flag)
-        raise ValueError(f"{str(Path(path) / WEIGHTS_FILE)!r} does not match its config: missing tensors "
-                         f"{missing[:5]}, unexpected tensors {unexpected[:5]}, wrong shapes {wrong[:5]}")
+        raise
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, t in saved.items():

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from attnlab.models.classifier import (PROBLEM_TYPES, ClassifierConfig, QuestionAnsweringOutput,  # noqa: F401
                                        SequenceClassifierOutput, classification_loss, _cross_entropy, extend_family,
                                        question_answering_loss)
+from attnlab._checks import stored_dtype
 from attnlab.models.bert import BertConfig, BertModel, _BertBase, weight_map as bert_weight_map
 from attnlab.models.decoder_heads import (GPT2ForQuestionAnswering, GPT2ForSequenceClassification,  # noqa: F401
                                           GPT2ForTokenClassification, LlamaForQuestionAnswering,
@@ -210,6 +211,9 @@ def classifier_from_pretrained(path, id2label: dict, *, problem_type: Optional[s
                if k not in head or v.shape[0] == config.num_labels}  # a head of another size: replaced
     config, hf = cls.adapt_hf_checkpoint(config, weights)
     model = cls(config)
+    for name, t in model.to_hf_state_dict().items():
+        if name in hf:
+            stored_dtype(f"{name!r} of checkpoint {str(folder)!r}", hf[name], t)
     model.load_state_dict(model.from_hf_state_dict(hf), strict=True)
     if dtype is None:
         dtype = next(v.dtype for v in hf.values() if v.is_floating_point())

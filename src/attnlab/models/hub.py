@@ -45,8 +45,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from attnlab._checks import is_int, one_of
-from attnlab._io import atomic_write
+from attnlab._checks import is_int, one_of, stored_dtype
+from attnlab._io import atomic_write, check_input_file, read_input_json
 from attnlab.models.hub_id import (CONFIG_NAME, HUB_ALLOW_PATTERNS, SAFETENSORS_NAME, TORCH_NAME,  # noqa: F401
                                    PathLike, resolve_pretrained)  # (resolve_pretrained is public here too)
 from attnlab.models.weight_map import WeightMap, pack, rename  # noqa: F401  (re-exported for the model files)
@@ -111,12 +111,9 @@ def read_config(path: PathLike) -> tuple[dict, ModelFamily]:
     if not path.is_dir():
         raise FileNotFoundError(f"no such model directory: {str(path)!r}")
     cfg_file = path / CONFIG_NAME
-    if not cfg_file.is_file():
+    if not cfg_file.exists():  # a FIFO or device is refused by the read, by name
         raise FileNotFoundError(f"no {CONFIG_NAME} in {str(path)!r}")
-    try:
-        raw = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{str(cfg_file)!r} is not valid JSON: {e}") from e
+    raw = read_input_json("", cfg_file, "config")  # a regular file of plausible size: never a FIFO or /dev/zero
     if not isinstance(raw, dict):
         raise ValueError(f"{str(cfg_file)!r} must hold a JSON object, got {type(raw).__name__}")
     model_type = raw.get("model_type")
@@ -204,7 +201,8 @@ def load_weights(path: PathLike) -> dict[str, Tensor]:
     """
     path = Path(path)
     st, pt = path / SAFETENSORS_NAME, path / TORCH_NAME
-    if st.is_file():
+    if st.exists():
+        check_input_file("", st, "weights")
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
@@ -212,7 +210,8 @@ def load_weights(path: PathLike) -> dict[str, Tensor]:
             return load_file(str(st))
         except (SafetensorError, OSError, RuntimeError, ValueError) as e:
             raise ValueError(f"cannot read {str(st)!r} (corrupt or truncated safetensors file): {e}") from e
-    if pt.is_file():
+    if pt.exists():
+        check_input_file("", pt, "weights")
         try:
             sd = torch.load(str(pt), map_location="cpu", weights_only=True)
         except Exception as e:  # torch raises several types (UnpicklingError, RuntimeError, EOFError) here
@@ -243,7 +242,8 @@ def from_pretrained(path: PathLike, *, dtype: Optional[torch.dtype] = None, mode
         TypeError: ``dtype`` is not a ``torch.dtype``.
         FileNotFoundError: the directory (or Hub id), ``config.json`` or the weights are missing.
         ValueError: unknown ``model_type``; corrupt weights; missing or unexpected tensor names
-            (all listed); a tensor of the wrong shape (named, with both shapes).
+            (all listed); a tensor of the wrong shape (named, with both shapes); an integer or bool tensor
+            for a floating-point parameter (named, with both dtypes).
     """
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
@@ -278,6 +278,7 @@ def from_pretrained(path: PathLike, *, dtype: Optional[torch.dtype] = None, mode
         if hf[name].shape != t.shape:
             raise ValueError(f"tensor {name!r} has shape {tuple(hf[name].shape)} in the checkpoint but "
                              f"{model_cls.__name__} expects {tuple(t.shape)}")
+        stored_dtype(f"{name!r} of checkpoint {str(path)!r}", hf[name], t)
     if dtype is None:
         dtype = next((v.dtype for v in hf.values() if v.is_floating_point()), torch.get_default_dtype())
     model = model.to(dtype)

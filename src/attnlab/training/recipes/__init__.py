@@ -27,6 +27,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from attnlab._checks import stored_dtype
+from attnlab._io import read_input_json
 from attnlab.training.checkpoint import latest_checkpoint, latest_intact_checkpoint, load_checkpoint
 from attnlab.training.distributed import DistInfo, broadcast_object, dist_info_from_env, distributed
 from attnlab.training.reporting import write_json
@@ -167,11 +169,38 @@ def _convert(key: str, raw: str, tp) -> Any:
     raise ValueError(f"--set {key}={raw!r}: expected {name}")
 
 
+# nanoGPT's names (its train.py config) -> ours, accepted in --set where the recipe has ours; the names the two
+# share (n_layer, n_head, n_embd, block_size, batch_size, dropout, weight_decay, min_lr, bias, compile, dtype, ...)
+# need no entry
+NANOGPT_NAMES = {"max_iters": "max_steps", "learning_rate": "lr", "eval_interval": "eval_every",
+                 "eval_iters": "eval_batches", "warmup_iters": "warmup_steps", "grad_clip": "clip",
+                 "gradient_accumulation_steps": "grad_accum", "log_interval": "log_every"}
+
+
+def setting_name(recipe: Recipe, key: str) -> str:
+    """``key`` as a setting of ``recipe``: itself, or ours for a nanoGPT name (:data:`NANOGPT_NAMES`).
+
+    Raises:
+        ValueError: no such setting; the message lists the valid ones, a close name first if there is one.
+    """
+    names = [f.name for f in fields(recipe.settings)]
+    if key in names:
+        return key
+    if NANOGPT_NAMES.get(key) in names:
+        return NANOGPT_NAMES[key]
+    import difflib
+
+    close = difflib.get_close_matches(key, names, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise ValueError(f"unknown setting {key!r} for recipe {recipe.name}; {hint}valid settings: {', '.join(names)}")
+
+
 def resolve_settings(recipe: Recipe, *, preset: Optional[str] = None, overrides: Optional[Mapping[str, Any]] = None,
                      base: Optional[Mapping[str, Any]] = None):
     """Settings = dataclass defaults, then ``base`` (a saved config) or the ``preset``, then ``overrides``.
 
-    String override values are converted to the field's type; other values are used as given.
+    String override values are converted to the field's type; other values are used as given. An override may
+    use nanoGPT's name of a setting (:data:`NANOGPT_NAMES`: ``max_iters`` is ``max_steps``, ...).
 
     Raises:
         ValueError: unknown preset, unknown setting (the message lists the valid ones), bad value.
@@ -184,10 +213,13 @@ def resolve_settings(recipe: Recipe, *, preset: Optional[str] = None, overrides:
     if base is not None and preset is not None:
         raise ValueError("give a preset or saved settings (base), not both")
     values: dict[str, Any] = dict(base) if base is not None else dict(recipe.presets.get(preset or "default", {}))
+    given: dict[str, str] = {}  # our name -> the name it was given as
     for key, value in (overrides or {}).items():
-        if key not in hints or key not in names:
-            raise ValueError(f"unknown setting {key!r} for recipe {recipe.name}; valid settings: {', '.join(names)}")
-        values[key] = _convert(key, value, hints[key]) if isinstance(value, str) else value
+        name = setting_name(recipe, key)
+        if name in given:
+            raise ValueError(f"--set {given[name]} and --set {key} are the same setting ({name}): give one of them")
+        given[name] = key
+        values[name] = _convert(key, value, hints[name]) if isinstance(value, str) else value
     unknown = set(values) - set(names)
     if unknown:
         raise ValueError(f"saved settings {sorted(unknown)} are not settings of recipe {recipe.name}")
@@ -198,11 +230,12 @@ def _read_config(out: Path) -> Optional[dict]:
     path = out / "config.json"
     if not path.is_file():
         return None
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    return read_input_json("", path, "config")
 
+
+# Settings that name what a run reads (a run to start from, a teacher, a base model, a data file): --out may not
+# be, lie inside or hold any of them.
+INPUT_SETTINGS = ("init", "teacher", "model", "data")
 
 # Settings a --resume may change (each applied with one line); any other change is refused: it would make
 # the resumed run a different run than the checkpoint's (another model shape, data, seed or optimiser).
@@ -276,6 +309,9 @@ def run_recipe(name: str, *, out: PathLike, preset: Optional[str] = None,
     main_rank = dist_info_from_env().is_main
     say = (lambda line: print(line, file=sys.stderr)) if main_rank else (lambda line: None)
     saved = _saved_run(out) if resume else None
+    if resume and saved is None:
+        what = "does not exist" if not out.exists() else "holds no checkpoint or config.json of a run"
+        raise ValueError(f"--resume: --out {out} {what}, so there is nothing to resume; drop --resume to start a new run")
     if saved is not None and saved.get("recipe") != name:
         raise ValueError(f"{out} holds a {saved.get('recipe')!r} run, not {name!r}")
     if saved is not None:
@@ -286,7 +322,7 @@ def run_recipe(name: str, *, out: PathLike, preset: Optional[str] = None,
         settings = _resume_settings(recipe, saved, overrides or {}, out, say)
     else:
         settings = resolve_settings(recipe, preset=preset, overrides=overrides)
-    check_out(out, inputs=[(k, getattr(settings, k, None)) for k in ("init", "teacher")])
+    check_out(out, inputs=[(f"--set {k}", getattr(settings, k, None)) for k in INPUT_SETTINGS])
     latest = latest_checkpoint(out) if out.is_dir() else None
     if latest is not None and not resume:
         raise ValueError(f"{out} already holds checkpoints (latest {latest.name}): resume to continue, or choose "
@@ -335,6 +371,8 @@ def load_weights_checked(model: nn.Module, weights: Mapping[str, torch.Tensor], 
         problems.append(f"{len(unexpected)} unexpected: {listed(unexpected)}")
     if problems:
         raise ValueError(f"{source} does not fit the model its settings build: " + "; ".join(problems))
+    for k, t in own.items():
+        stored_dtype(f"{k} of {source}", weights[k], t)
     model.load_state_dict(weights)
 
 
