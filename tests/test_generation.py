@@ -234,7 +234,7 @@ def test_right_padding_and_models_that_cannot_generate_are_refused(pair, prompts
     (dict(max_new_tokens=2, eos_token_id=-1), ValueError, "eos_token_id must be a non-negative int or None, got -1"),
     (dict(max_new_tokens=2, pad_token_id=1.5), ValueError, "pad_token_id must be a non-negative int or None"),
     (dict(max_new_tokens=2, decoder_start_token_id=-3), ValueError, "decoder_start_token_id must be a non-negative"),
-    (dict(max_new_tokens=2, cache="paged"), ValueError, "cache must be one of 'dynamic', 'static', 'window', got 'paged'"),
+    (dict(max_new_tokens=2, cache="paged"), ValueError, "cache must be one of 'dynamic', 'static', 'window', 'crop', got 'paged'"),
 ])
 def test_generation_config_refuses_each_bad_field_by_name(kw, error, match):
     with pytest.raises(error, match=match):

@@ -17,6 +17,11 @@ the bandwidth measured by :func:`attnlab._runtime.probe`).
 A run folder: a ``shakespeare-char`` run samples text as nanoGPT's ``sample.py`` does (``--prompt`` defaults to
 a new line; try ``--do-sample --temperature 0.8 --top-k 200``); a ``multi30k-de-en`` run translates the German
 text given.
+
+As ``sample.py``, a decoder-only model with a position limit (a run's ``block_size``, GPT-2's ``n_positions``)
+samples any number of new tokens: past the limit each next token is predicted from the last ``block_size`` tokens
+(``generate(cache="crop")``); ``--start`` is sample.py's start (a text, or ``FILE:path`` for a file's text) and
+``--num-samples`` decodes each prompt that many times.
 """
 from __future__ import annotations
 
@@ -30,11 +35,42 @@ EPILOG = """examples:
   attnlab generate --model t5-dir --prompt "translate English to German: Hello" --num-beams 4
   attnlab generate --model gpt2-dir --prompt "a" --prompt "b" --dtype float32      # one line per prompt
   attnlab generate --model runs/shakespeare-char --do-sample --temperature 0.8 --top-k 200 --max-new-tokens 200
+  attnlab generate --model runs/nanogpt --do-sample --num-samples 3 --max-new-tokens 500 --start FILE:prompt.txt
   attnlab generate --model runs/multi30k-de-en --prompt "Ein Hund läuft durch den Schnee." --num-beams 4
   attnlab generate --model gpt2-dir --prompt "x" --window 256 --max-new-tokens 100000   # O(256) cache memory
   attnlab generate --model gpt2-dir --prompt "Once upon a time" --int4                  # 4-bit weights
 --model is an HF-format folder (config.json, safetensors, tokenizer.json), a Hub id (org/name) or a run folder
 of `attnlab train shakespeare-char` / `multi30k-de-en`."""
+
+
+MAX_SAMPLES = 1000  # --num-samples at most
+MAX_START_BYTES = 16 * 2**20  # --start FILE:path at most (the context is cropped to the model's positions anyway)
+
+
+def start_text(value: str) -> str:
+    """``--start``'s text: ``value`` itself, or the UTF-8 text of the file ``FILE:path`` names (as nanoGPT's
+    ``sample.py``), at most :data:`MAX_START_BYTES`.
+
+    Raises:
+        ValueError: the file is absent, too large, not UTF-8 or empty (naming ``--start`` and the file).
+    """
+    if not value.startswith("FILE:"):
+        return value
+    from pathlib import Path
+
+    path = Path(value[len("FILE:"):])
+    if not path.is_file():
+        raise ValueError(f"--start FILE:{path}: no such file")
+    size = path.stat().st_size
+    if size > MAX_START_BYTES:
+        raise ValueError(f"--start FILE:{path} holds {size:,} bytes; at most {MAX_START_BYTES:,}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--start FILE:{path} is not UTF-8 text (byte {e.start})") from None
+    if not text:
+        raise ValueError(f"--start FILE:{path} is empty")
+    return text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,6 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", action="append", default=None,
                    help="text to continue (decoder-only) or the source text (encoder-decoder); repeatable "
                         "(a shakespeare-char run: default a new line)")
+    p.add_argument("--start", default=None, metavar="TEXT|FILE:path",
+                   help="nanoGPT's start: the text to continue, or FILE:path for a file's text (instead of --prompt)")
+    p.add_argument("--num-samples", type=int, default=1,
+                   help=f"decode each prompt this many times (1 to {MAX_SAMPLES}; default 1)")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one with --model)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to add at most (default 32)")
     p.add_argument("--do-sample", action="store_true", help="sample instead of taking the most likely token")
@@ -143,8 +183,13 @@ def main(args: argparse.Namespace) -> int:
     if args.int4:
         from attnlab.adapt.quantize import GROUP_SIZE, check_group_size
         check_group_size(args.group_size or GROUP_SIZE, name="--group-size")  # before the model loads
+    if not 1 <= args.num_samples <= MAX_SAMPLES:
+        raise ValueError(f"--num-samples must be in [1, {MAX_SAMPLES}], got {args.num_samples}")
+    if args.start is not None and args.prompt is not None:
+        raise ValueError("--start and --prompt both give the text to continue: give one of them")
+    given = None if args.start is None else start_text(args.start)  # before the model loads
     loaded = _Load(args, device)
-    prompts = args.prompt if args.prompt is not None else [loaded.default_prompt]
+    prompts = [given] if given is not None else args.prompt if args.prompt is not None else [loaded.default_prompt]
     if prompts == [None]:
         raise ValueError("--prompt is required for this model")
     if any(not t.strip() for t in prompts) and loaded.default_prompt is None:
@@ -172,16 +217,30 @@ def main(args: argparse.Namespace) -> int:
     print(f"{type(model).__name__}, dtype {label}")
     generator = torch.Generator(device=device).manual_seed(args.seed or 0) if args.do_sample else None
     bound_s = None if loaded.encoder_decoder else decode_weight_bytes(model) / (probe(measure=True).copy_gbps * 1e9)
-    for text in prompts:
+    block, cropped = getattr(model, "max_positions", None), False
+    for text, sample in ((t, i) for t in prompts for i in range(args.num_samples)):
+        if sample:
+            print("---------------")  # between samples, as nanoGPT's sample.py
         ids = torch.tensor([loaded.encode(text)], device=device)
+        cache = "dynamic" if args.window is None else "window"
+        if (cache == "dynamic" and not loaded.encoder_decoder and isinstance(block, int)
+                and ids.shape[1] + args.max_new_tokens > block):
+            if args.num_beams > 1:
+                raise ValueError(f"--num-beams {args.num_beams}: beam search stays within the model's {block} "
+                                 f"positions, so at most {max(block - ids.shape[1], 0)} new tokens with this prompt; "
+                                 "sampling or greedy decoding (--num-beams 1) go past it")
+            cache = "crop"
+            if not cropped:
+                cropped = True
+                print(f"past {block} positions each token is predicted from the last {block} tokens "
+                      "(the context cropped, as nanoGPT's sample.py)", file=sys.stderr)
         printer = _Printer(loaded.tok)
         if not loaded.encoder_decoder:
             print(text, end="", flush=True)
         start = time.perf_counter()
         out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                             num_beams=args.num_beams, generator=generator,
-                             cache="dynamic" if args.window is None else "window",
+                             num_beams=args.num_beams, generator=generator, cache=cache,
                              streamer=printer if args.num_beams == 1 else None, **loaded.ids_for_generate)
         seconds = time.perf_counter() - start
         new = out[0, 1:] if loaded.encoder_decoder else out[0, ids.shape[1]:]  # after the start token / the prompt

@@ -71,7 +71,7 @@ def test_default_dropout_follows_the_dtype_the_run_computes_in(tmp_path, shakesp
                                        cpu) == (0.1, "asked for")
     from attnlab.training import config as config_module
     seen = []
-    monkeypatch.setattr(config_module, "resolve_dtype", lambda value, device, name: seen.append((value, device))
+    monkeypatch.setattr(config_module, "resolve_dtype", lambda value, device, **_: seen.append((value, device))
                         or ("bf16", "native bf16"))  # a CPU with native bf16, whatever this one has
     rate, why = recipe_module.train_dropout(resolve_settings(recipe), cpu)
     assert (rate, seen) == (0.05, [("auto", cpu)]) and why.startswith("bf16")

@@ -40,13 +40,13 @@ from torch import Tensor
 
 from attnlab._checks import (boolean, int_at_least, is_real, non_negative_int, one_of, positive_int,
                              positive_number, real)
-from attnlab.generation.state import EncoderDecoderAsDecoder, EncoderDecoderCache, reorder_cache
+from attnlab.generation.state import CroppedContext, EncoderDecoderAsDecoder, EncoderDecoderCache, reorder_cache
 from attnlab.generation.search import beam_search, decode, filter_logits
 
 __all__ = ["GenerationConfig", "generate", "filter_logits", "reorder_cache", "EncoderDecoderCache",
            "EncoderDecoderAsDecoder", "CACHES"]
 
-CACHES = ("dynamic", "static", "window")
+CACHES = ("dynamic", "static", "window", "crop")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,7 +163,10 @@ def generate(model, input_ids: Tensor, *, attention_mask: Optional[Tensor] = Non
             ``T + max_new_tokens`` positions; for an encoder–decoder ``1 + max_new_tokens``) or ``"window"``
             (a decoder-only model whose self-attention has a sliding window ``w``, e.g. under
             :func:`attnlab.adapt.deploy.sliding_window`: a ring buffer of the ``w`` newest keys and values per
-            layer, O(w) memory however many tokens; the same tokens as the growing cache).
+            layer, O(w) memory however many tokens; the same tokens as the growing cache) or ``"crop"`` (a
+            decoder-only model with a position limit, decoding past it as nanoGPT's ``sample.py``: each next token
+            is predicted from the last ``max_positions`` tokens — the growing cache while they fit, then the
+            cropped context recomputed each step; greedy or sampling, unpadded prompts).
         config: a :class:`GenerationConfig` holding the settings (None: the keywords and defaults alone).
         streamer: called with each step's new tokens ``(B,)`` as soon as they are chosen (greedy and sampling;
             a finished sequence gets ``pad_token_id``), e.g. to print text as it comes.
@@ -190,7 +193,9 @@ def generate(model, input_ids: Tensor, *, attention_mask: Optional[Tensor] = Non
         raise ValueError(f"{type(model).__name__} cannot generate: it has no language-model head with a KV cache "
                          "(use e.g. GPT2LMHeadModel, LlamaForCausalLM, T5ForConditionalGeneration, "
                          "BartForConditionalGeneration or Seq2SeqTransformer)")
-    if not encoder_decoder:
+    if config.cache == "crop":
+        model = _cropped(model, attention_mask, config)
+    elif not encoder_decoder:
         _check_decoder_prompt(model, input_ids, attention_mask, config.max_new_tokens)
     config = config.for_model(model)
     pad = config.pad_token_id
@@ -209,6 +214,19 @@ def generate(model, input_ids: Tensor, *, attention_mask: Optional[Tensor] = Non
                                  "at the end (num_beams must be 1)")
             return beam_search(model, input_ids, attention_mask, past, config)
         return decode(model, input_ids, attention_mask, past, config, generator, streamer)
+
+
+def _cropped(model, attention_mask: Optional[Tensor], config: GenerationConfig) -> CroppedContext:
+    """``model`` decoding with ``cache="crop"`` (see :func:`generate`), after checking it can."""
+    block = getattr(model, "max_positions", None)
+    if getattr(model, "is_encoder_decoder", False) or not isinstance(block, int):
+        raise ValueError(f"cache='crop' is for a decoder-only model with a position limit (max_positions), "
+                         f"got {type(model).__name__}")
+    if config.num_beams > 1:
+        raise ValueError(f"cache='crop' decodes greedily or by sampling: num_beams must be 1, got {config.num_beams}")
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise ValueError("cache='crop' takes unpadded prompts: decode padded prompts one at a time")
+    return CroppedContext(model, block)
 
 
 def _new_cache(model, total: int, kind: str):

@@ -63,3 +63,39 @@ class EncoderDecoderAsDecoder:
         s = past_key_values
         return SimpleNamespace(logits=self.model.decode(input_ids, s.memory, attention_mask=s.memory_mask,
                                                         cache=s.layers))
+
+
+@dataclass
+class CropCache:
+    """:class:`CroppedContext`'s decoding state: every token so far ``ids (B, n)``, and the model's own cache
+    while the sequence still fits its positions (None once it has been cropped)."""
+
+    inner: Optional[list]
+    ids: Optional[Tensor] = None
+
+
+class CroppedContext:
+    """A decoder with a position limit ``block`` seen through the decoder protocol with no limit, as nanoGPT's
+    ``sample.py`` decodes: each next token is predicted from the last ``block`` tokens. While the sequence fits,
+    the model's KV cache continues it (the same logits as a full forward); past the block each step runs the
+    model on the last ``block`` tokens afresh (positions 0 … block-1), ``block`` rows a token."""
+
+    def __init__(self, model, block: int) -> None:
+        self.model, self.block = model, block
+        self.accepts_logits_to_keep = getattr(model, "accepts_logits_to_keep", False)
+
+    def new_cache(self, *, max_length: Optional[int] = None) -> CropCache:
+        return CropCache(self.model.new_cache())
+
+    def __call__(self, input_ids: Tensor, *, attention_mask: Optional[Tensor] = None, past_key_values: CropCache,
+                 use_cache: bool = True, **keep) -> SimpleNamespace:
+        """Logits of the position after ``input_ids`` continuing the tokens in ``past_key_values`` (updated);
+        prompts are unpadded (``attention_mask`` is None)."""
+        import torch
+
+        s = past_key_values
+        s.ids = input_ids if s.ids is None else torch.cat([s.ids, input_ids], dim=1)  # (B, n)
+        if s.inner is not None and s.ids.shape[1] <= self.block:
+            return self.model(input_ids, past_key_values=s.inner, use_cache=True, **keep)
+        s.inner = None  # cropped: positions restart at 0 for the last block tokens, no cache can continue them
+        return self.model(s.ids[:, -self.block:], use_cache=False, **keep)
