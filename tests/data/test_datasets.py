@@ -13,7 +13,7 @@ from attnlab.data import datasets as ds
 from attnlab.data.datasets import (DATASETS, ChecksumError, DatasetSpec, DataUnavailableError, RemoteFile, data_dir,
                                    fetch, load_parallel, load_sentences, load_text)
 
-SHARED = os.environ.get("ATTNLAB_DATA_DIR", "/work/shared/data")
+SHARED = str(data_dir())  # $ATTNLAB_DATA_DIR, else the user cache: where the recipes look
 needs_real_data = pytest.mark.skipif(not (Path(SHARED) / "tinyshakespeare" / "input.txt").is_file(),
                                      reason=f"offline copies of the datasets not found in {SHARED}")
 
@@ -88,6 +88,28 @@ def test_edited_file_is_rehashed_and_refused(server, toy):
     with pytest.raises(ChecksumError, match="expected"):
         fetch("toy")
     assert path.read_bytes() == BAD  # the user's file is left alone
+
+
+@pytest.mark.parametrize("how", ["in place", "renamed into place"])
+@pytest.mark.parametrize("fresh_process", [False, True])
+def test_same_size_and_mtime_is_still_rehashed_and_refused(server, toy, monkeypatch, how, fresh_process):
+    path = toy(server + "good.txt")
+    fetch("toy")
+    st = path.stat()
+    forged = bytes(GOOD[:-1]) + b"!"  # the same size
+    if how == "in place":
+        with open(path, "r+b") as f:
+            f.write(forged)
+    else:
+        other = path.with_name("other.txt")
+        other.write_bytes(forged)
+        os.replace(other, path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # the old mtime restored
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    if fresh_process:
+        monkeypatch.setattr(ds, "_VERIFIED", {})  # the stamp alone
+    with pytest.raises(ChecksumError, match="expected"):
+        fetch("toy")
 
 
 def test_bad_download_is_refused_and_deleted(server, toy):

@@ -5,7 +5,8 @@ relative paths as in the registry (``tinyshakespeare/input.txt``, ``multi30k/tra
 :func:`fetch` makes sure every file of a dataset is present and has the registered sha256:
 
 - a present file is hashed once; the verdict is cached in a ``.sha256-ok`` stamp beside it, keyed on
-  the file's size and mtime, so later calls are instant (an edited file is hashed again);
+  the file's size, mtime, ctime and inode, so later calls are instant and a file changed in any of them (an
+  edit, even one that restores size and mtime, or another file renamed into place) is hashed again;
 - a missing file is downloaded with ``urllib`` to a temporary file, verified, then renamed into place;
 - no network -> :class:`DataUnavailableError` (a ``FileNotFoundError``) whose one-line message names
   the file, ``ATTNLAB_DATA_DIR`` and the URL;
@@ -33,7 +34,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from attnlab._io import atomic_write
+from attnlab._io import atomic_write, read_input_text
 
 __all__ = ["RemoteFile", "DatasetSpec", "DATASETS", "DataUnavailableError", "ChecksumError", "data_dir",
            "fetch", "load_text", "load_parallel", "load_sentences", "MULTI30K_SPLITS", "MULTI30K_LANGS",
@@ -127,14 +128,15 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-# In-process memo of verified files, {(abs path, size, mtime_ns): sha256}: instant even where no stamp
-# can be written (a read-only data folder).
-_VERIFIED: dict[tuple[str, int, int], str] = {}
+# In-process memo of verified files, {(abs path, size, mtime_ns, ctime_ns, inode): sha256}: instant even where no
+# stamp can be written (a read-only data folder).
+_VERIFIED: dict[tuple[str, int, int, int, int], str] = {}
+_STAT_FIELDS = ("size", "mtime_ns", "ctime_ns", "inode")  # what the stamp keeps of a file: any change, a new hash
 
 
-def _key(path: Path) -> tuple[str, int, int]:
+def _key(path: Path) -> tuple[str, int, int, int, int]:
     st = path.stat()
-    return str(path.resolve()), st.st_size, st.st_mtime_ns
+    return str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
 
 
 def _read_stamp(folder: Path) -> dict:
@@ -145,13 +147,13 @@ def _read_stamp(folder: Path) -> dict:
         return {}
 
 
-def _write_stamp(folder: Path, filename: str, size: int, mtime_ns: int, sha: str) -> None:
+def _write_stamp(folder: Path, filename: str, key: tuple, sha: str) -> None:
     """Record a verified file; silently skipped where the folder is read-only (mode or permissions)."""
     try:
         if not folder.stat().st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):
             return
         stamp = _read_stamp(folder)
-        stamp[filename] = {"size": size, "mtime_ns": mtime_ns, "sha256": sha}
+        stamp[filename] = {**dict(zip(_STAT_FIELDS, key[1:])), "sha256": sha}
         text = json.dumps(stamp, indent=1, sort_keys=True) + "\n"
         atomic_write(folder / STAMP_NAME, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
     except OSError:
@@ -163,7 +165,7 @@ def _verify_present(path: Path, rf: RemoteFile) -> None:
     if _VERIFIED.get(key) == rf.sha256:
         return
     entry = _read_stamp(path.parent).get(path.name)
-    if entry == {"size": key[1], "mtime_ns": key[2], "sha256": rf.sha256}:
+    if entry == {**dict(zip(_STAT_FIELDS, key[1:])), "sha256": rf.sha256}:
         _VERIFIED[key] = rf.sha256
         return
     got = _sha256(path)
@@ -172,7 +174,7 @@ def _verify_present(path: Path, rf: RemoteFile) -> None:
                             f"published at {rf.url}; move it away to download a fresh copy, or point "
                             f"{ENV_VAR} elsewhere)")
     _VERIFIED[key] = rf.sha256
-    _write_stamp(path.parent, path.name, key[1], key[2], rf.sha256)
+    _write_stamp(path.parent, path.name, key, rf.sha256)
 
 
 def _unavailable(path: Path, rf: RemoteFile, reason) -> DataUnavailableError:
@@ -223,9 +225,9 @@ def _download(path: Path, rf: RemoteFile, timeout: float = 60.0) -> None:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-    st = path.stat()
-    _VERIFIED[_key(path)] = rf.sha256
-    _write_stamp(path.parent, path.name, st.st_size, st.st_mtime_ns, rf.sha256)
+    key = _key(path)
+    _VERIFIED[key] = rf.sha256
+    _write_stamp(path.parent, path.name, key, rf.sha256)
 
 
 def fetch(name: str) -> Path:
@@ -264,7 +266,7 @@ def load_text(name: str = "tinyshakespeare") -> str:
     if len(spec.files) != 1 or spec.files[0].path.endswith(".gz"):
         raise ValueError(f"dataset {name!r} is not a single text file; use load_parallel/load_sentences for it")
     fetch(name)
-    return (data_dir() / spec.files[0].path).read_text(encoding="utf-8")
+    return read_input_text("", data_dir() / spec.files[0].path, "text")
 
 
 def _check_split_lang(split: str, langs: dict[str, str]) -> None:
