@@ -41,14 +41,6 @@ KNOWN_BACKWARD = {
 }
 
 
-# Deprecated aliases, kept for one release: each forwards an old import path to its new home, lazily and with a
-# DeprecationWarning. They are the only files the order does not bind (test_deprecated_aliases_warn checks them).
-DEPRECATED_ALIASES = {
-    "functional/attention.py": "attnlab.functional.attention -> attnlab.backends.dispatch / functional.request",
-    "attention/__init__.py": "attnlab.attention.* (the package of modules) -> attnlab.modules.*",
-}
-
-
 def _unit(path: Path, root: Path) -> str:
     """The unit a file belongs to: its top-level subpackage, or the top-level module's name."""
     parts = path.relative_to(root).parts
@@ -110,7 +102,7 @@ def backward_arrows(graph, layers: list[set[str]], facade: str = FACADE) -> dict
 
 
 def _graph():
-    return import_graph(ROOT, frozenset(DEPRECATED_ALIASES))
+    return import_graph(ROOT)
 
 
 def test_no_new_backward_import():
@@ -134,38 +126,15 @@ def test_the_folded_arrows_stay_folded():
         assert arrow not in graph, (arrow, graph.get(arrow))
 
 
-def test_deprecated_aliases_warn():
-    """Each skipped file is a real alias: its old names resolve, with a DeprecationWarning."""
+def test_attnlab_attention_is_only_the_function():
+    """The old paths of the modules (``attnlab.attention.*``, a package that shadowed the function) and of the
+    pipeline (``attnlab.functional.attention``) are gone: the modules are in ``attnlab.modules``."""
     import importlib
 
-    module = importlib.import_module("attnlab.functional.attention")
-    for name in module._MOVED:
-        with pytest.warns(DeprecationWarning, match="moved to"):
-            assert getattr(module, name) is not None
-    assert set(DEPRECATED_ALIASES) == {"functional/attention.py", "attention/__init__.py"}
-
-
-def test_the_old_package_of_modules_still_imports_with_a_warning_and_the_function_stays_callable():
-    """A fresh interpreter: ``import attnlab.attention.multihead`` warns once, gives the moved module, and
-    ``attnlab.attention(q, k, v)`` is still the pipeline afterwards (the import rebinds the name)."""
-    import subprocess
-    import sys
-
-    code = (
-        "import warnings, torch\n"
-        "with warnings.catch_warnings(record=True) as w:\n"
-        "    warnings.simplefilter('always')\n"
-        "    import attnlab.attention.multihead as old\n"
-        "    from attnlab.attention import MultiheadAttention\n"
-        "import attnlab, attnlab.modules.multihead as new\n"
-        "assert old is new and MultiheadAttention is new.MultiheadAttention\n"
-        "assert [str(x.message) for x in w if issubclass(x.category, DeprecationWarning)], 'no warning'\n"
-        "q = torch.randn(1, 2, 5, 4)\n"
-        "out = attnlab.attention(q, q, q, causal=True)\n"
-        "assert torch.allclose(out, attnlab.backends.dispatch.attention(q, q, q, causal=True))\n"
-        "print('ok')\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    for old in ("attnlab.attention.multihead", "attnlab.functional.attention"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
+    assert callable(attnlab.attention) and attnlab.attention is attnlab.backends.dispatch.attention
 
 
 def test_the_docs_state_the_same_order():

@@ -1,4 +1,4 @@
-"""Bad inputs to :func:`attnlab.functional.attention.attention` fail at the boundary, with a
+"""Bad inputs to :func:`attnlab.attention` fail at the boundary, with a
 message that names the offending argument."""
 import pytest
 import torch
