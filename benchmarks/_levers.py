@@ -1,4 +1,4 @@
-"""``benchmarks/train.py --levers``: the speedrun techniques of issue #16, each alone, against the 10-minute default.
+"""``benchmarks/train.py --levers``: the speedrun techniques, each alone, against the 10-minute default.
 
 Each row is one ``attnlab train shakespeare-char`` process (the ``default`` preset: ``time_budget`` plans its steps
 into 600 s, so a lever that makes a step slower gets fewer steps, as it would for a user), with one lever's

@@ -1,6 +1,6 @@
 """attnlab attention against PyTorch's own, side by side (CPU, float32).
 
-Suite ``basic`` (writes ``results/attention.json``):
+Suite ``basic`` (writes ``results/runs/attention.json``):
 
 1. The pipeline, ``attnlab.attention(q, k, v)`` with ``backend="auto"``, against
    ``F.scaled_dot_product_attention``: B=1, H=8, D=64, N in 512..4096, forward only, no grad;
@@ -10,8 +10,8 @@ Suite ``basic`` (writes ``results/attention.json``):
    E=512, H=8, ``need_weights=False``: (a) eval + no_grad self-attention, where torch may take its
    fused fast path; (b) training forward + backward.
 
-Suite ``efficient`` (writes ``results/attention_efficient.json``): the ``tiled`` backend's targets
-(issue #18), in ``attention_efficient.py`` (its docstring has the table of rows and targets).
+Suite ``efficient`` (writes ``results/runs/attention_efficient.json``): the ``tiled`` backend's targets, in
+``attention_efficient.py`` (its docstring has the table of rows and targets).
 
 Each pair is timed round-robin (see ``_common.compare``) after checking that both compute the same
 output (and, for fwd+bwd, the same input gradients). Run:

@@ -1,4 +1,4 @@
-"""Suite ``efficient`` of ``benchmarks/attention.py``: the ``tiled`` backend against SDPA (issue #18's targets).
+"""Suite ``efficient`` of ``benchmarks/attention.py``: the ``tiled`` backend against SDPA, with its targets.
 
 fp32, B=1, H=8, D=64, fwd+bwd unless said otherwise; every pair is checked equal (output and input
 gradients) before it is timed round-robin (``_common.compare``), so both sides see the same machine load.

@@ -1,7 +1,7 @@
 """A same-machine stand-in for nanoGPT's CPU run of ``shakespeare_char``, in plain PyTorch.
 
-nanoGPT cannot be installed here (no internet, not on PyPI), and the time in BASELINES.md was
-recorded on a different CPU; this script is the peer run on *this* machine, in a fresh process as
+nanoGPT is not on PyPI, and the times ``benchmarks/train.py`` records for it (``NANOGPT``) were
+measured on a different CPU; this script is the peer run on *this* machine, in a fresh process as
 our rows are. It is our own code, written to do what nanoGPT's ``train.py`` does on a CPU with the
 README's command (``--device=cpu --compile=False --eval_iters=20 --block_size=64 --batch_size=12
 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0``):

@@ -6,7 +6,7 @@ steps, the training tokens/s and the validation loss (fp32, fixed validation blo
 times are reported: ``run_s`` = the recipe from data loading to the last file written (what the
 targets are about) and ``process_s`` = the whole command, Python and torch start-up included.
 
-nanoGPT is not installed here. Two peer rows: the numbers recorded in ``BASELINES.md`` (fp32,
+nanoGPT is not installed here. Two peer rows: nanoGPT's numbers recorded once (``NANOGPT``: fp32,
 2 threads, on a different CPU with AMX: labelled "recorded", never re-run), and for ``nanogpt-cpu``
 ``benchmarks/nanogpt_peer.py`` run in this invocation: nanoGPT's model and CPU training loop in
 plain PyTorch, on this machine, its final model scored on the recipe's validation blocks
@@ -16,7 +16,7 @@ same-machine peer where there is one. With ``--ablate`` each recipe also runs wi
 ``--nanogpt-dir DIR`` adds the real peer for ``nanogpt-cpu``: nanoGPT's own ``train.py`` from an upstream checkout
 (``git clone https://github.com/karpathy/nanoGPT``), its CPU recipe on the same ``input.txt`` prepared by its own
 ``prepare.py``, in a fresh process, its final model scored on our fixed validation blocks
-(``benchmarks/nanogpt_upstream.py``). Issue #16's target: our whole process in **≤ 0.5×** its wall time, at a val
+(``benchmarks/nanogpt_upstream.py``). The target: our whole process in **≤ 0.5×** its wall time, at a val
 loss ≤ its val loss on the same blocks (``vs_upstream`` = our process_s / its process_s). ``--pairs N`` runs its
 ``train.py`` and ours alternately N times (theirs, ours, theirs, ours, …): on a machine whose speed drifts by minutes
 (a shared VM) one pair can land either side of the line, so ``vs_upstream`` is then the median of the N pairs' ratios,
@@ -26,7 +26,7 @@ each pair printed and written, and the rows show the median pair.
 dtype, measured in the same run and printed (``benchmarks/_mfu.py`` states the formula: ``tokens · (6·N_mm +
 12·L·T·d)``, training tokens only, the same for ours and nanoGPT's).
 
-``--compare-budget --nanogpt-dir DIR`` is issue #16's wall-clock race instead (``benchmarks/_compare_budget.py``): our
+``--compare-budget --nanogpt-dir DIR`` is the wall-clock race instead (``benchmarks/_compare_budget.py``): our
 ``default`` preset and nanoGPT's own ``train.py`` at the same model size, each for ``--budget-s`` seconds (600), in
 this one invocation; a PNG of both val-loss-vs-seconds curves and the table ours, nanoGPT, difference, target
 (ours <= theirs - 0.08), met.
@@ -34,7 +34,7 @@ this one invocation; a PNG of both val-loss-vs-seconds curves and the table ours
 | recipe | target |
 |---|---|
 | ``nanogpt-cpu`` | val loss <= 1.88 and run_s <= 30 (nanoGPT: 1.874 in 59 s) |
-| ``default`` | best val loss <= 1.47 (nanoGPT's A100 result; issue #16, on AVX512-BF16) and run_s <= 600 |
+| ``default`` | best val loss <= 1.47 (nanoGPT's A100 result; on AVX512-BF16) and run_s <= 600 |
 
 Run: ``python benchmarks/train.py [--recipe nanogpt-cpu|default|all] [--threads 2] [--ablate] [--no-peer]
 [--nanogpt-dir DIR [--pairs N]] [--set key=value ...] [--quick] [--out PATH]`` (``--quick``: the ``tiny`` preset, a
@@ -61,7 +61,7 @@ from _mfu import mfu, nanogpt_flops, peak_gflops, settings_flops, shown  # noqa:
 from nanogpt_upstream import check_checkout, run_upstream  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-# BASELINES.md, "Training: nanoGPT, character-level tiny-shakespeare" (fp32, 2 threads; recorded, not re-run)
+# nanoGPT's character-level tiny-shakespeare runs (fp32, 2 threads, another CPU with AMX; recorded once, not re-run)
 NANOGPT = {
     "nanogpt-cpu": {"wall_s": 59.0, "steps": 2000, "tokens_per_s": 29_000, "val_loss": 1.874,
                     "config": "4 layers x 128, block 64, batch 12, 2000 iters"},
@@ -70,7 +70,7 @@ NANOGPT = {
 }
 TARGETS = {"nanogpt-cpu": ("val_loss", 1.88, 30.0), "default": ("best_val_loss", 1.47, 600.0),
            "tiny": ("val_loss", 4.2, 120.0)}
-UPSTREAM_RATIO = 0.5  # issue #16: our wall <= 0.5x nanoGPT's own train.py on the same machine
+UPSTREAM_RATIO = 0.5  # the target: our wall <= 0.5x nanoGPT's own train.py on the same machine
 
 
 def get_settings(preset: str):
@@ -259,7 +259,7 @@ def main() -> None:
                               "best_val_loss", "mfu", "speedup", "vs_upstream", "upstream_met", "target", "met"])
     ours = [r for r in rows if r["run"] == "attnlab"]
     print(f"\ntargets met: {sum(r['met'] == 'yes' for r in ours)}/{len(ours)}  "
-          "(recorded rows: BASELINES.md, another CPU, not re-run; speedup against the same-machine peer where run)")
+          "(recorded rows: NANOGPT, another CPU, not re-run; speedup against the same-machine peer where run)")
     if args.nanogpt_dir is not None:
         print(f"vs_upstream: our process wall / nanoGPT's own train.py wall; target <= {UPSTREAM_RATIO} at a val loss "
               "<= its val loss on the same fixed blocks (upstream_met)")

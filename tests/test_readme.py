@@ -1,4 +1,4 @@
-"""README.md and README.zh-CN.md stay in step (issue #15).
+"""README.md and README.zh-CN.md stay in step.
 
 The Chinese README is a translation: its prose differs, but what a reader copies or follows must not.
 Compared, English against Chinese:

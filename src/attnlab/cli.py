@@ -199,8 +199,8 @@ def main(argv=None) -> int:
         print(f"attnlab {args.command}: error: {msg}", file=sys.stderr)
         return 2
     finally:
-        # the interpreter's shutdown collects garbage over every object torch's import made (~1 M): 0.8 s of each
-        # process on a Zen 3 core, 0.2 s with them set aside first — the command is done, nothing is lost (objects
+        # the interpreter's shutdown collects garbage over every object torch's import made (~1 M): most of a second
+        # of each process, a quarter of it with them set aside first — the command is done, nothing is lost (objects
         # are still freed by their counts; only cycles among these are left to the process's end)
         gc.freeze()
 

@@ -159,8 +159,8 @@ def test_int_mm_is_exact_with_8_bit_left_and_7_bit_right_operands():
 @pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
 def test_operands_of_one_row_or_column_with_unusual_strides_give_the_exact_sums(isa):
     """A one-row or one-column operand whose size-1 dimension has a stride of 1 (``(33, 1).t()``: strides (1, 1),
-    which torch calls contiguous; or 0, as pytorch/pytorch#195066 reports) made oneDNN's VNNI product (torch 2.13
-    on Zen 4) return memory it never wrote; int8_product copies such a vector with the plain strides first."""
+    which torch calls contiguous; or 0, as pytorch/pytorch#195066 reports) made oneDNN's VNNI product (torch 2.13,
+    AVX512-VNNI) return memory it never wrote; int8_product copies such a vector with the plain strides first."""
     gen = torch.Generator().manual_seed(3)
     r = lambda *s: torch.randint(-63, 64, s, generator=gen, dtype=torch.int8)  # noqa: E731
     cases = [(r(5, 1), r(33, 1).t()), (r(7, 1).t(), r(7, 9)), (r(7, 1).t(), r(9, 7).t()), (r(1, 6).t(), r(1, 4)),

@@ -5,9 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from attnlab.data.datasets import data_dir
 from attnlab.data.tokenizers import CharTokenizer
 
-SHARED = os.environ.get("ATTNLAB_DATA_DIR", "/work/shared/data")
+SHARED = str(data_dir())  # $ATTNLAB_DATA_DIR, else the user cache: where the recipes look
 
 
 def test_char_roundtrip_and_sorted_ids(tmp_path):

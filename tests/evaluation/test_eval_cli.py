@@ -70,7 +70,7 @@ def test_missing_and_misaligned_files(files, tmp_path, capsys):
 
 def test_checkpoint_is_handed_to_the_training_package(tmp_path, monkeypatch, capsys):
     """The dispatch contract only: a stand-in evaluate_checkpoint records what the CLI passes (the real one is
-    helper D's and tested with its recipes)."""
+    the training package's, tested with its recipes)."""
     calls = []
 
     def evaluate_checkpoint(path, *, split=None, metrics=None):
@@ -80,13 +80,14 @@ def test_checkpoint_is_handed_to_the_training_package(tmp_path, monkeypatch, cap
     fake = types.ModuleType("attnlab.training.recipes")
     fake.evaluate_checkpoint = evaluate_checkpoint
     monkeypatch.setitem(sys.modules, "attnlab.training.recipes", fake)
-    out = tmp_path / "m.json"
-    assert main(["eval", "--checkpoint", str(tmp_path), "--split", "val", "--metrics", "ppl,acc",
+    run, out = tmp_path / "run", tmp_path / "m.json"  # the scores beside the run, never inside it
+    run.mkdir()
+    assert main(["eval", "--checkpoint", str(run), "--split", "val", "--metrics", "ppl,acc",
                  "--out", str(out)]) == 0
-    assert calls == [(tmp_path, "val", ["ppl", "acc"])]
+    assert calls == [(run, "val", ["ppl", "acc"])]
     assert json.loads(out.read_text())["accuracy"] == 0.42 and "perplexity" in capsys.readouterr().out
     # an option the recipe's evaluation does not take is refused by name
-    assert main(["eval", "--checkpoint", str(tmp_path), "--max-batches", "3"]) == 2
+    assert main(["eval", "--checkpoint", str(run), "--max-batches", "3"]) == 2
     assert "--max-batches is not supported" in capsys.readouterr().err
 
 

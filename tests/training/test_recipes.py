@@ -35,7 +35,7 @@ def test_nanogpt_cpu_preset_runs_int8_products_and_one_setting_turns_them_off():
 
 
 def test_default_preset_is_llama_with_muon_dropout_and_context_256():
-    """The 10-minute default (measured in ShakespeareSettings' docstring); AdamW is one setting away, Muon's
+    """The 10-minute default (its choices: ShakespeareSettings' docstring); AdamW is one setting away, Muon's
     settings are refused without Muon unless at a default; ``dropout`` reaches Llama as ``hidden_dropout``."""
     from attnlab.training.recipes.shakespeare import make_model
     recipe = get_recipe("shakespeare-char")

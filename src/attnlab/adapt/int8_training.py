@@ -13,23 +13,18 @@ tokens, ``W (out, in)``), writing ``q_k(A)`` for symmetric rounding to ``[−k, 
 Every scale sits on an index the product keeps (a row of the left operand, a column of the right), so each
 product is one integer matrix product and one rescaling pass. The right operand is rounded to 7 bits (±63): on
 CPUs without VNNI (AVX2, AVX-512 without VNNI) ``u8 × s8`` pairs are multiplied into 16-bit sums, which saturate at
-8-bit × 8-bit (measured: ``torch._int_mm`` wrong by up to ~10⁶ with both at ±127) and are exact at 8 × 7 bits. The
-left operand is rounded to 7 bits as well (±63, session 29): then two such 16-bit sums add exactly before they are
-widened, which makes attnlab's AVX2 product (``csrc/int8_gemm.h``) 0.89× as long at ``nanogpt-cpu``'s shapes on 2
-Zen 3 cores; the preset's val loss moved from 1.8866 to 1.8887 there (one seed). The same roundings everywhere keep
-the result the same on every CPU. The int32 sums are exact, so the products are: only the roundings (and the
-float32 rescaling) differ from a float product.
+8-bit × 8-bit (``torch._int_mm`` is wrong by up to ~10⁶ with both at ±127) and are exact at 8 × 7 bits. The
+left operand is rounded to 7 bits as well (±63): then two such 16-bit sums add exactly before they are widened,
+which shortens attnlab's AVX2 product (``csrc/int8_gemm.h``). The same roundings everywhere keep the result the
+same on every CPU. The int32 sums are exact, so the products are: only the roundings (and the float32 rescaling)
+differ from a float product.
 
-Why: on 2 Zen 4 cores ``torch._int_mm`` at the ``nanogpt-cpu`` preset's shapes runs 1,600 GFLOP/s with AVX512-VNNI
-(bf16: ~360) and 440 with oneDNN capped to AVX2 (fp32: ~205) — ``benchmarks/train.py`` measures the whole step. With
-AVX2 and no VNNI the products are attnlab's own (``csrc/int8_gemm.h``: the same ``u8 × s8`` arithmetic and int32
-sums, the rescaling fused, no per-call copy of the right operand; :func:`attnlab._native_train.int8_kernel`): 435–503
-GFLOP/s at the same shapes on those cores (the 12 products in 0.76× the time of ``_int_mm`` and its rescaling pass),
-and on a real AVX2 CPU without VNNI (2 Zen 3 cores, session 28) 154–230 GFLOP/s where fp32 runs 118–131 and
-``torch._int_mm`` only 2–4 (oneDNN's int8 product there is a reference loop: the emulation on a newer core had hidden
-it). What it costs: the
+Why: int8 products run several times the float ones' rate on a CPU (see docs/performance.md). With AVX2 and no
+VNNI the products are attnlab's own (``csrc/int8_gemm.h``: the same ``u8 × s8`` arithmetic and int32 sums, the
+rescaling fused, no per-call copy of the right operand; :func:`attnlab._native_train.int8_kernel`): oneDNN's int8
+product there is a reference loop, slower than fp32. What it costs: the
 roundings of 7-bit operands (relative error up to 1/126 of the row's or column's largest value) in every
-product; ``nanogpt-cpu``'s val loss is unchanged within its seed-to-seed spread (the recipe's docstring table).
+product; ``nanogpt-cpu``'s val loss is unchanged within its seed-to-seed spread (see docs/performance.md).
 
 Evaluation and inference are not quantised: the layer is an ``nn.Linear`` (same parameters, same state dict) whose
 training forward takes this path — one C++ autograd node (:func:`attnlab._native_train.int8_linear_train`): the

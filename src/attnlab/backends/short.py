@@ -194,10 +194,8 @@ class NativeShortAttention(torch.autograd.Function):
 
 
 # The most keys fused_short_attention takes; past them (and for bf16 with native bf16 past FUSED_KEYS_NATIVE_BF16, where
-# oneDNN's bf16 products win) NativeShortAttention's batched products. Measured fwd + bwd, 2 Zen4 cores, fused ÷
-# products (``benchmarks/train_passes.py``'s attention rows and the same at 128 keys): AVX-512 (12, 4, 64, 32) float32
-# 0.53, bf16 0.73; (16, 4, 128, 64) 0.42, bf16 0.68; (16, 4, 256, 64) 0.41, bf16 1.05; as AVX2 float32 0.70 at 64
-# keys, 0.72 at 256, bf16 (emulated products) 0.05–0.07.
+# oneDNN's bf16 products win) NativeShortAttention's batched products: the limits are where the fused kernel's fwd + bwd
+# stops beating the products (``benchmarks/train_passes.py``'s attention rows; see docs/performance.md).
 FUSED_KEYS = SHORT_KEYS
 FUSED_KEYS_NATIVE_BF16 = 128
 
@@ -216,9 +214,7 @@ def fused_short_attention(q, k, v, scale, causal, window):
     (:func:`attnlab._native_train.short_attention_train`: ``short_attention`` forward, ``short_attention_backward``
     from the kept ``P``): a (batch, head) a task, reading q, k, v where they lie (views of the packed projection), 16
     queries' scores at a time (a causal block computes only the keys its queries see), ``P`` (float32) kept for the
-    backward; the output and the gradients written with the heads merged. (A Python ``autograd.Function`` until
-    session 27; the C++ nodes of this and of the plain activation, ``nn.feedforward._activate``, together: the
-    nanogpt-cpu step 0.970–0.978× as AVX2, 0.986× with AVX-512, A/B in one process.)"""
+    backward; the output and the gradients written with the heads merged."""
     return _native_train.short_attention_train(q, k, v, scale=scale, causal=causal, window=window)
 
 

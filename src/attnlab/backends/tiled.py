@@ -60,11 +60,7 @@ def unsupported(q, k, v, *, normalize, dropout_p, return_weights, **_) -> str:
 DENSE_WINDOW_LIMIT = 2048 * 2048  # Lq·Lk up to which a wide window goes to SDPA with a dense mask under auto
 # From this many queries and keys the C++ kernel beats SDPA's CPU flash kernel on a dense float32 request: with
 # AVX-512 (its own block products) every such request; else (the BLAS's products) a causal one or one that wants
-# gradients. Measured (B=1, H=12, D=64, 2 cores, Zen4), ours / SDPA at L = 128, 256, 512, 1024, 2048: AVX-512 causal
-# forward 1.02, 0.89, 0.60, 0.72, 0.79; bidirectional forward 0.98, 0.94, 0.82, 0.93, 0.91; causal fwd+bwd 0.86,
-# 0.71, 0.49, 0.63, 0.69; bidirectional fwd+bwd 0.93, 0.86, 0.73, 0.80, 0.81. With the BLAS's products (before
-# the kernel's own): causal forward 1.11, 0.84, 0.69, 0.86, 0.99; causal fwd+bwd 1.04, 0.79, 0.63, -, 0.80;
-# bidirectional fwd+bwd -, 0.93, 0.82, 0.94, 0.92; but a bidirectional forward 1.04-1.16 (SDPA keeps it).
+# gradients; with the BLAS's products a bidirectional forward stays SDPA's (see docs/performance.md).
 NATIVE_DENSE_MIN = 256
 
 

@@ -33,7 +33,7 @@ from attnlab.nn.feedforward import quick_gelu  # noqa: F401  (public here since 
 # HF hidden_act -> our FeedForward activation.
 HIDDEN_ACTS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_new": "gelu_tanh",
                "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
-# eos_token_id of CLIP configs written before transformers PR #24773: pool at argmax(input_ids) instead.
+# eos_token_id of CLIP configs written before huggingface/transformers#24773: pool at argmax(input_ids) instead.
 LEGACY_EOS_TOKEN_ID = 2
 
 

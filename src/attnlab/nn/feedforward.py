@@ -70,14 +70,9 @@ class _Activation(torch.autograd.Function):
     :func:`_activate`: one C++ autograd node, :func:`~attnlab._native_train.act_kept_train`) keeps ``act'(g)`` from
     its forward (:func:`~attnlab._native_train.act_with_grad`: GELU's derivative reuses the forward's e^(−g²/2), so
     the two cost about one), the backward then one product ``∂L/∂h ⊙ act'(g)``: the same bits in float32, in bf16
-    ``act'(g)`` rounded once more. Training only; the call sites' rules come from
-    ``benchmarks/train_passes.py`` (fwd + bwd under autograd, 2 cores, ours ÷ PyTorch's time): SwiGLU gate on
-    (16, 256, 704) float32 0.56–0.63× (AVX-512) and 0.57–0.69× (as AVX2), bfloat16 0.82–0.87× with AVX-512 but
-    0.99–1.19× as AVX2 (bf16 is emulated there: gated bf16 stays on PyTorch's operations); GELU on (12, 64, 512)
-    with the derivative kept float32 0.76× (AVX-512) and 0.66× (as AVX2), bfloat16 1.00× and 0.61× (recomputing it,
-    session 25: 0.90×, 0.94–0.97×; bf16 1.30–1.37× and 0.86–0.91×). In nanogpt-cpu's step (bf16 with AVX-512, A/B in
-    one process) the kept bf16 GELU is 0.980× the step with PyTorch's, so plain activations take this pass in both
-    dtypes on every ISA."""
+    ``act'(g)`` rounded once more. Training only; the call sites take it where ``benchmarks/train_passes.py``
+    measures it faster than PyTorch's operations (fwd + bwd): a gated activation in float32, and in bf16 only with
+    AVX-512 (bf16 is emulated without it); a plain activation in both dtypes on every ISA."""
 
     @staticmethod
     def forward(ctx, g: Tensor, u: Tensor, activation: str) -> Tensor:

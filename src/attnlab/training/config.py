@@ -22,7 +22,7 @@ def run_dtype(dtype: str, device, *, int8_training: Optional[bool], name: str = 
     """The precision a training run computes in, and why (what :class:`~attnlab.training.trainer.Trainer` uses):
     :func:`attnlab._runtime.resolve_dtype`, except that ``"auto"`` with ``int8_training=True`` on a CPU is fp32 — the
     linear layers' products are int8 either way, bf16 autocast would only cast around them, and a layer's fused
-    training node is float32 (nanogpt-cpu on 2 Zen 4 cores: 43.6k tokens/s in fp32 against 33.6k in bf16).
+    training node is float32 (faster than bf16 there: see docs/performance.md).
     ``source``: where an explicit ``dtype`` came from, its reason (e.g. "asked for", "recipe default")."""
     if int8_training is True and dtype == "auto" and torch.device(device).type == "cpu":
         return "fp32", "auto with int8 products: bf16 would only cast around them"

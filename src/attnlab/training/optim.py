@@ -63,9 +63,8 @@ def clip_grad_norm_(params: list[Tensor], max_norm: float) -> Tensor:
         ‖g‖ = (Σ_p Σ g_p²)^½;   g_p ← g_p · min(1, max_norm / (‖g‖ + 1e-6))
 
     ``torch.nn.utils.clip_grad_norm_``'s rule. Float32 CPU gradients go through one C++ call
-    (:func:`attnlab._native_train.clip_grad_norm_`: 0.07 against 0.23–0.44 ms for nanogpt-cpu's 0.8 M gradients
-    with AVX-512, 0.07 against 0.24–0.43 as AVX2, 2 cores, ``benchmarks/train_passes.py``, sessions 25–26), where
-    PyTorch's CPU path runs a norm and a product per tensor; anything else (other dtypes or devices, sparse) through
+    (:func:`attnlab._native_train.clip_grad_norm_`, timed by ``benchmarks/train_passes.py``), where PyTorch's CPU
+    path runs a norm and a product per tensor; anything else (other dtypes or devices, sparse) through
     PyTorch's."""
     grads = [p.grad for p in params if p.grad is not None]
     if grads and all(g.dtype == torch.float32 and g.device.type == "cpu" and g.layout == torch.strided

@@ -48,19 +48,16 @@ __all__ = ["MLMSettings", "PRESETS", "MLMBatches", "mask_tokens", "mlm_loss", "e
 
 @dataclass
 class MLMSettings(TrainConfig):
-    """The default preset (1,500 steps: ~11 minutes on 2 cores in fp32, below); every :class:`TrainConfig` field
-    is a setting too.
+    """The default preset (1,500 steps: ~11 minutes on 2 cores in fp32; see docs/performance.md); every
+    :class:`TrainConfig` field is a setting too.
 
     Data: a WordPiece vocabulary of ``vocab_size`` (lower-cased when ``lowercase``), sequences cut to
     ``max_len`` pieces, ``batch_size`` sequences per step (the global batch under DDP);
     ``train_sentences`` keeps only the first N captions (smoke runs); ``eval_batches`` fixed val batches.
     Model: BERT with ``num_layers`` × (``num_heads`` heads, ``hidden_size`` wide, ``intermediate_size``
     feed-forward), ``dropout`` on hidden states and attention weights; ``nsp`` adds the next-segment head.
-
-    Measured on 2 Zen4 cores as a CPU without native bf16 (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``,
-    ``dtype="auto"`` → fp32): the 1,500 steps in 646 s; val MLM loss 5.29 (step 250), 4.84, 4.34, 4.01, 3.87, 3.82
-    (step 1,500: perplexity 45.7, masked-token accuracy 36.0 %, NSP accuracy 66 %). The former 420-s stop ended
-    that run at step 1,007 with the learning rate mid-cosine (4.05): no wall-clock stop now (``max_seconds``).
+    No wall-clock stop (``max_seconds``): a stop mid-schedule leaves the learning rate mid-cosine and the model worse;
+    a slower machine takes longer for the same model.
     """
 
     vocab_size: int = 6000

@@ -66,11 +66,8 @@ class Multi30kSettings(TrainConfig):
     BLEU on ``eval_sentences`` val sentences during training; the final one averages ``average_checkpoints``
     checkpoints and decodes ``decode_batch`` sentences at a time with ``num_beams`` beams and ``length_penalty``,
     under ``eval_dtype`` (only the first ``final_max_batches`` batches of each split when set: smoke runs).
-
-    Measured (2 Zen4 cores as a CPU without native bf16: ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``,
-    ``dtype="auto"`` → fp32): the 1,800 steps in 1,163 s, test_2016_flickr sacreBLEU 38.9 (chrF 58.2; val 39.7)
-    after 1,194 s in all; on a real AVX2 CPU (2 Zen 3 cores, session 37) 1,476 s of training, sacreBLEU 39.1 (chrF 58.4;
-    val 39.5) after 1,513 s. No wall-clock stop (``max_seconds``): a slower machine takes longer for the same model.
+    Its measured BLEU and time: see docs/performance.md. No wall-clock stop (``max_seconds``): a slower machine takes
+    longer for the same model.
     """
 
     vocab_size: int = 8000

@@ -18,30 +18,15 @@ Two architectures (``arch``), both pre-norm with tied embeddings and GPT-2's ini
 - ``llama``: :class:`~attnlab.models.llama.LlamaForCausalLM` (rotary positions, RMSNorm, SwiGLU MLP
   ``ffn_dim`` = 8/3 × wide rounded up to a multiple of 32, so the parameters match ``gpt2``'s; no
   biases; ``dropout`` is GPT-2's on the embeddings and the residual branches, ``LlamaConfig.hidden_dropout``).
-  The default preset's architecture: it learns faster per step. Measured on 2 cores, 10 minutes each
-  (4 × 256, batch 32 × 128, lr 2e-3, AdamW, bf16 products at ~430 GFLOP/s): gpt2 with dropout 0.1
-  ended at val loss 1.598, gpt2 without dropout 1.540, llama 1.502 and 1.505 (cosine to 2e-4), 1.490 and 1.499
-  (cosine to 0). The default's other choices (Muon, dropout, context 256): :class:`ShakespeareSettings`.
+  The default preset's architecture: it reaches a lower val loss than ``gpt2`` in the same 10 minutes. The
+  default's other choices (Muon, dropout, context 256): :class:`ShakespeareSettings`.
 
 Presets (see :data:`PRESETS`): ``nanogpt-cpu`` is nanoGPT's README CPU run; the default is tuned
 for a 10-minute budget on 2 CPU cores; ``tiny`` is a seconds-long smoke run. ``nanogpt-cpu`` runs its linear
 layers' products in int8 (``int8_training``, :mod:`attnlab.adapt.int8_training`; ``--set int8_training=false``
-for float products). Measured on 2 Zen4 cores (``attnlab train shakespeare-char --preset nanogpt-cpu --set
-seed=S``, the run's own val blocks; "as AVX2": ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``, fp32)::
-
-    seed  AVX-512 (bf16)       int8     float      as AVX2 (fp32)   int8     float
-    0     val loss             1.8868   1.8848     val loss         1.8825   1.8875
-          wall s               27.1     37.1*      wall s           47.9     59.5
-    1     val loss             1.8975   1.9002     val loss         1.8994   1.9003
-          wall s               26.9     29.0       wall s           48.0     59.4
-    2     val loss             1.8950   1.8949
-
-(*: beside another process; the other float runs took 29.0 s.) The roundings move the loss by less than a
-change of seed does. Against nanoGPT's own ``train.py`` on the same machine (``benchmarks/train.py --nanogpt-dir``, our
-process ÷ its process, session 34, Zen 4): median 0.447 with AVX-512 (val 1.8896 against its 1.8930 on the same
-blocks) and 0.481 as AVX2 (1.8887), each over six alternating pairs; on a real AVX2 host (2 Zen 3 cores, session 36)
-0.482 over six; each change that brought it there and its measurement: ``docs/architecture.md`` §6 (nanogpt-cpu's
-record).
+for float products): the roundings move the val loss by less than a change of seed does. Its target, our process
+in ≤ 0.5× the wall of nanoGPT's own ``train.py`` on the same machine at a val loss ≤ its own on the same blocks
+(``benchmarks/train.py --nanogpt-dir``), and the measurements: see docs/performance.md.
 
 Adapting a trained run (each setting names a previous run's output folder; its latest checkpoint is used;
 the code: :mod:`attnlab.training.recipes.char_runs`):
@@ -104,84 +89,21 @@ class ShakespeareSettings(TrainConfig):
     ``llama`` only: ``tie_embeddings=False`` gives the head its own matrix, ``logit_softcap`` = c caps the
     logits at ``c · tanh(logits / c)``, ``qk_norm`` RMS-normalises each head's query and key, ``activation=relu2_glu``
     gates the MLP with ``max(x, 0)²`` instead of SiLU (``LlamaConfig.hidden_act="relu2"``), ``value_embeddings`` adds
-    a per-layer token table to the attention's values (see :class:`~attnlab.models.llama.LlamaConfig`). Measured alone
-    against the previous default (llama, AdamW, no dropout, 32 × 128; 2 Zen4 cores, bf16 at 430 GFLOP/s; baselines
-    1.497–1.509 over three runs): Muon 1.517 (better per step, but its Newton–Schulz products cost 14–17 % of the
-    steps), with ``muon_lr_scale=2`` 1.487 (and 3 NS steps 1.486), zero_init 1.498, logit_softcap=30 1.497, an untied
-    head 1.527, qk_norm 1.511, relu2_glu 1.530, value_embeddings 1.507, ``schedule=wsd`` 1.496 (lr 4e-3: 1.518).
+    a per-layer token table to the attention's values (see :class:`~attnlab.models.llama.LlamaConfig`).
 
     The default: ``llama``, ``optimizer="muon"`` for the hidden matrices (a trainer setting; AdamW for the embeddings
-    and gains) at ``muon_lr_scale=2`` with ``muon_ns_steps=3``, dropout 0.05 where the run computes in bf16 (none
-    in fp32, below), context 256 × 16 rows (the same 4,096 tokens a step as 128 × 32). Chosen on a host whose bf16
-    products run at 918–961 GFLOP/s on 2 cores, where the previous default's ~3,100 steps overfit; one 600-s run
-    each (``half``: ``time_budget=287.5``, the steps of a machine half as fast):
-
-    ========================================================  ======  =========  ===========
-    settings                                                  steps   best val   half budget
-    ========================================================  ======  =========  ===========
-    previous default (llama, AdamW, no dropout, 128 × 32)     3,119   1.5049     1.5056
-    + Muon (2×, 3 NS)                                         2,667   1.5057
-    + Muon, dropout 0.1                                       2,749   1.4750
-    + Muon, dropout 0.1, 256 × 16                             2,327   1.4699     1.5112
-    + Muon, dropout 0.2, 256 × 16                             2,451   1.4880
-    + Muon, dropout 0.05, 256 × 16 (**the default**)          2,460   1.4708     1.4774
-    the default again (``train.py --compare-budget``'s run)   2,487   1.4696
-    the default a third time                                  2,324   1.4667
-    the default a fourth time (``dropout`` left None → 0.05)  2,441   1.4661
-    C++ training passes (~10 % faster steps), no step cap     2,545   1.4769
-    the same                                                  2,566   1.4704
-    the same, dropout 0.1                                     2,585   1.4737
-    the same, ``max_steps=2450`` (ended at 525 s)             2,450   1.4682
-    **the default now**: ``max_steps`` 2,400 (561 s)          2,400   1.4591
-    the default now, again (522 s)                            2,400   1.4597
-    the default now, a third time (521 s)                     2,400   1.4673
-    gpt2, Muon, dropout 0.1, 128 × 32                         3,022   1.4688     1.5125
-    gpt2, Muon, dropout 0.1, 256 × 16                         2,627   1.4709
-    ========================================================  ======  =========  ===========
-
-    Dropout 0.05 and 0.1 end level in 600 s, but with half the steps 0.05 loses far less (1.4774 vs 1.5112): the
-    default is 0.03 below the previous one at both speeds. Past ~2,450 steps (10 passes over the text) more steps
-    made it worse, hence the cap (below); capped, it ends under nanoGPT's A100 result (1.47) on this host: 1.4591,
-    1.4597 and 1.4673 at 2,400 steps.
-
-    Where the CPU has no native bf16 (the same host under ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``:
-    ``dtype="auto"`` → fp32, Muon's Newton–Schulz products in fp32 too) a step takes ~0.62 s and the 10 minutes
-    hold ~850 steps, too few to overfit: there dropout costs more than it gives, hence none in fp32 (600 s each;
-    val blocks of the run's context, so 128 and 256 rows are not comparable to each other):
-
-    ========================================================  ======  =========
-    settings (fp32)                                           steps   best val
-    ========================================================  ======  =========
-    previous default (llama, AdamW, no dropout, 128 × 32)     1,072   1.5214
-    Muon, dropout 0, 128 × 32                                 939     1.5084
-    Muon, dropout 0.05, 256 × 16                              864     1.5306
-    the same (``train.py --compare-budget``'s run)            838     1.5295
-    Muon, dropout 0, 256 × 16 (**the default in fp32**)       875     1.5110
-    the fp32 default again (``dropout`` left None → 0)        907     1.5026
-    the same with the C++ training passes (race, session 22)  898     1.5059
-    **+ int8 products** (``int8_training`` None → on in fp32)  1,296   1.4842
-    the same (``train.py --compare-budget``'s run)            1,274   1.4759
-    the same on a real AVX2 host (2 Zen 3 cores, session 37)  1,124   1.4892
-    ========================================================  ======  =========
-
-    ``int8_training`` (None: on where the products would be fp32, :class:`TrainConfig`) runs the linear layers'
-    products in int8 at ~2× fp32's rate (a step 0.35 s against 0.50 here): 1,296 steps in the same 600 s, and
-    still falling at the end. Where bf16 is native it stays off: the default's 2,400-step cap is reached in ~520 s
-    with bf16 products already; with ``int8_training=true`` there the same 2,400 steps took 439 s and ended at
-    1.4613 (within the bf16 runs' 1.4591–1.4673): the same model sooner, no better.
-    On a Zen 4 host whose bf16 products run at 333–441 GFLOP/s (session 33) the default took 1,290 steps in 570 s,
-    best val 1.4772 (not ≤ 1.47: half the steps); with ``int8_training=true`` and ``dtype=bf16`` 1,378 steps, 1.4820.
-    On 2 Zen 3 cores (AVX2 only, session 37; ``benchmarks/train.py --compare-budget``) the default took 1,124 steps in
-    577 s, best val 1.4892, against nanoGPT's ``train.py`` at the same size and wall: 731 steps, 1.8925 on the same
-    blocks (0.40 below it; issue #16 asks for 0.08).
-    Validation: ``eval_batches`` × ``eval_batch_size`` blocks of the last ``val_fraction`` of the text.
+    and gains) at ``muon_lr_scale=2`` with ``muon_ns_steps=3``, context 256 × 16 rows (4,096 tokens a step), and
+    ``dropout`` None: 0.05 where the run computes in bf16, none in fp32 (:func:`train_dropout`: an fp32 run's
+    10 minutes hold too few steps to overfit, and dropout then costs more than it gives). ``int8_training`` None:
+    on where the products would be fp32 (about twice fp32's rate), off where bf16 is native (no better model there).
+    Chosen because it beats the alternatives both at the full budget and at half of it (a machine half as fast).
 
     The default plans its length to a 10-minute budget (``time_budget``, see :class:`TrainConfig`), the cosine decay
-    ending where the budget does, up to ``max_steps`` = 2,400 (16 × 256 tokens a step: ~9.8 passes over the 1.0 M
-    training characters). Past that the model overfits: with this module's training passes in C++ (RMSNorm, RoPE,
-    the SwiGLU gate: ~10 % faster steps) the same 600 s held 2,545–2,585 steps and ended at 1.4769, 1.4704 and, with
-    dropout 0.1, 1.4737; capped at 2,450 steps the run ended at 1.4682 in 525 s (bf16, 2 cores). A faster machine
-    stops earlier with the same model; a longer ``time_budget`` needs a larger ``max_steps`` too.
+    ending where the budget does, up to ``max_steps`` = 2,400 (~9.8 passes over the 1.0 M training characters):
+    past that the model overfits, so a faster machine stops earlier with the same model; a longer ``time_budget``
+    needs a larger ``max_steps`` too. Validation: ``eval_batches`` × ``eval_batch_size`` blocks of the last
+    ``val_fraction`` of the text. Its target (best val loss ≤ 1.47, nanoGPT's A100 result, in 600 s) and the
+    measurements: see docs/performance.md.
     """
 
     arch: str = "llama"
