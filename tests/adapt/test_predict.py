@@ -74,3 +74,77 @@ def test_predict_errors_are_one_line(folder, tmp_path, capsys):
     assert err.startswith("attnlab predict: error:") and "holds a BertModel" in err and "sequence classifier" in err
     assert main(["predict", "--model", str(tmp_path / "none"), "--text", "a"]) == 2
     assert "none" in capsys.readouterr().err
+
+
+def _labelled(tmp_path_factory, folder, labels):
+    """``folder``'s model with other label names (config.json's id2label)."""
+    import json
+
+    path = tmp_path_factory.mktemp("labels")
+    shutil.copytree(folder, path, dirs_exist_ok=True)
+    config = json.loads((path / "config.json").read_text())
+    config["id2label"] = {str(i): name for i, name in enumerate(labels)}
+    config["label2id"] = {name: i for i, name in enumerate(labels)}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _unescape(field):
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\":
+            out.append({"t": "\t", "n": "\n", "r": "\r", "\\": "\\"}[field[i + 1]])
+            i += 2
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+LABELS = ["a\tb", "new\nline", "back\\slash"]
+
+
+def test_tsv_survives_any_label_text_and_jsonl_round_trips(folder, tmp_path_factory, capsys):
+    import json
+
+    odd = _labelled(tmp_path_factory, folder, LABELS)
+    texts = ["a dog runs", "tab\there", "slash\\n not a new line"]
+    argv = ["predict", "--model", str(odd)] + [a for t in texts for a in ("--text", t)]
+    probs, _ = _expected(folder, texts)
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3
+    for line, p, text in zip(lines, probs, texts):
+        label, top, every, printed = line.split("\t")  # four fields, whatever the labels hold
+        assert _unescape(label) == LABELS[int(p.argmax())] and _unescape(printed) == text
+        assert [_unescape(kv.rsplit("=", 1)[0]) for kv in every.split(" ")] == LABELS
+    assert main(argv + ["--format", "jsonl"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    for r, p, text in zip(records, probs, texts):
+        assert r["text"] == text and r["label"] == LABELS[int(p.argmax())]
+        assert list(r["probabilities"]) == LABELS
+        assert max(abs(r["probabilities"][n] - float(p[i])) for i, n in enumerate(LABELS)) <= 1e-4
+
+
+def test_file_and_stdin_give_one_prediction_a_line(folder, tmp_path, capsys, monkeypatch):
+    import io
+
+    path = tmp_path / "texts.txt"
+    path.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
+    want = _printed(capsys, ["predict", "--model", str(folder)] + [a for t in TEXTS for a in ("--text", t)])
+    assert _printed(capsys, ["predict", "--model", str(folder), "--file", str(path), "--batch-size", "2"]) == want
+    monkeypatch.setattr("sys.stdin", io.StringIO("\r\n".join(TEXTS)))  # CRLF, no final new line
+    assert _printed(capsys, ["predict", "--model", str(folder), "--file", "-"]) == want
+
+
+def test_file_errors_are_one_line(folder, tmp_path, capsys):
+    (tmp_path / "bin.txt").write_bytes(b"ok\n\xff\xfe\n")
+    assert main(["predict", "--model", str(folder), "--file", str(tmp_path / "bin.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "--file" in err and "is not UTF-8 text" in err and err.count("\n") == 1
+    assert main(["predict", "--model", str(folder), "--file", str(tmp_path / "none.txt")]) == 2
+    assert "none.txt" in capsys.readouterr().err
+    assert main(["predict", "--model", str(folder), "--file", "-", "--text-b", "b"]) == 2
+    assert "--text-b pairs with --text" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["predict", "--model", str(folder), "--file", "-", "--text", "a"])  # one source of texts
