@@ -67,11 +67,10 @@ def _imported_units(node: ast.AST, module: list[str], units: set[str], package: 
     return found
 
 
-def import_graph(root: Path, skip: frozenset = frozenset()) -> dict[tuple[str, str], list[str]]:
-    """``{(importer, imported): ["file:line", ...]}`` between the units under ``root`` (a package folder),
-    leaving out the files named (relative to ``root``) in ``skip``."""
+def import_graph(root: Path) -> dict[tuple[str, str], list[str]]:
+    """``{(importer, imported): ["file:line", ...]}`` between the units under ``root`` (a package folder)."""
     package = root.name
-    files = sorted(p for p in root.rglob("*.py") if p.relative_to(root).as_posix() not in skip)
+    files = sorted(root.rglob("*.py"))
     units = {_unit(p, root) for p in files}
     graph: dict[tuple[str, str], list[str]] = {}
     for path in files:
@@ -135,6 +134,27 @@ def test_attnlab_attention_is_only_the_function():
         with pytest.raises(ModuleNotFoundError):
             importlib.import_module(old)
     assert callable(attnlab.attention) and attnlab.attention is attnlab.backends.dispatch.attention
+
+
+def test_no_two_modules_import_each_other():
+    """Within a unit too, imports go one way: of two modules (not packages), at most one imports the other, even
+    for type annotations only (a module's ``__init__`` and its submodules are exempt)."""
+    modules = {".".join(p.relative_to(ROOT.parent).with_suffix("").parts): p
+               for p in ROOT.rglob("*.py") if p.name != "__init__.py"}
+    imports = {}
+    for name, path in modules.items():
+        package = name.rsplit(".", 1)[0].split(".")
+        named = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                named |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(package[:len(package) - node.level + 1] + [node.module or ""]) if node.level \
+                    else node.module
+                named |= {base.rstrip(".")} | {f"{base.rstrip('.')}.{a.name}" for a in node.names}
+        imports[name] = named & set(modules)
+    both = sorted({tuple(sorted((a, b))) for a in imports for b in imports[a] if a in imports[b]})
+    assert not both, f"modules that import each other: {both}"
 
 
 def test_the_docs_state_the_same_order():

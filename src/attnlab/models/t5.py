@@ -36,7 +36,7 @@ from attnlab.models.hub import (PreTrainedMixin, WeightMap, check_attention_mask
 from attnlab.models.outputs import Seq2SeqLMOutput
 from attnlab.models.t5_layers import T5Stack
 from attnlab.modules.multihead import MultiheadAttention
-from attnlab.nn.block import LayerCache
+from attnlab.nn.block import LayerCache, LayerSpec
 from attnlab.nn.positional import T5RelativeBias
 
 FEED_FORWARD_PROJ = ("relu", "gated-gelu")
@@ -165,8 +165,13 @@ class T5ForConditionalGeneration(PreTrainedMixin, nn.Module):
             raise TypeError(f"config must be a T5Config, got {type(config).__name__}")
         c = self.config = config
         self.shared = nn.Embedding(c.vocab_size, c.d_model)
-        self.encoder = T5Stack(c, decoder=False)
-        self.decoder = T5Stack(c, decoder=True)
+        spec = LayerSpec(c.d_model, c.num_heads, ffn_dim=c.d_ff,
+                         activation="geglu_tanh" if c.feed_forward_proj == "gated-gelu" else "relu",
+                         dropout=c.dropout_rate, norm_first=True, norm="rmsnorm", norm_eps=c.layer_norm_epsilon,
+                         bias=False, head_dim=c.d_kv, scale=1.0)
+        buckets = dict(num_buckets=c.relative_attention_num_buckets, max_distance=c.relative_attention_max_distance)
+        self.encoder = T5Stack(spec, c.num_layers, decoder=False, **buckets)
+        self.decoder = T5Stack(spec, c.num_decoder_layers, decoder=True, **buckets)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.d_model, c.vocab_size, bias=False)
         self._init_weights()
 

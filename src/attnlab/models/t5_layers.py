@@ -17,8 +17,9 @@ The model and its config are in :mod:`attnlab.models.t5`.
 """
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import Iterator, Optional
 
 from torch import Tensor, nn
 
@@ -27,9 +28,6 @@ from attnlab.nn.block import DecoderLayer, EncoderLayer, LayerCache, LayerSpec
 from attnlab.nn.dropout import Dropout
 from attnlab.nn.norms import RMSNorm
 from attnlab.nn.positional import T5RelativeBias
-
-if TYPE_CHECKING:
-    from attnlab.models.t5 import T5Config
 
 
 class SharedPositionBias:
@@ -78,27 +76,27 @@ class T5Stack(nn.Module):
     :class:`DecoderLayer` (causal bias, cross-attention without a bias): unscaled attention
     (``scale=1``) over ``num_heads`` heads of width ``d_kv`` (inner width ``H·d_kv`` may differ from
     ``d_model``), no biases, feed-forward ``relu`` or gated ``gelu_tanh``.
+
+    Args:
+        spec: every layer's options (:class:`~attnlab.models.t5.T5ForConditionalGeneration` builds it from its
+            config); its ``position_bias`` is set here to the stack's shared relative bias.
+        num_layers: layers in the stack.
+        decoder: causal self-attention and cross-attention (else bidirectional self-attention only).
+        num_buckets, max_distance: the relative bias's buckets (:class:`T5RelativeBias`).
     """
 
-    def __init__(self, config: T5Config, *, decoder: bool) -> None:
+    def __init__(self, spec: LayerSpec, num_layers: int, *, decoder: bool, num_buckets: int,
+                 max_distance: int) -> None:
         super().__init__()
-        c = config
         self.decoder = decoder
-        self.relative_bias = T5RelativeBias(c.num_heads, bidirectional=not decoder,
-                                            num_buckets=c.relative_attention_num_buckets,
-                                            max_distance=c.relative_attention_max_distance)
+        self.relative_bias = T5RelativeBias(spec.num_heads, bidirectional=not decoder, num_buckets=num_buckets,
+                                            max_distance=max_distance)
         self.position_bias = SharedPositionBias(self.relative_bias)
-        spec = LayerSpec(c.d_model, c.num_heads, ffn_dim=c.d_ff,
-                         activation="geglu_tanh" if c.feed_forward_proj == "gated-gelu" else "relu",
-                         dropout=c.dropout_rate, norm_first=True, norm="rmsnorm", norm_eps=c.layer_norm_epsilon,
-                         bias=False, head_dim=c.d_kv, scale=1.0, position_bias=self.position_bias)
-        if decoder:
-            layers = [DecoderLayer.from_spec(spec) for _ in range(c.num_decoder_layers)]
-        else:
-            layers = [EncoderLayer.from_spec(spec) for _ in range(c.num_layers)]
-        self.layers = nn.ModuleList(layers)
-        self.final_norm = RMSNorm(c.d_model, eps=c.layer_norm_epsilon)
-        self.dropout = Dropout(c.dropout_rate)
+        spec = dataclasses.replace(spec, position_bias=self.position_bias)
+        layer = DecoderLayer if decoder else EncoderLayer
+        self.layers = nn.ModuleList([layer.from_spec(spec) for _ in range(num_layers)])
+        self.final_norm = RMSNorm(spec.dim, eps=spec.norm_eps)
+        self.dropout = Dropout(spec.dropout)
 
     def forward(self, x: Tensor, key_mask: Optional[Tensor], *, memory: Optional[Tensor] = None,
                 memory_mask: Optional[Tensor] = None, caches: Optional[list[LayerCache]] = None,
