@@ -201,6 +201,28 @@ def test_the_instruction_set_follows_aten_cpu_capability():
     assert _run(code, ATEN_CPU_CAPABILITY="default").startswith("0 True loaded (portable C++")
     if CAP >= 1:
         assert _run(code, ATEN_CPU_CAPABILITY="avx2").startswith("1 True loaded (AVX2 + FMA")
+    # a cap only lowers the set (AVX-512 asked of a CPU without it: what the CPU runs); another value is ignored
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"})
+    best = out.stdout.split()[0]  # the CPU's own
+    assert out.returncode == 0 and best in "012" and int(best) >= CAP, out.stderr
+    assert _run(code, ATEN_CPU_CAPABILITY="avx512").startswith(f"{best} True")
+    assert _run(code, ATEN_CPU_CAPABILITY="zvector").startswith(f"{best} True")
+
+
+@needs_native
+def test_no_call_raises_the_instruction_set_above_the_cpus():
+    """The ops take no instruction set; limit_isa only lowers the library's (its argument checked)."""
+    assert all("isa" not in op.default._schema.arguments[-1].name for op in
+               (getattr(torch.ops.attnlab, name) for name in ("matvec", "flash_forward", "softmax_rows")))
+    try:
+        assert _native.limit_isa(0) == 0 and _native.isa() == 0
+        assert _native.limit_isa(2) == CAP and _native.isa() == CAP
+        for bad in (3, -1, 2**62):
+            with pytest.raises(RuntimeError, match=r"limit_isa: isa must be 0 \(portable\), 1 \(AVX2\) or 2"):
+                _native.limit_isa(bad)
+    finally:
+        _native.limit_isa(2)
 
 
 def test_disabled_kernels_fall_back_to_pytorch_with_the_same_products():

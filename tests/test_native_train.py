@@ -266,12 +266,11 @@ def test_the_short_backend_takes_the_native_passes_and_equals_the_reference(caus
 
 
 @needs_native
-@pytest.mark.parametrize("isa", [2, 1], ids=["avx512", "avx2"])
+@pytest.mark.parametrize("isa", [2, 1], indirect=True, ids=ISA_IDS.get)
 def test_the_fused_path_takes_what_it_wins(isa, monkeypatch):
     """Up to 256 keys in float32 (and bf16 without native bf16); bf16 with AVX-512 up to 128, past it the batched
     bf16 products (``short.FUSED_KEYS*``'s measurements); a value width other than the query's: the products."""
     from attnlab.backends import short
-    monkeypatch.setitem(_native._state, "isa", isa)
 
     def heads(L, dtype, Dv=8):
         return torch.randn(1, 2, L, 8, dtype=dtype), torch.randn(1, 2, L, 8, dtype=dtype), torch.randn(1, 2, L, Dv,

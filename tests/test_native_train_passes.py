@@ -162,7 +162,7 @@ def test_the_passes_refuse_what_they_cannot_read():
     with pytest.raises(RuntimeError, match="g must be a contiguous float32 or bfloat16"):
         _native_train.act_with_grad(torch.randn(8, 4).t(), "gelu")
     with pytest.raises(RuntimeError, match="keep .* is for a plain activation"):
-        _native._state["act_train"](torch.randn(4, 8), torch.randn(4, 8), 1, True, _native._state["isa"])
+        _native._state["act_train"](torch.randn(4, 8), torch.randn(4, 8), 1, True)
     with pytest.raises(RuntimeError, match="dh must have g's shape"):
         _native_train.act_train_backward(torch.randn(4, 9), torch.randn(4, 8), None, "gelu")
 
@@ -262,12 +262,11 @@ def test_a_feedforward_trains_through_the_native_pass_and_equals_float64(activat
 
 
 @needs_native
-@pytest.mark.parametrize("isa,calls", [(2, 1), (1, 0)], ids=["avx512", "avx2"])
+@pytest.mark.parametrize("isa,calls", [(2, 1), (1, 0)], indirect=["isa"], ids=["avx512", "avx2"])
 def test_a_bf16_gate_takes_the_native_pass_only_where_it_pays(isa, calls, monkeypatch):
     """bf16: ours is faster than PyTorch's with AVX-512 only (``benchmarks/train_passes.py``); float32 on every ISA.
     The rule for every ISA; the layer run only on the ISAs this CPU executes."""
     from attnlab.nn import FeedForward
-    monkeypatch.setitem(_native._state, "isa", isa)
     g = torch.randn(2, 3, 32, dtype=torch.bfloat16, requires_grad=True)
     assert _native_grad(g, g.detach()) == bool(calls) and _native_grad(g.float(), g.detach().float())
     if isa > CAP:

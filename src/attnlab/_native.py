@@ -15,8 +15,9 @@ callers use PyTorch's kernels: the same products up to float32 summation order.
 The training passes' wrappers (the short backend's softmax, RMSNorm, RoPE, an FFN's activation, int8 roundings;
 ``csrc/train.cpp``) are :mod:`attnlab._native_train`; this module loads the library and holds the rest.
 
-The instruction set follows torch's (:func:`torch.backends.cpu.get_cpu_capability`): AVX-512, AVX2 + FMA, or
-portable C++, so ``ATEN_CPU_CAPABILITY=avx2`` runs the AVX2 code here as it does in ATen.
+The library chooses its instruction set itself, once per process (:func:`isa`): AVX-512, AVX2 + FMA or portable C++,
+the best the CPU supports, capped by ``ATEN_CPU_CAPABILITY`` as ATen caps its own (``ATEN_CPU_CAPABILITY=avx2`` runs
+the AVX2 code here as it does in ATen). No argument of an op chooses it, so no call runs an instruction the CPU lacks.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ MAX_ROWS_FP32 = 8
 INT4_ROWS = 64
 _ISA_CODES = {"AVX512": 2, "AVX2": 1}
 _ISA_NAMES = {2: "AVX-512", 1: "AVX2 + FMA", 0: "portable C++"}
-_state: dict = {}  # "loaded": bool, "why": str, "isa": int, and the loaded ops
+_state: dict = {}  # "loaded": bool, "why": str, and the loaded ops
 CFLAGS = ("-O3", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
@@ -135,8 +136,8 @@ def _load() -> None:
                       short_attention_train=ops.short_attention_train.default,
                       act_kept_train=ops.act_kept_train.default, all_finite=ops.all_finite.default,
                       short_attention_packed=ops.short_attention_packed.default,
-                      gpt_block_train=ops.gpt_block_train.default)
-        isa()
+                      gpt_block_train=ops.gpt_block_train.default, cpu_isa=ops.cpu_isa.default,
+                      limit_isa=ops.limit_isa.default)
     except Exception as e:  # no compiler, no ninja, a failed build: PyTorch's kernels serve instead
         why = " ".join(str(e).split())  # the compiler's message is at the end
         why = why if len(why) <= 300 else "…" + why[-300:]
@@ -159,10 +160,22 @@ def status() -> str:
 
 
 def isa() -> int:
-    """The instruction set the kernels use: 2 = AVX-512, 1 = AVX2 + FMA, 0 = portable (torch's capability)."""
-    if "isa" not in _state:
-        _state["isa"] = _ISA_CODES.get(torch.backends.cpu.get_cpu_capability(), 0)
-    return _state["isa"]
+    """The instruction set the kernels use, as the C++ library chose it (``csrc/native.h``: what the CPU and its
+    operating system support, capped by ``ATEN_CPU_CAPABILITY`` as ATen caps its own): 2 = AVX-512, 1 = AVX2 + FMA,
+    0 = portable C++ (also where the kernels are not :func:`available`)."""
+    return _state["cpu_isa"]() if available() else 0
+
+
+def limit_isa(level: int) -> int:
+    """Make the kernels use at most instruction set ``level`` (0-2; 2 lifts the limit) and return the set they use
+    now, ``min(level, what the CPU allows)``: it can only lower the set, never raise it above what the CPU runs. The
+    tests run each lower set's kernels in one process with it.
+
+    Raises:
+        RuntimeError: ``level`` is not 0, 1 or 2, or the native kernels are not :func:`available`.
+    """
+    _need()
+    return _state["limit_isa"](level)
 
 
 def matvec(x: Tensor, w: Tensor, scale: Optional[Tensor] = None, bias: Optional[Tensor] = None) -> Tensor:
@@ -182,7 +195,7 @@ def matvec(x: Tensor, w: Tensor, scale: Optional[Tensor] = None, bias: Optional[
         if not available():
             raise RuntimeError(f"attnlab's native kernels are unavailable here: {_state['why']}")
         op = _state["op"]
-    return op(x, w, scale, bias, _state["isa"])
+    return op(x, w, scale, bias)
 
 
 def int4_dequantize(w: Tensor, scale: Tensor, in_features: int) -> Tensor:
@@ -193,7 +206,7 @@ def int4_dequantize(w: Tensor, scale: Tensor, in_features: int) -> Tensor:
         RuntimeError: the native kernels are not :func:`available` (callers check that first).
     """
     _need()
-    return _state["int4_dequantize"](w, scale, in_features, _state["isa"])
+    return _state["int4_dequantize"](w, scale, in_features)
 
 
 # FeedForward's gated activations -> the op's code, and its plain ones (csrc/native.h: Act)
@@ -210,7 +223,7 @@ def gated_matvec(x: Tensor, first: tuple, second: tuple, activation: str) -> Ten
         RuntimeError: the native kernels are not :func:`available` (callers check that first).
     """
     _need()
-    return _state["gated"](x, *first, *second, GATES[activation], _state["isa"])
+    return _state["gated"](x, *first, *second, GATES[activation])
 
 
 # the activations whose vectorised kernel beats PyTorch's on a large tensor (measured, 512 × 3072 float32, 2 cores,
@@ -226,7 +239,7 @@ def activate(x: Tensor, activation: str) -> Tensor:
         RuntimeError: the native kernels are not :func:`available` (callers check that first).
     """
     _need()
-    return _state["activate"](x, None, ACTIVATIONS[activation], _state["isa"])
+    return _state["activate"](x, None, ACTIVATIONS[activation])
 
 
 def transformed(t: Tensor) -> bool:
@@ -268,7 +281,7 @@ def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
         RuntimeError: the native kernels are not :func:`available` (callers check that first).
     """
     _need()
-    return _state["rms_norm"](x, w, eps, _state["isa"])
+    return _state["rms_norm"](x, w, eps)
 
 
 def attend_decode(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, position: int, heads: int, kv_heads: int,
@@ -284,8 +297,7 @@ def attend_decode(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, position: int, 
         RuntimeError: the native kernels are not :func:`available` (callers check that first).
     """
     _need()
-    return _state["attend_decode"](qkv, k_cache, v_cache, position, heads, kv_heads, cos, sin, interleaved, scale,
-                                   _state["isa"])
+    return _state["attend_decode"](qkv, k_cache, v_cache, position, heads, kv_heads, cos, sin, interleaved, scale)
 
 
 def decoder_step(x: Tensor, tensors: list, *, rms: bool, eps: tuple[float, float], heads: int, kv_heads: int,
@@ -307,7 +319,7 @@ def decoder_step(x: Tensor, tensors: list, *, rms: bool, eps: tuple[float, float
     gated = activation in GATES
     act = GATES[activation] if gated else ACTIVATIONS[activation]
     return _state["decoder_step"](x, tensors, rms, eps[0], eps[1], heads, kv_heads, position, interleaved, scale, act,
-                                  gated, _state["isa"])
+                                  gated)
 
 
 MODS = {None: 0, "alibi": 1, "alibi_symmetric": 2, "softcap": 3}  # the score mods flash.cpp computes itself
@@ -353,7 +365,7 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
     _need()
     return _state["flash_forward"](q, k, v, scale, causal, -1 if window is None else window, spans, layout,
                                    granularity, _code(MODS, "mod", mod), slopes, cap, block_q, block_k,
-                                   _code(PRODUCTS, "products", products), _state["isa"])
+                                   _code(PRODUCTS, "products", products))
 
 
 def flash_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_out: Tensor, *, scale: float,
@@ -373,7 +385,7 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_
     _need()
     return _state["flash_backward"](q, k, v, out, lse, d_out, scale, causal, -1 if window is None else window, spans,
                                     layout, granularity, _code(MODS, "mod", mod), slopes, cap, block_q, block_k,
-                                    _code(PRODUCTS, "products", products), _state["isa"])
+                                    _code(PRODUCTS, "products", products))
 
 
 def _need() -> None:

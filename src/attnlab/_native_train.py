@@ -30,7 +30,7 @@ def softmax_rows(s: Tensor, *, scale: float, causal: bool, window: Optional[int]
         RuntimeError: the native kernels are not :func:`~attnlab._native.available` (callers check that first).
     """
     _native._need()
-    p, pc = _native._state["softmax_rows"](s, scale, causal, -1 if window is None else window, cast, _native._state["isa"])
+    p, pc = _native._state["softmax_rows"](s, scale, causal, -1 if window is None else window, cast)
     return p, (pc if pc.numel() else None)
 
 
@@ -42,7 +42,7 @@ def softmax_rows_backward(dp: Tensor, p: Tensor, *, scale: float) -> Tensor:
         RuntimeError: the native kernels are not :func:`~attnlab._native.available` (callers check that first).
     """
     _native._need()
-    return _native._state["softmax_rows_backward"](dp, p, scale, _native._state["isa"])
+    return _native._state["softmax_rows_backward"](dp, p, scale)
 
 
 def rms_norm_train(x: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -54,7 +54,7 @@ def rms_norm_train(x: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
         RuntimeError: the native kernels are not :func:`~attnlab._native.available` (callers check that first).
     """
     _native._need()
-    return _native._state["rms_norm_train"](x, w, eps, _native._state["isa"])
+    return _native._state["rms_norm_train"](x, w, eps)
 
 
 def rms_norm_train_backward(dy: Tensor, x: Tensor, w: Tensor, r: Tensor) -> tuple[Tensor, Tensor]:
@@ -68,7 +68,7 @@ def rms_norm_train_backward(dy: Tensor, x: Tensor, w: Tensor, r: Tensor) -> tupl
         RuntimeError: the native kernels are not :func:`~attnlab._native.available` (callers check that first).
     """
     _native._need()
-    return _native._state["rms_norm_train_backward"](dy, x, w, r, _native._state["isa"])
+    return _native._state["rms_norm_train_backward"](dy, x, w, r)
 
 
 def rope_train(x: Tensor, cos: Tensor, sin: Tensor, *, inverse: bool = False) -> Tensor:
@@ -84,7 +84,7 @@ def rope_train(x: Tensor, cos: Tensor, sin: Tensor, *, inverse: bool = False) ->
         RuntimeError: the native kernels are not :func:`~attnlab._native.available` (callers check that first).
     """
     _native._need()
-    return _native._state["rope_train"](x, cos, sin, -1.0 if inverse else 1.0, _native._state["isa"])
+    return _native._state["rope_train"](x, cos, sin, -1.0 if inverse else 1.0)
 
 
 def act_train(g: Tensor, u: Optional[Tensor], activation: str) -> Tensor:
@@ -96,8 +96,7 @@ def act_train(g: Tensor, u: Optional[Tensor], activation: str) -> Tensor:
         RuntimeError: the native kernels are not :func:`~attnlab._native.available` (callers check that first).
     """
     _native._need()
-    return _native._state["act_train"](g, u, (GATES if u is not None else ACTIVATIONS)[activation], False,
-                                       _native._state["isa"])[0]
+    return _native._state["act_train"](g, u, (GATES if u is not None else ACTIVATIONS)[activation], False)[0]
 
 
 def act_with_grad(g: Tensor, activation: str) -> tuple[Tensor, Tensor]:
@@ -109,7 +108,7 @@ def act_with_grad(g: Tensor, activation: str) -> tuple[Tensor, Tensor]:
         RuntimeError: the native kernels are not :func:`~attnlab._native.available` (callers check that first).
     """
     _native._need()
-    return _native._state["act_train"](g, None, ACTIVATIONS[activation], True, _native._state["isa"])
+    return _native._state["act_train"](g, None, ACTIVATIONS[activation], True)
 
 
 def act_kept_train(g: Tensor, activation: str) -> Tensor:
@@ -120,7 +119,7 @@ def act_kept_train(g: Tensor, activation: str) -> Tensor:
         RuntimeError: the native kernels are not :func:`~attnlab._native.available` (callers check that first).
     """
     _native._need()
-    return _native._state["act_kept_train"](g, ACTIVATIONS[activation], _native._state["isa"])
+    return _native._state["act_kept_train"](g, ACTIVATIONS[activation])
 
 
 def act_train_backward(dh: Tensor, g: Tensor, u: Optional[Tensor], activation: str) -> tuple[Tensor, Optional[Tensor]]:
@@ -130,8 +129,7 @@ def act_train_backward(dh: Tensor, g: Tensor, u: Optional[Tensor], activation: s
         RuntimeError: the native kernels are not :func:`~attnlab._native.available` (callers check that first).
     """
     _native._need()
-    dg, du = _native._state["act_train_backward"](dh, g, u, (GATES if u is not None else ACTIVATIONS)[activation],
-                                          _native._state["isa"])
+    dg, du = _native._state["act_train_backward"](dh, g, u, (GATES if u is not None else ACTIVATIONS)[activation])
     return dg, (du if u is not None else None)
 
 
@@ -149,8 +147,7 @@ def short_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bo
             the operands do not fit (named in the message).
     """
     _native._need()
-    return _native._state["short_attention"](q, k, v, scale, causal, -1 if window is None else window,
-                                             _native._state["isa"])
+    return _native._state["short_attention"](q, k, v, scale, causal, -1 if window is None else window)
 
 
 def short_attention_train(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, window: Optional[int]
@@ -158,8 +155,7 @@ def short_attention_train(q: Tensor, k: Tensor, v: Tensor, *, scale: float, caus
     """:func:`short_attention`'s ``out`` as one C++ autograd node whose backward is :func:`short_attention_backward`
     from the ``p`` it kept: no Python ``autograd.Function`` each way (the short backend's fused path)."""
     _native._need()
-    return _native._state["short_attention_train"](q, k, v, scale, causal, -1 if window is None else window,
-                                                   _native._state["isa"])
+    return _native._state["short_attention_train"](q, k, v, scale, causal, -1 if window is None else window)
 
 
 def short_attention_packed(qkv: Tensor, heads: int, *, scale: float, causal: bool, window: Optional[int]) -> Tensor:
@@ -168,8 +164,7 @@ def short_attention_packed(qkv: Tensor, heads: int, *, scale: float, causal: boo
     ``out (B, L, E)`` with the heads merged; its backward writes ``∂L/∂qkv`` as one tensor (no split and views of q,
     k, v in the graph, no concatenation of their gradients). The same bits as the unpacked node."""
     _native._need()
-    return _native._state["short_attention_packed"](qkv, heads, scale, causal, -1 if window is None else window,
-                                                    _native._state["isa"])
+    return _native._state["short_attention_packed"](qkv, heads, scale, causal, -1 if window is None else window)
 
 
 def short_attention_backward(q: Tensor, k: Tensor, v: Tensor, p: Tensor, d_out: Tensor, *, scale: float,
@@ -183,7 +178,7 @@ def short_attention_backward(q: Tensor, k: Tensor, v: Tensor, p: Tensor, d_out: 
     """
     _native._need()
     return _native._state["short_attention_backward"](q, k, v, p, d_out, scale, causal,
-                                                      -1 if window is None else window, _native._state["isa"])
+                                                      -1 if window is None else window)
 
 
 def all_finite(tensors: Sequence[Tensor]) -> bool:
@@ -196,7 +191,7 @@ def all_finite(tensors: Sequence[Tensor]) -> bool:
             tensor is not on the CPU (the caller routes those to ``sum``).
     """
     _native._need()
-    return _native._state["all_finite"](list(tensors), _native._state["isa"])
+    return _native._state["all_finite"](list(tensors))
 
 
 def clip_grad_norm_(grads: list[Tensor], max_norm: float) -> Tensor:
@@ -210,7 +205,7 @@ def clip_grad_norm_(grads: list[Tensor], max_norm: float) -> Tensor:
             gradient is not a contiguous float32 CPU tensor, or ``max_norm`` is not positive and finite.
     """
     _native._need()
-    return _native._state["clip_grad_norm_"](grads, float(max_norm), _native._state["isa"])
+    return _native._state["clip_grad_norm_"](grads, float(max_norm))
 
 
 def quantize_rows(x: Tensor, levels: int, c: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
@@ -223,7 +218,7 @@ def quantize_rows(x: Tensor, levels: int, c: Optional[Tensor] = None) -> tuple[T
         RuntimeError: the native kernels are not :func:`~attnlab._native.available` (callers check that first).
     """
     _native._need()
-    return _native._state["quantize_rows"](x, c, levels, _native._state["isa"])
+    return _native._state["quantize_rows"](x, c, levels)
 
 
 def quantize_rows_cols(x: Tensor, levels: int, col_levels: int, c: Optional[Tensor] = None
@@ -234,7 +229,7 @@ def quantize_rows_cols(x: Tensor, levels: int, col_levels: int, c: Optional[Tens
     ``Σ_r x_rj`` in float32 (fixed blocks of rows: the same bits on any thread count). Returns ``(q, s, qct (n, R),
     sc (n,), sum (n,))``."""
     _native._need()
-    return _native._state["quantize_rows_cols"](x, c, levels, col_levels, _native._state["isa"])
+    return _native._state["quantize_rows_cols"](x, c, levels, col_levels)
 
 
 def dequantize(acc: Tensor, rs: Tensor, cs: Optional[Tensor] = None, bias: Optional[Tensor] = None, *,
@@ -245,7 +240,7 @@ def dequantize(acc: Tensor, rs: Tensor, cs: Optional[Tensor] = None, bias: Optio
     _native._need()
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
-    return _native._state["dequantize"](acc, rs, cs, bias, dtype == torch.bfloat16, _native._state["isa"])
+    return _native._state["dequantize"](acc, rs, cs, bias, dtype == torch.bfloat16)
 
 
 def int8_product(a: Tensor, b: Tensor, rs: Tensor, cs: Optional[Tensor] = None, bias: Optional[Tensor] = None, *,
@@ -255,7 +250,7 @@ def int8_product(a: Tensor, b: Tensor, rs: Tensor, cs: Optional[Tensor] = None, 
     in float32) where a longer int32 sum could overflow. With AVX2 the product may be attnlab's own
     (``csrc/int8_gemm.h``, see :func:`int8_kernel`): the same int32 sums and rescaling, so the same bits."""
     _native._need()
-    return _native._state["int8_product"](a, b, rs, cs, bias, dtype == torch.bfloat16, max_inner, _native._state["isa"])
+    return _native._state["int8_product"](a, b, rs, cs, bias, dtype == torch.bfloat16, max_inner)
 
 
 def int8_linear(x: Tensor, w: Tensor, b: Optional[Tensor], *, left: int, right: int, cols: bool, dtype: torch.dtype
@@ -271,8 +266,7 @@ def int8_linear(x: Tensor, w: Tensor, b: Optional[Tensor], *, left: int, right: 
     which reads either layout, the ``(in, T)`` view of the rounding written as ``x`` lies: no transposing pass), else
     those two None."""
     _native._need()
-    y, qw, sw, qxt, sxc = _native._state["int8_linear"](x, w, b, left, right, cols, dtype == torch.bfloat16,
-                                                        _native._state["isa"])
+    y, qw, sw, qxt, sxc = _native._state["int8_linear"](x, w, b, left, right, cols, dtype == torch.bfloat16)
     return (y, qw, sw, qxt, sxc) if cols else (y, qw, sw, None, None)
 
 
@@ -283,7 +277,7 @@ def int8_linear_train(x: Tensor, w: Tensor, b: Optional[Tensor], *, left: int, r
     is :func:`int8_linear_backward` for whichever of ``x``, ``w``, ``b`` require a gradient (``∂L/∂x`` in ``x``'s
     dtype, the others float32). The node is C++: no Python runs between it and its native calls."""
     _native._need()
-    return _native._state["int8_linear_train"](x, w, b, left, right, dtype == torch.bfloat16, _native._state["isa"])
+    return _native._state["int8_linear_train"](x, w, b, left, right, dtype == torch.bfloat16)
 
 
 def gpt_block_train(x: Tensor, n1w: Tensor, n1b: Optional[Tensor], wqkv: Tensor, bqkv: Optional[Tensor], wo: Tensor,
@@ -302,8 +296,7 @@ def gpt_block_train(x: Tensor, n1w: Tensor, n1b: Optional[Tensor], wqkv: Tensor,
     projection or the attention's output is not finite."""
     _native._need()
     return _native._state["gpt_block_train"](x, n1w, n1b, wqkv, bqkv, wo, bo, n2w, n2b, w1, b1, w2, b2, heads, scale,
-                                             eps[0], eps[1], ACTIVATIONS[activation], left, right,
-                                             _native._state["isa"])
+                                             eps[0], eps[1], ACTIVATIONS[activation], left, right)
 
 
 def int8_linear_backward(g: Tensor, qw: Tensor, sw: Tensor, qxt: Optional[Tensor], sxc: Optional[Tensor], *,
@@ -320,7 +313,7 @@ def int8_linear_backward(g: Tensor, qw: Tensor, sw: Tensor, qxt: Optional[Tensor
     if qxt is None:  # a frozen layer's: the op takes empty tensors for them
         qxt, sxc = qw.new_empty(0), sw.new_empty(0)
     out = _native._state["int8_linear_backward"](g, qw, sw, qxt, sxc, left, right, dx, dw, db,
-                                                 dx_dtype == torch.bfloat16, _native._state["isa"])
+                                                 dx_dtype == torch.bfloat16)
     return tuple(t if want else None for t, want in zip(out, (dx, dw, db)))
 
 
@@ -337,8 +330,8 @@ def int8_kernel(kernel: Optional[str] = None) -> str:
     - ``"onednn"``: ``torch._int_mm`` always.
 
     Either gives the same bits (the exact int32 sums, rescaled alike); only the time differs — by 50× or more on a CPU
-    with AVX2 and no VNNI, where ``torch._int_mm`` is oneDNN's reference loop (2–4 GFLOP/s on 2 Zen 3 cores, ours
-    154–230): ``"onednn"`` is there for comparisons. AVX-512 (isa 2) and the portable set always take
+    with AVX2 and no VNNI, where ``torch._int_mm`` is oneDNN's reference loop (see docs/performance.md):
+    ``"onednn"`` is there for comparisons. AVX-512 (isa 2) and the portable set always take
     ``torch._int_mm``, as do the products ours does not take (``b`` beyond ±63: never the int8 layers').
     """
     _native._need()

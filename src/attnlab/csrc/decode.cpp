@@ -55,7 +55,7 @@ void rope_copy(const float* src, float* dst, int64_t D, const float* c, const fl
 
 at::Tensor attend_decode(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t length,
                          int64_t heads, int64_t kv_heads, const std::optional<at::Tensor>& cos,
-                         const std::optional<at::Tensor>& sin, bool interleaved, double scale, int64_t isa) {
+                         const std::optional<at::Tensor>& sin, bool interleaved, double scale) {
   check_f32(qkv, "attend_decode", "qkv");
   check_f32(k_cache, "attend_decode", "k_cache");
   check_f32(v_cache, "attend_decode", "v_cache");
@@ -119,7 +119,7 @@ at::Tensor attend_decode(const at::Tensor& qkv, const at::Tensor& k_cache, const
 
 }  // namespace
 
-void attnlab_native::activate(int64_t act, float* y, const float* g, int64_t n, int64_t isa) {
+void attnlab_native::activate(int64_t act, float* y, const float* g, int64_t n) {
   const auto fn = ISA_FN(activate_row);
   fn(act, y, g, n);
 }
@@ -127,7 +127,7 @@ void attnlab_native::activate(int64_t act, float* y, const float* g, int64_t n, 
 namespace {
 
 // y = act(x) (⊙ g when given, g of x's shape), a new tensor, the elements split over the threads (~64 K per task)
-at::Tensor activate(const at::Tensor& x, const std::optional<at::Tensor>& g, int64_t act, int64_t isa) {
+at::Tensor activate(const at::Tensor& x, const std::optional<at::Tensor>& g, int64_t act) {
   check_f32(x, "activate", "x");
   ATTNLAB_CHECK(0 <= act && act <= 6, "attnlab::activate: act must be an activation code 0-6, got ", act);
   if (g) {
@@ -153,7 +153,7 @@ const float* ptr(const Opt& t) { return t ? t->data_ptr<float>() : nullptr; }
 
 // RMSNorm (w) or LayerNorm (w, b optional) of each row of x (..., E) -> a new tensor, the rows split over the threads
 // (~64 K elements per task at least); `op` names the caller in the errors
-at::Tensor norm(const char* op, const at::Tensor& x, const Opt& w, const Opt& b, bool rms, double eps, int64_t isa) {
+at::Tensor norm(const char* op, const at::Tensor& x, const Opt& w, const Opt& b, bool rms, double eps) {
   check_f32(x, op, "x");
   for (const Opt* t : {&w, &b})
     if (*t) {
@@ -182,8 +182,8 @@ at::Tensor norm(const char* op, const at::Tensor& x, const Opt& w, const Opt& b,
   return y;
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, int64_t isa) {
-  return norm("rms_norm", x, w, std::nullopt, true, eps, isa);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  return norm("rms_norm", x, w, std::nullopt, true, eps);
 }
 
 void add_(at::Tensor& acc, const at::Tensor& y) {  // acc += y, both contiguous float32 of one size
@@ -199,8 +199,7 @@ void add_(at::Tensor& acc, const at::Tensor& y) {  // acc += y, both contiguous 
 // W_o, s, b; norm₂ w, b; W₁, s, b; W₃, s, b; W₂, s, b; the K and V cache buffers; cos, sin. A qkv with a NaN or
 // ±inf returns an empty tensor and writes nothing: the caller recomputes the layer with its own semantics.
 at::Tensor decoder_step(const at::Tensor& x, at::ArrayRef<Opt> t, bool rms, double eps1, double eps2, int64_t heads,
-                        int64_t kv_heads, int64_t position, bool interleaved, double scale, int64_t act, bool gated,
-                        int64_t isa) {
+                        int64_t kv_heads, int64_t position, bool interleaved, double scale, int64_t act, bool gated) {
   ATTNLAB_CHECK(t.size() == 23, "attnlab::decoder_step: expected 23 tensors (see decode.cpp), got ", t.size());
   check_f32(x, "decoder_step", "x");
   ATTNLAB_CHECK(x.dim() == 3 && x.size(1) == 1, "attnlab::decoder_step: x must be (B, 1, E), got ", x.sizes());
@@ -209,23 +208,23 @@ at::Tensor decoder_step(const at::Tensor& x, at::ArrayRef<Opt> t, bool rms, doub
   ATTNLAB_CHECK(!gated || t[13].has_value(), "attnlab::decoder_step: a gated FFN needs W₃");
   ATTNLAB_CHECK(gated ? attnlab_native::is_gate(act) : attnlab_native::is_plain(act),
                 "attnlab::decoder_step: act must be an activation code of csrc/native.h, got ", act);
-  at::Tensor h = norm("decoder_step", x, t[0], t[1], rms, eps1, isa);
-  at::Tensor qkv = attnlab_native::matvec(h, *t[2], t[3], t[4], isa);
+  at::Tensor h = norm("decoder_step", x, t[0], t[1], rms, eps1);
+  at::Tensor qkv = attnlab_native::matvec(h, *t[2], t[3], t[4]);
   const float* q = qkv.data_ptr<float>();
   for (int64_t i = 0, n = qkv.numel(); i < n; ++i)
     if (!std::isfinite(q[i])) return at::empty({0}, x.options());
-  at::Tensor a = attend_decode(qkv, *t[19], *t[20], position, heads, kv_heads, t[21], t[22], interleaved, scale, isa);
-  at::Tensor x1 = attnlab_native::matvec(a, *t[5], t[6], t[7], isa);
+  at::Tensor a = attend_decode(qkv, *t[19], *t[20], position, heads, kv_heads, t[21], t[22], interleaved, scale);
+  at::Tensor x1 = attnlab_native::matvec(a, *t[5], t[6], t[7]);
   add_(x1, x);  // x₁ = x + a W_oᵀ
-  at::Tensor h2 = norm("decoder_step", x1, t[8], t[9], rms, eps2, isa);
+  at::Tensor h2 = norm("decoder_step", x1, t[8], t[9], rms, eps2);
   at::Tensor f;
   if (gated) {
-    f = attnlab_native::gated_matvec(h2, *t[10], t[11], t[12], *t[13], t[14], t[15], act, isa);
+    f = attnlab_native::gated_matvec(h2, *t[10], t[11], t[12], *t[13], t[14], t[15], act);
   } else {
-    f = attnlab_native::matvec(h2, *t[10], t[11], t[12], isa);
-    attnlab_native::activate(act, f.data_ptr<float>(), nullptr, f.numel(), isa);
+    f = attnlab_native::matvec(h2, *t[10], t[11], t[12]);
+    attnlab_native::activate(act, f.data_ptr<float>(), nullptr, f.numel());
   }
-  at::Tensor out = attnlab_native::matvec(f, *t[16], t[17], t[18], isa);
+  at::Tensor out = attnlab_native::matvec(f, *t[16], t[17], t[18]);
   add_(out, x1);
   return out;
 }
@@ -233,12 +232,12 @@ at::Tensor decoder_step(const at::Tensor& x, at::ArrayRef<Opt> t, bool rms, doub
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(attnlab, m) {
-  m.def("rms_norm(Tensor x, Tensor w, float eps, int isa) -> Tensor");
-  m.def("activate(Tensor x, Tensor? g, int act, int isa) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("activate(Tensor x, Tensor? g, int act) -> Tensor");
   m.def("attend_decode(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, int length, int heads, int kv_heads, "
-        "Tensor? cos, Tensor? sin, bool interleaved, float scale, int isa) -> Tensor");
+        "Tensor? cos, Tensor? sin, bool interleaved, float scale) -> Tensor");
   m.def("decoder_step(Tensor x, Tensor?[] t, bool rms, float eps1, float eps2, int heads, int kv_heads, int position, "
-        "bool interleaved, float scale, int act, bool gated, int isa) -> Tensor");
+        "bool interleaved, float scale, int act, bool gated) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {

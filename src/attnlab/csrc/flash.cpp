@@ -27,7 +27,7 @@
 // The block products (`products`): our own register-tiled kernel (flash_body.h: gemm_own, reading Kᵀ and Vᵀ
 // transposed once per call), the BLAS torch itself uses (cblas_sgemm, found at load time), or ATen's addmm on views
 // of the same memory; by default ours with AVX-512 or where torch has no BLAS, else the BLAS. The element-wise
-// passes are vectorised (flash_body.h) for the caller's instruction set. Tasks are handed out dynamically over
+// passes are vectorised (flash_body.h) for the library's instruction set. Tasks are handed out dynamically over
 // torch's threads.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -65,20 +65,20 @@ using attnlab_native::check_f32;
 
 enum Products : int64_t { AUTO = -1, ATEN = 0, BLAS = 1, OWN = 2 };
 
-Products resolve(int64_t products, int64_t isa) {
+Products resolve(int64_t products) {
   ATTNLAB_CHECK(products >= AUTO && products <= OWN, "attnlab::flash: products must be -1 (auto), 0 (ATen), 1 (BLAS) ",
                 "or 2 (own), got ", products);
   if (products != AUTO) return static_cast<Products>(products);
   // ours: 98-115 GFLOP/s per Zen4 core with AVX-512 on these blocks, against MKL's 79-96 (its packing included);
   // with AVX2's 16 registers its tiles are smaller (57-80) and the BLAS's tuned kernels serve
-  return isa >= 2 || cblas_sgemm == nullptr ? OWN : BLAS;
+  return attnlab_native::cpu_isa() >= 2 || cblas_sgemm == nullptr ? OWN : BLAS;
 }
 
 // the columns our products read past a block's last key (Kᵀ and Vᵀ are padded by them; S rows are as wide)
 constexpr int64_t kPad = 16;
 
 // xᵀ per (batch, head): (B·H, D, L + kPad), the padding zero: the B operand of our S = Q Kᵀ and dP = dO Vᵀ products
-at::Tensor transposed(const at::Tensor& x, int64_t isa) {
+at::Tensor transposed(const at::Tensor& x) {
   const int64_t G = x.size(0) * x.size(1), Lk = x.size(2), D = x.size(3), ld = Lk + kPad, chunk = 64;
   at::Tensor t = at::empty({G, D, ld}, x.options());
   const float* src = x.data_ptr<float>();
@@ -300,7 +300,7 @@ std::tuple<at::Tensor, at::Tensor> flash_forward(const at::Tensor& q, const at::
                                                  const std::optional<at::Tensor>& spans,
                                                  const std::optional<at::Tensor>& layout, int64_t granularity,
                                                  int64_t mod_code, const std::optional<at::Tensor>& slopes, double cap,
-                                                 int64_t block_q, int64_t block_k, int64_t products, int64_t isa) {
+                                                 int64_t block_q, int64_t block_k, int64_t products) {
   const Shapes s = check("flash_forward", q, k, v, block_q, block_k);
   const Layout lay = make_layout("flash_forward", layout, granularity, s.Lq, s.Lk, block_q);
   const Band band = make_band("flash_forward", causal, window, s.B, s.Lq, s.Lk, spans);
@@ -313,8 +313,8 @@ std::tuple<at::Tensor, at::Tensor> flash_forward(const at::Tensor& q, const at::
   const auto softmax_row = ISA_FN(online_softmax_row);
   const auto rescale = ISA_FN(scale_row);
   const auto modify = ISA_FN(mod_row);
-  const Gemms mm{resolve(products, isa), ISA_FN(gemm_own)};
-  const at::Tensor kt = mm.how == OWN ? transposed(k, isa) : at::Tensor();
+  const Gemms mm{resolve(products), ISA_FN(gemm_own)};
+  const at::Tensor kt = mm.how == OWN ? transposed(k) : at::Tensor();
   const int64_t ldt = s.Lk + kPad;
   const int64_t BQ = block_q, BK = block_k, BS = (BK + kPad - 1) / kPad * kPad, off = s.Lk - s.Lq, group = s.H / s.Hkv;
   const int64_t n_blocks = (s.Lq + BQ - 1) / BQ, heads = s.B * s.H;
@@ -367,8 +367,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& 
                                                                const std::optional<at::Tensor>& layout,
                                                                int64_t granularity, int64_t mod_code,
                                                                const std::optional<at::Tensor>& slopes, double cap,
-                                                               int64_t block_q, int64_t block_k, int64_t products,
-                                                               int64_t isa) {
+                                                               int64_t block_q, int64_t block_k, int64_t products) {
   const Shapes s = check("flash_backward", q, k, v, block_q, block_k);
   check_f32(out, "flash_backward", "out");
   check_f32(d_out, "flash_backward", "d_out");
@@ -391,9 +390,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& 
   const auto modify = ISA_FN(mod_row);
   const auto softcap_grad = ISA_FN(softcap_grad_row);
   const auto mul = ISA_FN(mul_row);
-  const Gemms mm{resolve(products, isa), ISA_FN(gemm_own)};
-  const at::Tensor kt = mm.how == OWN ? transposed(k, isa) : at::Tensor();
-  const at::Tensor vt = mm.how == OWN ? transposed(v, isa) : at::Tensor();
+  const Gemms mm{resolve(products), ISA_FN(gemm_own)};
+  const at::Tensor kt = mm.how == OWN ? transposed(k) : at::Tensor();
+  const at::Tensor vt = mm.how == OWN ? transposed(v) : at::Tensor();
   const int64_t ldt = s.Lk + kPad;
   const int64_t BQ = block_q, BK = block_k, BS = (BK + kPad - 1) / kPad * kPad, off = s.Lk - s.Lq, group = s.H / s.Hkv;
   const int64_t n_kv = (s.Lk + BK - 1) / BK, kv_heads = s.B * s.Hkv;
@@ -507,10 +506,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& 
 TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("flash_forward(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window, Tensor? spans, "
         "Tensor? layout, int granularity, int mod, Tensor? slopes, float cap, int block_q, int block_k, "
-        "int products, int isa) -> (Tensor, Tensor)");
+        "int products) -> (Tensor, Tensor)");
   m.def("flash_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor d_out, float scale, bool causal, "
         "int window, Tensor? spans, Tensor? layout, int granularity, int mod, Tensor? slopes, float cap, int block_q, "
-        "int block_k, int products, int isa) -> (Tensor, Tensor, Tensor)");
+        "int block_k, int products) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {

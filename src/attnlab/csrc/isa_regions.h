@@ -1,7 +1,8 @@
 // The vector body `ATTNLAB_BODY` (a header written with GCC's vector extensions, e.g. decode_body.h) compiled once
 // per instruction set, each in its own `#pragma GCC target` region and namespace with that set's width `L` (16
-// floats AVX-512, 8 AVX2, 4 portable), and `ISA_FN(name)`: the `name` of the caller's set (isa: 2 AVX-512, 1 AVX2 +
-// FMA, else portable). Include it inside an anonymous namespace, after the standard headers the body uses.
+// floats AVX-512, 8 AVX2, 4 portable), and `ISA_FN(name)`: the `name` of the set the kernels use
+// (attnlab_native::cpu_isa(): 2 AVX-512, 1 AVX2 + FMA, else portable; what the CPU runs). Include it inside an
+// anonymous namespace, after native.h and the standard headers the body uses.
 #if defined(__x86_64__) || defined(_M_X64)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw")
@@ -37,7 +38,8 @@ T pick(int64_t isa, T avx512_fn, T avx2_fn, T portable_fn) {
 }
 
 #ifdef ATTNLAB_ISAS
-#define ISA_FN(name) pick<decltype(&portable::name)>(isa, avx512::name, avx2::name, portable::name)
+#define ISA_FN(name) \
+  pick<decltype(&portable::name)>(::attnlab_native::cpu_isa(), avx512::name, avx2::name, portable::name)
 #else
-#define ISA_FN(name) pick<decltype(&portable::name)>(isa, nullptr, nullptr, portable::name)
+#define ISA_FN(name) pick<decltype(&portable::name)>(::attnlab_native::cpu_isa(), nullptr, nullptr, portable::name)
 #endif

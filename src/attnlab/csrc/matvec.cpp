@@ -24,8 +24,8 @@
 // attnlab::gated_matvec is a gated FFN's first half in one call: h = act(x W₁ᵀ ⊙ s₁ + b₁) ⊙ (x W₃ᵀ ⊙ s₃ + b₃), the
 // two products split over the threads together and each task gating the rows it computed.
 //
-// The instruction set is chosen by the caller (`isa`: 2 = AVX-512, 1 = AVX2 + FMA, 0 = portable C++),
-// from torch.backends.cpu.get_cpu_capability(), so ATEN_CPU_CAPABILITY=avx2 selects the AVX2 code here too.
+// The instruction set is the library's (native.h, cpu_isa(): 2 = AVX-512, 1 = AVX2 + FMA, 0 = portable C++): the
+// CPU's best, capped by ATEN_CPU_CAPABILITY as ATen's is, so ATEN_CPU_CAPABILITY=avx2 selects the AVX2 code here too.
 // The vector code is written once (matvec_rows.h) and compiled for each instruction set in its own
 // `#pragma GCC target` region, with that set's vector operations (struct V).
 #include <ATen/Parallel.h>
@@ -254,10 +254,9 @@ DequantizeFn pick_dequantize(int64_t isa) {
 }
 
 // rows [n0, n0 + nb) of an int4 W (N, ⌈K/128⌉ · 64) with its group scales (N, K / G) as float32 into out (nb, K)
-void dequantize_int4(const at::Tensor& w, const at::Tensor& scale, int64_t K, int64_t n0, int64_t nb, float* out,
-                     int64_t isa) {
+void dequantize_int4(const at::Tensor& w, const at::Tensor& scale, int64_t K, int64_t n0, int64_t nb, float* out) {
   const int64_t G = K / scale.size(1), rb = int4_row_bytes(K), ng = scale.size(1);
-  const DequantizeFn fn = pick_dequantize(isa);
+  const DequantizeFn fn = pick_dequantize(attnlab_native::cpu_isa());
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* gs = scale.data_ptr<float>();
   at::parallel_for(0, nb, std::max<int64_t>(1, (int64_t(1) << 14) / K), [&](int64_t a, int64_t b) {
@@ -266,15 +265,14 @@ void dequantize_int4(const at::Tensor& w, const at::Tensor& scale, int64_t K, in
 }
 
 void int4_panels(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                 const std::optional<at::Tensor>& bias, const at::Tensor& y, int64_t M, int64_t N, int64_t K,
-                 int64_t isa) {
+                 const std::optional<at::Tensor>& bias, const at::Tensor& y, int64_t M, int64_t N, int64_t K) {
   const int64_t rows = std::min(N, std::max<int64_t>(64, (int64_t(1) << 22) / K));
   const at::Tensor x2 = x.reshape({M, K});
   at::Tensor y2 = y.view({M, N});
   at::Tensor panel = at::empty({rows, K}, x.options());
   for (int64_t n0 = 0; n0 < N; n0 += rows) {
     const int64_t nb = std::min(rows, N - n0);
-    dequantize_int4(w, scale, K, n0, nb, panel.data_ptr<float>(), isa);
+    dequantize_int4(w, scale, K, n0, nb, panel.data_ptr<float>());
     const at::Tensor wt = panel.narrow(0, 0, nb).t();
     if (nb == N) {  // one panel: straight into y
       if (bias) at::addmm_out(y2, *bias, x2, wt);
@@ -312,7 +310,8 @@ void mark_nonfinite(const Prepared& p, float* y, int64_t N) {
   for (const int64_t m : p.nonfinite) std::fill(y + m * N, y + (m + 1) * N, std::numeric_limits<float>::quiet_NaN());
 }
 
-Prepared prepare(const at::Tensor& x, at::ScalarType wt, int64_t M, int64_t K, int64_t isa) {
+Prepared prepare(const at::Tensor& x, at::ScalarType wt, int64_t M, int64_t K) {
+  const int64_t isa = attnlab_native::cpu_isa();
   Prepared p;
   if (wt == at::kBFloat16 && isa > 0 && K % 2 == 0) {  // (K odd: the portable kernel)
     p.xd = at::empty({M, K}, x.options());
@@ -420,15 +419,15 @@ int64_t grain(int64_t row_bytes) { return std::max<int64_t>(1, (int64_t(1) << 18
 namespace attnlab_native {
 
 at::Tensor matvec(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale,
-                  const std::optional<at::Tensor>& bias, int64_t isa) {
+                  const std::optional<at::Tensor>& bias) {
   const int64_t M = check("matvec", x, w, scale, bias), N = w.size(0), K = x.size(-1);
   at::Tensor y = output(x, N);
   if (M == 0 || N == 0) return y.zero_();
   if (w.scalar_type() == at::kByte && M > INT4_ROWS) {
-    int4_panels(x, w, *scale, bias, y, M, N, K, isa);
+    int4_panels(x, w, *scale, bias, y, M, N, K);
     return y;
   }
-  const Prepared p = prepare(x, w.scalar_type(), M, K, isa);
+  const Prepared p = prepare(x, w.scalar_type(), M, K);
   const Job j = job(p, x, w, scale, bias, y.data_ptr<float>(), M, N, K);
   at::parallel_for(0, N, grain(w.size(1) * w.element_size()), [&](int64_t n0, int64_t n1) { p.fn(j, n0, n1); });
   mark_nonfinite(p, y.data_ptr<float>(), N);
@@ -439,7 +438,7 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& w, const std::optional<
 // rows (each task reads row n of W₁, then of W₃, and gates its own rows)
 at::Tensor gated_matvec(const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& s1,
                         const std::optional<at::Tensor>& b1, const at::Tensor& w3, const std::optional<at::Tensor>& s3,
-                        const std::optional<at::Tensor>& b3, int64_t act, int64_t isa) {
+                        const std::optional<at::Tensor>& b3, int64_t act) {
   const int64_t M = check("gated_matvec", x, w1, s1, b1), N = w1.size(0), K = x.size(-1);
   check("gated_matvec", x, w3, s3, b3);
   ATTNLAB_CHECK(w3.sizes() == w1.sizes() && w3.scalar_type() == w1.scalar_type() &&
@@ -452,36 +451,51 @@ at::Tensor gated_matvec(const at::Tensor& x, const at::Tensor& w1, const std::op
   at::Tensor y = output(x, N);
   if (M == 0 || N == 0) return y.zero_();
   at::Tensor y3 = at::empty({M, N}, x.options());
-  const Prepared p = prepare(x, w1.scalar_type(), M, K, isa);
+  const Prepared p = prepare(x, w1.scalar_type(), M, K);
   const Job j1 = job(p, x, w1, s1, b1, y.data_ptr<float>(), M, N, K);
   const Job j3 = job(p, x, w3, s3, b3, y3.data_ptr<float>(), M, N, K);
   at::parallel_for(0, N, grain(2 * w1.size(1) * w1.element_size()), [&](int64_t n0, int64_t n1) {
     p.fn(j1, n0, n1);
     p.fn(j3, n0, n1);
-    for (int64_t m = 0; m < M; ++m) activate(act, j1.y + m * N + n0, j3.y + m * N + n0, n1 - n0, isa);
+    for (int64_t m = 0; m < M; ++m) activate(act, j1.y + m * N + n0, j3.y + m * N + n0, n1 - n0);
   });
   mark_nonfinite(p, y.data_ptr<float>(), N);
   return y;
 }
 
 // the float32 (N, K) that an int4 w (N, ⌈K/128⌉ · 64) and its group scales (N, K / G) stand for
-at::Tensor int4_dequantize(const at::Tensor& w, const at::Tensor& scale, int64_t K, int64_t isa) {
+at::Tensor int4_dequantize(const at::Tensor& w, const at::Tensor& scale, int64_t K) {
   ATTNLAB_CHECK(K > 0, "attnlab::int4_dequantize: K must be positive, got ", K);
   ATTNLAB_CHECK(w.scalar_type() == at::kByte, "attnlab::int4_dequantize: w must be uint8 (int4 pairs), got ",
                 w.scalar_type());
   check_weight("int4_dequantize", w, scale, std::nullopt, K);
   at::Tensor out = at::empty({w.size(0), K}, scale.options());
-  dequantize_int4(w, scale, K, 0, w.size(0), out.data_ptr<float>(), isa);
+  dequantize_int4(w, scale, K, 0, w.size(0), out.data_ptr<float>());
   return out;
+}
+
+// attnlab::cpu_isa() -> the instruction set every kernel uses (native.h: 2 AVX-512, 1 AVX2 + FMA, 0 portable C++)
+int64_t cpu_isa_op() { return cpu_isa(); }
+
+// attnlab::limit_isa(isa) -> cpu_isa() after it: the kernels use at most set `isa` (0-2; 2 lifts the limit) — only
+// ever lower than what the CPU and ATEN_CPU_CAPABILITY allow, so a test runs each lower set's kernels in one process
+int64_t limit_isa(int64_t isa) {
+  ATTNLAB_CHECK(0 <= isa && isa <= 2, "attnlab::limit_isa: isa must be 0 (portable), 1 (AVX2) or 2 (AVX-512), got ",
+                isa);
+  isa_limit().store(isa, std::memory_order_relaxed);
+  return cpu_isa();
 }
 
 }  // namespace attnlab_native
 
 TORCH_LIBRARY(attnlab, m) {
-  m.def("matvec(Tensor x, Tensor w, Tensor? scale, Tensor? bias, int isa) -> Tensor");
-  m.def("int4_dequantize(Tensor w, Tensor scale, int K, int isa) -> Tensor");
-  m.def("gated_matvec(Tensor x, Tensor w1, Tensor? s1, Tensor? b1, Tensor w3, Tensor? s3, Tensor? b3, int act, "
-        "int isa) -> Tensor");
+  // (no tensors: one kernel for every dispatch key)
+  m.def("cpu_isa() -> int", &attnlab_native::cpu_isa_op);
+  m.def("limit_isa(int isa) -> int", &attnlab_native::limit_isa);
+  m.def("matvec(Tensor x, Tensor w, Tensor? scale, Tensor? bias) -> Tensor");
+  m.def("int4_dequantize(Tensor w, Tensor scale, int K) -> Tensor");
+  m.def("gated_matvec(Tensor x, Tensor w1, Tensor? s1, Tensor? b1, Tensor w3, Tensor? s3, Tensor? b3, int act) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {

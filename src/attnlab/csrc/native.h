@@ -5,6 +5,8 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cstdint>
 #include <cstdio>
 #include <optional>
@@ -37,6 +39,33 @@ std::string message(const A&... a) { return (std::string() + ... + piece(a)); }
 // TORCH_CHECK with the message above, from its parts (its parts are evaluated only when cond fails)
 #define ATTNLAB_CHECK(cond, ...) TORCH_CHECK(cond, ::attnlab_native::message(__VA_ARGS__))
 
+// The instruction set every kernel runs: 2 AVX-512 (F + BW), 1 AVX2 + FMA, 0 portable C++. The best one the CPU and
+// its operating system support (__builtin_cpu_supports: cpuid, and xgetbv for the saved vector state), capped as ATen
+// caps its own by ATEN_CPU_CAPABILITY ("avx512", "avx2", "default"; another value is ignored), resolved once per
+// process. No argument of any op chooses it: an op cannot run an instruction the CPU lacks.
+inline int64_t cpu_supported_isa() {
+  static const int64_t best = [] {
+    int64_t level = 0;
+#if defined(__x86_64__) || defined(_M_X64)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) level = 1;
+    if (level == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) level = 2;
+#endif
+    const char* env = std::getenv("ATEN_CPU_CAPABILITY");
+    const std::string cap = env ? env : "";
+    const int64_t asked = cap == "avx512" ? 2 : cap == "avx2" ? 1 : cap == "default" ? 0 : 2;
+    return std::min(level, asked);
+  }();
+  return best;
+}
+// The limit attnlab::limit_isa sets (tests run each lower set's kernels in one process): it only lowers
+inline std::atomic<int64_t>& isa_limit() {
+  static std::atomic<int64_t> limit{2};
+  return limit;
+}
+// The set the kernels use now: cpu_supported_isa() within isa_limit(); each op reads it once per call
+inline int64_t cpu_isa() { return std::min(cpu_supported_isa(), isa_limit().load(std::memory_order_relaxed)); }
+
 // activation codes, shared with attnlab._native.ACTIVATIONS: a gated FFN's gates (0-3), then plain ones
 enum Act : int64_t { GLU = 0, GELU = 1, GELU_TANH = 2, SILU = 3, RELU = 4, QUICK_GELU = 5, RELU2 = 6 };
 // whether code act is a gate (gated FFN) or a plain activation
@@ -44,7 +73,7 @@ inline bool is_gate(int64_t act) { return (GLU <= act && act <= SILU) || act == 
 inline bool is_plain(int64_t act) { return (GELU <= act && act <= QUICK_GELU && act != SILU) || act == RELU2; }
 
 // y[i] = act(y[i]) ⊙ g[i] (g null: 1), vectorised (decode_body.h: e^x within ~1 ulp, erf within 1.5e-7)
-void activate(int64_t act, float* y, const float* g, int64_t n, int64_t isa);
+void activate(int64_t act, float* y, const float* g, int64_t n);
 
 // the checks of a kernel's tensor arguments: contiguous float32 on the CPU
 inline void check_f32(const at::Tensor& t, const char* op, const char* name) {
@@ -55,10 +84,10 @@ inline void check_f32(const at::Tensor& t, const char* op, const char* name) {
 
 // matvec.cpp: y = s ⊙ (x Wᵀ) + b, and act(x W₁ᵀ ⊙ s₁ + b₁) ⊙ (x W₃ᵀ ⊙ s₃ + b₃)
 at::Tensor matvec(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale,
-                  const std::optional<at::Tensor>& bias, int64_t isa);
+                  const std::optional<at::Tensor>& bias);
 at::Tensor gated_matvec(const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& s1,
                         const std::optional<at::Tensor>& b1, const at::Tensor& w3, const std::optional<at::Tensor>& s3,
-                        const std::optional<at::Tensor>& b3, int64_t act, int64_t isa);
+                        const std::optional<at::Tensor>& b3, int64_t act);
 
 // train.cpp's short attention takes SHORT_ROWS queries at a time: a causal block computes only the keys up to its
 // last query's (16-aligned), so at 64 keys 10 of the 16 16 × 16 score tiles.

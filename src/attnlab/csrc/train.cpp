@@ -77,8 +77,8 @@
 //       The squares summed in fixed chunks of CLIP_CHUNK elements, the chunks in order: the same bits on any
 //       thread count
 //
-// Rows are split over torch's threads; the vector code is the caller's instruction set
-// (isa_regions.h). A NaN stays a NaN through every pass (the pipeline reports it).
+// Rows are split over torch's threads; the vector code is the library's instruction set
+// (native.h's cpu_isa(), isa_regions.h). A NaN stays a NaN through every pass (the pipeline reports it).
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <ATen/core/Tensor.h>
@@ -137,7 +137,7 @@ T* data(const at::Tensor& t) {
 }
 
 std::tuple<at::Tensor, at::Tensor> softmax_rows(const at::Tensor& s, double scale, bool causal, int64_t window,
-                                                bool cast, int64_t isa) {
+                                                bool cast) {
   check_fb(s, "softmax_rows", "s");
   ATTNLAB_CHECK(s.dim() == 3, "attnlab::softmax_rows: s must be (G, Lq, Lk), got ", s.sizes());
   at::Tensor p = at::empty(s.sizes(), s.options().dtype(at::kFloat));
@@ -163,7 +163,7 @@ std::tuple<at::Tensor, at::Tensor> softmax_rows(const at::Tensor& s, double scal
   return {p, pc};
 }
 
-at::Tensor softmax_rows_backward(const at::Tensor& dp, const at::Tensor& p, double scale, int64_t isa) {
+at::Tensor softmax_rows_backward(const at::Tensor& dp, const at::Tensor& p, double scale) {
   check_fb(dp, "softmax_rows_backward", "dp");
   attnlab_native::check_f32(p, "softmax_rows_backward", "p");
   ATTNLAB_CHECK(dp.sizes() == p.sizes() && p.dim() == 3, "attnlab::softmax_rows_backward: dp and p must be the same ",
@@ -188,7 +188,7 @@ at::Tensor softmax_rows_backward(const at::Tensor& dp, const at::Tensor& p, doub
 // x viewed as (rows, n), n its last dimension
 int64_t last(const at::Tensor& x) { return x.dim() ? x.size(-1) : 1; }
 
-std::tuple<at::Tensor, at::Tensor> rms_norm_train(const at::Tensor& x, const at::Tensor& w, double eps, int64_t isa) {
+std::tuple<at::Tensor, at::Tensor> rms_norm_train(const at::Tensor& x, const at::Tensor& w, double eps) {
   check_fb(x, "rms_norm_train", "x");
   attnlab_native::check_f32(w, "rms_norm_train", "w");
   const int64_t n = last(x), rows = n ? x.numel() / n : 0;
@@ -211,7 +211,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_train(const at::Tensor& x, const at:
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_train_backward(const at::Tensor& dy, const at::Tensor& x,
-                                                           const at::Tensor& w, const at::Tensor& r, int64_t isa) {
+                                                           const at::Tensor& w, const at::Tensor& r) {
   check_fb(x, "rms_norm_train_backward", "x");
   check_fb(dy, "rms_norm_train_backward", "dy");
   attnlab_native::check_f32(w, "rms_norm_train_backward", "w");
@@ -247,7 +247,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_train_backward(const at::Tensor& dy,
   return {dx, part.sum(0)};
 }
 
-at::Tensor rope_train(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, double sign, int64_t isa) {
+at::Tensor rope_train(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, double sign) {
   ATTNLAB_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                   x.dim() == 4 && x.stride(3) == 1 && x.size(3) % 2 == 0,
                 "attnlab::rope_train: x must be a float32 or bfloat16 CPU tensor (B, H, L, D), D even, its last ",
@@ -291,7 +291,7 @@ void check_act(const at::Tensor& g, const std::optional<at::Tensor>& u, int64_t 
 constexpr int64_t ACT_GRAIN = 1 << 14;  // elements a task
 
 std::tuple<at::Tensor, at::Tensor> act_train(const at::Tensor& g, const std::optional<at::Tensor>& u, int64_t act,
-                                             bool keep, int64_t isa) {
+                                             bool keep) {
   check_act(g, u, act, "act_train");
   ATTNLAB_CHECK(!(keep && u), "attnlab::act_train: keep (the derivative) is for a plain activation, got a gate u");
   at::Tensor h = at::empty_like(g), d = keep ? at::empty_like(g) : at::empty({0}, g.options());
@@ -314,7 +314,7 @@ std::tuple<at::Tensor, at::Tensor> act_train(const at::Tensor& g, const std::opt
 }
 
 std::tuple<at::Tensor, at::Tensor> act_train_backward(const at::Tensor& dh, const at::Tensor& g,
-                                                      const std::optional<at::Tensor>& u, int64_t act, int64_t isa) {
+                                                      const std::optional<at::Tensor>& u, int64_t act) {
   check_act(g, u, act, "act_train_backward");
   check_fb(dh, "act_train_backward", "dh");
   ATTNLAB_CHECK(dh.sizes() == g.sizes() && dh.scalar_type() == g.scalar_type(), "attnlab::act_train_backward: dh must ",
@@ -347,7 +347,7 @@ std::pair<float, float> scale_of(float m, int64_t levels) {
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const std::optional<at::Tensor>& c,
-                                                 int64_t levels, int64_t isa) {
+                                                 int64_t levels) {
   check_fb(x, "quantize_rows", "x");
   check_levels(levels, "quantize_rows");
   ATTNLAB_CHECK(x.dim() == 2, "attnlab::quantize_rows: x must be (rows, n), got ", x.sizes());
@@ -385,8 +385,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const std:
 // (transposed false: the columns' rounding written as x lies, qc (R, n) contiguous, returned as its (n, R) view qc.t()
 // — the same values without the transposing pass, for a product that reads either layout: int8_gemm.h's)
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_rows_cols_laid(
-    const at::Tensor& x, const std::optional<at::Tensor>& c, int64_t levels, int64_t col_levels, int64_t isa,
-    bool transposed) {
+    const at::Tensor& x, const std::optional<at::Tensor>& c, int64_t levels, int64_t col_levels, bool transposed) {
   check_fb(x, "quantize_rows_cols", "x");
   check_levels(levels, "quantize_rows_cols");
   check_levels(col_levels, "quantize_rows_cols");
@@ -463,8 +462,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_rows_cols(
-    const at::Tensor& x, const std::optional<at::Tensor>& c, int64_t levels, int64_t col_levels, int64_t isa) {
-  return quantize_rows_cols_laid(x, c, levels, col_levels, isa, true);
+    const at::Tensor& x, const std::optional<at::Tensor>& c, int64_t levels, int64_t col_levels) {
+  return quantize_rows_cols_laid(x, c, levels, col_levels, true);
 }
 
 // the rescaling of an (R, n) int32 product: rs (R,), cs and b (n,) or absent, contiguous float32
@@ -482,7 +481,7 @@ void check_scales(const at::Tensor& rs, const std::optional<at::Tensor>& cs, con
 }
 
 at::Tensor dequantize(const at::Tensor& acc, const at::Tensor& rs, const std::optional<at::Tensor>& cs,
-                      const std::optional<at::Tensor>& b, bool bf16, int64_t isa) {
+                      const std::optional<at::Tensor>& b, bool bf16) {
   ATTNLAB_CHECK(acc.device().is_cpu() && acc.scalar_type() == at::kInt && acc.dim() == 2 && acc.is_contiguous(),
                 "attnlab::dequantize: acc must be a contiguous int32 CPU tensor (rows, n), got ", acc.scalar_type(),
                 " ", acc.sizes());
@@ -537,18 +536,19 @@ int64_t int8_kernel(int64_t mode) {
 }
 
 // whether int8_product takes int8_gemm.h's product for K terms a sum: AVX2, the int8_kernel setting, K's size
-bool ours_takes(int64_t K, int64_t max_inner, int64_t isa) {
+bool ours_takes(int64_t K, int64_t max_inner) {
 #ifdef ATTNLAB_ISAS
   const int64_t mode = int8_kernel_mode.load(std::memory_order_relaxed);
-  return isa == 1 && (mode == kOurs || (mode == kAuto && !onednn_has_vnni())) && K <= std::min(max_inner, u8s8::MAX_K);
+  return attnlab_native::cpu_isa() == 1 && (mode == kOurs || (mode == kAuto && !onednn_has_vnni())) &&
+         K <= std::min(max_inner, u8s8::MAX_K);
 #else
   return false;
 #endif
 }
 
 // whether it takes it for int8 a (M, K) and b (K, N) (where b lies within ±63): ours_takes, and a's layout and size
-bool ours_for(const at::Tensor& a, const at::Tensor& b, int64_t max_inner, int64_t isa) {
-  return ours_takes(a.size(1), max_inner, isa) && a.stride(1) == 1 && a.size(0) > 0 && b.size(1) > 0;
+bool ours_for(const at::Tensor& a, const at::Tensor& b, int64_t max_inner) {
+  return ours_takes(a.size(1), max_inner) && a.stride(1) == 1 && a.size(0) > 0 && b.size(1) > 0;
 }
 
 // torch._int_mm's sums. oneDNN's VNNI path (torch 2.13, AVX512-VNNI on Zen 4) reads memory it never wrote for an
@@ -567,7 +567,7 @@ at::Tensor int_mm(const at::Tensor& a, const at::Tensor& b) {
 // rounded once after y's (our product adds it in its rescaling; oneDNN's path in place after)
 at::Tensor int8_product_plus(const at::Tensor& a, const at::Tensor& b, const at::Tensor& rs,
                              const std::optional<at::Tensor>& cs, const std::optional<at::Tensor>& bias, bool bf16,
-                             int64_t max_inner, int64_t isa, const at::Tensor* res) {
+                             int64_t max_inner, const at::Tensor* res) {
   ATTNLAB_CHECK(a.scalar_type() == at::kChar && b.scalar_type() == at::kChar && a.dim() == 2 && b.dim() == 2 &&
                     a.size(1) == b.size(0),
                 "attnlab::int8_product: a (M, K) and b (K, N) must be int8, got ", a.scalar_type(), " ", a.sizes(),
@@ -578,7 +578,7 @@ at::Tensor int8_product_plus(const at::Tensor& a, const at::Tensor& b, const at:
                 "attnlab::int8_product: a residual must be float32 (M, N) contiguous with a float32 result");
   const int64_t K = a.size(1);
 #ifdef ATTNLAB_ISAS
-  if (ours_for(a, b, max_inner, isa)) {
+  if (ours_for(a, b, max_inner)) {
     // AVX2 without VNNI: our product with the rescaling fused (int8_gemm.h), where b's entries lie within ±63
     const int64_t M = a.size(0), N = b.size(1);
     check_scales(rs, cs, bias, M, N, "int8_product");
@@ -593,13 +593,13 @@ at::Tensor int8_product_plus(const at::Tensor& a, const at::Tensor& b, const at:
     if (done) return y;
   }
 #endif
-  if (res) return int8_product_plus(a, b, rs, cs, bias, bf16, max_inner, isa, nullptr).add_(*res);
-  if (K <= max_inner) return dequantize(int_mm(a, b), rs, cs, bias, bf16, isa);
+  if (res) return int8_product_plus(a, b, rs, cs, bias, bf16, max_inner, nullptr).add_(*res);
+  if (K <= max_inner) return dequantize(int_mm(a, b), rs, cs, bias, bf16);
   at::Tensor out;
   for (int64_t k0 = 0; k0 < K; k0 += max_inner) {
     const int64_t k1 = std::min(K, k0 + max_inner);
     at::Tensor part = dequantize(int_mm(a.slice(1, k0, k1), b.slice(0, k0, k1)), rs, cs,
-                                 k0 == 0 ? bias : std::nullopt, false, isa);
+                                 k0 == 0 ? bias : std::nullopt, false);
     out = k0 == 0 ? part : out.add_(part);
   }
   return bf16 ? out.to(at::kBFloat16) : out;
@@ -607,8 +607,8 @@ at::Tensor int8_product_plus(const at::Tensor& a, const at::Tensor& b, const at:
 
 at::Tensor int8_product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& rs,
                         const std::optional<at::Tensor>& cs, const std::optional<at::Tensor>& bias, bool bf16,
-                        int64_t max_inner, int64_t isa) {
-  return int8_product_plus(a, b, rs, cs, bias, bf16, max_inner, isa, nullptr);
+                        int64_t max_inner) {
+  return int8_product_plus(a, b, rs, cs, bias, bf16, max_inner, nullptr);
 }
 
 // the longest sum of products of ±left and ±right integers an int32 holds exactly
@@ -621,23 +621,23 @@ int64_t max_terms(int64_t left, int64_t right) {
 // false) added to y as int8_product_plus adds it
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> int8_linear_bounded(
     const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, int64_t left, int64_t right,
-    bool cols, bool bf16, int64_t isa, double* bound, const at::Tensor* res = nullptr) {
+    bool cols, bool bf16, double* bound, const at::Tensor* res = nullptr) {
   check_fb(x, "int8_linear", "x");
   attnlab_native::check_f32(w, "int8_linear", "w");
   ATTNLAB_CHECK(x.dim() == 2 && w.dim() == 2 && w.size(1) == x.size(1),
                 "attnlab::int8_linear: x (T, in) and w (out, in) must agree, got ", x.sizes(), " and ", w.sizes());
-  auto [qw, sw] = quantize_rows(w, std::nullopt, right, isa);
+  auto [qw, sw] = quantize_rows(w, std::nullopt, right);
   at::Tensor qx, sx, qxt, sxc;
   if (cols) {
     // qxt: the right operand qxt.t() (T, in) of the weight gradient's product over the T tokens; where that product
     // is ours (it reads either layout) x's rows as they lie, else transposed (oneDNN's VNNI path reads it fastest so)
-    const bool laid = ours_takes(x.size(0), max_terms(left, right), isa);
-    std::tie(qx, sx, qxt, sxc, std::ignore) = quantize_rows_cols_laid(x, std::nullopt, left, right, isa, !laid);
+    const bool laid = ours_takes(x.size(0), max_terms(left, right));
+    std::tie(qx, sx, qxt, sxc, std::ignore) = quantize_rows_cols_laid(x, std::nullopt, left, right, !laid);
   } else {
-    std::tie(qx, sx) = quantize_rows(x, std::nullopt, left, isa);
+    std::tie(qx, sx) = quantize_rows(x, std::nullopt, left);
     qxt = at::empty({0}, qx.options()), sxc = at::empty({0}, sx.options());
   }
-  at::Tensor y = int8_product_plus(qx, qw.t(), sx, sw, b, bf16, max_terms(left, right), isa, res);
+  at::Tensor y = int8_product_plus(qx, qw.t(), sx, sw, b, bf16, max_terms(left, right), res);
   if (bound) {  // |y| ≤ K · left · right · max s_x · max s_w + max |b| (the integer sums' bound); NaN if one is not finite
     const auto amax = [&](const at::Tensor& t) {  // (NaN where an entry is NaN or infinite)
       return static_cast<double>(ISA_FN(absmax_row<float>)(t.data_ptr<float>(), nullptr, t.numel()));
@@ -649,13 +649,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> int8_line
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> int8_linear(
     const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, int64_t left, int64_t right,
-    bool cols, bool bf16, int64_t isa) {
-  return int8_linear_bounded(x, w, b, left, right, cols, bf16, isa, nullptr);
+    bool cols, bool bf16) {
+  return int8_linear_bounded(x, w, b, left, right, cols, bf16, nullptr);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_linear_backward(
     const at::Tensor& g, const at::Tensor& qw, const at::Tensor& sw, const at::Tensor& qxt, const at::Tensor& sxc,
-    int64_t left, int64_t right, bool dx, bool dw, bool db, bool dx_bf16, int64_t isa) {
+    int64_t left, int64_t right, bool dx, bool dw, bool db, bool dx_bf16) {
   check_fb(g, "int8_linear_backward", "g");
   ATTNLAB_CHECK(g.dim() == 2 && qw.dim() == 2 && g.size(1) == qw.size(0), "attnlab::int8_linear_backward: g (T, out) ",
                 "and qw (out, in) must agree, got ", g.sizes(), " and ", qw.sizes());
@@ -668,16 +668,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_linear_backward(
   const int64_t max_inner = max_terms(left, right);  // (operands checked before the rounding pass runs)
   at::Tensor qz, sz, qgt, sg, gsum, none = at::empty({0}, g.options().dtype(at::kFloat));
   if (dw || db) {
-    std::tie(qz, sz, qgt, sg, gsum) = quantize_rows_cols(g, sw, left, left, isa);  // G diag(s_w) by rows, Gᵀ
+    std::tie(qz, sz, qgt, sg, gsum) = quantize_rows_cols(g, sw, left, left);  // G diag(s_w) by rows, Gᵀ
   } else {
-    std::tie(qz, sz) = quantize_rows(g, sw, left, isa);  // a frozen layer: only ∂L/∂X
+    std::tie(qz, sz) = quantize_rows(g, sw, left);  // a frozen layer: only ∂L/∂X
   }
   at::Tensor dxv = none, dwv = none;
-  const auto run_dx = [&] { dxv = int8_product(qz, qw, sz, std::nullopt, std::nullopt, dx_bf16, max_inner, isa); };
-  const auto run_dw = [&] { dwv = int8_product(qgt, qxt.t(), sg, sxc, std::nullopt, false, max_inner, isa); };
+  const auto run_dx = [&] { dxv = int8_product(qz, qw, sz, std::nullopt, std::nullopt, dx_bf16, max_inner); };
+  const auto run_dw = [&] { dwv = int8_product(qgt, qxt.t(), sg, sxc, std::nullopt, false, max_inner); };
   const bool two = dx && dw && at::get_num_threads() == 2 && !at::in_parallel_region();
 #ifdef ATTNLAB_ISAS
-  if (two && ours_for(qz, qw, max_inner, isa) && ours_for(qgt, qxt.t(), max_inner, isa)) {
+  if (two && ours_for(qz, qw, max_inner) && ours_for(qgt, qxt.t(), max_inner)) {
     // int8_gemm.h's two products sharing the two threads (u8s8::product_pair): the same bits as one a thread, no
     // core waiting for the other's product
     const int64_t T = g.size(0), in = qw.size(1), out = qw.size(0);
@@ -717,20 +717,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_linear_backward(
 // (~15 µs a layer a step, 16 layers in nanogpt-cpu) runs here in C++
 struct Int8Linear : public torch::autograd::Function<Int8Linear> {
   // what the backward reads from the forward, beside the rounded operands and x's shape
-  enum Flag { LEFT, RIGHT, ISA, X_BF16, NEED_X, NEED_W, NEED_B, FLAGS };
+  enum Flag { LEFT, RIGHT, X_BF16, NEED_X, NEED_W, NEED_B, FLAGS };
 
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
-                            const std::optional<at::Tensor>& b, int64_t left, int64_t right, bool bf16,
-                            int64_t isa) {
+                            const std::optional<at::Tensor>& b, int64_t left, int64_t right, bool bf16) {
     ATTNLAB_CHECK(x.dim() >= 1, "attnlab::int8_linear_train: x must be (..., in), got ", x.sizes());
     const bool need_w = w.requires_grad();
     at::Tensor x2 = x.reshape({-1, x.size(-1)});
     auto [y, qw, sw, qxt, sxc] = int8_linear(x2.is_contiguous() ? x2 : x2.contiguous(), w, b, left, right, need_w,
-                                             bf16, isa);
+                                             bf16);
     ctx->save_for_backward({qw, sw, qxt, sxc});
     ctx->saved_data["x"] = c10::IValue(x.sizes());
     std::vector<int64_t> f(FLAGS);
-    f[LEFT] = left, f[RIGHT] = right, f[ISA] = isa, f[X_BF16] = x.scalar_type() == at::kBFloat16;
+    f[LEFT] = left, f[RIGHT] = right, f[X_BF16] = x.scalar_type() == at::kBFloat16;
     f[NEED_X] = x.requires_grad(), f[NEED_W] = need_w, f[NEED_B] = b && b->requires_grad();
     ctx->saved_data["f"] = c10::IValue(std::move(f));
     std::vector<int64_t> shape = x.sizes().vec();
@@ -746,15 +745,15 @@ struct Int8Linear : public torch::autograd::Function<Int8Linear> {
     if (g.scalar_type() != at::kFloat && g.scalar_type() != at::kBFloat16) g = g.to(at::kFloat);
     if (!g.is_contiguous()) g = g.contiguous();
     auto [dx, dw, db] = int8_linear_backward(g, saved[0], saved[1], saved[2], saved[3], f[LEFT], f[RIGHT], f[NEED_X],
-                                             f[NEED_W], f[NEED_B], f[X_BF16], f[ISA]);
+                                             f[NEED_W], f[NEED_B], f[X_BF16]);
     return {f[NEED_X] ? dx.view(ctx->saved_data["x"].toIntVector()) : at::Tensor(), f[NEED_W] ? dw : at::Tensor(),
-            f[NEED_B] ? db : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+            f[NEED_B] ? db : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor int8_linear_train(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
-                             int64_t left, int64_t right, bool bf16, int64_t isa) {
-  return Int8Linear::apply(x, w, b && b->defined() ? b : std::nullopt, left, right, bf16, isa);
+                             int64_t left, int64_t right, bool bf16) {
+  return Int8Linear::apply(x, w, b && b->defined() ? b : std::nullopt, left, right, bf16);
 }
 
 void check_short(const at::Tensor& t, const at::Tensor& q, const char* op, const char* name, int64_t L) {
@@ -789,7 +788,7 @@ at::Tensor heads_merged(const at::Tensor& like, int64_t L) {
 }
 
 std::tuple<at::Tensor, at::Tensor> short_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                   double scale, bool causal, int64_t window, int64_t isa) {
+                                                   double scale, bool causal, int64_t window) {
   ATTNLAB_CHECK(q.dim() == 4, "attnlab::short_attention: q must be (B, H, Lq, D), got ", q.sizes());
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3), Lk = k.dim() == 4 ? k.size(2) : -1;
   check_short(q, q, "short_attention", "q", Lq);
@@ -816,12 +815,12 @@ std::tuple<at::Tensor, at::Tensor> short_attention(const at::Tensor& q, const at
 
 void short_attention_backward_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& p,
                                    const at::Tensor& d_out, const at::Tensor& dq, const at::Tensor& dk,
-                                   const at::Tensor& dv, double scale, bool causal, int64_t window, int64_t isa);
+                                   const at::Tensor& dv, double scale, bool causal, int64_t window);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> short_attention_backward(const at::Tensor& q, const at::Tensor& k,
                                                                         const at::Tensor& v, const at::Tensor& p,
                                                                         const at::Tensor& d_out, double scale,
-                                                                        bool causal, int64_t window, int64_t isa) {
+                                                                        bool causal, int64_t window) {
   ATTNLAB_CHECK(q.dim() == 4, "attnlab::short_attention_backward: q must be (B, H, Lq, D), got ", q.sizes());
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3), Lk = k.dim() == 4 ? k.size(2) : -1;
   check_short(q, q, "short_attention_backward", "q", Lq);
@@ -832,7 +831,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> short_attention_backward(const at
   ATTNLAB_CHECK(p.sizes() == at::IntArrayRef({B, H, Lq, Lk}), "attnlab::short_attention_backward: p must be (B, H, ",
                 "Lq, Lk) = ", at::IntArrayRef({B, H, Lq, Lk}), " (short_attention's), got ", p.sizes());
   at::Tensor dq = heads_merged(q, Lq), dk = heads_merged(q, Lk), dv = heads_merged(q, Lk);
-  short_attention_backward_into(q, k, v, p, d_out, dq, dk, dv, scale, causal, window, isa);
+  short_attention_backward_into(q, k, v, p, d_out, dq, dk, dv, scale, causal, window);
   return {dq, dk, dv};
 }
 
@@ -840,7 +839,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> short_attention_backward(const at
 // views of one packed gradient, say), the operands checked by the caller
 void short_attention_backward_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& p,
                                    const at::Tensor& d_out, const at::Tensor& dq, const at::Tensor& dk,
-                                   const at::Tensor& dv, double scale, bool causal, int64_t window, int64_t isa) {
+                                   const at::Tensor& dv, double scale, bool causal, int64_t window) {
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3), Lk = k.size(2);
   const attnlab_native::Seen seen{Lq, Lk, window, causal};
   const int64_t need = 2 * Lq * D + 4 * Lk * D + attnlab_native::SHORT_ROWS * (Lk + D);
@@ -863,11 +862,11 @@ void short_attention_backward_into(const at::Tensor& q, const at::Tensor& k, con
 // autograd.Function per layer each way
 struct ShortAttention : public torch::autograd::Function<ShortAttention> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, double scale, bool causal, int64_t window, int64_t isa) {
-    auto [out, p] = short_attention(q, k, v, scale, causal, window, isa);
+                            const at::Tensor& v, double scale, bool causal, int64_t window) {
+    auto [out, p] = short_attention(q, k, v, scale, causal, window);
     ctx->save_for_backward({q, k, v, p});
     ctx->saved_data["scale"] = scale, ctx->saved_data["causal"] = causal;
-    ctx->saved_data["window"] = window, ctx->saved_data["isa"] = isa;
+    ctx->saved_data["window"] = window;
     return out;
   }
 
@@ -878,15 +877,14 @@ struct ShortAttention : public torch::autograd::Function<ShortAttention> {
     if (go.stride(-1) != 1) go = go.contiguous();
     auto [dq, dk, dv] = short_attention_backward(saved[0], saved[1], saved[2], saved[3], go,
                                                  ctx->saved_data["scale"].toDouble(),
-                                                 ctx->saved_data["causal"].toBool(), ctx->saved_data["window"].toInt(),
-                                                 ctx->saved_data["isa"].toInt());
-    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+                                                 ctx->saved_data["causal"].toBool(), ctx->saved_data["window"].toInt());
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor short_attention_train(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                                 bool causal, int64_t window, int64_t isa) {
-  return ShortAttention::apply(q, k, v, scale, causal, window, isa);
+                                 bool causal, int64_t window) {
+  return ShortAttention::apply(q, k, v, scale, causal, window);
 }
 
 // q, k, v as (B, H, L, D) views of a packed projection qkv (B, L, 3 H D): columns [0, HD) q, [HD, 2HD) k, then v
@@ -902,15 +900,15 @@ std::array<at::Tensor, 3> unpacked(const at::Tensor& qkv, int64_t H) {
 // (B, L, 3E) gradient). The same arithmetic, so the same bits
 struct ShortAttentionPacked : public torch::autograd::Function<ShortAttentionPacked> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& qkv, int64_t heads, double scale,
-                            bool causal, int64_t window, int64_t isa) {
+                            bool causal, int64_t window) {
     ATTNLAB_CHECK(qkv.dim() == 3 && heads >= 1 && qkv.size(2) % (3 * heads) == 0 && qkv.stride(2) == 1,
                   "attnlab::short_attention_packed: qkv must be (B, L, 3 · heads · D) with the last stride 1, got ",
                   qkv.sizes(), " strides ", qkv.strides(), " for ", heads, " heads");
     const auto [q, k, v] = unpacked(qkv, heads);
-    auto [out, p] = short_attention(q, k, v, scale, causal, window, isa);
+    auto [out, p] = short_attention(q, k, v, scale, causal, window);
     ctx->save_for_backward({qkv, p});
     ctx->saved_data["heads"] = heads, ctx->saved_data["scale"] = scale, ctx->saved_data["causal"] = causal;
-    ctx->saved_data["window"] = window, ctx->saved_data["isa"] = isa;
+    ctx->saved_data["window"] = window;
     return out.transpose(1, 2).reshape({qkv.size(0), qkv.size(1), qkv.size(2) / 3});  // (a view: out is (B, L, H, D))
   }
 
@@ -926,22 +924,20 @@ struct ShortAttentionPacked : public torch::autograd::Function<ShortAttentionPac
     at::Tensor dqkv = at::empty(qkv.sizes(), qkv.options());
     const auto [dq, dk, dv] = unpacked(dqkv, heads);
     short_attention_backward_into(q, k, v, saved[1], go, dq, dk, dv, ctx->saved_data["scale"].toDouble(),
-                                  ctx->saved_data["causal"].toBool(), ctx->saved_data["window"].toInt(),
-                                  ctx->saved_data["isa"].toInt());
-    return {dqkv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+                                  ctx->saved_data["causal"].toBool(), ctx->saved_data["window"].toInt());
+    return {dqkv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-at::Tensor short_attention_packed(const at::Tensor& qkv, int64_t heads, double scale, bool causal, int64_t window,
-                                  int64_t isa) {
-  return ShortAttentionPacked::apply(qkv, heads, scale, causal, window, isa);
+at::Tensor short_attention_packed(const at::Tensor& qkv, int64_t heads, double scale, bool causal, int64_t window) {
+  return ShortAttentionPacked::apply(qkv, heads, scale, causal, window);
 }
 
 // a plain activation with its derivative kept (act_train with keep) as one autograd node: h = act(g) forward,
 // ∂L/∂g = ∂L/∂h ⊙ act'(g) backward
 struct KeptActivation : public torch::autograd::Function<KeptActivation> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& g, int64_t act, int64_t isa) {
-    auto [h, d] = act_train(g, std::nullopt, act, true, isa);
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& g, int64_t act) {
+    auto [h, d] = act_train(g, std::nullopt, act, true);
     ctx->save_for_backward({d});
     return h;
   }
@@ -957,11 +953,11 @@ struct KeptActivation : public torch::autograd::Function<KeptActivation> {
     // multiply's time at 768 x 512, the saved factor cold)
     at::Tensor d = ctx->get_saved_variables()[0];
     const at::Tensor dg = torch::autograd::get_current_graph_task_keep_graph() ? grads[0].mul(d) : d.mul_(grads[0]);
-    return {dg, at::Tensor(), at::Tensor()};
+    return {dg, at::Tensor()};
   }
 };
 
-at::Tensor act_kept_train(const at::Tensor& g, int64_t act, int64_t isa) { return KeptActivation::apply(g, act, isa); }
+at::Tensor act_kept_train(const at::Tensor& g, int64_t act) { return KeptActivation::apply(g, act); }
 
 // A pre-norm GPT block of training as one autograd node (what DecoderLayer runs as ten nodes and ~100 Python-level
 // operations — the per-operation cost is a quarter of nanogpt-cpu's step on 2 cores):
@@ -972,10 +968,10 @@ at::Tensor act_kept_train(const at::Tensor& g, int64_t act, int64_t isa) { retur
 // residual's two gradients are summed once, as autograd's buffer does; addition commutes). Non-finite qkv or
 // attention output raises "not finite" before any node is recorded: the caller then runs the layer's modules, whose
 // pipeline handles or explains it.
-bool all_finite(at::TensorList ts, int64_t isa);
+bool all_finite(at::TensorList ts);
 
 struct GptBlock : public torch::autograd::Function<GptBlock> {
-  enum Flag { HEADS, ACT, LEFT, RIGHT, ISA, FLAGS };
+  enum Flag { HEADS, ACT, LEFT, RIGHT, FLAGS };
   // saved: x, mean₁, rstd₁, LN₁'s w and b, then per int8 layer (qkv, o, 1, 2) qw, sw, qxt, sxc, and between them
   // qkv and P (attention), x₃, mean₂, rstd₂, LN₂'s w and b, act'(f)
 
@@ -986,7 +982,7 @@ struct GptBlock : public torch::autograd::Function<GptBlock> {
                             const std::optional<at::Tensor>& n2b, const at::Tensor& w1,
                             const std::optional<at::Tensor>& b1, const at::Tensor& w2,
                             const std::optional<at::Tensor>& b2, int64_t heads, double scale, double eps1,
-                            double eps2, int64_t act, int64_t left, int64_t right, int64_t isa) {
+                            double eps2, int64_t act, int64_t left, int64_t right) {
     ATTNLAB_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
                   "attnlab::gpt_block_train: x must be float32 (B, L, C) on the CPU, got ", x.scalar_type(), " ",
                   x.sizes());
@@ -999,29 +995,29 @@ struct GptBlock : public torch::autograd::Function<GptBlock> {
     double bound;  // of |qkv|: where it is at most 1e15, qkv is finite and so is the attention's output (the scores
                    // |κ q·k| ≤ κ D 1e30 < 3e38 for |κ| ≤ 1e3, D ≤ 256; softmax's rows weigh finite v): no scan
     auto [qkv2, qw1, sw1, qxt1, sxc1] = int8_linear_bounded(h1.view({T, C}), wqkv, bqkv, left, right, true, false,
-                                                            isa, &bound);
+                                                            &bound);
     const bool scan = !(bound <= 1e15 && std::fabs(scale) <= 1e3 && E3 / (3 * heads) <= 256);
-    ATTNLAB_CHECK(!scan || all_finite({qkv2}, isa), "attnlab::gpt_block_train: not finite (the qkv projection)");
+    ATTNLAB_CHECK(!scan || all_finite({qkv2}), "attnlab::gpt_block_train: not finite (the qkv projection)");
     const at::Tensor qkv = qkv2.view({B, L, E3});
     const auto [q, k, v] = unpacked(qkv, heads);
-    auto [ao, p] = short_attention(q, k, v, scale, true, -1, isa);
+    auto [ao, p] = short_attention(q, k, v, scale, true, -1);
     const at::Tensor a = ao.transpose(1, 2).reshape({T, E3 / 3});  // (a view: ao is (B, L, H, D))
-    ATTNLAB_CHECK(!scan || all_finite({a}, isa), "attnlab::gpt_block_train: not finite (the attention's output)");
+    ATTNLAB_CHECK(!scan || all_finite({a}), "attnlab::gpt_block_train: not finite (the attention's output)");
     // the residuals added in the products' rescaling (x must be contiguous for it; else at::add: the same bits)
     const at::Tensor xr = x.is_contiguous() ? x.view({T, C}) : at::Tensor();
-    auto [o, qw2, sw2, qxt2, sxc2] = int8_linear_bounded(a, wo, bo, left, right, true, false, isa, nullptr,
+    auto [o, qw2, sw2, qxt2, sxc2] = int8_linear_bounded(a, wo, bo, left, right, true, false, nullptr,
                                                          xr.defined() ? &xr : nullptr);
     const at::Tensor x3 = xr.defined() ? o.view({B, L, C}) : at::add(x, o.view({B, L, C}));
     auto [h2, mean2, rstd2] = at::native_layer_norm(x3, {C}, n2w, n2b, eps2);
-    auto [f, qw3, sw3, qxt3, sxc3] = int8_linear(h2.view({T, C}), w1, b1, left, right, true, false, isa);
-    auto [g, d] = act_train(f, std::nullopt, act, true, isa);
+    auto [f, qw3, sw3, qxt3, sxc3] = int8_linear(h2.view({T, C}), w1, b1, left, right, true, false);
+    auto [g, d] = act_train(f, std::nullopt, act, true);
     const at::Tensor x3r = x3.view({T, C});
-    auto [y, qw4, sw4, qxt4, sxc4] = int8_linear_bounded(g, w2, b2, left, right, true, false, isa, nullptr, &x3r);
+    auto [y, qw4, sw4, qxt4, sxc4] = int8_linear_bounded(g, w2, b2, left, right, true, false, nullptr, &x3r);
     ctx->save_for_backward({x, mean1, rstd1, n1w, n1b.value_or(at::Tensor()), qw1, sw1, qxt1, sxc1, qkv, p, qw2, sw2,
                             qxt2, sxc2, x3, mean2, rstd2, n2w, n2b.value_or(at::Tensor()), qw3, sw3, qxt3, sxc3, d,
                             qw4, sw4, qxt4, sxc4});
     std::vector<int64_t> flags(FLAGS);
-    flags[HEADS] = heads, flags[ACT] = act, flags[LEFT] = left, flags[RIGHT] = right, flags[ISA] = isa;
+    flags[HEADS] = heads, flags[ACT] = act, flags[LEFT] = left, flags[RIGHT] = right;
     ctx->saved_data["f"] = c10::IValue(std::move(flags));
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["b"] = c10::IValue(std::vector<bool>{bqkv.has_value(), bo.has_value(), b1.has_value(),
@@ -1036,7 +1032,7 @@ struct GptBlock : public torch::autograd::Function<GptBlock> {
     const auto s = ctx->get_saved_variables();
     const auto f = ctx->saved_data["f"].toIntVector();
     const auto has_b = ctx->saved_data["b"].toBoolList();
-    const int64_t left = f[LEFT], right = f[RIGHT], isa = f[ISA], heads = f[HEADS];
+    const int64_t left = f[LEFT], right = f[RIGHT], heads = f[HEADS];
     const at::Tensor &x = s[0], &qkv = s[9], &x3 = s[15];
     const int64_t B = x.size(0), L = x.size(1), C = x.size(2), T = B * L;
     const auto rows = [&](const at::Tensor& t) {  // as Int8Linear's backward reads its gradient
@@ -1044,8 +1040,7 @@ struct GptBlock : public torch::autograd::Function<GptBlock> {
       return g.is_contiguous() ? g : g.contiguous();
     };
     const auto layer = [&](const at::Tensor& g, int i, bool db) {  // the int8 layer saved from s[i]
-      return int8_linear_backward(rows(g), s[i], s[i + 1], s[i + 2], s[i + 3], left, right, true, true, db, false,
-                                  isa);
+      return int8_linear_backward(rows(g), s[i], s[i + 1], s[i + 2], s[i + 3], left, right, true, true, db, false);
     };
     const at::Tensor& dy = grads[0];
     auto [dg, dw2, db2] = layer(dy, 25, has_b[3]);
@@ -1060,8 +1055,7 @@ struct GptBlock : public torch::autograd::Function<GptBlock> {
     const at::Tensor go = da.view({B, L, heads, q.size(3)}).transpose(1, 2);
     at::Tensor dqkv = at::empty(qkv.sizes(), qkv.options());
     const auto [dq, dk, dv] = unpacked(dqkv, heads);
-    short_attention_backward_into(q, k, v, s[10], go, dq, dk, dv, ctx->saved_data["scale"].toDouble(), true, -1,
-                                  isa);
+    short_attention_backward_into(q, k, v, s[10], go, dq, dk, dv, ctx->saved_data["scale"].toDouble(), true, -1);
     auto [dh1, dwqkv, dbqkv] = layer(dqkv, 5, has_b[0]);
     auto [dxn, dn1w, dn1b] = at::native_layer_norm_backward(dh1.view({B, L, C}), x, {C}, s[1], s[2], s[3], s[4],
                                                             {true, true, s[4].defined()});
@@ -1069,7 +1063,7 @@ struct GptBlock : public torch::autograd::Function<GptBlock> {
     torch::autograd::variable_list out{dxn.add_(dx3), dn1w, opt(s[4].defined(), dn1b), dwqkv, opt(has_b[0], dbqkv), dwo,
                                        opt(has_b[1], dbo), dn2w, opt(s[19].defined(), dn2b), dw1, opt(has_b[2], db1),
                                        dw2, opt(has_b[3], db2)};
-    out.resize(21);  // the scalars' (none)
+    out.resize(20);  // the scalars' (none)
     return out;
   }
 };
@@ -1080,16 +1074,16 @@ at::Tensor gpt_block_train(const at::Tensor& x, const at::Tensor& n1w, const std
                            const std::optional<at::Tensor>& n2b, const at::Tensor& w1,
                            const std::optional<at::Tensor>& b1, const at::Tensor& w2,
                            const std::optional<at::Tensor>& b2, int64_t heads, double scale, double eps1, double eps2,
-                           int64_t act, int64_t left, int64_t right, int64_t isa) {
+                           int64_t act, int64_t left, int64_t right) {
   const auto some = [](const std::optional<at::Tensor>& t) { return t && t->defined() ? t : std::nullopt; };
   return GptBlock::apply(x, n1w, some(n1b), wqkv, some(bqkv), wo, some(bo), n2w, some(n2b), w1, some(b1), w2, some(b2),
-                         heads, scale, eps1, eps2, act, left, right, isa);
+                         heads, scale, eps1, eps2, act, left, right);
 }
 
 // whether every entry of every tensor is finite: float32 and bfloat16 tensors whose elements fill one block of
 // memory (contiguous, or a permutation of a contiguous tensor) scanned by finite_span over torch's threads, any other
 // by at::isfinite
-bool all_finite(at::TensorList ts, int64_t isa) {
+bool all_finite(at::TensorList ts) {
   for (const at::Tensor& t : ts) {
     ATTNLAB_CHECK(t.device().is_cpu(), "attnlab::all_finite: tensors must be on the CPU, got ", t.device().str());
     const bool scan = (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) &&
@@ -1115,7 +1109,7 @@ bool all_finite(at::TensorList ts, int64_t isa) {
 
 constexpr int64_t CLIP_CHUNK = 1 << 14;  // elements a partial sum (and a task)
 
-at::Tensor clip_grad_norm_(at::TensorList grads, double max_norm, int64_t isa) {
+at::Tensor clip_grad_norm_(at::TensorList grads, double max_norm) {
   ATTNLAB_CHECK(std::isfinite(max_norm) && max_norm > 0, "attnlab::clip_grad_norm_: max_norm must be a positive ",
                 "finite number, got ", max_norm);
   std::vector<std::pair<float*, int64_t>> chunks;  // (start, length) of each chunk of each gradient
@@ -1152,38 +1146,38 @@ at::Tensor clip_grad_norm_(at::TensorList grads, double max_norm, int64_t isa) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(attnlab, m) {
-  m.def("softmax_rows(Tensor s, float scale, bool causal, int window, bool cast, int isa) -> (Tensor, Tensor)");
-  m.def("softmax_rows_backward(Tensor dp, Tensor p, float scale, int isa) -> Tensor");
-  m.def("rms_norm_train(Tensor x, Tensor w, float eps, int isa) -> (Tensor, Tensor)");
-  m.def("rms_norm_train_backward(Tensor dy, Tensor x, Tensor w, Tensor r, int isa) -> (Tensor, Tensor)");
-  m.def("rope_train(Tensor x, Tensor cos, Tensor sin, float sign, int isa) -> Tensor");
-  m.def("act_train(Tensor g, Tensor? u, int act, bool keep, int isa) -> (Tensor, Tensor)");
-  m.def("clip_grad_norm_(Tensor(a!)[] grads, float max_norm, int isa) -> Tensor");
-  m.def("short_attention(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window, int isa) -> (Tensor, "
+  m.def("softmax_rows(Tensor s, float scale, bool causal, int window, bool cast) -> (Tensor, Tensor)");
+  m.def("softmax_rows_backward(Tensor dp, Tensor p, float scale) -> Tensor");
+  m.def("rms_norm_train(Tensor x, Tensor w, float eps) -> (Tensor, Tensor)");
+  m.def("rms_norm_train_backward(Tensor dy, Tensor x, Tensor w, Tensor r) -> (Tensor, Tensor)");
+  m.def("rope_train(Tensor x, Tensor cos, Tensor sin, float sign) -> Tensor");
+  m.def("act_train(Tensor g, Tensor? u, int act, bool keep) -> (Tensor, Tensor)");
+  m.def("clip_grad_norm_(Tensor(a!)[] grads, float max_norm) -> Tensor");
+  m.def("short_attention(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window) -> (Tensor, "
         "Tensor)");
   m.def("short_attention_backward(Tensor q, Tensor k, Tensor v, Tensor p, Tensor d_out, float scale, bool causal, "
-        "int window, int isa) -> (Tensor, Tensor, Tensor)");
-  m.def("act_train_backward(Tensor dh, Tensor g, Tensor? u, int act, int isa) -> (Tensor, Tensor)");
-  m.def("quantize_rows(Tensor x, Tensor? c, int levels, int isa) -> (Tensor, Tensor)");
-  m.def("quantize_rows_cols(Tensor x, Tensor? c, int levels, int col_levels, int isa) -> (Tensor, Tensor, Tensor, "
+        "int window) -> (Tensor, Tensor, Tensor)");
+  m.def("act_train_backward(Tensor dh, Tensor g, Tensor? u, int act) -> (Tensor, Tensor)");
+  m.def("quantize_rows(Tensor x, Tensor? c, int levels) -> (Tensor, Tensor)");
+  m.def("quantize_rows_cols(Tensor x, Tensor? c, int levels, int col_levels) -> (Tensor, Tensor, Tensor, "
         "Tensor, Tensor)");
-  m.def("dequantize(Tensor acc, Tensor rs, Tensor? cs, Tensor? b, bool bf16, int isa) -> Tensor");
-  m.def("int8_product(Tensor a, Tensor b, Tensor rs, Tensor? cs, Tensor? bias, bool bf16, int max_inner, int isa) "
+  m.def("dequantize(Tensor acc, Tensor rs, Tensor? cs, Tensor? b, bool bf16) -> Tensor");
+  m.def("int8_product(Tensor a, Tensor b, Tensor rs, Tensor? cs, Tensor? bias, bool bf16, int max_inner) "
         "-> Tensor");
-  m.def("int8_linear(Tensor x, Tensor w, Tensor? b, int left, int right, bool cols, bool bf16, int isa) -> (Tensor, "
+  m.def("int8_linear(Tensor x, Tensor w, Tensor? b, int left, int right, bool cols, bool bf16) -> (Tensor, "
         "Tensor, Tensor, Tensor, Tensor)");
   m.def("int8_linear_backward(Tensor g, Tensor qw, Tensor sw, Tensor qxt, Tensor sxc, int left, int right, bool dx, "
-        "bool dw, bool db, bool dx_bf16, int isa) -> (Tensor, Tensor, Tensor)");
-  m.def("int8_linear_train(Tensor x, Tensor w, Tensor? b, int left, int right, bool bf16, int isa) -> Tensor");
+        "bool dw, bool db, bool dx_bf16) -> (Tensor, Tensor, Tensor)");
+  m.def("int8_linear_train(Tensor x, Tensor w, Tensor? b, int left, int right, bool bf16) -> Tensor");
   m.def("int8_kernel(int mode) -> int", &int8_kernel);  // (no tensors: one kernel for every dispatch key)
-  m.def("short_attention_train(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window, int isa) -> "
+  m.def("short_attention_train(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window) -> "
         "Tensor");
-  m.def("act_kept_train(Tensor g, int act, int isa) -> Tensor");
-  m.def("short_attention_packed(Tensor qkv, int heads, float scale, bool causal, int window, int isa) -> Tensor");
-  m.def("all_finite(Tensor[] tensors, int isa) -> bool");
+  m.def("act_kept_train(Tensor g, int act) -> Tensor");
+  m.def("short_attention_packed(Tensor qkv, int heads, float scale, bool causal, int window) -> Tensor");
+  m.def("all_finite(Tensor[] tensors) -> bool");
   m.def("gpt_block_train(Tensor x, Tensor n1w, Tensor? n1b, Tensor wqkv, Tensor? bqkv, Tensor wo, Tensor? bo, "
         "Tensor n2w, Tensor? n2b, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, int heads, float scale, float eps1, "
-        "float eps2, int act, int left, int right, int isa) -> Tensor");
+        "float eps2, int act, int left, int right) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CompositeImplicitAutograd, m) {
