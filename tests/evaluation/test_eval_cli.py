@@ -44,6 +44,30 @@ def test_two_references_and_default_metrics(files, tmp_path, capsys):
     assert "100.0000" in printed and "nrefs:2" in printed and "rouge1" not in printed
 
 
+def test_byte_order_mark_is_not_text(files, tmp_path):
+    hyp, ref = files
+    marked, out = tmp_path / "marked.txt", tmp_path / "scores.json"
+    marked.write_bytes(b"\xef\xbb\xbf" + ref.read_bytes())  # the same text, saved with a byte-order mark
+    assert main(["eval", "--hyp", str(marked), "--ref", str(ref), "--out", str(out)]) == 0
+    scores = json.loads(out.read_text())
+    assert scores["chrf"] == sacrebleu.corpus_chrf(REFS, [REFS]).score == 100.0
+    assert scores["bleu"] == sacrebleu.corpus_bleu(REFS, [REFS]).score
+
+
+def test_segments_split_at_new_lines_only(tmp_path):
+    """A form feed, \\x85, U+2028 or a lone carriage return inside a segment keep it whole, as in sacreBLEU."""
+    hyps = ["page one\x0cpage two", "a\x85b c", "line\u2028separator", "carriage\rreturn", "plain end"]
+    refs = ["page one page two", "a b c", "line separator", "carriage return", "plain end"]
+    hyp, ref, out = tmp_path / "hyp.txt", tmp_path / "ref.txt", tmp_path / "scores.json"
+    hyp.write_text("\n".join(hyps) + "\r\n", encoding="utf-8", newline="")
+    ref.write_text("\n".join(refs) + "\n", encoding="utf-8", newline="")
+    assert main(["eval", "--hyp", str(hyp), "--ref", str(ref), "--out", str(out)]) == 0
+    scores = json.loads(out.read_text())
+    assert scores["segments"] == 5
+    assert scores["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score, abs=1e-9)
+    assert scores["chrf"] == pytest.approx(sacrebleu.corpus_chrf(hyps, [refs]).score, abs=1e-9)
+
+
 @pytest.mark.parametrize("argv_tail, message", [
     (["--metrics", "bleu,meteor"], "unknown metric 'meteor'; valid: bleu, chrf, rouge"),
     (["--tokenize", "nope"], "--tokenize must be one of"),

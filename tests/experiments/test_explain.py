@@ -174,3 +174,13 @@ def test_full_experiment(name, tmp_path):
         assert last["alibi"] < last["learned"] and last["alibi"] < last["sinusoidal"]
     if name == "redundancy":
         assert r["base_accuracy"] > 0.95
+
+
+def test_markdown_table_keeps_one_row_per_record_whatever_the_labels_hold():
+    from attnlab.experiments.explain._report import table
+
+    rows = [{"label": "a|b\nc\\", "x": 1.5}, {"label": "plain", "x": 2.0}]
+    _, md = table(rows, ["label", "x"])
+    lines = md.split("\n")
+    assert len(lines) == 4 and lines[2] == "| a\\|b<br>c\\\\ | 1.500 |"
+    assert all(line.replace("\\|", "").count("|") == 3 for line in lines)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from attnlab._io import read_text_arg
+from attnlab._io import read_text_arg, text_lines
 
 
 def default_encoder_path() -> Path:
@@ -33,7 +33,7 @@ def read_corpus(path) -> list[str]:
         FileNotFoundError: no such file. ValueError: no passages in it.
     """
     path = Path(path)
-    passages = [line.strip() for line in read_text_arg("--corpus", path).splitlines() if line.strip()]
+    passages = [line.strip() for line in text_lines(read_text_arg("--corpus", path)) if line.strip()]
     if not passages:
         raise ValueError(f"corpus file {str(path)!r} has no passages (one per line)")
     return passages

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from attnlab._io import read_text_arg
+from attnlab._io import check_output_dir, read_text_arg, text_lines
 from attnlab.data.tokenizers import CharTokenizer, TextTokenizer, load_tokenizer
 from attnlab.evaluation.analysis import AttentionAnalysis, Batch, analyze, plot_analysis
 
@@ -65,7 +65,7 @@ def read_texts(texts: Optional[list[str]], file: Optional[str]) -> list[str]:
     """
     out = [t for t in (texts or []) if t.strip()]
     if file is not None:
-        out += [line.strip() for line in read_text_arg("--file", file).splitlines() if line.strip()]
+        out += [line.strip() for line in text_lines(read_text_arg("--file", file)) if line.strip()]
     if not out:
         raise ValueError("give at least one non-empty --text or a --file with one text per line")
     return out
@@ -141,6 +141,8 @@ def main(args: argparse.Namespace) -> int:
 
     if args.max_length is not None and args.max_length < 2:
         raise ValueError(f"--max-length must be >= 2, got {args.max_length}")
+    if args.out:
+        check_output_dir("--out", args.out, inputs=[("--model", args.model), ("--file", args.file)])
     texts = read_texts(args.text, args.file)
     folder = resolve_pretrained(args.model)  # a folder, or a Hub id's snapshot
     tok = load_tokenizer(folder)

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Callable, Optional
 
-from attnlab._io import atomic_write, check_output_file, read_text_arg
+from attnlab._io import atomic_write, check_output_file, read_text_arg, text_lines
 
 TEXT_METRICS = ("bleu", "chrf", "rouge")
 DEFAULT_METRICS = "bleu,chrf"
@@ -34,8 +34,9 @@ def parse_metrics(spec: str | None, *, allowed: tuple[str, ...] | None) -> list[
 
 
 def read_lines(path: str, what: str) -> list[str]:
-    """Lines of a UTF-8 text file, stripped. Raises FileNotFoundError / ValueError naming the argument."""
-    return [line.strip() for line in read_text_arg(what, path).splitlines()]
+    """Lines of a UTF-8 text file as sacreBLEU reads them (:func:`~attnlab._io.text_lines`: split at ``"\n"`` only,
+    no byte-order mark), stripped. Raises FileNotFoundError / ValueError naming the argument."""
+    return [line.strip() for line in text_lines(read_text_arg(what, path))]
 
 
 def score_files(hyp: str, refs: list[str], metrics: list[str], *, tokenize: str = "13a") -> dict:
@@ -102,9 +103,15 @@ def main(args: argparse.Namespace, *, checkpoint_scores: Optional[Callable[[argp
     """
     if args.dtype not in (None, "float32", "auto"):
         raise ValueError(f"attnlab eval scores in float32; --dtype {args.dtype} is not supported")
+    inputs = [("--hyp", args.hyp), *(("--ref", r) for r in args.ref), ("--checkpoint", args.checkpoint)]
+    if args.checkpoint is not None and Path(args.checkpoint).is_file():  # one ckpt-*.pt: its run is read too
+        inputs.append(("the run of --checkpoint", Path(args.checkpoint).parent))
+    if args.out is not None and args.reliability_png is not None and \
+            Path(args.out).resolve() == Path(args.reliability_png).resolve():
+        raise ValueError(f"--reliability-png {args.reliability_png} is also --out: give two different files")
     for flag, value in (("--out", args.out), ("--reliability-png", args.reliability_png)):
         if value is not None:
-            check_output_file(flag, value, inputs=[("--hyp", args.hyp), *(("--ref", r) for r in args.ref)])
+            check_output_file(flag, value, inputs=inputs)
     if args.checkpoint is not None:
         if args.hyp is not None or args.ref:
             raise ValueError("give either --checkpoint or --hyp/--ref, not both")

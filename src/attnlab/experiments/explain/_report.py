@@ -15,7 +15,18 @@ from torch import Tensor, nn
 from attnlab._checks import boolean, integer
 from attnlab._io import atomic_write
 
-__all__ = ["plt", "fmt", "table", "finish", "median_ms", "train", "check_run_args"]
+__all__ = ["plt", "fmt", "table", "finish", "median_ms", "train", "check_run_args", "stage", "SMOKE"]
+
+# what a --quick run says in place of findings, unless its experiment's quick run reaches the full run's conclusion
+SMOKE = ("Smoke run (--quick): its sizes and steps are too small to answer the question, so it draws no conclusion; "
+         "the numbers above only show that the experiment runs. Run it without --quick for the answer.")
+
+
+def stage(message: str) -> None:
+    """One progress line on standard error (an experiment's stage), flushed at once."""
+    import sys
+
+    print(message, file=sys.stderr, flush=True)
 
 
 def check_run_args(out_dir, seed, quick) -> Path:
@@ -47,14 +58,23 @@ def fmt(x) -> str:
     return str(x)
 
 
+_MD_ESCAPES = str.maketrans({"\\": "\\\\", "|": "\\|", "\n": "<br>", "\r": ""})
+
+
+def _md_cell(text: str) -> str:
+    """``text`` as one markdown table cell: ``|`` and ``\\`` escaped, a line break written ``<br>`` (the row stays
+    one line of the table)."""
+    return text.translate(_MD_ESCAPES)
+
+
 def table(rows: Sequence[dict], columns: Sequence[str]) -> tuple[str, str]:
     """``(plain, markdown)`` renderings of ``rows`` restricted to ``columns``."""
     cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
     plain = ["  ".join(c.rjust(w) for c, w in zip(columns, widths)), "  ".join("-" * w for w in widths)]
     plain += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in cells]
-    md = ["| " + " | ".join(columns) + " |", "|" + "|".join("---:" for _ in columns) + "|"]
-    md += ["| " + " | ".join(r) + " |" for r in cells]
+    md = ["| " + " | ".join(map(_md_cell, columns)) + " |", "|" + "|".join("---:" for _ in columns) + "|"]
+    md += ["| " + " | ".join(map(_md_cell, r)) + " |" for r in cells]
     return "\n".join(plain), "\n".join(md)
 
 
@@ -71,9 +91,14 @@ def _jsonable(x):
 
 
 def finish(out: Path, name: str, *, title: str, intro: str, tables: Iterable[tuple[str, Sequence[dict], Sequence[str]]],
-           findings: Sequence[str], fig, results: dict) -> dict:
+           findings: Sequence[str], fig, results: dict, quick_concludes: bool = False) -> dict:
     """Print the tables and findings; write ``name.png`` (``fig``), ``name.md`` and ``name.json``
-    atomically into ``out``; return ``results`` plus ``"files": {"plot", "report", "json"}``."""
+    atomically into ``out``; return ``results`` plus ``"files": {"plot", "report", "json"}``.
+
+    A quick run (``results["quick"]``) prints and records :data:`SMOKE` in place of the findings, unless
+    ``quick_concludes``: its experiment's quick run reaches the full run's conclusion (a test asserts it)."""
+    if results.get("quick") and not quick_concludes:
+        findings = [SMOKE]
     md = [f"# {title}", "", intro, ""]
     print(f"== {title} ==")
     for caption, rows, cols in tables:
@@ -117,16 +142,20 @@ def median_ms(fn: Callable[[], object], *, budget_s: float = 0.5, max_repeat: in
 
 
 def train(model: nn.Module, batch_fn: Callable[[torch.Generator], tuple], loss_fn: Callable, *, steps: int,
-          lr: float, g: torch.Generator, warmup: int = 20, log_every: Optional[int] = None) -> list[float]:
-    """AdamW with linear warm-up and cosine decay; ``loss_fn(model, *batch_fn(g))`` per step.
-    Returns the loss every ``log_every`` steps (default: steps // 20)."""
+          lr: float, g: torch.Generator, warmup: int = 20, log_every: Optional[int] = None,
+          label: str = "training") -> list[float]:
+    """AdamW with linear warm-up and cosine decay; ``loss_fn(model, *batch_fn(g))`` per step, with a progress bar
+    named ``label`` on standard error (a widget in a notebook). Returns the loss every ``log_every`` steps
+    (default: steps // 20)."""
+    from tqdm.auto import tqdm
+
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     every = log_every or max(1, steps // 20)
     curve = []
     model.train()
-    for step in range(steps):
+    for step in tqdm(range(steps), desc=label, unit="step", leave=False, mininterval=1.0):
         loss = loss_fn(model, *batch_fn(g))
         opt.zero_grad(set_to_none=True)
         loss.backward()
