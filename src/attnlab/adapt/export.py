@@ -145,7 +145,8 @@ def _decoder_example(model: DecoderOnlyLM, length: int) -> tuple[tuple[Tensor, .
     return (ids, mask, *past), dynamic
 
 
-def export_onnx(model: nn.Module, path: PathLike, *, opset: Optional[int] = None, example_length: int = 16) -> Path:
+def export_onnx(model: nn.Module, path: PathLike, *, opset: Optional[int] = None,
+                example_length: Optional[int] = None) -> Path:
     """Write ``model`` as an ONNX file with dynamic batch and length axes (atomically).
 
     Args:
@@ -155,7 +156,8 @@ def export_onnx(model: nn.Module, path: PathLike, *, opset: Optional[int] = None
             are in the module docstring (:func:`input_names`, :func:`output_names`).
         path: the ``.onnx`` file to write (its folder is created).
         opset: ONNX opset (default 17; at least 14, where SDPA's pieces are expressible).
-        example_length: sequence length of the example input that is traced (any length works after).
+        example_length: sequence length of the example input that is traced (any length works after;
+            default 16, or the model's positions where it holds fewer).
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
@@ -178,6 +180,8 @@ def export_onnx(model: nn.Module, path: PathLike, *, opset: Optional[int] = None
     int_at_least("opset", opset, 14)
     decoder = isinstance(model, DecoderOnlyLM)
     limit = _positions(model) - (1 if decoder else 0)
+    if example_length is None:
+        example_length = min(16, limit)
     if not (isinstance(example_length, int) and 2 <= example_length <= limit):
         raise ValueError(f"example_length must be an int in [2, {limit}], got {example_length!r}")
     path = Path(path)

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from attnlab._checks import positive_int
-from attnlab._io import atomic_write
+from attnlab._io import atomic_write, check_input_file, read_input_json
 
 __all__ = ["CharTokenizer", "TextTokenizer", "train_bpe", "train_wordpiece", "load_tokenizer"]
 
@@ -138,10 +138,7 @@ class CharTokenizer:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer file at {path}")
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except ValueError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        data = read_input_json("", path, "tokenizer")
         if not isinstance(data, dict) or data.get("type") != cls.kind or not isinstance(data.get("chars"), list):
             raise ValueError(f"{path} is not a saved CharTokenizer (expected {{'type': 'char', 'chars': [...]}})")
         return cls(data["chars"])
@@ -242,7 +239,7 @@ class TextTokenizer:
         """Read a ``tokenizer.json`` (or a folder holding one). Raises FileNotFoundError / ValueError."""
         from tokenizers import Tokenizer
 
-        path = _tokenizer_file(path)
+        path = check_input_file("", _tokenizer_file(path), "tokenizer")
         try:
             return cls(Tokenizer.from_file(str(path)))
         except Exception as e:  # the Rust library raises a bare Exception on bad JSON
@@ -257,7 +254,7 @@ def _tokenizer_file(path: PathLike) -> Path:
     path = Path(path)
     if path.is_dir():
         path = path / "tokenizer.json"
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"no tokenizer file at {path}")
     return path
 
@@ -358,10 +355,7 @@ def load_tokenizer(path: PathLike) -> Union[CharTokenizer, TextTokenizer]:
         ValueError: the file is neither.
     """
     path = _tokenizer_file(path)
-    try:
-        head = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    head = read_input_json("", path, "tokenizer")
     if isinstance(head, dict) and head.get("type") == CharTokenizer.kind:
         return CharTokenizer.load(path)
     return TextTokenizer.load(path)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from attnlab._checks import positive_int
-from attnlab._io import atomic_write_text, check_output_dir
+from attnlab._io import atomic_write_text, check_output_dir, read_input_json
 from attnlab.data.synthetic import BOS, EOS, PAD, ReverseTask
 from attnlab.models.config import TransformerConfig
 from attnlab.models.transformer import Seq2SeqTransformer
@@ -94,7 +94,7 @@ def check_out(out: Optional[str]) -> Path:
     check_output_dir("--out", out_dir)  # not a file, not under one
     if out_dir.is_dir() and any(out_dir.iterdir()):
         try:
-            ours = json.loads((out_dir / "metrics.json").read_text(encoding="utf-8")).get("task") == TASK
+            ours = read_input_json("", out_dir / "metrics.json", "config").get("task") == TASK
         except (OSError, ValueError, AttributeError):
             ours = False
         if not ours:

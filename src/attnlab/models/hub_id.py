@@ -42,6 +42,8 @@ def resolve_pretrained(name_or_path: PathLike, *, revision: Optional[str] = None
     """
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise TypeError(f"name_or_path must be a model folder or a Hub id (str), got {type(name_or_path).__name__}")
+    if str(name_or_path).strip() == "":  # Path("") is the current folder: never what an empty name meant
+        raise FileNotFoundError("no model named: give a model folder or a Hub id 'org/name', got an empty string")
     path = Path(name_or_path)
     if path.is_dir():
         if revision is not None:

@@ -19,6 +19,7 @@ from typing import Optional, Union
 import torch
 
 from attnlab._checks import int_at_least
+from attnlab._io import check_input_file
 from attnlab.data.datasets import atomic_write
 
 __all__ = ["checkpoint_path", "list_checkpoints", "latest_checkpoint", "latest_intact_checkpoint", "save_checkpoint",
@@ -107,8 +108,9 @@ def load_checkpoint(path: PathLike, *, map_location: Union[str, torch.device] = 
         ValueError: the file is empty, torn or not a checkpoint dict.
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}")
+    check_input_file("", path, "weights")  # a regular file: torch.load never reads a FIFO or a device
     if path.stat().st_size == 0:
         raise ValueError(f"{path} is not a readable checkpoint: the file is empty")
     try:

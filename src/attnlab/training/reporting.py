@@ -49,7 +49,9 @@ class MetricsLog:
         if not self.path.is_file():
             return []
         out = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
+        from attnlab._io import read_input_text
+
+        for line in read_input_text("", self.path, "text").splitlines():
             try:
                 rec = json.loads(line)
             except ValueError:

@@ -4,7 +4,8 @@
   was created). ``attnlab train`` writes only into a folder that does not exist, is empty, or is one of its
   runs (a folder from before the manifest — ``config.json`` naming a recipe, beside ``ckpt-*.pt`` or
   ``metrics.jsonl`` — counts as a run and gets the manifest); anything else is refused, naming what is there.
-- **Not over an input.** ``--out`` may not be, or contain, a folder the command reads (``--init``, a teacher).
+- **Not over an input.** ``--out`` may not be, lie inside or hold what the command reads (``--init``, a teacher,
+  a base model, a data file).
 - **One writer.** :func:`open_run` takes an exclusive ``fcntl.flock`` on ``.attnlab-run.lock`` inside the folder
   and writes the holder's process id into it. A second process is refused at once with that pid; when the
   holder dies the kernel drops the lock, so a stale lock is simply taken over. Under the lock, temporary files
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Union
 
-from attnlab._io import atomic_write_text, check_output_dir
+from attnlab._io import atomic_write_text, check_output_dir, read_input_json
 
 __all__ = ["MANIFEST", "LOCK", "check_not_file", "check_out", "is_run", "open_run", "RunLockedError"]
 
@@ -38,7 +39,7 @@ def is_run(path: Path) -> bool:
     if (path / MANIFEST).is_file() or (path / LOCK).is_file():
         return True
     try:
-        saved = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        saved = read_input_json("", path / "config.json", "config")
     except (OSError, ValueError):
         return False
     has_run_files = any(path.glob("ckpt-*.pt")) or (path / "metrics.jsonl").is_file()
@@ -55,21 +56,14 @@ def check_out(out: PathLike, *, inputs: Iterable[tuple[str, Optional[PathLike]]]
 
     Args:
         out: the ``--out`` folder.
-        inputs: ``(name, path)`` pairs the command reads (e.g. ``("init", "runs/a")``); None paths are skipped.
+        inputs: ``(name, path)`` pairs the command reads (e.g. ``("--set init", "runs/a")``); None paths are
+            skipped (:func:`attnlab._io.refuse_overlap`: ``out`` may not be, lie inside or hold any of them).
 
     Raises:
-        ValueError: ``out`` is a file or lies under one; is a non-empty folder that is not a run; is or contains
-            one of ``inputs``.
+        ValueError: ``out`` is a file or lies under one; is a non-empty folder that is not a run; is, lies inside
+            or holds one of ``inputs``.
     """
-    out = check_not_file(out)
-    resolved = out.resolve()
-    for name, path in inputs:
-        if path is None:
-            continue
-        p = Path(path).resolve()
-        if p == resolved or resolved in p.parents:
-            raise ValueError(f"--out {out} would write over the run this command reads ({name}={path}): "
-                             "choose another output folder")
+    out = check_output_dir("--out", out, inputs=inputs)
     if out.is_dir() and any(out.iterdir()) and not is_run(out):
         names = sorted(p.name for p in out.iterdir())
         shown = ", ".join(names[:6]) + (f", ... ({len(names) - 6} more)" if len(names) > 6 else "")

@@ -115,12 +115,11 @@ def main(args) -> int:
 
     if args.out is None and args.png is None:
         raise ValueError("give --out FILE.html and/or --png DIR")
+    inputs = [("--model", args.model), ("--tokenizer", args.tokenizer), ("--image", getattr(args, "image", None))]
     if args.out is not None:
-        check_output_file("--out", args.out, inputs=[("--tokenizer", args.tokenizer),
-                                                     ("--image", getattr(args, "image", None))] + [
-            ("a file of --model", p) for p in (Path(args.model).iterdir() if Path(args.model).is_dir() else ())])
+        check_output_file("--out", args.out, inputs=inputs)
     if args.png is not None:
-        check_output_dir("--png", args.png)
+        check_output_dir("--png", args.png, inputs=inputs)
     texts = {k: getattr(args, k) for k in ("text", "text_b", "src", "tgt") if getattr(args, k) is not None}
     from attnlab._runtime import model_dtype
 

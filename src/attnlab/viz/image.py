@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from attnlab._io import check_input_file, read_input_json
 from attnlab.viz.notebook import _stack
 
 # CLIP's normalisation (its preprocessor_config.json); ViT checkpoints use 0.5 / 0.5.
@@ -188,8 +189,9 @@ def image_attention_from_path(path, image_path, *, dtype: torch.dtype = torch.fl
         raise ValueError(f"--image needs a ViT or CLIP model, but {str(path)!r} holds a {type(model).__name__}")
     pre = Path(folder) / "preprocessor_config.json"
     if pre.is_file():
-        cfg = json.loads(pre.read_text(encoding="utf-8"))
+        cfg = read_input_json("", pre, "config")
         mean, std = tuple(cfg.get("image_mean", mean)), tuple(cfg.get("image_std", std))
+    check_input_file("--image", image_path, "image")
     try:
         img = Image.open(image_path).convert("L" if channels == 1 else "RGB")  # a greyscale model reads one channel
     except FileNotFoundError:

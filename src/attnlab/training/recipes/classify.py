@@ -104,6 +104,9 @@ class Example:
 
 def _rows(path: Path):
     """``(line number, {column: value})`` of a ``.jsonl`` or ``.csv`` file (blank JSON lines skipped)."""
+    from attnlab._io import check_input_file
+
+    check_input_file("--set data", path, "text")  # a regular file of plausible size, never a FIFO or device
     if path.suffix.lower() == ".jsonl":
         with path.open(encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
@@ -135,7 +138,7 @@ def read_examples(path, *, text_column: str = "text", text_b_column: str = "", l
             ``labels`` (when given): the message names the file, the line and the column; no rows at all.
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"no such data file: {str(path)!r}")
     known = set(labels)
     out = []
