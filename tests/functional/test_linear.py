@@ -95,6 +95,16 @@ def test_gradcheck_tiny():
         (q, k, v))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradgradcheck_tiny(causal):
+    """Plain autograd throughout: a gradient taken with create_graph=True is differentiable again."""
+    q, k, v = (t[:1, :2, :5, :3].clone().requires_grad_() for t in qkv(hkv=H))
+    w = favor_projection(4, 3, **F64)
+    for kw in (dict(), dict(feature_map="favor+", projection=w)):
+        assert torch.autograd.gradgradcheck(
+            lambda q, k, v: linear_attention(q, k, v, causal=causal, chunk_size=2, **kw), (q, k, v))
+
+
 @pytest.mark.parametrize("feature_map", ["elu", "relu", "favor+"])
 def test_causal_no_future_leak(feature_map):
     q, k, v = qkv()

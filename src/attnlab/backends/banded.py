@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from attnlab.backends import reference
 from attnlab.functional.masks import additive_without_grads, call_mask_mod, call_score_mod, derivative_without_grads
 
 BLOCK = 32                  # query rows per block (measured: 32 beats 64 and 128 at w = 256)
@@ -270,7 +271,7 @@ class _BandedAttention(torch.autograd.Function):
         ctx.q_dtype, ctx.k_dtype, ctx.v_dtype = q.dtype, k.dtype, v.dtype
         ctx.keep = keep
         kept = (p_all, inv_l) if keep else (lse,)
-        ctx.save_for_backward(qb, kbuf, vbuf, ob, *kept, *captured)
+        ctx.save_for_backward(qb, kbuf, vbuf, ob, *kept, q, k, v, *captured)  # q, k, v: for create_graph=True
         ctx.mark_non_differentiable(lse)
         return out, _unblock(lse, L).squeeze(-1).to(q.dtype)
 
@@ -278,7 +279,11 @@ class _BandedAttention(torch.autograd.Function):
     def backward(ctx, d_out, _d_lse):
         L: _Layout = ctx.layout
         qb, kbuf, vbuf, ob, *rest = ctx.saved_tensors
-        (p_all, inv_l), captured = (rest[:2], rest[2:]) if ctx.keep else ((None, None), rest[1:])
+        (p_all, inv_l), (q, k, v, *captured) = (rest[:2], rest[2:]) if ctx.keep else ((None, None), rest[1:])
+        if torch.is_grad_enabled():  # create_graph=True: gradients differentiable again, from the formula
+            return (None, None, None, *reference.formula_grads(
+                d_out, q, k, v, captured, ctx.needs_input_grad[3:], compute_dtype=ctx.cdt, mask=None,
+                causal=L.causal, window=L.window, scale=L.scale, score_mod=ctx.score_mod, mask_mod=ctx.mask_mod))
         dob = _rows_buffer(d_out, L, ctx.cdt)
         delta = (dob * ob).sum(dim=-1, keepdim=True)                           # D = rowsum(dO ∘ O)
         if ctx.keep:  # P = e^(S - m) / l: the 1/l is folded into dO and D (dO/l gives dV and dP/l)

@@ -5,6 +5,8 @@ and the path that returns attention weights and runs the non-softmax normalisers
 """
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 import torch
 from torch import Tensor
 
@@ -46,3 +48,23 @@ def attention(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, drop
     dropped = dropout(weights, dropout_p) if dropout_p > 0 else weights
     out = torch.matmul(dropped, v)  # (B, H, Lq, Dv)
     return out, (weights if return_weights else None)
+
+
+def formula_grads(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, extra: Sequence[Optional[Tensor]],
+                  needs: Sequence[bool], *, compute_dtype: torch.dtype, **request) -> list[Optional[Tensor]]:
+    """The gradients of softmax attention w.r.t. ``(q, k, v, *extra)`` (``extra``: a float mask, the tensors a
+    score_mod reads), computed from this formula with their graph (``create_graph=True``), so they are
+    differentiable again: what a custom backward of another backend returns when it runs in grad mode (a gradient
+    penalty, ``torch.autograd.gradgradcheck``). ``request``: mask, causal, window, scale, score_mod, mask_mod.
+    Materialises the ``(B, H, Lq, Lk)`` scores, as this backend always does; ``None`` where ``needs`` is False."""
+    inputs = (q, k, v, *extra)
+    wanted = [i for i, (t, n) in enumerate(zip(inputs, needs)) if n and t is not None]
+    with torch.enable_grad():
+        out = attention(q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype), dropout_p=0.0,
+                        normalize="softmax", top_k=None, return_weights=False, **request)[0]
+        grads = torch.autograd.grad(out, [inputs[i] for i in wanted], d_out.to(out.dtype), create_graph=True,
+                                    allow_unused=True)
+    result: list[Optional[Tensor]] = [None] * len(inputs)
+    for i, g in zip(wanted, grads):
+        result[i] = torch.zeros_like(inputs[i]) if g is None else g
+    return result

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from attnlab import _native
 from attnlab._runtime import reuse_large_blocks
-from attnlab.backends import banded
+from attnlab.backends import banded, reference
 from attnlab.backends.flash_native import NativeFlash, native_applies, native_blocks, native_request
 from attnlab.functional.masks import (additive_without_grads, call_mask_mod, call_score_mod, captured_tensors,
                                      derivative_without_grads)
@@ -327,6 +327,11 @@ class _TiledAttention(torch.autograd.Function):
         B, H, Lq, _ = q.shape
         Hkv, Lk = k.shape[1], k.shape[2]
         cdt = _compute_dtype(q.dtype)
+        if torch.is_grad_enabled():  # create_graph=True: gradients differentiable again, from the formula
+            return (None, *reference.formula_grads(
+                d_out, q, k, v, (bias, *captured), ctx.needs_input_grad[1:], compute_dtype=cdt,
+                mask=bias if bias is not None else cfg.bool_mask, causal=cfg.causal, window=cfg.window,
+                scale=cfg.scale, score_mod=cfg.score_mod, mask_mod=cfg.mask_mod))
         qc, kc, vc, do = q.to(cdt), k.to(cdt), v.to(cdt), d_out.to(cdt)
         dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
         want_bias = bias is not None and ctx.needs_input_grad[4]
