@@ -11,9 +11,9 @@ is already time-limited: ``time_budget`` plans its steps, ``max_seconds`` is its
    curve: the evaluations in ``metrics.jsonl`` (fixed validation blocks), each at its ``elapsed_s`` plus the
    process's time outside the trainer (``process_s - wall_s``, start-up before the trainer counted in full: the
    curve is never earlier than it was).
-2. nanoGPT: its own ``train.py`` (an upstream checkout, :func:`nanogpt_upstream.budget_flags`) at our resolved
+2. nanoGPT: its own ``train.py`` (an upstream checkout, :func:`_nanogpt_upstream.budget_flags`) at our resolved
    ``n_layer``, ``n_head``, ``n_embd``, ``block_size``, ``batch_size``, for ``--nanogpt-iters`` iterations with its
-   cosine over them; by default as many as fit its time on this machine (:func:`nanogpt_upstream.fitted_iters`: a
+   cosine over them; by default as many as fit its time on this machine (:func:`_nanogpt_upstream.fitted_iters`: a
    60 s probe of its own ``train.py`` times an iteration and an evaluation), so that its schedule ends within the
    budget rather than being cut off midway; stopped ``max(budget_s, our process_s)`` after its start, so it never
    gets less time than ours took.
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from _common import print_table, result, write_json
 from _mfu import mfu, nanogpt_flops, shown
-from nanogpt_upstream import budget_flags, fitted_iters, run_upstream_for
+from _nanogpt_upstream import budget_flags, fitted_iters, run_upstream_for
 
 MARGIN = 0.08  # the target: ours <= nanoGPT's - 0.08 at the same model size and wall
 

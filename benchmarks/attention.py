@@ -11,7 +11,7 @@ Suite ``basic`` (writes ``results/runs/attention.json``):
    fused fast path; (b) training forward + backward.
 
 Suite ``efficient`` (writes ``results/runs/attention_efficient.json``): the ``tiled`` backend's targets, in
-``attention_efficient.py`` (its docstring has the table of rows and targets).
+``_attention_efficient.py`` (its docstring has the table of rows and targets).
 
 Each pair is timed round-robin (see ``_common.compare``) after checking that both compute the same
 output (and, for fwd+bwd, the same input gradients). Run:
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, auto_repeat, compare, parser, print_table, setup, write_json  # noqa: E402
-from attention_efficient import SECTIONS, run_efficient  # noqa: E402
+from _attention_efficient import SECTIONS, run_efficient  # noqa: E402
 
 import attnlab  # noqa: E402
 from attnlab.modules.multihead import MultiheadAttention  # noqa: E402

@@ -16,7 +16,7 @@ same-machine peer where there is one. With ``--ablate`` each recipe also runs wi
 ``--nanogpt-dir DIR`` adds the real peer for ``nanogpt-cpu``: nanoGPT's own ``train.py`` from an upstream checkout
 (``git clone https://github.com/karpathy/nanoGPT``), its CPU recipe on the same ``input.txt`` prepared by its own
 ``prepare.py``, in a fresh process, its final model scored on our fixed validation blocks
-(``benchmarks/nanogpt_upstream.py``). The target: our whole process in **≤ 0.5×** its wall time, at a val
+(``benchmarks/_nanogpt_upstream.py``). The target: our whole process in **≤ 0.5×** its wall time, at a val
 loss ≤ its val loss on the same blocks (``vs_upstream`` = our process_s / its process_s). ``--pairs N`` runs its
 ``train.py`` and ours alternately N times (theirs, ours, theirs, ours, …): on a machine whose speed drifts by minutes
 (a shared VM) one pair can land either side of the line, so ``vs_upstream`` is then the median of the N pairs' ratios,
@@ -58,7 +58,7 @@ from _common import parser, print_table, result, setup, write_json  # noqa: E402
 from _compare_budget import add_arguments as add_budget_arguments, compare_budget  # noqa: E402
 from _levers import add_arguments as add_lever_arguments, run_levers  # noqa: E402
 from _mfu import mfu, nanogpt_flops, peak_gflops, settings_flops, shown  # noqa: E402
-from nanogpt_upstream import check_checkout, run_upstream  # noqa: E402
+from _nanogpt_upstream import check_checkout, run_upstream  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # nanoGPT's character-level tiny-shakespeare runs (fp32, 2 threads, another CPU with AMX; recorded once, not re-run)

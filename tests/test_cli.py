@@ -86,9 +86,22 @@ def test_common_seed_and_threads_are_applied(monkeypatch):
     assert seen == {"seed": 7, "first": torch.rand(1).item(), "threads": 1}
 
 
-def test_bench_lists_the_scripts_and_refuses_unknown_names(capsys):
+def test_bench_lists_every_script_and_each_listed_one_runs_as_a_program(capsys):
+    """``--list`` prints one line per ``benchmarks/NAME.py`` (``_NAME.py`` are their shared modules), with the
+    first line of its docstring; each listed script defines ``main`` and calls it when run as a program (checked
+    in the source: running them takes minutes)."""
+    import ast
+
+    from attnlab.bench import benchmarks_dir
+
     assert main(["bench", "--list"]) == 0
-    out = capsys.readouterr().out
-    for name in ("attention", "generate", "encode", "train"):
-        assert any(line.startswith(name + " ") for line in out.splitlines()), name
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    scripts = sorted(p for p in benchmarks_dir().glob("*.py") if not p.name.startswith("_"))
+    assert sorted(lines) == [p.stem for p in scripts] and {"attention", "generate", "encode", "train"} <= set(lines)
+    for script in scripts:
+        tree = ast.parse(script.read_text(encoding="utf-8"))
+        assert lines[script.stem].split(None, 1)[1] == ast.get_docstring(tree).strip().splitlines()[0], script.name
+        assert any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body), f"{script.name}: no main"
+        runs = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "__name__ == '__main__'"]
+        assert runs and "main(" in ast.unparse(runs[0]), f"{script.name}: main is not called when run"
     _one_line_error(capsys, ["bench", "no-such-benchmark"], "bench", "unknown benchmark")

@@ -21,7 +21,7 @@ NANOGPT = os.environ.get("ATTNLAB_NANOGPT_DIR")
 sys.path.insert(0, str(BENCH))
 
 from _mfu import matmul_params, settings_flops, train_flops  # noqa: E402
-from nanogpt_upstream import PROBE_EVAL, fit_budget, fitted_iters, follow, may_be_saving  # noqa: E402
+from _nanogpt_upstream import PROBE_EVAL, fit_budget, fitted_iters, follow, may_be_saving  # noqa: E402
 
 
 def _settings(**overrides):
