@@ -12,15 +12,15 @@
 // 128 Σ_k b_kn = Σ_k a_k b_kn, the exact int32 sums of torch._int_mm. Where A's rows (a thread's share of them) lie
 // within ±63 too — the int8 layers round both operands to ±63 — the shift is 64 and two steps' int16 sums add
 // exactly (2 · 2 · 127 · 63 = 32004) before one vpmaddwd widens them: 12 multiply-type instructions for 8 k
-// instead of 16, which bound the loop (~two a cycle on Zen 3): 0.89× the products' time at nanogpt-cpu's shapes on
-// 2 Zen 3 cores. Each 4 × 16 tile of sums is rescaled from its registers by the arithmetic of the dequant_row that
-// rescales torch._int_mm's rows (dequant_vec), so y has the same bits either way.
+// instead of 16, which bound the loop (the multiply-type instructions retire about two a cycle). Each 4 × 16 tile
+// of sums is rescaled from its registers by the arithmetic of the dequant_row that rescales torch._int_mm's rows
+// (dequant_vec), so y has the same bits either way.
 //
 // Why not torch._int_mm (oneDNN) there: for s8 × s8 on AVX2 oneDNN copies B shifted and sums its columns on every
 // call, ~15 µs a call before any product (nanogpt-cpu makes 48 products a step), and its int32 result then takes a
 // pass of its own to rescale. Here B is packed once a call (the column sums and the check |b| ≤ 63 in the same pass)
 // into panels of 16 columns, P[k/4][c][k%4], the operand vpmaddubsw reads. (With AVX2 and no VNNI oneDNN's s8 × s8
-// product is moreover a reference loop, 2–4 GFLOP/s on Zen 3.)
+// product is moreover a reference loop, slower than float32's: see docs/performance.md.)
 #if defined(__x86_64__) || defined(_M_X64)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
@@ -289,9 +289,8 @@ inline void pack(const int8_t* B, int64_t sk, int64_t sn, int64_t K, int64_t N, 
 // shifted to unsigned once, not in every panel's tiles — a + 64 where they all lie within ±63 (the paired loop),
 // else a + 128 (the sign bit flipped) — then tile by tile, each rescaled from its registers. While a tile computes,
 // the next one's lines of y are asked for, for writing (PREFETCHW): y is fresh memory that a training step's tens of
-// MB have pushed out of the caches, and a store to a line no cache holds waits for the line to be read first
-// (nanogpt-cpu's forward products on 2 Zen 3 cores after a 48 MB sweep: 1.1-1.6x their time with warm caches, 1.0-1.1x
-// with the prefetch; the step 0.95-0.98x, A/B in one process)
+// MB have pushed out of the caches, and a store to a line no cache holds waits for the line to be read first (the
+// prefetch brings a product after such a sweep back to about its warm-cache time)
 template <class T>
 void groups(const Packed& pk, const int8_t* A, int64_t lda, int64_t M, int64_t K, int64_t N, int64_t g0, int64_t g1,
             const float* rs, const float* cs, const float* bias, T* y, const float* res = nullptr) {
