@@ -132,12 +132,13 @@ def _load() -> None:
                       quantize_rows=ops.quantize_rows.default, quantize_rows_cols=ops.quantize_rows_cols.default,
                       dequantize=ops.dequantize.default, int8_product=ops.int8_product.default,
                       int8_linear=ops.int8_linear.default, int8_linear_backward=ops.int8_linear_backward.default,
-                      int8_linear_train=ops.int8_linear_train.default, int8_kernel=ops.int8_kernel.default,
-                      short_attention_train=ops.short_attention_train.default,
-                      act_kept_train=ops.act_kept_train.default, all_finite=ops.all_finite.default,
+                      int8_kernel=ops.int8_kernel.default, all_finite=ops.all_finite.default,
                       short_attention_packed=ops.short_attention_packed.default,
                       gpt_block_train=ops.gpt_block_train.default, cpu_isa=ops.cpu_isa.default,
                       limit_isa=ops.limit_isa.default)
+        from attnlab import _native_library
+
+        _native_library.register()  # the fakes (torch.compile) and the training passes' autograd
     except Exception as e:  # no compiler, no ninja, a failed build: PyTorch's kernels serve instead
         why = " ".join(str(e).split())  # the compiler's message is at the end
         why = why if len(why) <= 300 else "…" + why[-300:]
@@ -249,12 +250,13 @@ def transformed(t: Tensor) -> bool:
 
 
 def runs_on(x: Tensor) -> bool:
-    """Whether attnlab's C++ kernels may read ``x`` at all: eager mode (no graph being traced — as
-    ``torch.onnx.export``'s TorchScript exporter does — or compiled or exported by dynamo: those record PyTorch's
-    operations), ``x`` not wrapped by a ``torch.func`` transform (:func:`transformed`), the kernels :func:`available`.
-    The callers add what their kernels need of the dtype, device and layout."""
-    return (not torch.jit.is_tracing() and not torch.compiler.is_compiling() and not transformed(x)
-            and available())
+    """Whether attnlab's C++ kernels may read ``x`` at all: eager mode or a graph that ``torch.compile`` or
+    ``torch.export`` traces (each op has a fake, :mod:`attnlab._native_library`, so the graph records it), not one
+    that ``torch.jit.trace`` traces (as ``torch.onnx.export``'s TorchScript exporter does: it records PyTorch's
+    operations), ``x`` not wrapped by a ``torch.func`` transform (:func:`transformed`; not asked while compiling,
+    which wraps nothing), the kernels :func:`available`. The callers add what their kernels need of the dtype,
+    device and layout."""
+    return (not torch.jit.is_tracing() and (torch.compiler.is_compiling() or not transformed(x)) and available())
 
 
 def trainable(*xs: Optional[Tensor], contiguous: bool = True) -> bool:
@@ -318,14 +320,16 @@ def decoder_step(x: Tensor, tensors: list, *, rms: bool, eps: tuple[float, float
     _need()
     gated = activation in GATES
     act = GATES[activation] if gated else ACTIVATIONS[activation]
-    return _state["decoder_step"](x, tensors, rms, eps[0], eps[1], heads, kv_heads, position, interleaved, scale, act,
-                                  gated)
+    t = list(tensors)
+    k_cache, v_cache = t.pop(19), t.pop(19)  # (the op declares them written: Tensor(a!))
+    return _state["decoder_step"](x, k_cache, v_cache, t, rms, eps[0], eps[1], heads, kv_heads, position, interleaved,
+                                  scale, act, gated)
 
 
 MODS = {None: 0, "alibi": 1, "alibi_symmetric": 2, "softcap": 3}  # the score mods flash.cpp computes itself
-# who computes flash.cpp's block products: its choice (ours with AVX-512 or where torch has no BLAS, else the BLAS),
-# ATen's addmm, the BLAS torch links (cblas_sgemm; ATen where none), our register-tiled kernel
-PRODUCTS = {"auto": -1, "aten": 0, "blas": 1, "own": 2}
+# who computes flash.cpp's block products: its choice (ours with AVX-512, else ATen's), ATen's addmm (the BLAS torch
+# links), our register-tiled kernel
+PRODUCTS = {"auto": -1, "aten": 0, "own": 2}
 
 
 def _code(table: dict, name: str, value):
@@ -337,7 +341,7 @@ def _code(table: dict, name: str, value):
 
 def own_products() -> bool:
     """Whether flash.cpp computes its block products itself (``products="auto"`` with AVX-512: faster there than the
-    BLAS) rather than with the BLAS torch links."""
+    BLAS) rather than with ATen's addmm (the BLAS torch links)."""
     return available() and isa() >= 2
 
 

@@ -25,8 +25,8 @@
 // Grouped-query attention: query head h reads key/value head h / (H / Hkv). float32 throughout.
 //
 // The block products (`products`): our own register-tiled kernel (flash_body.h: gemm_own, reading Kᵀ and Vᵀ
-// transposed once per call), the BLAS torch itself uses (cblas_sgemm, found at load time), or ATen's addmm on views
-// of the same memory; by default ours with AVX-512 or where torch has no BLAS, else the BLAS. The element-wise
+// transposed once per call) or ATen's addmm on views of the same memory (the BLAS torch links); by default ours with
+// AVX-512, else ATen's. The element-wise
 // passes are vectorised (flash_body.h) for the library's instruction set. Tasks are handed out dynamically over
 // torch's threads.
 #include <ATen/Parallel.h>
@@ -52,10 +52,6 @@
 
 #include "native.h"
 
-// the BLAS linked into libtorch (MKL or OpenBLAS), when it exports the CBLAS interface; null otherwise
-extern "C" void cblas_sgemm(int layout, int trans_a, int trans_b, int m, int n, int k, float alpha, const float* a,
-                            int lda, const float* b, int ldb, float beta, float* c, int ldc) __attribute__((weak));
-
 namespace {
 
 #define ATTNLAB_BODY "flash_body.h"
@@ -63,15 +59,16 @@ namespace {
 
 using attnlab_native::check_f32;
 
-enum Products : int64_t { AUTO = -1, ATEN = 0, BLAS = 1, OWN = 2 };
+enum Products : int64_t { AUTO = -1, ATEN = 0, OWN = 2 };
 
 Products resolve(int64_t products) {
-  ATTNLAB_CHECK(products >= AUTO && products <= OWN, "attnlab::flash: products must be -1 (auto), 0 (ATen), 1 (BLAS) ",
-                "or 2 (own), got ", products);
+  ATTNLAB_CHECK(products == AUTO || products == ATEN || products == OWN,
+                "attnlab::flash: products must be -1 (auto), 0 (ATen) or 2 (own), got ", products);
   if (products != AUTO) return static_cast<Products>(products);
-  // ours: 98-115 GFLOP/s per Zen4 core with AVX-512 on these blocks, against MKL's 79-96 (its packing included);
-  // with AVX2's 16 registers its tiles are smaller (57-80) and the BLAS's tuned kernels serve
-  return attnlab_native::cpu_isa() >= 2 || cblas_sgemm == nullptr ? OWN : BLAS;
+  // ours with AVX-512 (faster than MKL's on these blocks, whose packing of both operands every call costs; see
+  // docs/performance.md); with AVX2's 16 registers its tiles are smaller and the BLAS's tuned kernels serve
+  // (through ATen's addmm)
+  return attnlab_native::cpu_isa() >= 2 ? OWN : ATEN;
 }
 
 // the columns our products read past a block's last key (Kᵀ and Vᵀ are padded by them; S rows are as wide)
@@ -99,16 +96,10 @@ at::Tensor transposed(const at::Tensor& x) {
 }
 
 // C (M×N, row stride ldc) = α op(A) op(B) + β C, row-major: op(A) is M×K (A stored K×M when ta), op(B) K×N (B
-// stored N×K when tb), with the BLAS or ATen. β = 0 ignores C's contents.
+// stored N×K when tb), with ATen's addmm. β = 0 ignores C's contents.
 void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B,
-          int64_t ldb, float beta, float* C, int64_t ldc, Products products) {
+          int64_t ldb, float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
-  if (products == BLAS && cblas_sgemm != nullptr) {
-    cblas_sgemm(101 /* row-major */, ta ? 112 : 111, tb ? 112 : 111, static_cast<int>(M), static_cast<int>(N),
-                static_cast<int>(K), alpha, A, static_cast<int>(lda), B, static_cast<int>(ldb), beta, C,
-                static_cast<int>(ldc));
-    return;
-  }
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   auto view = [&](const float* p, int64_t rows, int64_t cols, int64_t ld, bool t) {
     at::Tensor x = at::from_blob(const_cast<float*>(p), {t ? cols : rows, t ? rows : cols}, {ld, 1}, f32);
@@ -126,19 +117,19 @@ struct Gemms {
   void abt(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B, int64_t ldb,
            const float* bt, int64_t ldbt, bool acc, float* C, int64_t ldc) const {
     if (how == OWN) own(M, N, K, alpha, A, lda, 1, bt, ldbt, acc, C, ldc, true);
-    else gemm(false, true, M, N, K, alpha, A, lda, B, ldb, acc ? 1.f : 0.f, C, ldc, how);
+    else gemm(false, true, M, N, K, alpha, A, lda, B, ldb, acc ? 1.f : 0.f, C, ldc);
   }
   // C (M×N) = α A B (+ C when acc): A (M×K, lda), B (K×N, ldb)
   void ab(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B, int64_t ldb,
           bool acc, float* C, int64_t ldc) const {
     if (how == OWN) own(M, N, K, alpha, A, lda, 1, B, ldb, acc, C, ldc, false);
-    else gemm(false, false, M, N, K, alpha, A, lda, B, ldb, acc ? 1.f : 0.f, C, ldc, how);
+    else gemm(false, false, M, N, K, alpha, A, lda, B, ldb, acc ? 1.f : 0.f, C, ldc);
   }
   // C (M×N) = α Aᵀ B (+ C when acc): A (K×M, lda), B (K×N, ldb)
   void atb(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B, int64_t ldb,
            bool acc, float* C, int64_t ldc) const {
     if (how == OWN) own(M, N, K, alpha, A, 1, lda, B, ldb, acc, C, ldc, false);
-    else gemm(true, false, M, N, K, alpha, A, lda, B, ldb, acc ? 1.f : 0.f, C, ldc, how);
+    else gemm(true, false, M, N, K, alpha, A, lda, B, ldb, acc ? 1.f : 0.f, C, ldc);
   }
 };
 
