@@ -135,8 +135,8 @@ def attend_plain(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: Option
     softmax) over q, k, v the caller has found finite, where it ends in the short backend's fused kernel
     (``backend="short"``, or ``"auto"`` taking it: training on a CPU, few keys, as many key/value as query heads):
     that kernel without building and validating the request, choosing among the backends and wrapping the call —
-    the same call, so the same bits (``MultiheadAttention`` takes it in training: ~60 µs less a call on a Zen 3
-    core, paired medians of 40 alternating blocks, at 16 and at 768 tokens). None where any of that does not
+    the same call, so the same bits (``MultiheadAttention`` takes it in training, where the request's checks would
+    cost more than the kernel at few tokens). None where any of that does not
     hold or the output is not finite: the caller then runs :func:`attend`, whose checks handle or explain it.
 
     ``packed``: the self-attention projection ``(B, L, 3 H D)`` that q, k, v ``(B, H, L, D)`` are views of, in that
@@ -257,7 +257,13 @@ def all_finite(*tensors: Tensor) -> bool:
     (:func:`attnlab._native_train.all_finite`: the nanogpt-cpu step 0.993× the one with the sums as AVX2);
     else ``sum`` is finite iff every term is (or, rarely, finite terms overflow it, which only sends the request
     down the guarded path, still exact). fp16 is summed in fp32, whose range its sums cannot overflow as easily
-    (65504 would send ordinary inputs down the guarded path)."""
+    (65504 would send ordinary inputs down the guarded path).
+
+    While ``torch.compile`` traces, True without reading the data: a graph cannot branch on it, so compiled code
+    takes the unguarded paths, where a NaN or ±inf input still makes the rows it reaches NaN (the kernels propagate
+    it) but a finite input whose scores overflow is not reported."""
+    if torch.compiler.is_compiling():
+        return True
     if tensors and all(t.device.type == "cpu" and _native.runs_on(t) for t in tensors):
         return _native_train.all_finite(tensors)
     sums = [t.detach().sum(dtype=torch.float32 if t.dtype == torch.float16 else None) for t in tensors]
