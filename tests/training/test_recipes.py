@@ -337,3 +337,20 @@ def test_generate_samples_from_a_run_folder(tmp_path, shakespeare, capsys):
     new = load_run_model(out).generate(torch.tensor([tok.encode("\n")]), max_new_tokens=12)[0, 1:]
     assert captured.out.split("\n", 1)[1] == "\n" + tok.decode(new.tolist()) + "\n"
     assert "12 tokens in" in captured.err and "% of this machine's bandwidth bound" in captured.err
+
+
+def test_a_run_folder_samples_past_its_block_as_sample_py(tmp_path, shakespeare, capsys):
+    """nanoGPT's sample.py on a run folder: any number of new tokens (the context cropped to the block, 32 here),
+    several samples, and nanoGPT's setting names in the run's settings."""
+    from attnlab import cli
+
+    out = tmp_path / "run"
+    assert cli.main(["train", "shakespeare-char", "--preset", "tiny", "--out", str(out), "--quiet", "--threads", "1",
+                     "--set", "max_iters=3", "--set", "eval_interval=0", "--set", "block_size=32"]) == 0
+    capsys.readouterr()
+    assert cli.main(["generate", "--model", str(out), "--max-new-tokens", "100", "--num-samples", "2",
+                     "--do-sample", "--top-k", "5", "--dtype", "fp32"]) == 0
+    captured = capsys.readouterr()
+    samples = captured.out.split("\n", 1)[1].split("---------------\n")
+    assert len(samples) == 2 and all(len(s) == 1 + 100 + 1 for s in samples)  # the new line, 100 chars, the end
+    assert captured.err.count("100 tokens in") == 2 and "the last 32 tokens" in captured.err
