@@ -108,8 +108,9 @@ def common_flags() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     g.add_argument("--device", default=None, help="cpu (default), cuda, cuda:1, ...")
     g.add_argument("--dtype", type=dtype_flag, default=None, metavar="{auto,fp32,bf16,fp16}",
-                   help="model dtype, also float32/bfloat16/float16 (default float32; auto = bfloat16 where this CPU computes it natively and "
-                   "faster, see `attnlab env`; for train: the autocast dtype, default the recipe's: auto)")
+                   help="model dtype, also float32/bfloat16/float16 (default float32; auto = bfloat16 where this CPU "
+                   "computes it natively and faster, see `attnlab env`; for train: the autocast dtype, default the "
+                   "recipe's)")
     return common
 
 
@@ -117,26 +118,24 @@ def apply_common(args: argparse.Namespace) -> None:
     """Seed torch and ``random``, set the threads, check the device; defaults filled in place.
 
     Raises:
-        ValueError: ``--threads`` < 1, or a device that is malformed or absent on this machine.
+        ValueError: ``--threads`` outside [1, 1024] (above the cores: a warning), ``--seed`` outside [0, 2**63),
+            a device other than cpu / cuda / cuda:N, or one absent on this machine (:mod:`attnlab._limits`).
     """
     import random
 
     import torch
 
+    from attnlab._limits import check_device, check_seed, check_threads
+
+    check_device("--device", args.device)
+    if args.seed is not None:
+        check_seed("--seed", args.seed)
     if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        check_threads("--threads", args.threads)
         torch.set_num_threads(args.threads)
     seed = 0 if args.seed is None else args.seed  # args.seed stays None: a recipe keeps its own seed
     random.seed(seed)
     torch.manual_seed(seed)
-    if args.device is not None:
-        try:
-            device = torch.device(args.device)
-        except RuntimeError:
-            raise ValueError(f"--device must name a device such as cpu or cuda:0, got {args.device!r}") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"--device {args.device}: CUDA is not available on this machine")
 
 
 class _Parser(argparse.ArgumentParser):

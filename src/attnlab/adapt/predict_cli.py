@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     source.add_argument("--text", action="append", help="a text to classify (repeat for several)")
     source.add_argument("--file", metavar="PATH", help="classify each line of this UTF-8 file (- = standard input)")
     p.add_argument("--format", choices=("tsv", "jsonl"), default="tsv",
-                   help="tsv: label, probability, every label's, text, escaped (default); jsonl: one JSON object a line")
+                   help="tsv: label, probability, every label's, text, escaped (default); "
+                        "jsonl: one JSON object a line")
     p.add_argument("--text-b", action="append", default=None,
                    help="the second text of a pair, one per --text (repeat in the same order)")
     p.add_argument("--max-length", type=int, default=512, help="tokens per text (pair), longest-first (default 512)")
