@@ -7,8 +7,9 @@ int8 weights are quantised symmetrically per output row (per channel)::
 Three modes:
 
 - ``"int8"`` — dynamic quantisation (Jacob et al. 2018; ``torch.ao.quantization.quantize_dynamic``'s
-  kernels): at run time the activations are quantised too (one affine scale per call), the product
-  is computed in int8 × int8 → int32 by fbgemm and rescaled: ``y ≈ s_x s_i (Q_x Q_iᵀ) + b``.
+  kernels): at run time the activations are quantised too, each row on its own scale (one row's outlier,
+  NaN or inf never changes another row's result), the product is computed in int8 × int8 → int32 by fbgemm and
+  rescaled: ``y ≈ s_x s_i (Q_x Q_iᵀ) + b``.
 - ``"int8-weight"`` — weight-only: activations stay floating point and the kernel
   (``aten._weight_int8pack_mm``) dequantises the weight on the fly: ``y = (x Qᵀ) ⊙ s + b``, computed in
   ``compute_dtype`` (bfloat16 by default: the fast CPU kernel; float32 is exact but slow). Decoding one
@@ -177,7 +178,7 @@ class Int8Linear(_NativeArgs):
                 q = torch._make_per_channel_quantized_tensor(
                     self.weight_int8, self.weight_scale.double(),
                     torch.zeros(self.out_features, dtype=torch.long), 0)
-                self._packed = torch.ops.quantized.linear_prepack(q, self.bias)
+                self._packed = torch.ops.quantized.linear_prepack(q, None)  # the bias is added after the row scales
         return self._packed
 
     def _arguments(self) -> tuple:
@@ -197,13 +198,34 @@ class Int8Linear(_NativeArgs):
                 return _native.matvec(x, *args)
             return _native.matvec(x.float().contiguous(), *args).to(x.dtype)
         if self.mode == "int8":
-            return torch.ops.quantized.linear_dynamic(x.float(), self._fbgemm(), True).to(x.dtype)
+            return self._dynamic(x)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)  # (N, in)
         y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.weight_scale.to(self.compute_dtype))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def _dynamic(self, x: Tensor) -> Tensor:
+        """``"int8"`` on many rows: fbgemm's int8 product, each row of ``x`` rounded on a scale of its own. fbgemm
+        takes one activation scale per call, so each row is divided by its largest magnitude ``r_i`` and two rows of
+        1 and -1 fix the call's range at ``[-1, 1]``: ``y_i = r_i ((x_i / r_i) Wᵀ) + b``, a row's result independent
+        of every other row. A row holding NaN or inf is computed in floating point, as the float layer computes it
+        (its NaN or inf reaches its own outputs, no other row's)."""
+        x2 = x.reshape(-1, self.in_features).float()
+        r = x2.abs().amax(dim=1, keepdim=True)
+        finite = torch.isfinite(r)
+        r = torch.where(finite & (r > 0), r, torch.ones_like(r))
+        unit = torch.where(finite, x2 / r, torch.zeros_like(x2))
+        ends = torch.ones(2, self.in_features, device=x.device)
+        ends[1] = -1.0
+        y = torch.ops.quantized.linear_dynamic(torch.cat([unit, ends]), self._fbgemm(), True)[:-2].mul_(r)
+        if self.bias is not None:
+            y += self.bias
+        if not finite.all():
+            rows = ~finite.squeeze(1)
+            y[rows] = F.linear(x2[rows], self.weight, self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def _reset(self) -> None:
         self._packed = self._native = None
@@ -365,7 +387,8 @@ def quantize(model: nn.Module, mode: str, *, compute_dtype: Optional[torch.dtype
 
     Raises:
         ValueError: unknown ``mode``; a layer of an unsupported dtype (named); a model not on the CPU;
-            LoRA layers or a packed inference layout present; a ``compute_dtype`` other than float32/bfloat16/float16;
+            LoRA layers or a packed inference layout present; a weight or bias holding NaN or inf (named); a
+            ``compute_dtype`` other than float32/bfloat16/float16;
             a bad ``group_size``; for ``"int4"``, a layer whose input width is not a multiple of 32 (named: exclude it).
     """
     from attnlab.adapt.lora import LoRALinear
@@ -393,6 +416,10 @@ def quantize(model: nn.Module, mode: str, *, compute_dtype: Optional[torch.dtype
         if m.weight.dtype not in FLOAT_DTYPES[mode]:
             raise ValueError(f"mode {mode!r} cannot quantise {name!r} of dtype {m.weight.dtype}; supported: "
                              f"{[str(d).removeprefix('torch.') for d in FLOAT_DTYPES[mode]]}")
+        bad = [f"{name}.{p}" for p, t in m.named_parameters(recurse=False) if not torch.isfinite(t).all()]
+        if bad:  # a NaN or inf has no integer level: it would turn into a finite number, silently
+            raise ValueError(f"{bad[0]!r} holds NaN or inf values, which int8/int4 levels cannot represent: "
+                             "quantise a model with finite weights")
         if mode == "int4" and (embeddings or isinstance(m, nn.Linear)):
             groups[name] = _group_for(name, m.weight.shape[1], group_size)
     if not inplace:
