@@ -181,7 +181,8 @@ def test_saved_notebook_views_draw(open_file, tmp_path):
     g = torch.Generator().manual_seed(0)
     att = tuple((2 * torch.randn(1, 3, 5, 5, generator=g)).softmax(-1) for _ in range(2))
     toks = ["a", "b", HOSTILE[0], "d", "e"]
-    page = open_file(head_view(att, toks, layer=1, heads=[0, 2], min_weight=0.0).save(tmp_path / "head.html"))
+    view = head_view(att, toks, layer=1, heads=[0, 2], min_weight=0.0, html_action="return")
+    page = open_file(view.save(tmp_path / "head.html"))
     lines = _lines(page)
     assert {h for _, _, h, _, _ in lines} == {0, 2} and len(lines) == 2 * 25  # layer 1, heads 0 and 2 drawn
     assert all(abs(w - float(att[1][0, h, q, k])) <= 0.5 / SCALE and op == w for q, k, h, w, op in lines)
@@ -189,7 +190,7 @@ def test_saved_notebook_views_draw(open_file, tmp_path):
     assert all((op == w) if q == 1 else (op == 0) for q, k, h, w, op in _lines(page))
     assert page.eval_on_selector_all("#hv-svg text.tok-q", "els => els.map(e => e.textContent)") == toks
     assert page.evaluate("typeof window.__pwned") == "undefined" and page.problems == []
-    page = open_file(model_view(att, toks, include_heads=[1]).save(tmp_path / "model.html"))
+    page = open_file(model_view(att, toks, include_heads=[1], html_action="return").save(tmp_path / "model.html"))
     assert page.is_hidden("#head-view") and page.is_visible("#grid")
     assert page.eval_on_selector_all("canvas.thumb", "els => els.map(e => e.getAttribute('data-head'))") == ["1", "1"]
     assert page.problems == []
@@ -200,7 +201,7 @@ def test_notebook_frame_draws_inside_its_sandbox(open_file, tmp_path):
     from attnlab.viz import head_view
 
     att = (torch.rand(1, 2, 4, 4).softmax(-1),)
-    view = head_view(att, [HOSTILE[1], "x", "y", "z"], min_weight=0.0)
+    view = head_view(att, [HOSTILE[1], "x", "y", "z"], min_weight=0.0, html_action="return")
     host = tmp_path / "notebook.html"
     host.write_text(f"<!DOCTYPE html><html><body><p>cell output:</p>{view._repr_html_()}</body></html>",
                     encoding="utf-8")
@@ -212,4 +213,33 @@ def test_notebook_frame_draws_inside_its_sandbox(open_file, tmp_path):
     inner = next(f for f in page.frames if f != page.main_frame)
     assert inner.evaluate("typeof window.__pwned") == "undefined"
     assert page.evaluate("typeof window.__pwned") == "undefined"
+    assert page.problems == []
+
+
+def test_enlarged_map_stays_inside_the_notebook_frame(open_file, tmp_path):
+    """The model view inline (an 800-px frame for 6 layers): clicking a map of the last row opens the
+    enlarged map inside the frame's viewport, wherever the frame is scrolled."""
+    from attnlab.viz import model_view
+
+    g = torch.Generator().manual_seed(0)
+    att = tuple((2 * torch.randn(1, 4, 12, 12, generator=g)).softmax(-1) for _ in range(6))
+    view = model_view(att, [f"tok{i}" for i in range(12)], html_action="return")
+    assert view.height == 800
+    host = tmp_path / "notebook.html"
+    host.write_text(f"<!DOCTYPE html><html><body><p>cell output:</p>{view._repr_html_()}</body></html>",
+                    encoding="utf-8")
+    page = open_file(host)
+    frame = page.frame_locator("iframe")
+    thumb = frame.locator("canvas.thumb[data-layer='5'][data-head='3']")
+    thumb.click()  # scrolls the frame's page to the last row first
+    box = frame.locator("#zoom")
+    assert box.is_visible()
+    inner = next(f for f in page.frames if f != page.main_frame)
+    rect = inner.evaluate("""() => { const r = document.getElementById('zoom').getBoundingClientRect();
+        return [r.top, r.bottom, r.left, r.right, innerHeight, innerWidth]; }""")
+    top, bottom, left, right, height, width = rect
+    assert 0 <= top < bottom <= height and 0 <= left < right <= width, rect
+    grid_bottom = inner.evaluate("document.getElementById('grid').getBoundingClientRect().bottom")
+    assert grid_bottom > top  # laid over the grid, not below it (where it opened outside the frame)
+    assert frame.locator("#zoom-svg rect").count() == 12 * 12
     assert page.problems == []

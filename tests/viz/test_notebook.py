@@ -42,7 +42,7 @@ def _ints(w: torch.Tensor) -> list[int]:
 def test_page_embeds_exactly_the_given_weights():
     att = _attentions()
     toks = [f"w{i}" for i in range(6)]
-    data = _data(head_view(att, toks, batch_index=1, min_weight=0.0).html)
+    data = _data(head_view(att, toks, batch_index=1, min_weight=0.0, html_action="return").html)
     (kind,) = data["kinds"]
     assert kind["tokens_q"] == toks and kind["tokens_k"] == toks
     assert kind["n_layers"] == 3 and kind["n_heads"] == 4 and data["layer"] == 0 and data["heads"] is None
@@ -57,9 +57,9 @@ def test_page_embeds_exactly_the_given_weights():
 
 def test_layer_and_head_selection():
     att, toks = _attentions(), list("abcdef")
-    data = _data(head_view(att, toks, layer=2, heads=[3, 1]).html)
+    data = _data(head_view(att, toks, layer=2, heads=[3, 1], html_action="return").html)
     assert data["layer"] == 2 and data["heads"] == [1, 3] and data["tab"] == "head"
-    data = _data(model_view(att, toks, include_layers=[2, 0], include_heads=[1]).html)
+    data = _data(model_view(att, toks, include_layers=[2, 0], include_heads=[1], html_action="return").html)
     mv = data["kinds"][0]["model"]
     assert data["tab"] == "model" and mv["layers"] == [0, 2] and mv["heads"] == [1]
     assert mv["maps"] == [[_ints(att[0][0, 1])], [_ints(att[2][0, 1])]]
@@ -73,7 +73,7 @@ def test_layer_and_head_selection():
 
 def test_sentence_b_start_splits_into_bertviz_blocks():
     att, toks = _attentions(layers=2, L=7), [f"t{i}" for i in range(7)]
-    kinds = _data(head_view(att, toks, sentence_b_start=3, min_weight=0.0).html)["kinds"]
+    kinds = _data(head_view(att, toks, sentence_b_start=3, min_weight=0.0, html_action="return").html)["kinds"]
     assert [k["label"] for k in kinds] == ["All", "Sentence A \u2192 Sentence A", "Sentence B \u2192 Sentence B",
                                            "Sentence A \u2192 Sentence B", "Sentence B \u2192 Sentence A"]
     a, b = slice(0, 3), slice(3, 7)
@@ -97,7 +97,7 @@ class _Tags(HTMLParser):
 
 def test_hostile_tokens_stay_text_and_the_frame_holds_the_saved_page(tmp_path):
     att = _attentions(layers=1, L=len(HOSTILE))
-    view = head_view(att, HOSTILE)
+    view = head_view(att, HOSTILE, html_action="return")
     data = _data(view.html)
     assert data["kinds"][0]["tokens_q"] == HOSTILE  # round-trips as text
     assert "</script><img" not in view.html and "<svg onload" not in view.html
@@ -113,7 +113,7 @@ def test_hostile_tokens_stay_text_and_the_frame_holds_the_saved_page(tmp_path):
 
 def test_the_same_renderer_as_attnlab_viz():
     att, toks = _attentions(layers=2), list("abcdef")
-    enc = head_view(encoder_attentions=att, encoder_tokens=toks, title="T")
+    enc = head_view(encoder_attentions=att, encoder_tokens=toks, title="T", html_action="return")
     rec = AttentionRecord({"encoder": torch.stack([a[0] for a in att])}, {"encoder": toks}, {"encoder": toks},
                           "encoder-decoder")
     assert enc.html == render_html(rec, title="T")
@@ -124,7 +124,7 @@ def test_encoder_decoder_triples_and_bertviz_names():
     cross = _attentions(layers=2, L=3, Lk=5, seed=3)
     et, dt = list("abcde"), list("xyz")
     view = model_view(encoder_attention=enc, decoder_attention=dec, cross_attention=cross,
-                      encoder_tokens=et, decoder_tokens=dt)
+                      encoder_tokens=et, decoder_tokens=dt, html_action="return")
     kinds = _data(view.html)["kinds"]
     assert [k["name"] for k in kinds] == ["encoder", "decoder", "cross"]
     assert kinds[2]["tokens_q"] == dt and kinds[2]["tokens_k"] == et
@@ -132,20 +132,20 @@ def test_encoder_decoder_triples_and_bertviz_names():
     with pytest.raises(ValueError, match="encoder_tokens has 4 tokens"):
         model_view(encoder_attentions=enc, decoder_attentions=dec, encoder_tokens=et[:4], decoder_tokens=dt)
     with pytest.raises(ValueError, match="not both"):
-        head_view(_attentions(), list("abcdef"), attention=_attentions())
+        head_view(_attentions(), list("abcdef"), attentions=_attentions())
 
 
 def test_bad_input_names_the_argument_and_the_shape():
     att, toks = _attentions(), list("abcdef")
-    with pytest.raises(ValueError, match=r"attentions\[1\] has shape \(2, 4, 5, 5\).*\(batch, heads, q, k\)"):
+    with pytest.raises(ValueError, match=r"attention\[1\] has shape \(2, 4, 5, 5\).*\(batch, heads, q, k\)"):
         head_view((att[0], att[1][:, :, :5, :5], att[2]), toks)
-    with pytest.raises(ValueError, match=r"tokens has 5 tokens but attentions is \(batch, heads, q, k\) with q=6"):
+    with pytest.raises(ValueError, match=r"tokens has 5 tokens but attention is \(batch, heads, q, k\) with q=6"):
         head_view(att, toks[:5])
-    with pytest.raises(TypeError, match=r"attentions must be a tuple of per-layer \(batch, heads, q, k\)"):
+    with pytest.raises(TypeError, match=r"attention must be a tuple of per-layer \(batch, heads, q, k\)"):
         head_view(att[0], toks)
-    with pytest.raises(TypeError, match=r"attentions\[0\] must be a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"attention\[0\] must be a torch.Tensor"):
         head_view((att[0].tolist(),), toks)
-    with pytest.raises(ValueError, match=r"attentions\[0\] must be .* \(batch, heads, q, k\)"):
+    with pytest.raises(ValueError, match=r"attention\[0\] must be .* \(batch, heads, q, k\)"):
         head_view((att[0][0],), toks)
     with pytest.raises(TypeError, match="tokens must hold str"):
         head_view(att, [1, 2, 3, 4, 5, 6])
@@ -153,10 +153,12 @@ def test_bad_input_names_the_argument_and_the_shape():
         head_view(tuple(3 * a - 1 for a in att), toks)
     with pytest.raises(ValueError, match="batch_index must be in"):
         head_view(att, toks, batch_index=2)
-    with pytest.raises(ValueError, match="attentions is required"):
+    with pytest.raises(ValueError, match="attention is required"):
         head_view(tokens=toks)
-    with pytest.raises(TypeError, match=r"unexpected argument\(s\) \['prettify_tokens'\]"):
-        head_view(att, toks, prettify_tokens=False)
+    with pytest.raises(TypeError, match=r"unexpected argument\(s\) \['prettify'\]"):
+        head_view(att, toks, prettify=False)
+    with pytest.raises(ValueError, match="html_action must be 'view'.*or 'return'"):
+        head_view(att, toks, html_action="show")
 
 
 def test_transformers_bert_attentions():
@@ -169,7 +171,8 @@ def test_transformers_bert_attentions():
     with torch.no_grad():
         out = model(ids, token_type_ids=torch.tensor([[0] * 5 + [1] * 3]), output_attentions=True)
     toks = ["[CLS]", "the", "cat", "sat", "[SEP]", "it", "slept", "[SEP]"]
-    kinds = _data(head_view(out.attentions, toks, sentence_b_start=5, min_weight=0.0).html)["kinds"]
+    view = head_view(out.attentions, toks, sentence_b_start=5, min_weight=0.0, html_action="return")
+    kinds = _data(view.html)["kinds"]
     assert kinds[0]["n_layers"] == 2 and kinds[0]["n_heads"] == 4
     for layer in range(2):
         assert kinds[0]["model"]["maps"][layer] == [_ints(out.attentions[layer][0, h]) for h in range(4)]
@@ -183,7 +186,7 @@ def test_attnlab_gpt2_attentions():
     with torch.no_grad():
         out = model(torch.tensor([[1, 4, 9, 16, 25]]), output_attentions=True)
     toks = ["a", "b", "c", "d", "e"]
-    kind = _data(model_view(out.attentions, toks).html)["kinds"][0]
+    kind = _data(model_view(out.attentions, toks, html_action="return").html)["kinds"][0]
     for layer in range(2):
         maps = kind["model"]["maps"][layer]
         assert maps == [_ints(out.attentions[layer][0, h]) for h in range(2)]

@@ -89,8 +89,8 @@ def _notebook(cells_and_views):
 def test_exported_notebook_views_draw_and_stay_inside(browser, tmp_path):
     g = torch.Generator().manual_seed(0)
     att = tuple((2 * torch.randn(1, 3, 4, 4, generator=g)).softmax(-1) for _ in range(2))
-    nb = _notebook([("head_view(att, tokens)", head_view(att, HOSTILE)),
-                    ("model_view(att, tokens)", model_view(att, HOSTILE))])
+    nb = _notebook([("head_view(att, tokens)", head_view(att, HOSTILE, html_action="return")),
+                    ("model_view(att, tokens)", model_view(att, HOSTILE, html_action="return"))])
     path, template_urls = _export(nb, tmp_path / "views.html")
     page = _open(browser, path)
     _check(page, template_urls, 2, HOSTILE)

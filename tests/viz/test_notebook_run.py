@@ -21,19 +21,19 @@ bert = transformers.BertModel(cfg).eval()
 with torch.no_grad():
     out = bert(torch.tensor([[2, 5, 9, 11, 3, 7, 3]]), output_attentions=True)
 tokens = ["[CLS]", "the", "cat", "</script><img src=x onerror=alert(1)>", "[SEP]", "sat", "[SEP]"]
-view = head_view(out.attentions, tokens, sentence_b_start=5)
-view.save("bert_head.html")
-view""",
-    """model_view(out.attentions, tokens).save("bert_model.html")""",
+head_view(out.attentions, tokens, 5)   # bertviz's call: shown inline, returns None
+html = head_view(out.attentions, tokens, 5, html_action="return")
+with open("bert_head.html", "w", encoding="utf-8") as f:
+    f.write(html.data)""",
+    """model_view(out.attentions, tokens, html_action="return").save("bert_model.html")""",
     """from attnlab.models.gpt import GPT2Config, GPT2LMHeadModel
 torch.manual_seed(0)
 gpt = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=2, n_head=2)).eval()
 with torch.no_grad():
     att = gpt(torch.tensor([[1, 4, 9, 16]]), output_attentions=True).attentions
-head_view(att, ["a", "b", "c", "d"], layer=1).save("gpt_head.html")
-mv = model_view(att, ["a", "b", "c", "d"])
-mv.save("gpt_model.html")
-mv""",
+head_view(att, ["a", "b", "c", "d"], layer=1, html_action="return").save("gpt_head.html")
+model_view(att, ["a", "b", "c", "d"], html_action="return").save("gpt_model.html")
+model_view(att, ["a", "b", "c", "d"])""",
 ]
 
 
@@ -56,8 +56,9 @@ def test_notebook_executes_headless(tmp_path):
     assert stdout == [attnlab.__file__ + "\n"]
     nbformat.write(nb, tmp_path / "executed.ipynb")
     assert nbformat.read(tmp_path / "executed.ipynb", as_version=4).cells[1].outputs  # the saved notebook keeps them
-    shown = [o for c in (nb.cells[1], nb.cells[3]) for o in c.outputs if o.output_type == "execute_result"]
-    assert len(shown) == 2
+    shown = [o for c in (nb.cells[1], nb.cells[3]) for o in c.outputs if o.output_type == "display_data"]
+    assert len(shown) == 2  # html_action="view": displayed, and None returned (no execute_result)
+    assert not [o for c in (nb.cells[1], nb.cells[3]) for o in c.outputs if o.output_type == "execute_result"]
     for out in shown:
         frame = out.data["text/html"]
         assert frame.startswith("<iframe srcdoc=") and 'sandbox="allow-scripts"' in frame

@@ -74,8 +74,9 @@ class View(NamedTuple):
 
 def render_views(views: Sequence[View], *, model_name: str = "", layer: Optional[int] = None,
                  heads: Optional[Sequence[int]] = None, grid_layers: Optional[Sequence[int]] = None,
-                 grid_heads: Optional[Sequence[int]] = None, tab: str = "head",
-                 title: str = "attnlab attention view", top_k: int = 20, min_weight: float = 0.005,
+                 grid_heads: Optional[Sequence[int]] = None, menu_layers: Optional[Sequence[int]] = None,
+                 tab: str = "head", theme: str = "light", title: str = "attnlab attention view", top_k: int = 20,
+                 min_weight: float = 0.005,
                  max_tokens: int = 256, max_lines: int = 300_000, max_map: int = 64, max_layers: int = 12,
                  max_heads: int = 16) -> str:
     """The page as a string: the one renderer behind ``attnlab viz``, :func:`render_html` and the
@@ -88,7 +89,10 @@ def render_views(views: Sequence[View], *, model_name: str = "", layer: Optional
         heads: the heads drawn when the head view opens (default all; the others can be clicked on).
         grid_layers, grid_heads: exactly the layers / heads of the model view's grid (default: up to
             ``max_layers`` evenly spread layers and the first ``max_heads`` heads).
+        menu_layers: the layers the head view's layer menu offers (default all); ``layer`` must be one of them.
         tab: ``"head"`` or ``"model"``, the view shown first.
+        theme: ``"light"`` (dark text on white) or ``"dark"`` (light text on near-black; a map's weight 0
+            is the background colour in both).
         title: page title (escaped).
         top_k, min_weight, max_tokens, max_lines: head-view line thinning.
         max_map, max_layers, max_heads: model-view caps (map cells per side, grid rows, grid columns).
@@ -96,7 +100,8 @@ def render_views(views: Sequence[View], *, model_name: str = "", layer: Optional
     Raises:
         TypeError: ``title`` or ``model_name`` is not a ``str``.
         ValueError: no views; ``layer``, a head or a grid index outside the range every view has; a cap that
-            is not a positive int (``min_weight`` must lie in ``[0, 1]``); ``tab`` not "head" or "model".
+            is not a positive int (``min_weight`` must lie in ``[0, 1]``); ``tab`` not "head" or "model",
+            ``theme`` not "light" or "dark"; ``layer`` not among ``menu_layers``.
     """
     for name, v in (("title", title), ("model_name", model_name)):
         if not isinstance(v, str):
@@ -112,16 +117,22 @@ def render_views(views: Sequence[View], *, model_name: str = "", layer: Optional
         raise ValueError(f"min_weight must be a float in [0, 1], got {min_weight!r}")
     if tab not in ("head", "model"):
         raise ValueError(f"tab must be 'head' or 'model', got {tab!r}")
+    if theme not in ("light", "dark"):
+        raise ValueError(f"display_mode must be 'light' or 'dark', got {theme!r}")
     n_layers = min(v.weights.shape[0] for v in views)
     n_heads = min(v.weights.shape[1] for v in views)
+    menu_layers = _indices("include_layers", menu_layers, n_layers)
     if layer is None:
-        layer = 0
+        layer = menu_layers[0] if menu_layers else 0
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
         raise ValueError(f"layer must be an int in [0, {n_layers}), got {layer!r}")
+    if menu_layers is not None and layer not in menu_layers:
+        raise ValueError(f"layer {layer} is not in include_layers {menu_layers}")
     heads, grid_layers, grid_heads = (_indices(name, v, n) for name, v, n in
                                       (("heads", heads, n_heads), ("grid_layers", grid_layers, n_layers),
                                        ("grid_heads", grid_heads, n_heads)))
-    data = {"scale": SCALE, "layer": layer, "heads": heads, "tab": tab, "title": title, "model": model_name,
+    data = {"scale": SCALE, "layer": layer, "layers": menu_layers, "heads": heads, "tab": tab, "theme": theme,
+            "title": title, "model": model_name,
             "kinds": [_kind_payload(v, min_weight=float(min_weight), grid_layers=grid_layers,
                                     grid_heads=grid_heads, **caps) for v in views]}
     return _page(title, model_name, _json_for_script(data))
@@ -315,7 +326,7 @@ id="tab-model" class="tab" type="button">Model view</button></span>
 <svg id="hv-svg" class="hv"></svg>
 </section>
 <section id="model-view" hidden>
-<p class="sub">Rows are queries, columns keys. Shade: white = 0 up to the head's colour = 1 (the weight
+<p class="sub">Rows are queries, columns keys. Shade: the background = 0 up to the head's colour = 1 (the weight
 itself, not rescaled per map); hover a cell of an enlarged map for its value.</p>
 <ul class="notes" id="model-notes"></ul>
 <div id="grid" class="grid"></div>

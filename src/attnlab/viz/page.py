@@ -27,7 +27,19 @@ h2 { font-size: 15px; margin: 0; }
 .grid .lab { font: 12px monospace; color: #555; }
 canvas.thumb { width: 72px; height: 72px; image-rendering: pixelated; border: 1px solid #ccc; cursor: pointer; }
 canvas.thumb.sel { border: 2px solid #000; }
-.zoom { margin-top: 12px; border-top: 1px solid #ccc; padding-top: 8px; }
+.zoom { position: fixed; top: 8px; right: 8px; z-index: 10; max-width: calc(100vw - 16px);
+        max-height: calc(100vh - 16px); overflow: auto; box-sizing: border-box; padding: 8px 12px;
+        background: #fff; border: 1px solid #999; box-shadow: 0 2px 12px rgba(0, 0, 0, 0.3); }
+body.dark { color: #ddd; background: #111; }
+body.dark .sub, body.dark .grid .lab, body.dark .value { color: #bbb; }
+body.dark .hv text, body.dark .zoom text { fill: #ddd; }
+body.dark .hv text.hl, body.dark .hv text.tok:hover { fill: #fff; }
+body.dark .tab { background: #333; color: #ddd; }
+body.dark .tab.active { background: #ddd; color: #111; }
+body.dark .swatch { border-color: #111; }
+body.dark .notes { color: #f0b060; }
+body.dark canvas.thumb.sel { border-color: #fff; }
+body.dark .zoom { background: #111; }
 .zoom-head { display: flex; gap: 16px; align-items: center; }
 .value { font: 13px monospace; color: #333; }
 """
@@ -38,6 +50,8 @@ SCRIPT = r"""
   var D = JSON.parse(document.getElementById("attnlab-data").textContent);
   var SCALE = D.scale, ROW = 20, TOP = 24, GAP = 240, MAXCHARS = 60;
   var SVGNS = document.getElementById("hv-svg").namespaceURI;
+  var BG = D.theme === "dark" ? [17, 17, 17] : [255, 255, 255];  // a map's weight 0: the page background
+  if (D.theme === "dark") document.body.classList.add("dark");
   var state = { kind: 0, layer: D.layer, heads: [] };
   var lines = [];
 
@@ -163,9 +177,7 @@ SCRIPT = r"""
     var ctx = canvas.getContext("2d"), img = ctx.createImageData(canvas.width, canvas.height);
     for (var i = 0; i < flat.length; i++) {
       var a = Math.min(1, Math.max(0, flat[i] / SCALE));
-      img.data[4 * i] = Math.round(255 - a * (255 - c[0]));
-      img.data[4 * i + 1] = Math.round(255 - a * (255 - c[1]));
-      img.data[4 * i + 2] = Math.round(255 - a * (255 - c[2]));
+      for (var ch = 0; ch < 3; ch++) img.data[4 * i + ch] = Math.round(BG[ch] + a * (c[ch] - BG[ch]));
       img.data[4 * i + 3] = 255;
     }
     ctx.putImageData(img, 0, 0);
@@ -213,7 +225,9 @@ SCRIPT = r"""
     state.heads = [];
     for (var h = 0; h < k.n_heads; h++) state.heads.push(!D.heads || D.heads.indexOf(h) >= 0);
     var sel = $("layer"); clear(sel);
-    for (var l = 0; l < k.n_layers; l++) make("option", { value: l }, sel, String(l));
+    for (var l = 0; l < k.n_layers; l++) {
+      if (!D.layers || D.layers.indexOf(l) >= 0) make("option", { value: l }, sel, String(l));
+    }
     sel.value = String(state.layer);
     fillNotes("head-notes", k.head.notes);
     fillNotes("model-notes", k.model.notes);

@@ -1,0 +1,327 @@
+"""bertviz's neuron view: the query and key vectors of one head, their elementwise product, the dot
+product and the softmax, for any attnlab BERT / GPT-2 / Llama model or a transformers BERT / RoBERTa /
+GPT-2, with no patched model.
+
+::
+
+    from attnlab.viz import neuron_view
+    neuron_view(model, "bert", tokenizer, "the cat sat on the mat", "the cat lay on the rug", layer=2, head=0)
+
+The arguments are those of bertviz's ``neuron_view.show``, in its order. q and k are read through
+forward hooks during one ordinary forward of the model, as the attention computes them (after QK-norm and
+RoPE where the model has them; GQA's shared key heads repeated per query head)::
+
+    q_i, k_j  (head_dim,)     the head's query of token i and key of token j
+    q_i ∘ k_j                 elementwise product (its sum is the dot product)
+    s_ij = κ q_i · k_j        κ = the attention's scale (1/√head_dim by default); -inf where the mask forbids
+    w_ij = softmax_j(s_ij)    equal to the model's attention weights (output_attentions)
+
+The page is self-contained as the other views (no request, tokens as text, a Content-Security-Policy).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.viz.html import _csp_hash, _json_for_script
+from attnlab.viz.notebook import AttentionView, _act, _check_action, prettify
+
+MAX_TOKENS = 128  # the page embeds layers × heads × tokens × head_dim numbers twice
+HF_FAMILIES = ("bert", "roberta", "gpt2")  # transformers' model_type values whose q/k projections are read
+
+
+@torch.no_grad()
+def neuron_view(model, model_type: Optional[str] = None, tokenizer=None, sentence_a: Optional[str] = None,
+                sentence_b: Optional[str] = None, display_mode: str = "dark", layer: Optional[int] = None,
+                head: Optional[int] = None, html_action: str = "view", *, prettify_tokens: bool = True,
+                title: str = "attnlab neuron view") -> Optional[AttentionView]:
+    """Show how one head's query and key vectors produce its attention weights (bertviz's neuron view).
+
+    Args:
+        model: an attnlab BERT (or a head on it), GPT-2 or Llama model, or a transformers BERT, RoBERTa or
+            GPT-2 model (any attention implementation: q and k come from hooks, not ``output_attentions``).
+        model_type: bertviz's ``"bert"``, ``"roberta"`` or ``"gpt2"``; checked against the model when given.
+        tokenizer: a transformers tokenizer, a ``tokenizers.Tokenizer``, or attnlab's ``TextTokenizer`` /
+            ``CharTokenizer``; special tokens are added as the tokenizer does.
+        sentence_a: the text; ``sentence_b``: a second sentence (token types 0 then 1, as BERT pairs).
+        display_mode: ``"dark"`` (bertviz's default) or ``"light"``.
+        layer, head: the layer and head shown first (default 0 and 0; the page's menus select the others).
+        html_action: ``"view"`` shows the page in the notebook and returns None; ``"return"`` returns the
+            :class:`AttentionView` (``.data``: the HTML, ``.save(path)``).
+        prettify_tokens: as :func:`attnlab.viz.head_view`.
+        title: the page title.
+
+    Raises:
+        TypeError: an unsupported model, tokenizer or text.
+        ValueError: ``model_type`` not matching the model, no text, more than ``MAX_TOKENS`` tokens, a bad
+            ``layer``/``head``/``display_mode``/``html_action``.
+    """
+    _check_action(html_action)
+    if display_mode not in ("dark", "light"):
+        raise ValueError(f"display_mode must be 'dark' or 'light', got {display_mode!r}")
+    if not isinstance(sentence_a, str) or not sentence_a:
+        raise ValueError(f"sentence_a must be a non-empty str, got {sentence_a!r}")
+    if sentence_b is not None and not isinstance(sentence_b, str):
+        raise TypeError(f"sentence_b must be a str or None, got {type(sentence_b).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    family = _family(model, model_type)
+    ids, tokens, types = _encode(tokenizer, sentence_a, sentence_b)
+    if len(ids) > MAX_TOKENS:
+        raise ValueError(f"sentence_a/sentence_b give {len(ids)} tokens; the neuron view shows at most {MAX_TOKENS}")
+    q, k, mask, scale = query_key(model, family, ids, types)  # (layers, heads, L, D) each; (layers, L, L)
+    n_layers, n_heads = q.shape[:2]
+    layer = 0 if layer is None else layer
+    head = 0 if head is None else head
+    for name, v, n in (("layer", layer, n_layers), ("head", head, n_heads)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < n:
+            raise ValueError(f"{name} must be an int in [0, {n}), got {v!r}")
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask[:, None], float("-inf"))  # (layers, heads, L, L)
+    weights = scores.softmax(-1)
+    if prettify_tokens:
+        tokens = prettify(tokens)
+    data = {"layer": layer, "head": head, "theme": display_mode, "tokens": tokens, "model": type(model).__name__,
+            "q": _rounded(q), "k": _rounded(k), "scores": _rounded(scores.masked_fill(~mask[:, None], 0.0)),
+            "w": _rounded(weights), "mask": mask.int().tolist(), "scale": scale}
+    view = AttentionView(_page(title, _json_for_script(data)), height=min(1000, 320 + 22 * len(tokens)))
+    return _act(view, html_action)
+
+
+def _rounded(t: Tensor) -> list:
+    return (t.float() * 1e4).round().div(1e4).tolist()
+
+
+def _family(model: nn.Module, model_type: Optional[str]) -> str:
+    """``"ours"`` or transformers' ``model_type`` of ``model`` (checked against bertviz's ``model_type``)."""
+    from attnlab.modules.multihead import MultiheadAttention
+
+    config = getattr(model, "config", None)
+    hf_type = getattr(config, "model_type", None) if type(model).__module__.startswith("transformers.") else None
+    if hf_type is None:
+        if not any(isinstance(m, MultiheadAttention) for m in model.modules()):
+            raise TypeError(f"model must be an attnlab BERT, GPT-2 or Llama model or a transformers "
+                            f"{'/'.join(HF_FAMILIES)} model, got {type(model).__name__}")
+        if any(name.endswith("cross_attn") for name, _ in model.named_modules()):
+            raise TypeError(f"{type(model).__name__} is an encoder-decoder; the neuron view reads one stack of "
+                            "self-attention (BERT, GPT-2, Llama)")
+        got = "ours"
+    elif hf_type not in HF_FAMILIES:
+        raise TypeError(f"the neuron view reads transformers models of type {list(HF_FAMILIES)}, got {hf_type!r}")
+    else:
+        got = hf_type
+    if model_type is not None:
+        if model_type not in HF_FAMILIES:
+            raise ValueError(f"model_type must be one of {list(HF_FAMILIES)} or None, got {model_type!r}")
+        ours_type = getattr(config, "model_type", None)
+        actual = hf_type if got != "ours" else ours_type
+        if actual is not None and actual != model_type and {actual, model_type} != {"bert", "roberta"}:
+            raise ValueError(f"model_type={model_type!r} but the model is a {actual!r} model ({type(model).__name__})")
+    return got
+
+
+def _encode(tokenizer, a: str, b: Optional[str]) -> tuple[list[int], list[str], list[int]]:
+    """``(ids, tokens, token types)`` from a transformers tokenizer or one of ours."""
+    if hasattr(tokenizer, "convert_ids_to_tokens") and callable(tokenizer):  # transformers
+        enc = tokenizer(a, b) if b is not None else tokenizer(a)
+        ids = list(enc["input_ids"])
+        types = list(enc.get("token_type_ids") or [0] * len(ids))
+        return ids, list(tokenizer.convert_ids_to_tokens(ids)), types
+    from attnlab.viz.extract import _as_tokenizer
+    from attnlab.viz.extract import _encode as encode
+
+    return encode(_as_tokenizer(tokenizer), a, "sentence_a", b)
+
+
+def query_key(model: nn.Module, family: str, ids: list[int], types: list[int]) -> tuple[Tensor, Tensor, Tensor, float]:
+    """Every layer's per-head ``q, k (layers, heads, L, head_dim)``, the allowed-key mask ``(layers, L, L)`` and
+    the scale κ, read by forward hooks during one forward of ``model`` on one sequence."""
+    device = next(model.parameters()).device
+    x = torch.tensor([ids], device=device)
+    tt = torch.tensor([types], device=device)
+    L = len(ids)
+    if family == "ours":
+        return _ours(model, x, tt)
+    cfg = model.config
+    H = cfg.num_attention_heads if family != "gpt2" else cfg.n_head
+    captured: dict[str, list[Tensor]] = {"q": [], "k": []}
+    hooks = []
+    for name, m in model.named_modules():
+        if family == "gpt2" and name.endswith("attn.c_attn"):
+            def split(mod, args, out):
+                q, k, _ = out.float().split(out.shape[-1] // 3, dim=-1)
+                captured["q"].append(q)
+                captured["k"].append(k)
+            hooks.append(m.register_forward_hook(split))
+        elif family != "gpt2" and name.endswith("attention.self.query"):
+            hooks.append(m.register_forward_hook(lambda mod, args, out: captured["q"].append(out.float())))
+        elif family != "gpt2" and name.endswith("attention.self.key"):
+            hooks.append(m.register_forward_hook(lambda mod, args, out: captured["k"].append(out.float())))
+    try:
+        model(input_ids=x) if family == "gpt2" else model(input_ids=x, token_type_ids=tt)
+    finally:
+        for h in hooks:
+            h.remove()
+    q, k = (torch.stack([t[0].view(L, H, -1).transpose(0, 1) for t in captured[n]]) for n in ("q", "k"))
+    allowed = torch.ones(L, L, dtype=torch.bool, device=device)
+    if family == "gpt2":
+        allowed = allowed.tril()
+    return q, k, allowed.expand(q.shape[0], L, L), 1.0 / math.sqrt(q.shape[-1])
+
+
+def _ours(model: nn.Module, x: Tensor, tt: Tensor) -> tuple[Tensor, Tensor, Tensor, float]:
+    """q and k of every ``*.self_attn`` :class:`MultiheadAttention`, as its forward computes them."""
+    from attnlab.models.causal_lm import DecoderOnlyLM
+    from attnlab.modules.multihead import MultiheadAttention
+
+    attns = [m for name, m in model.named_modules() if isinstance(m, MultiheadAttention) and name.endswith("self_attn")]
+    for m in attns:
+        if m.position_bias is not None or m.normalize != "softmax" or m.top_k is not None:
+            raise TypeError("the neuron view shows softmax(κ q·k) attention; this model adds a position bias or "
+                            "another normaliser")
+    seen: list[tuple] = []
+
+    def grab(mod, args, kwargs):
+        seen.append((mod, args[0] if args else kwargs["query"], kwargs.get("is_causal", False),
+                     kwargs.get("attn_mask"), getattr(mod, "window", None)))
+
+    hooks = [m.register_forward_pre_hook(grab, with_kwargs=True) for m in attns]
+    try:
+        model(x) if isinstance(model, DecoderOnlyLM) else model(x, token_type_ids=tt)
+    finally:
+        for h in hooks:
+            h.remove()
+    qs, ks, masks, scales = [], [], [], set()
+    L = x.shape[1]
+    for m, h, causal, attn_mask, window in seen:
+        q, k, _, _ = m._project(h, h, h, False)
+        H, Hkv, D = m.num_heads, m.num_kv_heads, m.head_dim
+        q, k = q.view(1, L, H, D).transpose(1, 2), k.view(1, L, Hkv, D).transpose(1, 2)  # (1, H, L, D)
+        if m.k_norm is not None:
+            q, k = m.q_norm(q).to(q.dtype), m.k_norm(k).to(k.dtype)
+        if m.rotary is not None:
+            pos = torch.arange(L, device=x.device)
+            q, k = m.rotary(q, pos), m.rotary(k, pos)
+        qs.append(q[0].float())
+        ks.append(k[0].float().repeat_interleave(H // Hkv, dim=0))  # GQA: each query head's shared key head
+        allowed = torch.ones(L, L, dtype=torch.bool, device=x.device)
+        if causal is True:
+            allowed = allowed.tril()
+        if window is not None:
+            allowed &= ~torch.ones_like(allowed).tril(-window)
+        if isinstance(attn_mask, Tensor):
+            am = attn_mask.reshape(-1, L, L)[0]
+            allowed &= am if am.dtype == torch.bool else am > float("-inf")
+        masks.append(allowed)
+        scales.add(m.scale if m.scale is not None else 1.0 / math.sqrt(D))
+    if len(scales) != 1:
+        raise TypeError("the neuron view needs one scale κ for every layer")
+    return torch.stack(qs), torch.stack(ks), torch.stack(masks), scales.pop()
+
+
+STYLE = r"""
+body { font: 14px/1.4 system-ui, sans-serif; margin: 16px 24px; color: #222; background: #fff; }
+body.dark { color: #ddd; background: #111; }
+h1 { font-size: 20px; margin: 0 0 4px; }
+.sub { color: #777; margin: 0 0 8px; max-width: 900px; }
+.controls { display: flex; gap: 12px; align-items: center; margin: 8px 0; }
+table.nv { border-collapse: collapse; font: 12px monospace; }
+table.nv td { padding: 1px 4px; white-space: nowrap; }
+table.nv td.tok { cursor: pointer; }
+table.nv tr.sel td.tok { font-weight: bold; text-decoration: underline; }
+table.nv tr.masked { opacity: 0.35; }
+.vec { display: inline-flex; }
+.vec span { display: inline-block; width: 5px; height: 14px; }
+.bar { display: inline-block; height: 10px; background: #2a7ab0; }
+"""
+
+SCRIPT = r"""
+(function () {
+  "use strict";
+  var D = JSON.parse(document.getElementById("attnlab-data").textContent);
+  if (D.theme === "dark") document.body.classList.add("dark");
+  var state = { layer: D.layer, head: D.head, q: 0 };
+  function $(id) { return document.getElementById(id); }
+  function make(tag, attrs, parent, text) {
+    var e = document.createElement(tag);
+    for (var a in attrs) e.setAttribute(a, attrs[a]);
+    if (text !== undefined) e.textContent = text;
+    if (parent) parent.appendChild(e);
+    return e;
+  }
+  function clear(n) { while (n.firstChild) n.removeChild(n.firstChild); }
+  function shade(v, m) {  // blue for positive, orange for negative, opacity |v| / max
+    var a = m > 0 ? Math.min(1, Math.abs(v) / m) : 0;
+    return (v >= 0 ? "rgba(42,122,176," : "rgba(230,120,20,") + a.toFixed(3) + ")";
+  }
+  function vec(parent, values, m, cls) {
+    var box = make("span", { "class": "vec " + cls }, parent);
+    values.forEach(function (v) { var s = make("span", { "data-v": v }, box); s.style.background = shade(v, m); });
+  }
+  function absMax(rows) {
+    var m = 0;
+    rows.forEach(function (r) { r.forEach(function (v) { m = Math.max(m, Math.abs(v)); }); });
+    return m;
+  }
+  function draw() {
+    var l = state.layer, h = state.head, i = state.q, q = D.q[l][h], k = D.k[l][h], tb = $("nv"); clear(tb);
+    var mq = absMax(q.concat(k)), qi = q[i];
+    var prods = k.map(function (kj) { return kj.map(function (v, d) { return v * qi[d]; }); });
+    var mp = absMax(prods), hdr = make("tr", {}, tb);
+    ["query", "q", "key", "k", "q \u2218 k", "q \u00b7 k \u00d7 \u03ba", "softmax"].forEach(function (t) {
+      make("th", {}, hdr, t);
+    });
+    D.tokens.forEach(function (t, j) {
+      var row = make("tr", { "class": (j === i ? "sel" : "") + (D.mask[l][i][j] ? "" : " masked"), "data-j": j }, tb);
+      var tq = make("td", { "class": "tok tok-q", "data-i": j }, row, t);
+      tq.addEventListener("mouseenter", function () { if (state.q !== j) { state.q = j; draw(); } });
+      var cq = make("td", {}, row); if (j === i) vec(cq, qi, mq, "q");
+      make("td", { "class": "tok tok-k" }, row, t);
+      vec(make("td", {}, row), k[j], mq, "k");
+      vec(make("td", {}, row), prods[j], mp, "qk");
+      make("td", { "class": "score" }, row, D.mask[l][i][j] ? D.scores[l][h][i][j].toFixed(3) : "masked");
+      var w = D.w[l][h][i][j], c = make("td", { "class": "w", "data-w": w }, row);
+      make("span", { "class": "bar" }, c).style.width = Math.round(100 * w) + "px";
+      make("span", {}, c, " " + w.toFixed(4));
+    });
+  }
+  var ls = $("layer"), hs = $("head");
+  for (var l = 0; l < D.q.length; l++) make("option", { value: l }, ls, String(l));
+  for (var h = 0; h < D.q[0].length; h++) make("option", { value: h }, hs, String(h));
+  ls.value = String(state.layer); hs.value = String(state.head);
+  ls.addEventListener("change", function () { state.layer = +ls.value; draw(); });
+  hs.addEventListener("change", function () { state.head = +hs.value; draw(); });
+  draw();
+})();
+"""
+
+
+def _page(title: str, data_json: str) -> str:
+    import html
+
+    t = html.escape(title, quote=True)
+    csp = (f"default-src 'none'; script-src {_csp_hash(SCRIPT)}; style-src {_csp_hash(STYLE)}; "
+           "img-src data:; base-uri 'none'; form-action 'none'")
+    return f"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta http-equiv="Content-Security-Policy" content="{csp}">
+<link rel="icon" href="data:,">
+<title>{t}</title>
+<style>{STYLE}</style>
+</head>
+<body>
+<h1>{t}</h1>
+<p class="sub">Hover a query token (left) to see its query vector q against every key vector k: the elementwise
+product q &#8728; k (blue positive, orange negative), the dot product times the scale, and the softmax weight.</p>
+<div class="controls"><label>Layer <select id="layer"></select></label>
+<label>Head <select id="head"></select></label></div>
+<table class="nv" id="nv"></table>
+<script type="application/json" id="attnlab-data">{data_json}</script>
+<script>{SCRIPT}</script>
+</body>
+</html>
+"""
