@@ -25,3 +25,14 @@ def python_tiled(monkeypatch):
     from attnlab.backends import tiled
 
     monkeypatch.setattr(tiled, "native_applies", lambda q: False)
+
+
+@pytest.fixture(scope="session")
+def shakespeare():
+    """The real tiny-shakespeare text (``ATTNLAB_DATA_DIR``, else the user cache, else a download); the test
+    is skipped, with the reason, when none has it (a fresh clone offline)."""
+    from attnlab.data.datasets import DataUnavailableError, load_text
+    try:
+        return load_text("tinyshakespeare")
+    except DataUnavailableError as e:  # offline and no local copy: nothing to train on
+        pytest.skip(f"tiny-shakespeare unavailable: {e}")

@@ -84,7 +84,7 @@ def _snapshot(root: Path, skip: list[Path]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
+def assets(tmp_path_factory, shakespeare):
     """A small GPT-2 folder (config + weights, no tokenizer) and a finished tiny training run."""
     import torch
 
@@ -95,12 +95,6 @@ def assets(tmp_path_factory):
     torch.manual_seed(0)
     save_pretrained(GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2)),
                     root / "gpt2")
-    from attnlab.data.datasets import DataUnavailableError, load_text
-
-    try:
-        load_text("tinyshakespeare")
-    except DataUnavailableError as e:
-        pytest.skip(f"tiny-shakespeare unavailable: {e}")
     assert cli.main(["train", "shakespeare-char", "--preset", "tiny", "--out", str(root / "run"), "--quiet",
                      "--set", "max_steps=2", "--set", "eval_every=0"]) == 0
     return root / "gpt2", root / "run"

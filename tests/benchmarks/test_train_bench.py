@@ -63,7 +63,7 @@ def test_matmul_params_by_hand():
 
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory):
+def quick(tmp_path_factory, shakespeare):
     out = tmp_path_factory.mktemp("train") / "train.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--no-peer", "--threads", "1", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
@@ -215,7 +215,7 @@ def test_the_budget_fit_reads_iteration_and_evaluation_times_from_the_stamped_li
         fit_budget(lines[:5], budget_s=600.0, eval_iters=10, probe_s=60.0)
 
 
-def test_levers_run_each_lever_between_two_baselines(tmp_path):
+def test_levers_run_each_lever_between_two_baselines(tmp_path, shakespeare):
     out = tmp_path / "levers.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--levers", "adamw", "softcap-30", "--quick", "--threads", "1",
                            "--out", str(out)], capture_output=True, text=True, timeout=300)

@@ -1,4 +1,4 @@
-"""Fixtures of the training tests: a tiny GPT on a synthetic token stream, and the real corpus."""
+"""Fixtures of the training tests: a tiny GPT on a synthetic token stream (the real corpus: tests/conftest.py)."""
 from __future__ import annotations
 
 import functools
@@ -52,13 +52,3 @@ def make_trainer():
         return Trainer(_tiny_gpt(dropout=dropout, seed=init_seed), TrainConfig(**cfg), train_batches=batches,
                        loss_fn=loss_fn or causal_lm_loss, evaluate=ev, out_dir=out_dir)
     return make
-
-
-@pytest.fixture(scope="session")
-def shakespeare():
-    """The real tiny-shakespeare text (``ATTNLAB_DATA_DIR``); skipped with the reason when it is absent."""
-    from attnlab.data.datasets import DataUnavailableError, load_text
-    try:
-        return load_text("tinyshakespeare")
-    except DataUnavailableError as e:  # offline and no local copy: nothing to train on
-        pytest.skip(f"tiny-shakespeare unavailable: {e}")
