@@ -53,8 +53,9 @@ def _one_line_error(capsys, argv, command, fragment):
 
 
 def test_common_flags_are_checked_in_one_line(capsys):
-    _one_line_error(capsys, ["bench", "--list", "--threads", "0"], "bench", "--threads must be >= 1")
-    _one_line_error(capsys, ["bench", "--list", "--device", "no-such-device"], "bench", "--device must name")
+    _one_line_error(capsys, ["bench", "--list", "--threads", "0"], "bench", "--threads must be an int in [1, 1024]")
+    _one_line_error(capsys, ["bench", "--list", "--device", "no-such-device"], "bench",
+                    "--device must be one of cpu, cuda, cuda:N")
     _one_line_error(capsys, ["demo", "--dtype", "bfloat16", "--out", "/tmp/x"], "demo", "runs on the CPU in float32")
     _one_line_error(capsys, ["eval", "--hyp", "a", "--ref", "b", "--device", "cpu"], "eval",
                     "--device applies to --checkpoint only")

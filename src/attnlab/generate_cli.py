@@ -198,7 +198,13 @@ def main(args: argparse.Namespace) -> int:
     if args.window is not None:
         if loaded.encoder_decoder:
             raise ValueError("--window is for decoder-only models (GPT-2, Llama)")
-        from attnlab.adapt.deploy import set_window
+        from attnlab._limits import SETTING_LIMITS, check_memory
+        from attnlab.adapt.deploy import set_window, window_cache_bytes
+
+        limit = SETTING_LIMITS[("block_size", "max_len", "max_tokens", "window")]
+        if not 1 <= args.window <= limit:
+            raise ValueError(f"--window must be an int in [1, {limit:,}], got {args.window}")
+        check_memory(f"--window {args.window}", window_cache_bytes(model, args.window), device=device)
         set_window(model, args.window)
     if args.int8:
         from attnlab.adapt.quantize import quantize

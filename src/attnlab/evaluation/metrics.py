@@ -64,8 +64,20 @@ def accuracy(logits: Tensor, targets: Tensor, ignore_index: Optional[int] = -100
     return (logits.argmax(-1) == targets)[keep].double().mean().item()
 
 
+# The longest segment (one line of --hyp / --ref) the text metrics take, in characters: sentences and paragraphs
+# are far shorter; a whole file on one line is a mistake that would otherwise run for hours.
+MAX_SEGMENT_CHARS = 100_000
+# ROUGE-L fills a table of (hypothesis tokens x reference tokens) cells per segment in Python: 5,000 tokens a side
+# is 25 M cells (~200 MB, seconds); a 2 MB line would ask for terabytes.
+MAX_ROUGE_TOKENS = 5_000
+
+
 def _check_text(hyps: Sequence[str], refs: References) -> list[list[str]]:
-    """Validate and return the references as sacreBLEU streams: ``streams[k][i]`` = k-th reference of hyp i."""
+    """Validate and return the references as sacreBLEU streams: ``streams[k][i]`` = k-th reference of hyp i.
+
+    Raises:
+        ValueError: no hypotheses, a count mismatch, or a segment longer than :data:`MAX_SEGMENT_CHARS`.
+    """
     if isinstance(hyps, str) or not all(isinstance(h, str) for h in hyps):
         raise TypeError("hyps must be a sequence of strings")
     if len(hyps) == 0:
@@ -74,13 +86,33 @@ def _check_text(hyps: Sequence[str], refs: References) -> list[list[str]]:
         raise ValueError(f"refs must have one entry per hypothesis ({len(hyps)}), got "
                          f"{'a string' if isinstance(refs, str) else len(refs)}")
     if all(isinstance(r, str) for r in refs):
-        return [list(refs)]
-    if not all(isinstance(r, (list, tuple)) and r and all(isinstance(x, str) for x in r) for r in refs):
-        raise TypeError("refs must be strings (one reference each) or lists of strings (several each)")
-    n = len(refs[0])
-    if any(len(r) != n for r in refs):
-        raise ValueError("every hypothesis must have the same number of references")
-    return [[r[k] for r in refs] for k in range(n)]
+        streams = [list(refs)]
+    else:
+        if not all(isinstance(r, (list, tuple)) and r and all(isinstance(x, str) for x in r) for r in refs):
+            raise TypeError("refs must be strings (one reference each) or lists of strings (several each)")
+        n = len(refs[0])
+        if any(len(r) != n for r in refs):
+            raise ValueError("every hypothesis must have the same number of references")
+        streams = [[r[k] for r in refs] for k in range(n)]
+    for what, stream in (("hypothesis", hyps), *(("reference", s) for s in streams)):
+        for i, text in enumerate(stream):
+            if len(text) > MAX_SEGMENT_CHARS:
+                raise ValueError(f"{what} {i + 1} (line {i + 1}) holds {len(text):,} characters; a segment may hold "
+                                 f"at most {MAX_SEGMENT_CHARS:,} (one sentence or paragraph per line)")
+    return streams
+
+
+def _check_rouge_lengths(hyps: Sequence[str], streams: list[list[str]]) -> None:
+    """Each segment within :data:`MAX_ROUGE_TOKENS` of ROUGE's tokens (lowercased runs of ``[a-z0-9]``)."""
+    import re
+
+    for what, stream in (("hypothesis", hyps), *(("reference", s) for s in streams)):
+        for i, text in enumerate(stream):
+            n = len(re.findall(r"[a-z0-9]+", text.lower()))
+            if n > MAX_ROUGE_TOKENS:
+                raise ValueError(f"ROUGE: {what} {i + 1} (line {i + 1}) holds {n:,} tokens; ROUGE-L's table grows "
+                                 f"with the product of the lengths, so a segment may hold at most "
+                                 f"{MAX_ROUGE_TOKENS:,}")
 
 
 def bleu(hyps: Sequence[str], refs: References, **options) -> MetricScore:
@@ -124,6 +156,7 @@ def rouge(hyps: Sequence[str], refs: References, *, use_stemmer: bool = False) -
     from rouge_score import rouge_scorer
 
     streams = _check_text(hyps, refs)
+    _check_rouge_lengths(hyps, streams)
     names = ("rouge1", "rouge2", "rougeL")
     scorer = rouge_scorer.RougeScorer(list(names), use_stemmer=use_stemmer)
     totals = dict.fromkeys(names, 0.0)

@@ -271,6 +271,9 @@ def _check_decoder_prompt(model, input_ids: Tensor, attention_mask: Optional[Ten
     limit = getattr(model, "max_positions", None)
     if isinstance(limit, int) and input_ids.shape[1] + max_new_tokens > limit:
         field = getattr(model, "positions_field", "max_positions")
+        if input_ids.shape[1] >= limit:  # no room for even one token: the prompt is what is too long
+            raise ValueError(f"the prompt has {input_ids.shape[1]} tokens, but the model's context ({field}) holds "
+                             f"{limit}: shorten the prompt to at most {limit - 1} tokens")
         raise ValueError(f"max_new_tokens={max_new_tokens} with a {input_ids.shape[1]}-token prompt exceeds the "
                          f"model's {field}={limit}: at most {limit - input_ids.shape[1]} new tokens")
 

@@ -45,10 +45,13 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from attnlab._checks import is_int, one_of, stored_dtype
+from attnlab._checks import one_of, stored_dtype
 from attnlab._io import atomic_write, check_input_file, read_input_json
+from attnlab._limits import FFN, HEADS, HIDDEN, LAYERS, POSITIONS, SIZE_LIMITS, check_size
 from attnlab.models.hub_id import (CONFIG_NAME, HUB_ALLOW_PATTERNS, SAFETENSORS_NAME, TORCH_NAME,  # noqa: F401
                                    PathLike, resolve_pretrained)  # (resolve_pretrained is public here too)
+
+SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"  # transformers' sharded checkpoints
 from attnlab.models.weight_map import WeightMap, pack, rename  # noqa: F401  (re-exported for the model files)
 
 
@@ -126,14 +129,8 @@ def read_config(path: PathLike) -> tuple[dict, ModelFamily]:
 
 # Bounds on the sizes a config.json may ask for, checked before anything is allocated: a 1 KB file must not
 # make us allocate gigabytes or build thousands of layers. Generous for every released model of these families.
-_LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers", "decoder_layers")
-_HEADS = ("num_attention_heads", "n_head", "num_heads", "num_key_value_heads", "encoder_attention_heads",
-          "decoder_attention_heads")
-_HIDDEN = ("hidden_size", "n_embd", "d_model", "d_kv", "projection_dim")
-_FFN = ("intermediate_size", "n_inner", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim")
-_POSITIONS = ("max_position_embeddings", "n_positions", "relative_attention_num_buckets", "image_size")
-SIZE_LIMITS = {_LAYERS: 1024, _HEADS: 1024, _HIDDEN: 65536, _FFN: 1 << 20, ("vocab_size",): 1 << 22,
-               _POSITIONS: 1 << 20}
+# The bounds are :mod:`attnlab._limits`'s, shared with a recipe's ``--set`` sizes.
+_LAYERS, _HEADS, _HIDDEN, _FFN, _POSITIONS = LAYERS, HEADS, HIDDEN, FFN, POSITIONS
 
 
 def _listed(names: list[str], limit: int = 10) -> str:
@@ -162,9 +159,7 @@ def check_config_sizes(raw: dict, *, where: str) -> None:
             for name in names:
                 if name not in cfg or cfg[name] is None:
                     continue
-                v = cfg[name]
-                if not (is_int(v) and 0 <= v <= limit):
-                    raise ValueError(f"{where!r}: {prefix}{name}={v!r} is out of range (an int in [0, {limit:,}])")
+                check_size(f"{prefix}{name}", cfg[name], limit, where=where)
 
 
 def _estimated_parameters(raw: dict) -> int:
@@ -193,23 +188,21 @@ def _check_config_matches_weights(raw: dict, weights: dict, *, where: str) -> No
 
 
 def load_weights(path: PathLike) -> dict[str, Tensor]:
-    """The tensors of ``model.safetensors`` (preferred) or ``pytorch_model.bin`` (``weights_only`` unpickling).
+    """The tensors of ``model.safetensors`` (preferred), of the shards ``model.safetensors.index.json`` lists
+    (``save_pretrained(max_shard_size=...)``), or of ``pytorch_model.bin`` (``weights_only`` unpickling).
 
     Raises:
-        FileNotFoundError: neither file exists in ``path``.
-        ValueError: the file is corrupt or truncated (the message names it).
+        FileNotFoundError: none of these exists in ``path``, or a listed shard is missing.
+        ValueError: a file is corrupt or truncated (the message names it); an index that is not a
+            ``{"weight_map": {tensor: shard file}}`` object, names a shard outside ``path``, or does not
+            match what its shards hold.
     """
     path = Path(path)
-    st, pt = path / SAFETENSORS_NAME, path / TORCH_NAME
+    st, pt, index = path / SAFETENSORS_NAME, path / TORCH_NAME, path / SAFETENSORS_INDEX_NAME
     if st.exists():
-        check_input_file("", st, "weights")
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        try:
-            return load_file(str(st))
-        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-            raise ValueError(f"cannot read {str(st)!r} (corrupt or truncated safetensors file): {e}") from e
+        return _read_safetensors(st)
+    if index.exists():
+        return _load_sharded(path, index)
     if pt.exists():
         check_input_file("", pt, "weights")
         try:
@@ -219,7 +212,48 @@ def load_weights(path: PathLike) -> dict[str, Tensor]:
         if not isinstance(sd, dict) or not all(isinstance(v, Tensor) for v in sd.values()):
             raise ValueError(f"{str(pt)!r} must hold a dict of tensors")
         return sd
-    raise FileNotFoundError(f"no {SAFETENSORS_NAME} or {TORCH_NAME} in {str(path)!r}")
+    raise FileNotFoundError(f"no {SAFETENSORS_NAME}, {SAFETENSORS_INDEX_NAME} or {TORCH_NAME} in {str(path)!r}")
+
+
+def _read_safetensors(file: Path) -> dict[str, Tensor]:
+    check_input_file("", file, "weights")
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise ValueError(f"cannot read {str(file)!r} (corrupt or truncated safetensors file): {e}") from e
+
+
+def _load_sharded(folder: Path, index: Path) -> dict[str, Tensor]:
+    """The tensors of every shard ``index``'s ``weight_map`` names, each shard a file directly in ``folder``
+    holding exactly the tensors the map assigns to it."""
+    raw = read_input_json("", index)
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if (not isinstance(weight_map, dict) or not weight_map
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items())):
+        raise ValueError(f"{str(index)!r}: weight_map must be a non-empty object {{tensor name: shard file}}")
+    root = folder.resolve()
+    shards: dict[str, set[str]] = {}
+    for name, shard in weight_map.items():
+        shards.setdefault(shard, set()).add(name)
+    out: dict[str, Tensor] = {}
+    for shard, names in shards.items():
+        file = (folder / shard).resolve()
+        if Path(shard).is_absolute() or file.parent != root:
+            raise ValueError(f"{str(index)!r} names the shard {shard!r}, which is not a file directly in "
+                             f"{str(folder)!r}: refused")
+        if not file.is_file():
+            raise FileNotFoundError(f"{str(index)!r} names the shard {shard!r}, which is missing")
+        tensors = _read_safetensors(file)
+        missing, extra = sorted(names - tensors.keys()), sorted(tensors.keys() - names)
+        if missing or extra:
+            raise ValueError(f"shard {shard!r} does not match {str(index)!r}: tensors the index assigns to it but "
+                             f"it lacks {_listed(missing)}, tensors it holds that the index assigns elsewhere "
+                             f"{_listed(extra)}")
+        out.update(tensors)
+    return out
 
 
 def from_pretrained(path: PathLike, *, dtype: Optional[torch.dtype] = None, model_cls: Optional[type] = None,

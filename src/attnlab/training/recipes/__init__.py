@@ -29,6 +29,7 @@ from torch import nn
 
 from attnlab._checks import stored_dtype
 from attnlab._io import read_input_json
+from attnlab._limits import check_settings
 from attnlab.training.checkpoint import latest_checkpoint, latest_intact_checkpoint, load_checkpoint
 from attnlab.training.distributed import DistInfo, broadcast_object, dist_info_from_env, distributed
 from attnlab.training.reporting import write_json
@@ -223,7 +224,9 @@ def resolve_settings(recipe: Recipe, *, preset: Optional[str] = None, overrides:
     unknown = set(values) - set(names)
     if unknown:
         raise ValueError(f"saved settings {sorted(unknown)} are not settings of recipe {recipe.name}")
-    return recipe.settings(**values)
+    settings = recipe.settings(**values)
+    check_settings(settings)  # the bounds config.json has: no 100,000-layer model from a --set
+    return settings
 
 
 def _read_config(out: Path) -> Optional[dict]:

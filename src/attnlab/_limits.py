@@ -1,0 +1,141 @@
+"""Bounds on every size a user can ask for, checked before anything is built or allocated.
+
+One table for the sizes of a model (:data:`SIZE_LIMITS`: layers, heads, widths, vocabulary, positions), used by
+``config.json`` (:func:`attnlab.models.hub.check_config_sizes`) and by a recipe's settings (``--set n_layer=…``,
+:func:`check_settings`) alike; the common flags' checks (:func:`check_seed`, :func:`check_threads`,
+:func:`check_device`); and :func:`check_memory`, which compares an allocation's size with the memory this
+machine has free before it is made. Every refusal is one ``ValueError`` naming the argument and its valid range.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from typing import Any, Optional
+
+from attnlab._checks import is_int
+
+__all__ = ["SIZE_LIMITS", "SETTING_LIMITS", "MAX_THREADS", "SEED_LIMIT", "check_size", "check_settings",
+           "check_seed", "check_threads", "check_device", "available_memory", "check_memory"]
+
+# field names -> the largest value: generous for every released model (a config.json of 1 KB must not build
+# thousands of layers or allocate gigabytes)
+LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "num_encoder_layers", "encoder_layers",
+          "decoder_layers")
+HEADS = ("num_attention_heads", "n_head", "num_heads", "num_key_value_heads", "encoder_attention_heads",
+         "decoder_attention_heads")
+HIDDEN = ("hidden_size", "n_embd", "d_model", "d_kv", "projection_dim", "dim")
+FFN = ("intermediate_size", "n_inner", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "ffn_dim")
+POSITIONS = ("max_position_embeddings", "n_positions", "relative_attention_num_buckets", "image_size")
+SIZE_LIMITS = {LAYERS: 1024, HEADS: 1024, HIDDEN: 65536, FFN: 1 << 20, ("vocab_size",): 1 << 22,
+               POSITIONS: 1 << 20}
+
+# a recipe's settings beyond the model's sizes: context, batch and window lengths
+SETTING_LIMITS = {**SIZE_LIMITS, ("block_size", "max_len", "max_tokens", "window"): 1 << 20,
+                  ("batch_size", "eval_batch_size", "decode_batch"): 1 << 16, ("num_beams",): 1024}
+
+MAX_THREADS = 1024  # more is never a thread count, always a typo
+SEED_LIMIT = 1 << 63  # torch.manual_seed takes [0, 2**63) without wrapping
+
+
+def check_size(name: str, value: Any, limit: int, *, where: str = "") -> None:
+    """``value`` must be an int in ``[0, limit]``. Raises ValueError naming ``where`` (a file), ``name`` and the range."""
+    if not (is_int(value) and 0 <= value <= limit):
+        prefix = f"{where!r}: " if where else ""
+        raise ValueError(f"{prefix}{name}={value!r} is out of range (an int in [0, {limit:,}])")
+
+
+def check_settings(settings: Any, *, prefix: str = "--set ") -> None:
+    """Every size field of a recipe's settings (a dataclass) within :data:`SETTING_LIMITS`, and ``seed`` within
+    :data:`SEED_LIMIT`. Raises ValueError naming ``--set field=value`` and the range."""
+    for names, limit in SETTING_LIMITS.items():
+        for name in names:
+            value = getattr(settings, name, None)
+            if value is not None and is_int(value):
+                check_size(f"{prefix}{name}", value, limit)
+    seed = getattr(settings, "seed", None)
+    if seed is not None:
+        check_seed(f"{prefix}seed", seed)
+
+
+def check_seed(name: str, value: Any) -> None:
+    """``value`` must be an int in ``[0, 2**63)``."""
+    if not (is_int(value) and 0 <= value < SEED_LIMIT):
+        raise ValueError(f"{name} must be an int in [0, 2**63), got {value!r}")
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_threads(name: str, value: Any) -> None:
+    """``value`` must be an int in ``[1, MAX_THREADS]``; above this process's cores it is kept, with a warning
+    on standard error (the threads would share cores and run slower)."""
+    if not (is_int(value) and 1 <= value <= MAX_THREADS):
+        raise ValueError(f"{name} must be an int in [1, {MAX_THREADS}], got {value!r}")
+    cores = _cores()
+    if value > cores:
+        print(f"warning: {name} {value} is more than the {cores} cores this process may use; threads will share "
+              "cores and run slower", file=sys.stderr)
+
+
+def check_device(name: str, value: Optional[str]) -> None:
+    """``value`` must be ``cpu``, ``cuda`` or ``cuda:N`` (N an index of a present GPU); None passes.
+
+    Raises:
+        ValueError: another device type (mps, xla, meta, ...), a malformed name, or CUDA absent / N too large.
+    """
+    if value is None:
+        return
+    if not isinstance(value, str) or not re.fullmatch(r"cpu|cuda(:\d{1,4})?", value):
+        raise ValueError(f"{name} must be one of cpu, cuda, cuda:N, got {value!r}")
+    if value.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name} {value}: CUDA is not available on this machine (valid here: cpu)")
+        n = torch.cuda.device_count()
+        if ":" in value and int(value.split(":")[1]) >= n:
+            raise ValueError(f"{name} {value}: this machine has {n} CUDA device(s), cuda:0 to cuda:{n - 1}")
+
+
+def available_memory() -> Optional[int]:
+    """Bytes of memory this machine can give now (``MemAvailable``), or None where it cannot say."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(what: str, nbytes: int, *, device: Any = "cpu") -> None:
+    """Refuse an allocation of ``nbytes`` that the device cannot hold: the free memory of the CPU (or of the
+    CUDA device). ``what`` names the argument that sized it, e.g. ``"--window 1000000000"``.
+
+    Raises:
+        ValueError: naming ``what``, the bytes needed and the bytes free (never a MemoryError half-way).
+    """
+    free = None
+    if str(device).startswith("cuda"):
+        import torch
+
+        try:
+            free = torch.cuda.mem_get_info(torch.device(device))[0]
+        except (RuntimeError, AssertionError):
+            free = None
+    else:
+        free = available_memory()
+    if free is not None and nbytes > free:
+        raise ValueError(f"{what} needs {_gib(nbytes)} of memory, but {_gib(free)} is free: choose a smaller value")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
