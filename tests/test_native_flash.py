@@ -195,6 +195,27 @@ MOD_CASES = [  # mod, causal, window, documents, Lq, Lk
 
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
+def test_softcap_stays_at_round_off_for_every_cap(isa):
+    """c · tanh(s / c) is s itself, to round-off, once c ≫ |s|: no cancellation may eat its digits at any cap."""
+    B, H, L, D = 1, 2, 70, 16
+    q, k, v = _inputs(B, H, H, L, L, D, D, seed=3)
+    q = q * 3
+    out_bound, lse_bound = _bounds(q, k, v, D**-0.5, True, None)
+    for cap in [1.0, 10.0, 1e2, 1e4, 1e6, 1e8, 1e12, 1e20, 1e30]:
+        kw = dict(scale=D**-0.5, causal=True, window=None, block_q=32, block_k=48, mod="softcap", cap=cap)
+        out, lse = _native.flash_forward(q, k, v, **kw)
+        qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+        ref, ref_lse = _reference(qd, kd, vd, D**-0.5, True, None, mod="softcap", cap=cap)
+        assert (out.double() - ref).abs().max() <= out_bound, cap
+        assert (lse.double() - ref_lse).abs().max() <= lse_bound, cap
+        d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+        grads = _native.flash_backward(q, k, v, out, lse, d_out, **kw)
+        ref.backward(d_out.double())
+        for got, want in zip(grads, (qd.grad, kd.grad, vd.grad)):
+            assert (got.double() - want).abs().max() <= tolerance(want, n=max(L, D), depth=3), cap
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
 @pytest.mark.parametrize("case", MOD_CASES, ids=lambda c: f"{c[0]}-c{int(c[1])}-w{c[2]}-doc{int(c[3])}-{c[4]}x{c[5]}")
 def test_mods_and_spans_equal_float64_attention(isa, case):
     mod, causal, window, docs, Lq, Lk = case

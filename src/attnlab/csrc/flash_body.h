@@ -56,6 +56,21 @@ inline void scale_row(float* y, int64_t n, float a) {
   for (; j < n; ++j) y[j] *= a;
 }
 
+// tanh x lane by lane within a few ulp for every x (NaN stays NaN, ±inf gives ±1): where |x| < 0.625 an odd
+// polynomial (Cephes' tanhf), since there 1 − 2 / (e^{2x} + 1) would lose a small x's digits to the cancellation
+// (all of them once e^{2x} rounds to 1); elsewhere that formula on |x|, with x's sign
+[[gnu::always_inline]] inline VF tanh_any(VF x) {
+  const VF ax = x < splat(0.f) ? -x : x;
+  const VF z = x * x;
+  VF p = splat(-5.70498872745e-3f);
+  p = p * z + splat(2.06390887954e-2f);
+  p = p * z + splat(-5.37397155531e-2f);
+  p = p * z + splat(1.33314422036e-1f);
+  p = p * z + splat(-3.33332819422e-1f);
+  const VF big = splat(1.f) - splat(2.f) / (splat(1.f) + exp_any(splat(2.f) * ax));
+  return ax < splat(0.625f) ? p * z * x + x : (x < splat(0.f) ? -big : big);
+}
+
 // The score_mods the kernel computes itself (codes of flash.cpp's Mod), on the columns [c0, c1) of one row whose
 // column 0 is the key at distance d0 = (key position − query position):
 //   ALiBi        s_j += m · (d0 + j)        symmetric ALiBi  s_j −= m · |d0 + j|        softcap  s_j = c · tanh(s_j / c)
@@ -69,8 +84,7 @@ inline void mod_row(int64_t mod, float* s, int64_t c0, int64_t c1, float param, 
     VF v = splat(0.f);
     std::memcpy(&v, s + j, sizeof(float) * n);
     if (mod == 3) {
-      const VF e = exp_any(v * splat(2.f / param));
-      v = splat(param) * (splat(1.f) - splat(2.f) / (splat(1.f) + e));  // c · tanh(s / c)
+      v = splat(param) * tanh_any(v / splat(param));  // c · tanh(s / c): s itself, to round-off, where s ≪ c
     } else {
       VF d = ramp + static_cast<float>(d0 + j);  // exact: |distance| < 2²⁴
       if (mod == 2) d = d < splat(0.f) ? -d : d;
