@@ -37,16 +37,12 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 # compiled; they include CSRC's headers
 SOURCES = (CSRC / "matvec.cpp", CSRC / "decode.cpp", CSRC / "flash.cpp", CSRC / "train.cpp")
-# the kernel's regime: a decode step's rows (batch), by weight dtype. Measured on 2 cores, GPT-2's 48 layer
-# matrices, ms (with the kernel's prefetch): fp32 8 rows 15.9 / 16.8 (AVX-512 / AVX2) against oneDNN on the plain
-# rows 23.2 / 24.1 and its packed layout 17.0 / 21.1, 16 rows 33 against 29-34 plain: fp32 up to 8; bf16 8 rows 19.6
-# against 15.1 plain, int8 4 rows 6.1 against fbgemm's 4.1 (its 1-row product is slower): bf16 and int8 up to 4
+# the kernel's regime: a decode step's rows (batch), by weight dtype — up to where it beats the GEMM kernels on
+# GPT-2's matrices (fp32 up to 8 rows; bf16 and int8 up to 4, past which oneDNN's and fbgemm's products win)
 MAX_ROWS = 4
 MAX_ROWS_FP32 = 8
-# matvec.cpp's: an int4 product of more rows than this multiplies panels of the dequantised weight (at::mm). Measured,
-# GPT-2's matrices of 3 layers, 2 AVX-512 cores, ms (F.linear on float32 weights beside): integer kernel 16 rows 4.9
-# (9.2), 32: 9.9 (13.4), 64: 19.6 (20.2); panels 65: 22.0 (20.6), 128: 35.6 (33.9), 512: 115 (112); panels at 64 rows
-# (an earlier run): 20.8
+# matvec.cpp's: an int4 product of more rows than this multiplies panels of the dequantised weight (at::mm): up to
+# 64 rows the integer kernel is faster than the panels, past it the panels are within a few % of F.linear on float32
 INT4_ROWS = 64
 _ISA_CODES = {"AVX512": 2, "AVX2": 1}
 _ISA_NAMES = {2: "AVX-512", 1: "AVX2 + FMA", 0: "portable C++"}
@@ -227,8 +223,7 @@ def gated_matvec(x: Tensor, first: tuple, second: tuple, activation: str) -> Ten
     return _state["gated"](x, *first, *second, GATES[activation])
 
 
-# the activations whose vectorised kernel beats PyTorch's on a large tensor (measured, 512 × 3072 float32, 2 cores,
-# AVX-512: GELU-tanh 0.53 ms against 1.68; erf GELU 0.64 against 0.44 and SiLU 0.44 against 0.42 stay PyTorch's)
+# the activations whose vectorised kernel beats PyTorch's on a large tensor (erf GELU and SiLU stay PyTorch's)
 FASTER_ACTIVATIONS = ("gelu_tanh",)
 
 

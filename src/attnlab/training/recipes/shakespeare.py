@@ -289,9 +289,8 @@ def train_dropout(s: ShakespeareSettings, device: torch.device) -> tuple[float, 
     (``dtype`` resolved on ``device`` as the trainer does: :func:`~attnlab.training.config.run_dtype`) and 0 in fp32.
 
     Dropout pays once a run is long enough to overfit: on 2 cores of a CPU with native bf16 the 10 minutes hold
-    ~2,400–2,700 steps, which overfit without it (Muon at 128 × 32: 1.5057 without, 1.4750 with 0.1); on a CPU
-    without native bf16 (fp32) they hold ~850–900, and none is 0.02–0.03 better than 0.05 (measured:
-    :class:`ShakespeareSettings`' docstring).
+    ~2,400 steps, which overfit without it; on a CPU without native bf16 (fp32) they hold about a third as many,
+    and dropout then costs more than it gives.
     """
     if s.dropout is not None:
         return s.dropout, "asked for"
