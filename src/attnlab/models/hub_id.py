@@ -13,9 +13,9 @@ CONFIG_NAME, SAFETENSORS_NAME, TORCH_NAME = "config.json", "model.safetensors", 
 
 
 # What a snapshot of a Hub id brings: the config, the safetensors weights and the tokenizer files (never pickles).
-HUB_ALLOW_PATTERNS = ("config.json", "*.safetensors", "tokenizer.json", "tokenizer_config.json",
-                      "special_tokens_map.json", "vocab.txt", "vocab.json", "merges.txt", "generation_config.json",
-                      "preprocessor_config.json")
+HUB_ALLOW_PATTERNS = ("config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
+                      "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json", "merges.txt",
+                      "generation_config.json", "preprocessor_config.json")
 
 
 def resolve_pretrained(name_or_path: PathLike, *, revision: Optional[str] = None, local_files_only: bool = False,
