@@ -18,7 +18,7 @@ HISTORY = {
     "a session number": re.compile(r"(?i)\bsessions? \d+"),
     "a helper's name": re.compile(r"\bhelper [A-Z]\b"),
     # ours; an upstream project's bug behind a workaround is named as ``owner/repo#N``
-    "an issue reference": re.compile(r"(?i)\b(?:issues?|PR|pull request)\s*#?\d+|(?:^|(?<=[\s(\[]))#\d+\b(?![;\w])"),
+    "an issue reference": re.compile(r"\b(?:[Ii]ssues?|PR|[Pp]ull request)(?:\s*#|\s+)\d+|(?:^|(?<=[\s(\[]))#\d+\b(?![;\w])"),
     "a host": re.compile(r"(?i)\bthis host\b"),
     "a path outside the repository": re.compile(r"/work/|\.\./shared\b|/root/|/home/\w"),
 }
@@ -83,7 +83,7 @@ def test_the_rules_catch_history_and_let_the_product_be():
     for text in caught:
         assert findings("src/x.py", text), text
     passed = ["color: #222; background: #fff;", "x = 1  # 1 row", "the session's state", "helper function",
-              "zenith 3", "issue a warning", "see docs/performance.md", "epycycle",
+              "zenith 3", "issue a warning", "see docs/performance.md", "epycycle", "base64 +Pr6/PR1aB",
               "oneDNN's bug pytorch/pytorch#195066"]
     for text in passed:
         assert not findings("src/x.py", text), text
