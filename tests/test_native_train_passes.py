@@ -422,15 +422,15 @@ def test_the_kept_activation_refuses_a_second_differentiation_instead_of_droppin
     h = _activate(g, None, "gelu")
     (dg,) = torch.autograd.grad(h.sum(), g)
     assert torch.equal(dg, _native_train.act_with_grad(g.detach(), "gelu")[1])
-    with pytest.raises(RuntimeError, match=r"act_kept_train: its backward cannot be differentiated again"):
+    with pytest.raises(RuntimeError, match=r"the FFN activation's C\+\+ pass has no second derivative"):
         torch.autograd.grad(_activate(g, None, "gelu").sum(), g, create_graph=True)
 
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kept_activation_multiplies_into_its_saved_factor_only_when_the_graph_is_not_kept(dtype):
-    """Without ``retain_graph`` the backward writes ∂L/∂h ⊙ act'(g) into act'(g)'s own buffer (read for the last
-    time); a kept graph multiplies out of place, so every backward gives the same bits and ∂L/∂h is never touched."""
+def test_the_kept_activation_gives_the_same_bits_on_every_backward_and_touches_no_operand(dtype):
+    """The backward multiplies ∂L/∂h ⊙ act'(g) into a new tensor: with or without ``retain_graph`` the same bits, and
+    neither ∂L/∂h nor the kept act'(g) is written."""
     gen = torch.Generator().manual_seed(5)
     g = (torch.randn(4, 8, 32, generator=gen) * 2).to(dtype).requires_grad_()
     h = _activate(g, None, "gelu")

@@ -112,14 +112,15 @@ def act_with_grad(g: Tensor, activation: str) -> tuple[Tensor, Tensor]:
 
 
 def act_kept_train(g: Tensor, activation: str) -> Tensor:
-    """``act(g)`` as one C++ autograd node that keeps ``act'(g)`` (:func:`act_with_grad`) for its backward,
-    ``∂L/∂g = ∂L/∂h ⊙ act'(g)``: no Python ``autograd.Function`` each way (training, plain activations).
+    """``act(g)`` as one autograd node that keeps ``act'(g)`` (:func:`act_with_grad`) for its backward,
+    ``∂L/∂g = ∂L/∂h ⊙ act'(g)`` (``act_train``'s autograd, :mod:`attnlab._native_library`; training, plain
+    activations).
 
     Raises:
         RuntimeError: the native kernels are not :func:`~attnlab._native.available` (callers check that first).
     """
     _native._need()
-    return _native._state["act_kept_train"](g, ACTIVATIONS[activation])
+    return _native._state["act_train"](g, None, ACTIVATIONS[activation], True)[0]
 
 
 def act_train_backward(dh: Tensor, g: Tensor, u: Optional[Tensor], activation: str) -> tuple[Tensor, Optional[Tensor]]:
@@ -152,19 +153,20 @@ def short_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bo
 
 def short_attention_train(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, window: Optional[int]
                           ) -> Tensor:
-    """:func:`short_attention`'s ``out`` as one C++ autograd node whose backward is :func:`short_attention_backward`
-    from the ``p`` it kept: no Python ``autograd.Function`` each way (the short backend's fused path)."""
+    """:func:`short_attention`'s ``out`` as one autograd node whose backward is :func:`short_attention_backward` from
+    the ``p`` it kept (the op's autograd, :mod:`attnlab._native_library`; the short backend's fused path)."""
     _native._need()
-    return _native._state["short_attention_train"](q, k, v, scale, causal, -1 if window is None else window)
+    return _native._state["short_attention"](q, k, v, scale, causal, -1 if window is None else window)[0]
 
 
 def short_attention_packed(qkv: Tensor, heads: int, *, scale: float, causal: bool, window: Optional[int]) -> Tensor:
     """:func:`short_attention_train` on the packed projection ``qkv (B, L, 3E)`` (float32 or bfloat16, the last stride
-    1) that q, k, v are cut from — ``[q | k | v]``, ``heads`` heads of ``E / heads`` each — as one C++ autograd node:
-    ``out (B, L, E)`` with the heads merged; its backward writes ``∂L/∂qkv`` as one tensor (no split and views of q,
-    k, v in the graph, no concatenation of their gradients). The same bits as the unpacked node."""
+    1) that q, k, v are cut from — ``[q | k | v]``, ``heads`` heads of ``E / heads`` each — as one autograd node:
+    ``out (B, L, E)`` with the heads merged; its backward (``short_attention_packed_backward``) writes ``∂L/∂qkv``
+    as one tensor (no split and views of q, k, v in the graph, no concatenation of their gradients). The same bits
+    as the unpacked node."""
     _native._need()
-    return _native._state["short_attention_packed"](qkv, heads, scale, causal, -1 if window is None else window)
+    return _native._state["short_attention_packed"](qkv, heads, scale, causal, -1 if window is None else window)[0]
 
 
 def short_attention_backward(q: Tensor, k: Tensor, v: Tensor, p: Tensor, d_out: Tensor, *, scale: float,
@@ -275,17 +277,21 @@ def int8_linear_train(x: Tensor, w: Tensor, b: Optional[Tensor], *, left: int, r
     """An int8 linear layer for training as one autograd node: ``y = x wᵀ + b`` through :func:`int8_linear` (``x
     (..., in)`` float32 or bfloat16, any strides; ``w (out, in)`` float32; the output in ``dtype``), whose backward
     is :func:`int8_linear_backward` for whichever of ``x``, ``w``, ``b`` require a gradient (``∂L/∂x`` in ``x``'s
-    dtype, the others float32). The node is C++: no Python runs between it and its native calls."""
+    dtype, the others float32; ``int8_linear``'s autograd, :mod:`attnlab._native_library`). ``w``'s columns are
+    rounded for the weight gradient only where ``w`` requires one."""
     _native._need()
-    return _native._state["int8_linear_train"](x, w, b, left, right, dtype == torch.bfloat16)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = _native._state["int8_linear"](x2.contiguous(), w, b, left, right, w.requires_grad, dtype == torch.bfloat16)[0]
+    return y.view(*x.shape[:-1], w.shape[0])
 
 
 def gpt_block_train(x: Tensor, n1w: Tensor, n1b: Optional[Tensor], wqkv: Tensor, bqkv: Optional[Tensor], wo: Tensor,
                     bo: Optional[Tensor], n2w: Tensor, n2b: Optional[Tensor], w1: Tensor, b1: Optional[Tensor],
                     w2: Tensor, b2: Optional[Tensor], *, heads: int, scale: float, eps: tuple[float, float],
                     activation: str, left: int, right: int) -> Tensor:
-    """A pre-norm GPT block's training forward as one C++ autograd node (``csrc/train.cpp``'s ``GptBlock``; the
-    caller, :func:`attnlab.nn.layer_native.decoder_train`, checks that it applies), ``x (B, L, C)`` float32::
+    """A pre-norm GPT block's training forward as one autograd node (``csrc/train.cpp``'s ``gpt_block_train`` and
+    its backward op, :mod:`attnlab._native_library`; the caller, :func:`attnlab.nn.layer_native.decoder_train`,
+    checks that it applies), ``x (B, L, C)`` float32::
 
         h₁ = LN₁(x),  qkv = int8(h₁, W_qkv, b_qkv),  a = softmax(κ q kᵀ, causal) v,  x₃ = x + int8(a, W_o, b_o)
         h₂ = LN₂(x₃),  y = x₃ + int8(act(int8(h₂, W₁, b₁)), W₂, b₂)
@@ -296,7 +302,7 @@ def gpt_block_train(x: Tensor, n1w: Tensor, n1b: Optional[Tensor], wqkv: Tensor,
     projection or the attention's output is not finite."""
     _native._need()
     return _native._state["gpt_block_train"](x, n1w, n1b, wqkv, bqkv, wo, bo, n2w, n2b, w1, b1, w2, b2, heads, scale,
-                                             eps[0], eps[1], ACTIVATIONS[activation], left, right)
+                                             eps[0], eps[1], ACTIVATIONS[activation], left, right)[0]
 
 
 def int8_linear_backward(g: Tensor, qw: Tensor, sw: Tensor, qxt: Optional[Tensor], sxc: Optional[Tensor], *,

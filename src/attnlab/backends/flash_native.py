@@ -15,13 +15,11 @@ import torch
 from torch import Tensor
 
 from attnlab import _native
+from attnlab._native_library import refuse_second_derivative
 
-# the C++ kernel's blocks, (query rows, keys) per tile of each pass; measured (B=1, H=8, D=64, 2 cores, AVX-512):
-# causal N=4096, ms: forward (64, 512) 132-142, (128, 256) 129-134, (256, 512) 121-129, (128, 1024) 122-124 (the
-# products alone at the machine's rate: 83); backward (128, 128) 278-288, (256, 256) 272, (512, 128) 269-276 (207).
-# A causal window w = 256 at N=8192 tiles a band, and each tile computes (rows + w - 1) · keys scores of which
-# rows · w are seen: narrow tiles waste less. Forward (64, 512) 41, (128, 128) 50, (32, 512) 70-74 (products: 21);
-# backward (512, 32) 92-95, (512, 64) 94-105, (128, 128) 105 (52).
+# the C++ kernel's blocks, (query rows, keys) per tile of each pass: the fastest of the sizes tried on a causal
+# N=4096 request. A causal window w tiles a band, and each tile computes (rows + w - 1) · keys scores of which
+# rows · w are seen: narrow tiles waste less.
 NATIVE_BLOCKS = ((128, 1024), (512, 128))        # (forward, backward)
 NATIVE_BLOCKS_WINDOW = ((64, 512), (512, 32))    # a window of at most NARROW_WINDOW keys
 NARROW_WINDOW = 512
@@ -30,8 +28,8 @@ NARROW_WINDOW = 512
 def native_applies(q: Tensor) -> bool:
     """Whether the C++ kernel may serve a request on ``q`` (given a mask and mods it computes, :func:`native_request`):
     a float32/bf16/fp16 CPU tensor the kernels may read (:func:`attnlab._native.runs_on`: eager mode, no
-    ``torch.func`` transform, the kernels built). Its backward is not differentiable again (``once_differentiable``),
-    as SDPA's CPU flash kernel's is not."""
+    ``torch.func`` transform, the kernels built). Its backward is not differentiable again, as SDPA's CPU flash
+    kernel's is not: with ``create_graph=True`` it raises, naming this path."""
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and _native.runs_on(q))
 
@@ -66,7 +64,7 @@ def native_request(q: Tensor, k: Tensor, score_mod, mask_mod, captured: list) ->
             request["spans"] = spans
         elif block_layout is not None:
             layout, G = block_layout
-            if layout.dim() != 2 or min(layout.shape) * G < Lk or (Lk - Lq) % G or Lq > Lk:
+            if not 1 <= G <= Lk or layout.dim() != 2 or min(layout.shape) * G < Lk or (Lk - Lq) % G or Lq > Lk:
                 return None
             request.update(layout=layout.to(device="cpu", dtype=torch.uint8).contiguous(), granularity=G)
         else:
@@ -98,8 +96,8 @@ class NativeFlash(torch.autograd.Function):
         return out.to(q.dtype), lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, d_out, _d_lse):
+        refuse_second_derivative("the tiled backend's C++ flash attention")
         q, k, v, out, lse = ctx.saved_tensors
         f32 = [t.to(torch.float32).contiguous() for t in (q, k, v)]
         dq, dk, dv = _native.flash_backward(*f32, out, lse, d_out.to(torch.float32).contiguous(), **ctx.args)

@@ -195,16 +195,18 @@ void add_(at::Tensor& acc, const at::Tensor& y) {  // acc += y, both contiguous 
 // A pre-norm decoder-only layer's decoding step, x (B, 1, E) -> (B, 1, E), in one call:
 //     h = norm₁(x);  qkv = h W_qkvᵀ;  a = attend_decode(qkv, …);  x₁ = x + a W_oᵀ
 //     x₂ = x₁ + W₂ f(norm₂(x₁)),  f(h) = act(h W₁ᵀ) ⊙ h W₃ᵀ (gated) or act(h W₁ᵀ)
-// (every product with its optional row scale and bias, as matvec). t holds, in order: norm₁ w, b; W_qkv, s, b;
-// W_o, s, b; norm₂ w, b; W₁, s, b; W₃, s, b; W₂, s, b; the K and V cache buffers; cos, sin. A qkv with a NaN or
-// ±inf returns an empty tensor and writes nothing: the caller recomputes the layer with its own semantics.
-at::Tensor decoder_step(const at::Tensor& x, at::ArrayRef<Opt> t, bool rms, double eps1, double eps2, int64_t heads,
+// (every product with its optional row scale and bias, as matvec), the step's k and v written into the cache buffers
+// k_cache, v_cache. t holds, in order: norm₁ w, b; W_qkv, s, b; W_o, s, b; norm₂ w, b; W₁, s, b; W₃, s, b; W₂, s, b;
+// cos, sin. A qkv with a NaN or ±inf returns an empty tensor and writes nothing: the caller recomputes the layer
+// with its own semantics.
+at::Tensor decoder_step(const at::Tensor& x, const at::Tensor& k_cache, const at::Tensor& v_cache, at::ArrayRef<Opt> t,
+                        bool rms, double eps1, double eps2, int64_t heads,
                         int64_t kv_heads, int64_t position, bool interleaved, double scale, int64_t act, bool gated) {
-  ATTNLAB_CHECK(t.size() == 23, "attnlab::decoder_step: expected 23 tensors (see decode.cpp), got ", t.size());
+  ATTNLAB_CHECK(t.size() == 21, "attnlab::decoder_step: expected 21 tensors (see decode.cpp), got ", t.size());
   check_f32(x, "decoder_step", "x");
   ATTNLAB_CHECK(x.dim() == 3 && x.size(1) == 1, "attnlab::decoder_step: x must be (B, 1, E), got ", x.sizes());
-  for (int i : {2, 5, 10, 16, 19, 20})
-    ATTNLAB_CHECK(t[i].has_value(), "attnlab::decoder_step: tensor ", i, " (a weight or a cache buffer) is missing");
+  for (int i : {2, 5, 10, 16})
+    ATTNLAB_CHECK(t[i].has_value(), "attnlab::decoder_step: tensor ", i, " (a weight) is missing");
   ATTNLAB_CHECK(!gated || t[13].has_value(), "attnlab::decoder_step: a gated FFN needs W₃");
   ATTNLAB_CHECK(gated ? attnlab_native::is_gate(act) : attnlab_native::is_plain(act),
                 "attnlab::decoder_step: act must be an activation code of csrc/native.h, got ", act);
@@ -213,7 +215,7 @@ at::Tensor decoder_step(const at::Tensor& x, at::ArrayRef<Opt> t, bool rms, doub
   const float* q = qkv.data_ptr<float>();
   for (int64_t i = 0, n = qkv.numel(); i < n; ++i)
     if (!std::isfinite(q[i])) return at::empty({0}, x.options());
-  at::Tensor a = attend_decode(qkv, *t[19], *t[20], position, heads, kv_heads, t[21], t[22], interleaved, scale);
+  at::Tensor a = attend_decode(qkv, k_cache, v_cache, position, heads, kv_heads, t[19], t[20], interleaved, scale);
   at::Tensor x1 = attnlab_native::matvec(a, *t[5], t[6], t[7]);
   add_(x1, x);  // x₁ = x + a W_oᵀ
   at::Tensor h2 = norm("decoder_step", x1, t[8], t[9], rms, eps2);
@@ -236,7 +238,8 @@ TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("activate(Tensor x, Tensor? g, int act) -> Tensor");
   m.def("attend_decode(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, int length, int heads, int kv_heads, "
         "Tensor? cos, Tensor? sin, bool interleaved, float scale) -> Tensor");
-  m.def("decoder_step(Tensor x, Tensor?[] t, bool rms, float eps1, float eps2, int heads, int kv_heads, int position, "
+  m.def("decoder_step(Tensor x, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor?[] t, bool rms, float eps1, "
+        "float eps2, int heads, int kv_heads, int position, "
         "bool interleaved, float scale, int act, bool gated) -> Tensor");
 }
 

@@ -19,8 +19,6 @@
 //   attnlab::act_train(g, u, act, keep) -> (h, d)  /  attnlab::act_train_backward(dh, g, u, act) -> (dg, du)
 //       h = act(g) ⊙ u (u absent: 1); dg = dh ⊙ u ⊙ act'(g), du = dh ⊙ act(g)          (an FFN's (gated) activation)
 //       with keep (no u) also d = act'(g) in g's dtype (the backward then dh ⊙ d), else d empty
-//   attnlab::act_kept_train(g, act) -> h
-//       the plain activation with keep as one autograd node (CompositeImplicitAutograd): h = act(g), ∂L/∂g = ∂L/∂h ⊙ d
 //   attnlab::quantize_rows(x, c, levels) -> (q, s)
 //       x (R, n), c (n,) float32 or absent (1): s_r = max_j |x_rj c_j| / k, q_rj = round(x_rj c_j / s_r) ∈ [−k, k]
 //       int8 (k = levels; round half to even; a zero row: s 0, q 0; a row with a NaN or an infinity: s NaN, q 0)
@@ -43,10 +41,8 @@
 //   attnlab::int8_linear_backward(g, qw, sw, qxt, sxc, left, right, dx, dw, db, dx_bf16) -> (dx, dw, db)
 //       its gradients: Z = g diag(s_w) by rows, dx = diag(s_z) (q(Z) q(w)); g by columns transposed, dw =
 //       diag(s_g) (q(g)ᵀ q(x)) diag(s_x cols); db = Σ_rows g; each only where asked for (else empty)
-//   attnlab::int8_linear_train(x, w, b, left, right, bf16) -> y
-//       the layer as one autograd node (CompositeImplicitAutograd): int8_linear forward on x (..., in) -> y (...,
-//       out), and in its backward int8_linear_backward for the inputs that require a gradient (x, w, b); w's
-//       columns rounding only where w requires one. No Python between the node and its native calls
+//   attnlab::int8_cols_laid(rows, left, right) -> bool
+//       whether int8_linear with cols lays qxt as the (in, T) view of a (T, in) rounding (else contiguous)
 //   attnlab::int8_kernel(mode) -> previous mode
 //       which product int8_product runs with AVX2 (-1 auto, 0 torch._int_mm, 1 int8_gemm.h's; -2 only asks)
 //   attnlab::short_attention(q, k, v, scale, causal, window) -> (out, p)
@@ -58,17 +54,19 @@
 //   attnlab::short_attention_backward(q, k, v, p, d_out, scale, causal, window) -> (dq, dk, dv)
 //       κ dS = κ P ∘ (dP − rowsum(dP ∘ P)): dQ = κ dS K, dK = κ dSᵀ Q, dV = Pᵀ dO, each (B, H, L, D) a view of a
 //       contiguous (B, L, H, D) tensor
-//   attnlab::short_attention_train(q, k, v, scale, causal, window) -> out
-//       the two as one autograd node (CompositeImplicitAutograd): P kept from the forward for the backward
-//   attnlab::short_attention_packed(qkv, heads, scale, causal, window) -> out
-//       short_attention_train on the packed projection qkv (B, L, 3E) that q, k, v are cut from (q, k, v in that
-//       order, H = heads of E / H each), out (B, L, E); its backward writes ∂L/∂qkv (B, L, 3E) in one tensor
+//   attnlab::short_attention_packed(qkv, heads, scale, causal, window) -> (out, p)
+//       short_attention on the packed projection qkv (B, L, 3E) that q, k, v are cut from (q, k, v in that order,
+//       H = heads of E / H each), out (B, L, E)
+//   attnlab::short_attention_packed_backward(qkv, p, d_out, heads, scale, causal, window) -> dqkv
+//       its gradients written into one (B, L, 3E) tensor
 //   attnlab::gpt_block_train(x, n1w, n1b, wqkv, bqkv, wo, bo, n2w, n2b, w1, b1, w2, b2, heads, scale, eps1, eps2,
-//                            act, left, right) -> y
-//       a pre-norm GPT layer of training as one autograd node (CompositeImplicitAutograd), x (B, L, C) float32:
+//                            act, left, right) -> (y, saved)
+//       a pre-norm GPT layer's training forward, x (B, L, C) float32, and what its backward reads (saved):
 //       h₁ = LN₁(x), qkv = int8_linear(h₁), a = short_attention (causal), x₃ = x + int8_linear(a), h₂ = LN₂(x₃),
 //       y = x₃ + int8_linear(act(int8_linear(h₂))) (act_train with keep) — those calls, and in the backward theirs,
 //       so the same bits as the layer's modules; raises "not finite" (recording nothing) where qkv or a is not
+//   attnlab::gpt_block_train_backward(dy, x, saved, n1w, …, b2, heads, scale, act, left, right) -> grads
+//       its gradients, one per tensor argument of the forward (an empty tensor for an absent bias's)
 //   attnlab::all_finite(tensors) -> bool
 //       no entry of any tensor NaN or ±inf (the attention pipeline's check: one pass, no tensor made)
 //   attnlab::clip_grad_norm_(grads, max_norm) -> norm
@@ -92,8 +90,6 @@
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
-#include <torch/csrc/autograd/custom_function.h>
-#include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -143,6 +139,7 @@ std::tuple<at::Tensor, at::Tensor> softmax_rows(const at::Tensor& s, double scal
   at::Tensor p = at::empty(s.sizes(), s.options().dtype(at::kFloat));
   at::Tensor pc = cast && s.scalar_type() != at::kFloat ? at::empty_like(s) : at::empty({0}, s.options());
   const int64_t G = s.size(0), Lq = s.size(1), Lk = s.size(2), off = Lk - Lq;
+  window = attnlab_native::clamp_window(window, Lq, Lk);
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(1, Lk));
   const auto run = [&](auto tag) {
     using T = decltype(tag);
@@ -266,7 +263,7 @@ at::Tensor rope_train(const at::Tensor& x, const at::Tensor& cos, const at::Tens
     T* Y = data<T>(y);
     const float *C = cos.data_ptr<float>(), *S = sin.data_ptr<float>();
     const auto row = ISA_FN(rope_row<T>);
-    at::parallel_for(0, B * H * Lx, std::max<int64_t>(1, 8192 / D), [&](int64_t r0, int64_t r1) {
+    at::parallel_for(0, B * H * Lx, std::max<int64_t>(1, 8192 / std::max<int64_t>(1, D)), [&](int64_t r0, int64_t r1) {
       for (int64_t i = r0; i < r1; ++i) {
         const int64_t l = i % Lx, bh = i / Lx, b = bh / H, hd = bh % H;
         row(X + b * sb + hd * sh + l * sl, C + l * h, S + l * h, h, static_cast<float>(sign), Y + i * D);
@@ -551,7 +548,7 @@ bool ours_for(const at::Tensor& a, const at::Tensor& b, int64_t max_inner) {
   return ours_takes(a.size(1), max_inner) && a.stride(1) == 1 && a.size(0) > 0 && b.size(1) > 0;
 }
 
-// torch._int_mm's sums. oneDNN's VNNI path (torch 2.13, AVX512-VNNI on Zen 4) reads memory it never wrote for an
+// torch._int_mm's sums. oneDNN's VNNI path (torch 2.13, AVX512-VNNI) reads memory it never wrote for an
 // operand of one row or one column whose strides are not the plain ones ((33, 1).t(): sizes (1, 33), strides (1, 1),
 // which torch calls contiguous: a known oneDNN-path bug, pytorch/pytorch#195066, open); such an operand is a vector,
 // copied here with the plain strides first.
@@ -699,8 +696,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_linear_backward(
   if (two) {
     // on 2 threads, where the products are oneDNN's (not shared above), one a thread, each whole on its core
     // (oneDNN and our passes run single-threaded inside a parallel region): neither product split, one meeting
-    // point. nanogpt-cpu's four shapes (session 26): 0.69-0.93x the time of one after the other on both threads
-    // (either ISA); its step 0.992x (as AVX2), 0.983x (AVX-512), A/B in one process
+    // point: at nanogpt-cpu's shapes faster than one after the other on both threads (either ISA)
     const at::ThreadLocalState state;
     at::parallel_for(0, 2, 1, [&](int64_t t0, int64_t t1) {
       const at::ThreadLocalStateGuard guard(state);
@@ -713,48 +709,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_linear_backward(
   return {dxv, dwv, db ? gsum : none};
 }
 
-// int8_linear and its backward as one autograd node: what a Python autograd.Function per layer cost in Python
-// (~15 µs a layer a step, 16 layers in nanogpt-cpu) runs here in C++
-struct Int8Linear : public torch::autograd::Function<Int8Linear> {
-  // what the backward reads from the forward, beside the rounded operands and x's shape
-  enum Flag { LEFT, RIGHT, X_BF16, NEED_X, NEED_W, NEED_B, FLAGS };
-
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
-                            const std::optional<at::Tensor>& b, int64_t left, int64_t right, bool bf16) {
-    ATTNLAB_CHECK(x.dim() >= 1, "attnlab::int8_linear_train: x must be (..., in), got ", x.sizes());
-    const bool need_w = w.requires_grad();
-    at::Tensor x2 = x.reshape({-1, x.size(-1)});
-    auto [y, qw, sw, qxt, sxc] = int8_linear(x2.is_contiguous() ? x2 : x2.contiguous(), w, b, left, right, need_w,
-                                             bf16);
-    ctx->save_for_backward({qw, sw, qxt, sxc});
-    ctx->saved_data["x"] = c10::IValue(x.sizes());
-    std::vector<int64_t> f(FLAGS);
-    f[LEFT] = left, f[RIGHT] = right, f[X_BF16] = x.scalar_type() == at::kBFloat16;
-    f[NEED_X] = x.requires_grad(), f[NEED_W] = need_w, f[NEED_B] = b && b->requires_grad();
-    ctx->saved_data["f"] = c10::IValue(std::move(f));
-    std::vector<int64_t> shape = x.sizes().vec();
-    shape.back() = w.size(0);
-    return y.view(shape);
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto f = ctx->saved_data["f"].toIntVector();
-    at::Tensor g = grads[0].reshape({-1, grads[0].size(-1)});
-    if (g.scalar_type() != at::kFloat && g.scalar_type() != at::kBFloat16) g = g.to(at::kFloat);
-    if (!g.is_contiguous()) g = g.contiguous();
-    auto [dx, dw, db] = int8_linear_backward(g, saved[0], saved[1], saved[2], saved[3], f[LEFT], f[RIGHT], f[NEED_X],
-                                             f[NEED_W], f[NEED_B], f[X_BF16]);
-    return {f[NEED_X] ? dx.view(ctx->saved_data["x"].toIntVector()) : at::Tensor(), f[NEED_W] ? dw : at::Tensor(),
-            f[NEED_B] ? db : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-  }
-};
-
-at::Tensor int8_linear_train(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
-                             int64_t left, int64_t right, bool bf16) {
-  return Int8Linear::apply(x, w, b && b->defined() ? b : std::nullopt, left, right, bf16);
-}
+// whether int8_linear with `cols` lays qxt as the (in, T) view of a (T, in) rounding of T = rows rows (the weight
+// gradient's product is then int8_gemm.h's, which reads either layout) rather than contiguous: what its fake
+// (attnlab/_native_library.py) asks to give the real op's strides
+bool int8_cols_laid(int64_t rows, int64_t left, int64_t right) { return ours_takes(rows, max_terms(left, right)); }
 
 void check_short(const at::Tensor& t, const at::Tensor& q, const char* op, const char* name, int64_t L) {
   ATTNLAB_CHECK(t.device().is_cpu() && t.scalar_type() == q.scalar_type() &&
@@ -796,7 +754,7 @@ std::tuple<at::Tensor, at::Tensor> short_attention(const at::Tensor& q, const at
   check_short(v, q, "short_attention", "v", Lk);
   at::Tensor out = heads_merged(q, Lq);
   at::Tensor p = at::empty({B, H, Lq, Lk}, q.options().dtype(at::kFloat));
-  const attnlab_native::Seen seen{Lq, Lk, window, causal};
+  const attnlab_native::Seen seen{Lq, Lk, attnlab_native::clamp_window(window, Lq, Lk), causal};
   const int64_t need = Lq * D + 2 * Lk * D + attnlab_native::SHORT_ROWS * D;
   const auto run = [&](auto tag) {
     using T = decltype(tag);
@@ -841,7 +799,7 @@ void short_attention_backward_into(const at::Tensor& q, const at::Tensor& k, con
                                    const at::Tensor& d_out, const at::Tensor& dq, const at::Tensor& dk,
                                    const at::Tensor& dv, double scale, bool causal, int64_t window) {
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3), Lk = k.size(2);
-  const attnlab_native::Seen seen{Lq, Lk, window, causal};
+  const attnlab_native::Seen seen{Lq, Lk, attnlab_native::clamp_window(window, Lq, Lk), causal};
   const int64_t need = 2 * Lq * D + 4 * Lk * D + attnlab_native::SHORT_ROWS * (Lk + D);
   const auto run = [&](auto tag) {
     using T = decltype(tag);
@@ -858,35 +816,6 @@ void short_attention_backward_into(const at::Tensor& q, const at::Tensor& k, con
   q.scalar_type() == at::kFloat ? run(float{}) : run(uint16_t{});
 }
 
-// short_attention and its backward as one autograd node (the short backend's fused path): no Python
-// autograd.Function per layer each way
-struct ShortAttention : public torch::autograd::Function<ShortAttention> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, double scale, bool causal, int64_t window) {
-    auto [out, p] = short_attention(q, k, v, scale, causal, window);
-    ctx->save_for_backward({q, k, v, p});
-    ctx->saved_data["scale"] = scale, ctx->saved_data["causal"] = causal;
-    ctx->saved_data["window"] = window;
-    return out;
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    at::Tensor go = grads[0].to(saved[0].scalar_type());
-    if (go.stride(-1) != 1) go = go.contiguous();
-    auto [dq, dk, dv] = short_attention_backward(saved[0], saved[1], saved[2], saved[3], go,
-                                                 ctx->saved_data["scale"].toDouble(),
-                                                 ctx->saved_data["causal"].toBool(), ctx->saved_data["window"].toInt());
-    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor()};
-  }
-};
-
-at::Tensor short_attention_train(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                                 bool causal, int64_t window) {
-  return ShortAttention::apply(q, k, v, scale, causal, window);
-}
-
 // q, k, v as (B, H, L, D) views of a packed projection qkv (B, L, 3 H D): columns [0, HD) q, [HD, 2HD) k, then v
 std::array<at::Tensor, 3> unpacked(const at::Tensor& qkv, int64_t H) {
   const int64_t B = qkv.size(0), L = qkv.size(1), E = qkv.size(2) / 3;
@@ -895,189 +824,137 @@ std::array<at::Tensor, 3> unpacked(const at::Tensor& qkv, int64_t H) {
   return out;
 }
 
-// ShortAttention on the packed projection qkv (B, L, 3E) it is cut from, out (B, L, E) with the heads merged: the
-// split, its views and the concatenation of dq, dk, dv in its backward go (the backward writes them into one
-// (B, L, 3E) gradient). The same arithmetic, so the same bits
-struct ShortAttentionPacked : public torch::autograd::Function<ShortAttentionPacked> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& qkv, int64_t heads, double scale,
-                            bool causal, int64_t window) {
-    ATTNLAB_CHECK(qkv.dim() == 3 && heads >= 1 && qkv.size(2) % (3 * heads) == 0 && qkv.stride(2) == 1,
-                  "attnlab::short_attention_packed: qkv must be (B, L, 3 · heads · D) with the last stride 1, got ",
-                  qkv.sizes(), " strides ", qkv.strides(), " for ", heads, " heads");
-    const auto [q, k, v] = unpacked(qkv, heads);
-    auto [out, p] = short_attention(q, k, v, scale, causal, window);
-    ctx->save_for_backward({qkv, p});
-    ctx->saved_data["heads"] = heads, ctx->saved_data["scale"] = scale, ctx->saved_data["causal"] = causal;
-    ctx->saved_data["window"] = window;
-    return out.transpose(1, 2).reshape({qkv.size(0), qkv.size(1), qkv.size(2) / 3});  // (a view: out is (B, L, H, D))
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor& qkv = saved[0];
-    const int64_t heads = ctx->saved_data["heads"].toInt();
-    const auto [q, k, v] = unpacked(qkv, heads);
-    at::Tensor go = grads[0].to(qkv.scalar_type());
-    if (go.stride(-1) != 1) go = go.contiguous();
-    go = go.view({qkv.size(0), qkv.size(1), heads, q.size(3)}).transpose(1, 2);
-    at::Tensor dqkv = at::empty(qkv.sizes(), qkv.options());
-    const auto [dq, dk, dv] = unpacked(dqkv, heads);
-    short_attention_backward_into(q, k, v, saved[1], go, dq, dk, dv, ctx->saved_data["scale"].toDouble(),
-                                  ctx->saved_data["causal"].toBool(), ctx->saved_data["window"].toInt());
-    return {dqkv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-  }
-};
-
-at::Tensor short_attention_packed(const at::Tensor& qkv, int64_t heads, double scale, bool causal, int64_t window) {
-  return ShortAttentionPacked::apply(qkv, heads, scale, causal, window);
+// short_attention on the packed projection qkv (B, L, 3E) q, k, v are cut from: (out (B, L, E) with the heads merged,
+// p), and its backward writing dq, dk, dv into one (B, L, 3E) gradient: no split, views or concatenation of the
+// three gradients. The same arithmetic, so the same bits
+void check_packed(const at::Tensor& qkv, int64_t heads, const char* op) {
+  ATTNLAB_CHECK(qkv.dim() == 3 && heads >= 1 && qkv.size(2) % (3 * heads) == 0 && qkv.stride(2) == 1, "attnlab::", op,
+                ": qkv must be (B, L, 3 · heads · D) with the last stride 1, got ", qkv.sizes(), " strides ",
+                qkv.strides(), " for ", heads, " heads");
 }
 
-// a plain activation with its derivative kept (act_train with keep) as one autograd node: h = act(g) forward,
-// ∂L/∂g = ∂L/∂h ⊙ act'(g) backward
-struct KeptActivation : public torch::autograd::Function<KeptActivation> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& g, int64_t act) {
-    auto [h, d] = act_train(g, std::nullopt, act, true);
-    ctx->save_for_backward({d});
-    return h;
-  }
+std::tuple<at::Tensor, at::Tensor> short_attention_packed(const at::Tensor& qkv, int64_t heads, double scale,
+                                                          bool causal, int64_t window) {
+  check_packed(qkv, heads, "short_attention_packed");
+  const auto [q, k, v] = unpacked(qkv, heads);
+  auto [out, p] = short_attention(q, k, v, scale, causal, window);
+  return {out.transpose(1, 2).reshape({qkv.size(0), qkv.size(1), qkv.size(2) / 3}), p};  // (a view: (B, L, H, D))
+}
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    // PyTorch's `mul` would be recorded under create_graph without the term of act''(g): refuse instead (the other
-    // nodes' backward ops have no autograd kernel, so differentiating them again fails by itself)
-    ATTNLAB_CHECK(!at::GradMode::is_enabled(), "attnlab::act_kept_train: its backward cannot be differentiated again "
-                  "(create_graph=True); ATTNLAB_NATIVE=0 trains with PyTorch's operations");
-    // where the graph is not kept (no retain_graph), act'(g) is read for the last time: the product goes into its
-    // buffer (the same bits: the product commutes), which saves a fresh buffer's first writes (0.5-0.8x the
-    // multiply's time at 768 x 512, the saved factor cold)
-    at::Tensor d = ctx->get_saved_variables()[0];
-    const at::Tensor dg = torch::autograd::get_current_graph_task_keep_graph() ? grads[0].mul(d) : d.mul_(grads[0]);
-    return {dg, at::Tensor()};
-  }
-};
+at::Tensor short_attention_packed_backward(const at::Tensor& qkv, const at::Tensor& p, const at::Tensor& d_out,
+                                           int64_t heads, double scale, bool causal, int64_t window) {
+  check_packed(qkv, heads, "short_attention_packed_backward");
+  const int64_t B = qkv.size(0), L = qkv.size(1), E = qkv.size(2) / 3;
+  ATTNLAB_CHECK(d_out.sizes() == at::IntArrayRef({B, L, E}) && d_out.scalar_type() == qkv.scalar_type() &&
+                    d_out.stride(2) == 1,
+                "attnlab::short_attention_packed_backward: d_out must be (B, L, E) = ", at::IntArrayRef({B, L, E}),
+                " of qkv's dtype with the last stride 1, got ", d_out.scalar_type(), " ", d_out.sizes());
+  const auto [q, k, v] = unpacked(qkv, heads);
+  attnlab_native::check_f32(p, "short_attention_packed_backward", "p");
+  ATTNLAB_CHECK(p.sizes() == at::IntArrayRef({B, heads, L, L}), "attnlab::short_attention_packed_backward: p must be ",
+                "(B, heads, L, L) = ", at::IntArrayRef({B, heads, L, L}), " (short_attention_packed's), got ", p.sizes());
+  const at::Tensor go = d_out.view({B, L, heads, q.size(3)}).transpose(1, 2);
+  at::Tensor dqkv = at::empty(qkv.sizes(), qkv.options());
+  const auto [dq, dk, dv] = unpacked(dqkv, heads);
+  short_attention_backward_into(q, k, v, p, go, dq, dk, dv, scale, causal, window);
+  return dqkv;
+}
 
-at::Tensor act_kept_train(const at::Tensor& g, int64_t act) { return KeptActivation::apply(g, act); }
-
-// A pre-norm GPT block of training as one autograd node (what DecoderLayer runs as ten nodes and ~100 Python-level
-// operations — the per-operation cost is a quarter of nanogpt-cpu's step on 2 cores):
+// A pre-norm GPT block of training in two ops, its forward and its backward (one autograd node between them,
+// attnlab/_native_library.py: what DecoderLayer runs as ten nodes and ~100 Python-level operations — the
+// per-operation cost is a quarter of nanogpt-cpu's step on 2 cores):
 //   h₁ = LN₁(x),  qkv = h₁ W_qkvᵀ + b,  a = softmax(κ q kᵀ + causal) v (heads merged),  x₃ = x + a W_oᵀ + b_o,
 //   h₂ = LN₂(x₃),  f = h₂ W₁ᵀ + b₁,  y = x₃ + act(f) W₂ᵀ + b₂
 // with each product an int8 layer's (int8_linear), the attention short_attention's and the activation act_train's
 // kept derivative — the very calls, in the same order, of those nodes, so the same bits forward and backward (the
 // residual's two gradients are summed once, as autograd's buffer does; addition commutes). Non-finite qkv or
 // attention output raises "not finite" before any node is recorded: the caller then runs the layer's modules, whose
-// pipeline handles or explains it.
+// pipeline handles or explains it. The forward returns y and what the backward reads: mean₁, rstd₁, then per int8
+// layer (qkv, o, 1, 2) qw, sw, qxt, sxc, and between them qkv and P (attention), x₃, mean₂, rstd₂, act'(f)
 bool all_finite(at::TensorList ts);
 
-struct GptBlock : public torch::autograd::Function<GptBlock> {
-  enum Flag { HEADS, ACT, LEFT, RIGHT, FLAGS };
-  // saved: x, mean₁, rstd₁, LN₁'s w and b, then per int8 layer (qkv, o, 1, 2) qw, sw, qxt, sxc, and between them
-  // qkv and P (attention), x₃, mean₂, rstd₂, LN₂'s w and b, act'(f)
+std::tuple<at::Tensor, std::vector<at::Tensor>> gpt_block_train(
+    const at::Tensor& x, const at::Tensor& n1w, const std::optional<at::Tensor>& n1b, const at::Tensor& wqkv,
+    const std::optional<at::Tensor>& bqkv, const at::Tensor& wo, const std::optional<at::Tensor>& bo,
+    const at::Tensor& n2w, const std::optional<at::Tensor>& n2b, const at::Tensor& w1, const std::optional<at::Tensor>& b1,
+    const at::Tensor& w2, const std::optional<at::Tensor>& b2, int64_t heads, double scale, double eps1, double eps2,
+    int64_t act, int64_t left, int64_t right) {
+  ATTNLAB_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+                "attnlab::gpt_block_train: x must be float32 (B, L, C) on the CPU, got ", x.scalar_type(), " ",
+                x.sizes());
+  const int64_t B = x.size(0), L = x.size(1), C = x.size(2), T = B * L, E3 = wqkv.size(0);
+  ATTNLAB_CHECK(heads >= 1 && E3 % (3 * heads) == 0 && wo.size(1) == E3 / 3 && wo.size(0) == C &&
+                    w2.size(0) == C && w1.size(0) == w2.size(1),
+                "attnlab::gpt_block_train: the weights do not make a block of width ", C, " and ", heads,
+                " heads: qkv ", wqkv.sizes(), ", o ", wo.sizes(), ", ffn ", w1.sizes(), " and ", w2.sizes());
+  auto [h1, mean1, rstd1] = at::native_layer_norm(x, {C}, n1w, n1b, eps1);
+  double bound;  // of |qkv|: where it is at most 1e15, qkv is finite and so is the attention's output (the scores
+                 // |κ q·k| ≤ κ D 1e30 < 3e38 for |κ| ≤ 1e3, D ≤ 256; softmax's rows weigh finite v): no scan
+  auto [qkv2, qw1, sw1, qxt1, sxc1] = int8_linear_bounded(h1.view({T, C}), wqkv, bqkv, left, right, true, false,
+                                                          &bound);
+  const bool scan = !(bound <= 1e15 && std::fabs(scale) <= 1e3 && E3 / (3 * heads) <= 256);
+  ATTNLAB_CHECK(!scan || all_finite({qkv2}), "attnlab::gpt_block_train: not finite (the qkv projection)");
+  const at::Tensor qkv = qkv2.view({B, L, E3});
+  const auto [q, k, v] = unpacked(qkv, heads);
+  auto [ao, p] = short_attention(q, k, v, scale, true, -1);
+  const at::Tensor a = ao.transpose(1, 2).reshape({T, E3 / 3});  // (a view: ao is (B, L, H, D))
+  ATTNLAB_CHECK(!scan || all_finite({a}), "attnlab::gpt_block_train: not finite (the attention's output)");
+  // the residuals added in the products' rescaling (x must be contiguous for it; else at::add: the same bits)
+  const at::Tensor xr = x.is_contiguous() ? x.view({T, C}) : at::Tensor();
+  auto [o, qw2, sw2, qxt2, sxc2] = int8_linear_bounded(a, wo, bo, left, right, true, false, nullptr,
+                                                       xr.defined() ? &xr : nullptr);
+  const at::Tensor x3 = xr.defined() ? o.view({B, L, C}) : at::add(x, o.view({B, L, C}));
+  auto [h2, mean2, rstd2] = at::native_layer_norm(x3, {C}, n2w, n2b, eps2);
+  auto [f, qw3, sw3, qxt3, sxc3] = int8_linear(h2.view({T, C}), w1, b1, left, right, true, false);
+  auto [g, d] = act_train(f, std::nullopt, act, true);
+  const at::Tensor x3r = x3.view({T, C});
+  auto [y, qw4, sw4, qxt4, sxc4] = int8_linear_bounded(g, w2, b2, left, right, true, false, nullptr, &x3r);
+  return {y.view({B, L, C}), {mean1, rstd1, qw1, sw1, qxt1, sxc1, qkv, p, qw2, sw2, qxt2, sxc2, x3, mean2, rstd2,
+                              qw3, sw3, qxt3, sxc3, d, qw4, sw4, qxt4, sxc4}};
+}
 
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& n1w,
-                            const std::optional<at::Tensor>& n1b, const at::Tensor& wqkv,
-                            const std::optional<at::Tensor>& bqkv, const at::Tensor& wo,
-                            const std::optional<at::Tensor>& bo, const at::Tensor& n2w,
-                            const std::optional<at::Tensor>& n2b, const at::Tensor& w1,
-                            const std::optional<at::Tensor>& b1, const at::Tensor& w2,
-                            const std::optional<at::Tensor>& b2, int64_t heads, double scale, double eps1,
-                            double eps2, int64_t act, int64_t left, int64_t right) {
-    ATTNLAB_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-                  "attnlab::gpt_block_train: x must be float32 (B, L, C) on the CPU, got ", x.scalar_type(), " ",
-                  x.sizes());
-    const int64_t B = x.size(0), L = x.size(1), C = x.size(2), T = B * L, E3 = wqkv.size(0);
-    ATTNLAB_CHECK(heads >= 1 && E3 % (3 * heads) == 0 && wo.size(1) == E3 / 3 && wo.size(0) == C &&
-                      w2.size(0) == C && w1.size(0) == w2.size(1),
-                  "attnlab::gpt_block_train: the weights do not make a block of width ", C, " and ", heads,
-                  " heads: qkv ", wqkv.sizes(), ", o ", wo.sizes(), ", ffn ", w1.sizes(), " and ", w2.sizes());
-    auto [h1, mean1, rstd1] = at::native_layer_norm(x, {C}, n1w, n1b, eps1);
-    double bound;  // of |qkv|: where it is at most 1e15, qkv is finite and so is the attention's output (the scores
-                   // |κ q·k| ≤ κ D 1e30 < 3e38 for |κ| ≤ 1e3, D ≤ 256; softmax's rows weigh finite v): no scan
-    auto [qkv2, qw1, sw1, qxt1, sxc1] = int8_linear_bounded(h1.view({T, C}), wqkv, bqkv, left, right, true, false,
-                                                            &bound);
-    const bool scan = !(bound <= 1e15 && std::fabs(scale) <= 1e3 && E3 / (3 * heads) <= 256);
-    ATTNLAB_CHECK(!scan || all_finite({qkv2}), "attnlab::gpt_block_train: not finite (the qkv projection)");
-    const at::Tensor qkv = qkv2.view({B, L, E3});
-    const auto [q, k, v] = unpacked(qkv, heads);
-    auto [ao, p] = short_attention(q, k, v, scale, true, -1);
-    const at::Tensor a = ao.transpose(1, 2).reshape({T, E3 / 3});  // (a view: ao is (B, L, H, D))
-    ATTNLAB_CHECK(!scan || all_finite({a}), "attnlab::gpt_block_train: not finite (the attention's output)");
-    // the residuals added in the products' rescaling (x must be contiguous for it; else at::add: the same bits)
-    const at::Tensor xr = x.is_contiguous() ? x.view({T, C}) : at::Tensor();
-    auto [o, qw2, sw2, qxt2, sxc2] = int8_linear_bounded(a, wo, bo, left, right, true, false, nullptr,
-                                                         xr.defined() ? &xr : nullptr);
-    const at::Tensor x3 = xr.defined() ? o.view({B, L, C}) : at::add(x, o.view({B, L, C}));
-    auto [h2, mean2, rstd2] = at::native_layer_norm(x3, {C}, n2w, n2b, eps2);
-    auto [f, qw3, sw3, qxt3, sxc3] = int8_linear(h2.view({T, C}), w1, b1, left, right, true, false);
-    auto [g, d] = act_train(f, std::nullopt, act, true);
-    const at::Tensor x3r = x3.view({T, C});
-    auto [y, qw4, sw4, qxt4, sxc4] = int8_linear_bounded(g, w2, b2, left, right, true, false, nullptr, &x3r);
-    ctx->save_for_backward({x, mean1, rstd1, n1w, n1b.value_or(at::Tensor()), qw1, sw1, qxt1, sxc1, qkv, p, qw2, sw2,
-                            qxt2, sxc2, x3, mean2, rstd2, n2w, n2b.value_or(at::Tensor()), qw3, sw3, qxt3, sxc3, d,
-                            qw4, sw4, qxt4, sxc4});
-    std::vector<int64_t> flags(FLAGS);
-    flags[HEADS] = heads, flags[ACT] = act, flags[LEFT] = left, flags[RIGHT] = right;
-    ctx->saved_data["f"] = c10::IValue(std::move(flags));
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["b"] = c10::IValue(std::vector<bool>{bqkv.has_value(), bo.has_value(), b1.has_value(),
-                                                         b2.has_value()});
-    return y.view({B, L, C});
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    ATTNLAB_CHECK(!at::GradMode::is_enabled(), "attnlab::gpt_block_train: its backward cannot be differentiated "
-                  "again (create_graph=True); ATTNLAB_NATIVE=0 trains with PyTorch's operations");
-    const auto s = ctx->get_saved_variables();
-    const auto f = ctx->saved_data["f"].toIntVector();
-    const auto has_b = ctx->saved_data["b"].toBoolList();
-    const int64_t left = f[LEFT], right = f[RIGHT], heads = f[HEADS];
-    const at::Tensor &x = s[0], &qkv = s[9], &x3 = s[15];
-    const int64_t B = x.size(0), L = x.size(1), C = x.size(2), T = B * L;
-    const auto rows = [&](const at::Tensor& t) {  // as Int8Linear's backward reads its gradient
-      at::Tensor g = t.reshape({T, t.size(-1)});
-      return g.is_contiguous() ? g : g.contiguous();
-    };
-    const auto layer = [&](const at::Tensor& g, int i, bool db) {  // the int8 layer saved from s[i]
-      return int8_linear_backward(rows(g), s[i], s[i + 1], s[i + 2], s[i + 3], left, right, true, true, db, false);
-    };
-    const at::Tensor& dy = grads[0];
-    auto [dg, dw2, db2] = layer(dy, 25, has_b[3]);
-    at::Tensor d = s[24];  // act'(f), read for the last time unless the graph is kept (as KeptActivation)
-    const at::Tensor df = torch::autograd::get_current_graph_task_keep_graph() ? dg.mul(d) : d.mul_(dg);
-    auto [dh2, dw1, db1] = layer(df, 20, has_b[2]);
-    auto [dx3n, dn2w, dn2b] = at::native_layer_norm_backward(dh2.view({B, L, C}), x3, {C}, s[16], s[17], s[18], s[19],
-                                                             {true, true, s[19].defined()});
-    const at::Tensor dx3 = dx3n.add_(dy);  // (into LN's fresh gradient: no new buffer; the sum commutes)
-    auto [da, dwo, dbo] = layer(dx3, 11, has_b[1]);
-    const auto [q, k, v] = unpacked(qkv, heads);
-    const at::Tensor go = da.view({B, L, heads, q.size(3)}).transpose(1, 2);
-    at::Tensor dqkv = at::empty(qkv.sizes(), qkv.options());
-    const auto [dq, dk, dv] = unpacked(dqkv, heads);
-    short_attention_backward_into(q, k, v, s[10], go, dq, dk, dv, ctx->saved_data["scale"].toDouble(), true, -1);
-    auto [dh1, dwqkv, dbqkv] = layer(dqkv, 5, has_b[0]);
-    auto [dxn, dn1w, dn1b] = at::native_layer_norm_backward(dh1.view({B, L, C}), x, {C}, s[1], s[2], s[3], s[4],
-                                                            {true, true, s[4].defined()});
-    const auto opt = [](bool has, const at::Tensor& t) { return has ? t : at::Tensor(); };
-    torch::autograd::variable_list out{dxn.add_(dx3), dn1w, opt(s[4].defined(), dn1b), dwqkv, opt(has_b[0], dbqkv), dwo,
-                                       opt(has_b[1], dbo), dn2w, opt(s[19].defined(), dn2b), dw1, opt(has_b[2], db1),
-                                       dw2, opt(has_b[3], db2)};
-    out.resize(20);  // the scalars' (none)
-    return out;
-  }
-};
-
-at::Tensor gpt_block_train(const at::Tensor& x, const at::Tensor& n1w, const std::optional<at::Tensor>& n1b,
-                           const at::Tensor& wqkv, const std::optional<at::Tensor>& bqkv, const at::Tensor& wo,
-                           const std::optional<at::Tensor>& bo, const at::Tensor& n2w,
-                           const std::optional<at::Tensor>& n2b, const at::Tensor& w1,
-                           const std::optional<at::Tensor>& b1, const at::Tensor& w2,
-                           const std::optional<at::Tensor>& b2, int64_t heads, double scale, double eps1, double eps2,
-                           int64_t act, int64_t left, int64_t right) {
-  const auto some = [](const std::optional<at::Tensor>& t) { return t && t->defined() ? t : std::nullopt; };
-  return GptBlock::apply(x, n1w, some(n1b), wqkv, some(bqkv), wo, some(bo), n2w, some(n2b), w1, some(b1), w2, some(b2),
-                         heads, scale, eps1, eps2, act, left, right);
+// gpt_block_train's gradients from dy and what its forward returned (`saved`), in the order of its tensor arguments:
+// (dx, dn1w, dn1b, dwqkv, dbqkv, dwo, dbo, dn2w, dn2b, dw1, db1, dw2, db2), an empty tensor for an absent bias's
+std::vector<at::Tensor> gpt_block_train_backward(
+    const at::Tensor& dy, const at::Tensor& x, at::TensorList saved, const at::Tensor& n1w,
+    const std::optional<at::Tensor>& n1b, const at::Tensor& wqkv, const std::optional<at::Tensor>& bqkv,
+    const at::Tensor& wo, const std::optional<at::Tensor>& bo, const at::Tensor& n2w,
+    const std::optional<at::Tensor>& n2b, const at::Tensor& w1, const std::optional<at::Tensor>& b1,
+    const at::Tensor& w2, const std::optional<at::Tensor>& b2, int64_t heads, double scale, int64_t act, int64_t left,
+    int64_t right) {
+  ATTNLAB_CHECK(saved.size() == 24 && x.dim() == 3 && dy.sizes() == x.sizes() && dy.scalar_type() == at::kFloat,
+                "attnlab::gpt_block_train_backward: dy must be float32 like x ", x.sizes(), " and saved the 24 "
+                "tensors gpt_block_train returned, got ", dy.sizes(), " and ", saved.size());
+  const at::Tensor& qkv = saved[6];
+  const at::Tensor& x3 = saved[12];
+  const int64_t B = x.size(0), L = x.size(1), C = x.size(2), T = B * L;
+  const auto rows = [&](const at::Tensor& t) {  // as the int8 layer's backward reads its gradient
+    at::Tensor g = t.reshape({T, t.size(-1)});
+    return g.is_contiguous() ? g : g.contiguous();
+  };
+  const auto layer = [&](const at::Tensor& g, int i, bool db) {  // the int8 layer saved from saved[i]
+    return int8_linear_backward(rows(g), saved[i], saved[i + 1], saved[i + 2], saved[i + 3], left, right, true, true,
+                                db, false);
+  };
+  auto [dg, dw2, db2] = layer(dy, 20, b2.has_value());
+  const at::Tensor df = dg.mul(saved[19]);  // ∂L/∂f = ∂L/∂g ⊙ act'(f)
+  auto [dh2, dw1, db1] = layer(df, 15, b1.has_value());
+  auto [dx3n, dn2w, dn2b] = at::native_layer_norm_backward(dh2.view({B, L, C}), x3, {C}, saved[13], saved[14], n2w,
+                                                           n2b, {true, true, n2b.has_value()});
+  const at::Tensor dx3 = dx3n.add_(dy);  // (into LN's fresh gradient: no new buffer; the sum commutes)
+  auto [da, dwo, dbo] = layer(dx3, 8, bo.has_value());
+  const auto [q, k, v] = unpacked(qkv, heads);
+  const at::Tensor go = da.view({B, L, heads, q.size(3)}).transpose(1, 2);
+  at::Tensor dqkv = at::empty(qkv.sizes(), qkv.options());
+  const auto [dq, dk, dv] = unpacked(dqkv, heads);
+  short_attention_backward_into(q, k, v, saved[7], go, dq, dk, dv, scale, true, -1);
+  auto [dh1, dwqkv, dbqkv] = layer(dqkv, 2, bqkv.has_value());
+  auto [dxn, dn1w, dn1b] = at::native_layer_norm_backward(dh1.view({B, L, C}), x, {C}, saved[0], saved[1], n1w, n1b,
+                                                          {true, true, n1b.has_value()});
+  const auto opt = [&](bool has, const at::Tensor& t) { return has ? t : at::empty({0}, x.options()); };  // (apart)
+  return {dxn.add_(dx3), dn1w, opt(n1b.has_value(), dn1b), dwqkv, opt(bqkv.has_value(), dbqkv), dwo,
+          opt(bo.has_value(), dbo), dn2w, opt(n2b.has_value(), dn2b), dw1, opt(b1.has_value(), db1), dw2,
+          opt(b2.has_value(), db2)};
 }
 
 // whether every entry of every tensor is finite: float32 and bfloat16 tensors whose elements fill one block of
@@ -1168,24 +1045,18 @@ TORCH_LIBRARY_FRAGMENT(attnlab, m) {
         "Tensor, Tensor, Tensor, Tensor)");
   m.def("int8_linear_backward(Tensor g, Tensor qw, Tensor sw, Tensor qxt, Tensor sxc, int left, int right, bool dx, "
         "bool dw, bool db, bool dx_bf16) -> (Tensor, Tensor, Tensor)");
-  m.def("int8_linear_train(Tensor x, Tensor w, Tensor? b, int left, int right, bool bf16) -> Tensor");
+  m.def("int8_cols_laid(int rows, int left, int right) -> bool", &int8_cols_laid);  // (no tensors, as int8_kernel)
   m.def("int8_kernel(int mode) -> int", &int8_kernel);  // (no tensors: one kernel for every dispatch key)
-  m.def("short_attention_train(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window) -> "
-        "Tensor");
-  m.def("act_kept_train(Tensor g, int act) -> Tensor");
-  m.def("short_attention_packed(Tensor qkv, int heads, float scale, bool causal, int window) -> Tensor");
+  m.def("short_attention_packed(Tensor qkv, int heads, float scale, bool causal, int window) -> (Tensor, Tensor)");
+  m.def("short_attention_packed_backward(Tensor qkv, Tensor p, Tensor d_out, int heads, float scale, bool causal, "
+        "int window) -> Tensor");
   m.def("all_finite(Tensor[] tensors) -> bool");
   m.def("gpt_block_train(Tensor x, Tensor n1w, Tensor? n1b, Tensor wqkv, Tensor? bqkv, Tensor wo, Tensor? bo, "
         "Tensor n2w, Tensor? n2b, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, int heads, float scale, float eps1, "
-        "float eps2, int act, int left, int right) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(attnlab, CompositeImplicitAutograd, m) {
-  m.impl("int8_linear_train", &int8_linear_train);
-  m.impl("short_attention_train", &short_attention_train);
-  m.impl("act_kept_train", &act_kept_train);
-  m.impl("short_attention_packed", &short_attention_packed);
-  m.impl("gpt_block_train", &gpt_block_train);
+        "float eps2, int act, int left, int right) -> (Tensor, Tensor[])");
+  m.def("gpt_block_train_backward(Tensor dy, Tensor x, Tensor[] saved, Tensor n1w, Tensor? n1b, Tensor wqkv, "
+        "Tensor? bqkv, Tensor wo, Tensor? bo, Tensor n2w, Tensor? n2b, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, "
+        "int heads, float scale, int act, int left, int right) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
@@ -1206,4 +1077,8 @@ TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
   m.impl("int8_product", &int8_product);
   m.impl("int8_linear", &int8_linear);
   m.impl("int8_linear_backward", &int8_linear_backward);
+  m.impl("short_attention_packed", &short_attention_packed);
+  m.impl("short_attention_packed_backward", &short_attention_packed_backward);
+  m.impl("gpt_block_train", &gpt_block_train);
+  m.impl("gpt_block_train_backward", &gpt_block_train_backward);
 }

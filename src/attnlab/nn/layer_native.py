@@ -47,10 +47,12 @@ def decoder_step(layer, x: Tensor, cache: KVCache) -> Optional[Tensor]:
     where every part is one it computes: gradients off, float32 on the CPU with the kernels built, the attention's
     :meth:`~attnlab.modules.multihead.MultiheadAttention.steps` and ``native_step``, RMSNorm or LayerNorm, a
     :class:`FeedForward`, each linear layer served by attnlab's matvec (inference layouts or int8:
-    ``matvec_args``), no hooks on the modules the step calls. Else None (also where the projection is not finite:
-    the caller's step then reruns the layer through the pipeline)."""
+    ``matvec_args``), no hooks on the modules the step calls, not compiled. Else None (also where the projection is
+    not finite: the caller's step then reruns the layer through the pipeline; a compiled graph cannot branch on that,
+    so it runs the modules, whose own ops it records)."""
     attn, ffn = layer.self_attn, layer.ffn
-    if torch.is_grad_enabled() or not (type(ffn) is FeedForward and _native.usable(x) and attn.steps(x, cache)):
+    if torch.is_grad_enabled() or torch.compiler.is_compiling() or not (
+            type(ffn) is FeedForward and _native.usable(x) and attn.steps(x, cache)):
         return None  # (with gradients on, the norms' parameters would want theirs: no backward here)
     norms = _native_norm(layer.norm1), _native_norm(layer.norm2)
     if norms[0] is None or norms[1] is None or norms[0][0] != norms[1][0]:
@@ -87,14 +89,16 @@ def decoder_train(layer, x: Tensor) -> Optional[Tensor]:
     (a class declaring ``int8_levels``: :class:`attnlab.adapt.int8_training.Int8TrainingLinear`) in training
     mode whose parameters all need gradients, a packed causal softmax self-attention the short backend serves
     (``auto`` or ``short``; no window, position bias, QK-norm, RoPE or grouped heads; at most ``SHORT_KEYS``
-    keys), a plain activation, no dropout, no module hooks. Else None; also where the projection or the attention's
-    output is not finite (the modules then run, whose pipeline handles or explains it). Why: the layer's ten
+    keys), a plain activation, no dropout, no module hooks, not compiled (the fallback below branches on the data,
+    which a graph cannot: compiled, the modules run, each through its own op). Else None; also where the projection
+    or the attention's output is not finite (the modules then run, whose pipeline handles or explains it). Why: the layer's ten
     nodes and ~100 Python-level operations cost ~2 ms of nanogpt-cpu's ~40 ms step on 2 cores (the per-operation
     overhead, not the arithmetic)."""
     # (submodules and parameters read from their dicts: Module.__getattr__ would be ~26 lookups a call)
     mods = layer._modules
     attn, ffn, n1, n2 = mods["self_attn"], mods["ffn"], mods["norm1"], mods["norm2"]
-    if not (layer.training and torch.is_grad_enabled() and layer.norm_first and layer.cross_attn is None
+    if not (layer.training and torch.is_grad_enabled() and not torch.compiler.is_compiling() and layer.norm_first
+            and layer.cross_attn is None
             and x.dtype == torch.float32 and x.dim() == 3 and x.requires_grad and x.device.type == "cpu"
             and type(ffn) is FeedForward and type(n1) is nn.LayerNorm and type(n2) is nn.LayerNorm
             and attn.packed and ffn.w3 is None and attn.dropout == 0 and ffn._modules["dropout"].p == 0
