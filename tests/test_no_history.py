@@ -31,15 +31,16 @@ MACHINE_NAMED = ("benchmarks/results/", "docs/performance.md", "benchmarks/_comm
                  "tests/benchmarks/test_performance_page.py")
 # History with dates, by version.
 DATED = ("CHANGELOG.md",)
-# The CI environment's own script (it finds the offline datasets beside the clone), not the product.
+# The CI script finds the offline datasets beside the clone (the product itself never names that folder).
 OUTSIDE = (".ci/",)
 
 
 def rules(path: str) -> dict[str, re.Pattern]:
     """The patterns that apply to the tracked file ``path``."""
-    if path == THIS or path.startswith(OUTSIDE):
+    if path == THIS:
         return {}
-    return {**HISTORY, **({} if path.startswith(MACHINE_NAMED) else MACHINE), **({} if path in DATED else DATE)}
+    history = {k: v for k, v in HISTORY.items() if k != "a path outside the repository" or not path.startswith(OUTSIDE)}
+    return {**history, **({} if path.startswith(MACHINE_NAMED) else MACHINE), **({} if path in DATED else DATE)}
 
 
 def text_files() -> list[str]:
