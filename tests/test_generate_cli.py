@@ -80,7 +80,7 @@ def test_errors_are_one_line(tmp_path, capsys):
     cases = [(["--model", str(tmp_path / "none"), "--prompt", "x"], "none"),
              (["--model", str(folder), "--prompt", "  "], "--prompt must not be empty"),
              (["--model", str(folder), "--prompt", "the", "--temperature", "0"], "temperature"),
-             (["--model", str(folder), "--prompt", "the", "--max-new-tokens", "0"], "max_new_tokens")]
+             (["--model", str(folder), "--prompt", "the", "--max-new-tokens", "0"], "--max-new-tokens must be in [1,")]
     for argv, needle in cases:
         assert main(["generate", *argv]) == 2
         err = capsys.readouterr().err.strip()

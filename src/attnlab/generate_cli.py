@@ -44,6 +44,7 @@ of `attnlab train shakespeare-char` / `multi30k-de-en`."""
 
 
 MAX_SAMPLES = 1000  # --num-samples at most
+MAX_NEW_TOKENS = 1 << 20  # --max-new-tokens at most (the output holds them: 8 bytes a token, however cropped)
 MAX_START_BYTES = 16 * 2**20  # --start FILE:path at most (the context is cropped to the model's positions anyway)
 
 
@@ -183,6 +184,8 @@ def main(args: argparse.Namespace) -> int:
     if args.int4:
         from attnlab.adapt.quantize import GROUP_SIZE, check_group_size
         check_group_size(args.group_size or GROUP_SIZE, name="--group-size")  # before the model loads
+    if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS:
+        raise ValueError(f"--max-new-tokens must be in [1, {MAX_NEW_TOKENS:,}], got {args.max_new_tokens}")
     if not 1 <= args.num_samples <= MAX_SAMPLES:
         raise ValueError(f"--num-samples must be in [1, {MAX_SAMPLES}], got {args.num_samples}")
     if args.start is not None and args.prompt is not None:
