@@ -1,22 +1,25 @@
 # Two entry points for a fresh machine: `make demo` and `make test`.
-# torch==2.13.0 is installed first and alone (the CPU wheel); everything else is
-# installed with torch pinned so that no resolver pulls a CUDA build.
+# torch is installed first and alone, at the release constraints.txt names (the newest tested); everything
+# else is installed under the same constraints, so that no resolver replaces it. attnlab itself needs
+# torch >= TORCH_OLDEST (pyproject.toml); `make test-oldest` runs the numerical tests on that release.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+TORCH_OLDEST := 2.8.0
+OLDEST := .venv-oldest
 # Data-dependent tests read $ATTNLAB_DATA_DIR (a folder of your own with tinyshakespeare/ and multi30k/);
 # unset, recipes download into ~/.cache/attnlab and tests without the data skip, saying why.
 AVX2   := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 
-.PHONY: setup demo test test-avx2 test-tutorials test-all bench clean
+.PHONY: setup setup-notebook notebooks demo test test-avx2 test-oldest test-tutorials test-all bench clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -c constraints.txt torch
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	# attnlab's C++ kernels, built once (without a compiler: PyTorch's kernels, said here); -W: runpy's warning that
 	# the package's own import already loaded the module (harmless: the library is loaded once either way)
@@ -24,6 +27,18 @@ $(STAMP): pyproject.toml constraints.txt
 	# the bytecode pip writes for a regular install (an editable one has none): ~0.1 s of every command
 	$(PY) -m compileall -q src
 	touch $(STAMP)
+
+# JupyterLab and ipywidgets (tqdm's progress bars as widgets) for the tutorials: `.venv/bin/jupyter lab docs/tutorials/`
+setup-notebook: $(VENV)/.notebook
+
+$(VENV)/.notebook: $(STAMP)
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,notebook]"
+	touch $(VENV)/.notebook
+
+# docs/tutorials/*.ipynb written from their .py with every output, by running each in a fresh kernel from the current
+# code at the tests' tiny sizes (a few minutes); commit them after a tutorial or what it shows changes
+notebooks: $(VENV)/.notebook
+	$(PY) docs/tutorials/execute.py
 
 demo: $(STAMP)
 	$(VENV)/bin/attnlab demo
@@ -42,6 +57,19 @@ NUMERICS := tests/functional tests/backends tests/modules tests/nn tests/models 
 test-avx2: $(STAMP)
 	$(AVX2) $(PY) -m pytest -q $(NUMERICS)
 
+# the numerical tests on the oldest torch attnlab supports, in a venv of its own: that torch first and alone
+# (PyPI's Linux build carries CUDA's libraries: ~3 GB to fetch), then attnlab with it held
+$(OLDEST)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(OLDEST)
+	$(OLDEST)/bin/python -m pip install --quiet --upgrade pip
+	$(OLDEST)/bin/python -m pip install --quiet torch==$(TORCH_OLDEST)
+	$(OLDEST)/bin/python -m pip install --quiet torch==$(TORCH_OLDEST) -e ".[dev]"
+	$(OLDEST)/bin/python -W ignore::RuntimeWarning:runpy -m attnlab._native
+	touch $@
+
+test-oldest: $(OLDEST)/.installed
+	$(OLDEST)/bin/python -m pytest -q $(NUMERICS)
+
 # every notebook in docs/tutorials/, executed top to bottom at tiny sizes in a fresh kernel
 test-tutorials: $(STAMP)
 	$(PY) -m pytest -q -m tutorial tests/docs
@@ -53,4 +81,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/attention.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(OLDEST) build *.egg-info src/*.egg-info

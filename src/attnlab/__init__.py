@@ -16,7 +16,7 @@ from attnlab.modules.cache import KVCache
 from attnlab.nn.positional import (ALiBi, LearnedPositionalEmbedding, RotaryEmbedding,
                                    SinusoidalPositionalEmbedding, T5RelativeBias)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = [
     "attention", "attention_weights", "BACKENDS", "MultiheadAttention", "AdditiveAttention", "LuongAttention",
