@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, auto_repeat, compare, parser, print_table, setup, write_json  # noqa: E402
+from _common import RESULTS, auto_repeat, compare, parser, print_table, result, setup, write_json  # noqa: E402
 from _attention_efficient import SECTIONS, run_efficient  # noqa: E402
 
 import attnlab  # noqa: E402
@@ -127,8 +127,11 @@ def run_basic(args) -> None:
     print_table(module, COLUMNS)
     print(f"torch took its fused fast path in eval: {'yes' if fast else 'no'}")
 
-    write_json(args.out, functional + module, max_overhead=overhead, within_5_percent=overhead <= 0.05,
-               torch_mha_fast_path=fast)
+    results = [result(f"{r['case']} N={r['N']}", r["ours_ms"], r["peer_ms"], unit="ms", ratio=r["ratio"],
+                      target="ratio <= 1.05" if r in functional else "", met=r["ratio"] <= 1.05 if r in functional
+                      else None) for r in functional + module]
+    write_json(args.out, functional + module, results=results, max_overhead=overhead,
+               within_5_percent=overhead <= 0.05, torch_mha_fast_path=fast)
     print(f"wrote {args.out}\n")
 
 
