@@ -422,3 +422,52 @@ def test_train_classify_killed_anywhere(tmp_path):
     assert cli.main(argv) == 0  # and an uninterrupted one finishes, the inputs still as they were
     assert {"base": _tree(base), "data": hashlib.sha256(data.read_bytes()).hexdigest()} == inputs
     _no_torn_outputs(out)
+
+
+# ---------------------------------------------------------------------- obscure errors, now one named line
+
+def test_alibi_slopes_and_bigbird_layouts_must_cover_the_request():
+    import attnlab
+    from attnlab.functional.masks import bigbird_mod
+    from attnlab.functional.positional import alibi_score_mod, alibi_slopes
+
+    q = torch.randn(1, 4, 32, 8)
+    for backend in ("reference", "auto"):  # before: IndexError deep inside the backend
+        with pytest.raises(ValueError, match=r"ALiBi slopes for 2 heads, but q has H=4 heads: .*alibi_slopes\(4\)"):
+            attnlab.attention(q, q, q, score_mod=alibi_score_mod(alibi_slopes(2)), backend=backend)
+        with pytest.raises(ValueError, match=r"block layout of 16 positions .* Lq=32, Lk=32: .*seq_len >= 32"):
+            attnlab.attention(q, q, q, mask_mod=bigbird_mod(8, seq_len=16), backend=backend)
+        attnlab.attention(q, q, q, mask_mod=bigbird_mod(8, seq_len=32), backend=backend)  # covering: served
+    meta = q.to("meta")
+    with pytest.raises(ValueError, match="meta tensors"):  # before: "Tensor.item() cannot be called on meta tensors"
+        attnlab.attention(meta, meta, meta)
+
+
+def test_zero_epsilons_are_named():
+    from attnlab.models.gpt import GPT2Config
+    from attnlab.training.recipes import get_recipe, resolve_settings
+
+    with pytest.raises(ValueError, match="layer_norm_epsilon must be a positive finite number, got 0"):
+        GPT2Config(vocab_size=9, n_positions=16, n_embd=16, n_layer=1, n_head=2, layer_norm_epsilon=0)
+    with pytest.raises(ValueError, match=r"TrainConfig.eps must be a finite number > 0"):
+        resolve_settings(get_recipe("digits-vit"), overrides={"eps": "0"})
+
+
+@pytest.mark.parametrize("device", ["mps", "xla", "meta"])
+def test_set_device_takes_the_same_devices_as_the_flag(device):
+    from attnlab.training.recipes import get_recipe, resolve_settings
+
+    with pytest.raises(ValueError, match=rf"device must be one of cpu, cuda, cuda:N, got '{device}'"):
+        resolve_settings(get_recipe("digits-vit"), overrides={"device": device})
+
+
+def test_a_batch_beyond_memory_is_refused_before_the_data_is_read(tmp_path):
+    from attnlab.training.distributed import dist_info_from_env
+    from attnlab.training.recipes import get_recipe, resolve_settings
+    from attnlab.training.recipes.shakespeare import build
+
+    s = resolve_settings(get_recipe("shakespeare-char"), preset="tiny",
+                         overrides={"batch_size": "65536", "block_size": "4096"})
+    with pytest.raises(ValueError, match=r"--set batch_size=65536 with block_size=4096 needs [\d,.]+ GiB of memory"):
+        build(s, out=tmp_path, dist=dist_info_from_env(), training=True)  # no tiny-shakespeare needed to refuse
+    assert not any(tmp_path.iterdir())

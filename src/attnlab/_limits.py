@@ -16,7 +16,8 @@ from typing import Any, Optional
 from attnlab._checks import is_int
 
 __all__ = ["SIZE_LIMITS", "SETTING_LIMITS", "MAX_THREADS", "SEED_LIMIT", "check_size", "check_settings",
-           "check_seed", "check_threads", "check_device", "available_memory", "check_memory"]
+           "check_seed", "check_threads", "check_device", "available_memory", "check_memory",
+           "transformer_training_bytes"]
 
 # field names -> the largest value: generous for every released model (a config.json of 1 KB must not build
 # thousands of layers or allocate gigabytes)
@@ -135,6 +136,16 @@ def check_memory(what: str, nbytes: int, *, device: Any = "cpu") -> None:
         free = available_memory()
     if free is not None and nbytes > free:
         raise ValueError(f"{what} needs {_gib(nbytes)} of memory, but {_gib(free)} is free: choose a smaller value")
+
+
+def transformer_training_bytes(*, batch: int, seq: int, width: int, layers: int, heads: int, vocab: int,
+                               bytes_per_value: int = 4) -> int:
+    """The activations a training step of a Transformer keeps for its backward pass: per layer
+    ``s·b·h·(34 + 5·a·s/h)`` values of 2 bytes (Korthikanti et al. 2022, "Reducing Activation Recomputation"),
+    scaled to ``bytes_per_value``, plus the logits, their softmax and its gradient (``3·b·s·V``). A lower bound
+    of what the step allocates, so a refusal by :func:`check_memory` is never a false alarm by much."""
+    per_layer = seq * batch * width * (34 + 5 * heads * seq / width) * bytes_per_value / 2
+    return int(layers * per_layer + 3 * batch * seq * vocab * bytes_per_value)
 
 
 def _gib(n: int) -> str:

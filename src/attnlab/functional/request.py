@@ -54,6 +54,7 @@ def prepare(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, dropou
     for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+    _check_mod_sizes(score_mod, mask_mod, H, Lq, Lk)
     rate("dropout_p", dropout_p)
     one_of("normalize", normalize, sorted(NORMALIZERS))
     if normalize == "topk":
@@ -66,6 +67,21 @@ def prepare(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, dropou
                 return_weights=return_weights)
 
 
+def _check_mod_sizes(score_mod, mask_mod, H: int, Lq: int, Lk: int) -> None:
+    """The sizes a built-in mod was made for cover the request: ALiBi's slopes one per query head, a BigBird
+    layout every position (an index past them would be an IndexError deep inside a backend)."""
+    alibi = getattr(score_mod, "alibi", None)
+    if alibi is not None and alibi[0].numel() != H:
+        raise ValueError(f"score_mod holds ALiBi slopes for {alibi[0].numel()} heads, but q has H={H} heads: "
+                         f"build them with alibi_slopes({H})")
+    layout = getattr(mask_mod, "block_layout", None)
+    if layout is not None:
+        covered = layout[0].shape[0] * layout[1]
+        if max(Lq, Lk) > covered:
+            raise ValueError(f"mask_mod is a block layout of {covered} positions (seq_len), but the request has "
+                             f"Lq={Lq}, Lk={Lk}: build it with seq_len >= {max(Lq, Lk)}")
+
+
 def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
     """q ``(B, H, Lq, D)``, k ``(B, Hkv, Lk, D)``, v ``(B, Hkv, Lk, Dv)``: floating, one dtype and device, ``H % Hkv == 0``."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -74,6 +90,9 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.device.type == "meta":
+        raise ValueError("q, k, v are meta tensors (shapes without values): attention needs real ones; materialise "
+                         "the model first (model.to_empty(device='cpu'), then load its weights)")
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
     if k.shape[1] != v.shape[1]:

@@ -19,7 +19,7 @@ from typing import Optional
 
 from torch import Tensor, nn
 
-from attnlab._checks import boolean, one_of, positive_int
+from attnlab._checks import boolean, one_of, positive_int, positive_number
 from attnlab.models.causal_lm import DecoderOnlyLM
 from attnlab.models.hub import WeightMap, register, rename
 from attnlab.nn.block import DecoderLayer, LayerSpec
@@ -69,6 +69,7 @@ class GPT2Config:
         boolean("bias", self.bias)
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
             positive_int(name, getattr(self, name))
+        positive_number("layer_norm_epsilon", self.layer_norm_epsilon, finite=True)
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         one_of("activation", self.activation, _HF_ACTIVATIONS)

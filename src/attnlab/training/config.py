@@ -113,6 +113,7 @@ class TrainConfig:
         for name in ("lr", "min_lr", "eps", "weight_decay", "clip"):
             need(is_num(getattr(self, name)) and getattr(self, name) >= 0, name, "a finite number >= 0")
         need(self.lr > 0, "lr", "> 0")
+        need(self.eps > 0, "eps", "a finite number > 0 (the optimiser divides by sqrt(v) + eps; 0 gives 0/0 = NaN)")
         need(self.min_lr <= self.lr, "min_lr", f"<= lr ({self.lr})")
         need(isinstance(self.betas, (tuple, list)) and len(self.betas) == 2
              and all(is_num(b) and 0 <= b < 1 for b in self.betas), "betas", "two numbers in [0, 1)")
@@ -138,10 +139,12 @@ class TrainConfig:
             need(isinstance(getattr(self, name), bool), name, "a bool")
         need(isinstance(self.device, str) and bool(self.device), "device", "a device string ('cpu', 'cuda', 'auto')")
         if self.device != "auto":
+            from attnlab._limits import check_device
+
             try:
-                torch.device(self.device)
-            except RuntimeError:
-                need(False, "device", "a device such as 'cpu', 'cuda', 'cuda:1' or 'auto'")
+                check_device("device", self.device)
+            except ValueError as e:
+                raise ValueError(f"TrainConfig.{e}") from None
         self.schedule_fn()  # schedule-specific checks (noam needs warmup_steps >= 1)
 
     def schedule_fn(self, total_steps: Optional[int] = None) -> Schedule:
