@@ -5,9 +5,8 @@ PyTorch's CPU tensors come from ``malloc``. glibc serves a block larger than ``M
 with a fresh ``mmap`` and gives the top of its heap back to the kernel once more than
 ``M_TRIM_THRESHOLD`` is free, so a training step that frees and re-allocates the same activations
 touches new pages each time: the kernel zero-fills every 4 KiB page on its first write (a "minor
-fault"). Measured on 2 cores: the default ``shakespeare-char`` step took ~17,000 minor faults
-(~70 MB of zero-filled pages) and 380 ms; with the thresholds below, ~1 fault and 325 ms. The
-nanoGPT CPU shape: 2,000 faults and 36 ms per step -> ~4 and 28 ms.
+fault"): thousands of faults per step of the default ``shakespeare-char`` recipe, ~1 with the thresholds
+below, and 15–20 % faster steps.
 
 The price is resident memory: up to ``trim_threshold`` of freed memory stays mapped for reuse.
 """
@@ -57,9 +56,11 @@ class Capability:
     """The facts of this machine that decide precision and speed (see :func:`probe`).
 
     ``isa`` is the instruction set torch's CPU kernels use (``torch.backends.cpu.get_cpu_capability()``,
-    which honours ``ATEN_CPU_CAPABILITY``); ``bf16_native`` / ``fp16_native`` say whether oneDNN computes
-    those types in hardware (honours ``ONEDNN_MAX_CPU_ISA``), ``amx`` whether the CPU has AMX tiles.
-    The measured figures are None unless the probe was asked to measure.
+    which honours ``ATEN_CPU_CAPABILITY``); ``bf16_native`` says whether the CPU has bf16 dot-product instructions
+    (AVX512_BF16 or AMX-BF16, from its flags) that oneDNN may use (honours ``ONEDNN_MAX_CPU_ISA``): oneDNN also
+    runs bf16 on a plain AVX-512 CPU, by conversion, which is no faster than fp32; ``fp16_native`` whether oneDNN
+    computes fp16 in hardware; ``amx`` whether the CPU has AMX tiles oneDNN may use. The measured figures are None
+    unless the probe was asked to measure: they are reported, never used to decide.
     """
 
     torch_version: str
@@ -113,8 +114,7 @@ def _cpu_flags() -> set[str]:
 
 def _matmul_gflops(dtype, *, n: int = 512, seconds: float = 0.1, at_least: int = 8) -> float:
     """GFLOP/s of an ``n × n`` product in ``dtype`` (2n³ flops per product), the best of the products that fit in
-    ``seconds`` (``at_least`` of them however slow; at the 218 / 961 GFLOP/s measured on 2 AVX-512 cores, ~80 fp32
-    and ~350 bf16 ones)."""
+    ``seconds`` (``at_least`` of them however slow)."""
     import torch
 
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
@@ -152,7 +152,8 @@ def _copy_gbps(*, mib: int = 64, repeats: int = 5) -> float:
 @functools.lru_cache(maxsize=1)
 def product_rates() -> tuple[float, float]:
     """Measured ``(fp32, bf16)`` GFLOP/s of a 512² product, the best of those that fit in ~0.03 s each (at least 8):
-    what ``dtype="auto"`` compares (:func:`resolve_dtype`) and :func:`probe` reports. Cached per process."""
+    what :func:`probe` reports and an explicit bf16 without native support warns with. Never a choice's reason: a
+    busy machine reads a fraction of its speed. Cached per process."""
     import torch
 
     return (round(_matmul_gflops(torch.float32, seconds=0.03), 1),
@@ -172,9 +173,12 @@ def probe(*, measure: bool = False) -> Capability:
 
     isa = torch.backends.cpu.get_cpu_capability()
     onednn_isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    amx = bool({"amx_bf16", "amx_tile"} & _cpu_flags()) and (not onednn_isa or "AMX" in onednn_isa
-                                                             or onednn_isa in ("ALL", "DEFAULT"))
-    bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    flags, unlimited = _cpu_flags(), not onednn_isa or onednn_isa in ("ALL", "DEFAULT")
+    amx = bool({"amx_bf16", "amx_tile"} & flags) and (unlimited or "AMX" in onednn_isa)
+    # bf16 dot products in hardware: AVX512_BF16 (oneDNN's AVX512_CORE_BF16 and every set above it) or AMX
+    bf16_isa = unlimited or any(s in onednn_isa for s in ("BF16", "FP16", "AVX10"))
+    bf16_ops = amx or ("avx512_bf16" in flags and bf16_isa)
+    bf16 = bf16_ops and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     fp16 = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
     cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     cap = Capability(torch_version=torch.__version__, cpu=_cpu_name(), isa=isa, bf16_native=bf16,
@@ -213,8 +217,9 @@ _WARNED: set[str] = set()
 def resolve_dtype(value="auto", device="cpu", *, name: str = "dtype", source: str = "asked for") -> tuple[str, str]:
     """The precision to compute in, and why: ``(dtype, reason)`` with dtype one of fp32, bf16, fp16.
 
-    ``auto`` on a CPU = bf16 where the CPU computes it natively **and** a measured bf16 product is at least
-    1.2× as fast as fp32 (see :func:`probe`; the margin keeps a noisy timing from flipping it), else fp32; on CUDA, bf16 where the device supports it, else fp32. An
+    ``auto`` on a CPU = bf16 where the CPU has bf16 dot-product instructions (:func:`probe`'s ``bf16_native``:
+    AVX512_BF16 or AMX), else fp32 — decided from the CPU's capabilities alone, never from a timing, so the same
+    machine makes the same choice however busy it is; on CUDA, bf16 where the device supports it, else fp32. An
     explicit ``bf16`` on a CPU without native bf16 is honoured with one warning (once per process)
     saying how much slower it is measured to be; ``fp16`` needs CUDA. An explicit value's reason is ``source``
     (where the value came from: the default "asked for", or e.g. "recipe default").
@@ -236,10 +241,7 @@ def resolve_dtype(value="auto", device="cpu", *, name: str = "dtype", source: st
     if dtype == "auto":
         if not cap.bf16_native:
             return "fp32", f"no native bf16 ({cap.isa})"
-        fp32, bf16 = product_rates()
-        if bf16 < 1.2 * fp32:  # a margin: a noisy timing must not flip the choice
-            return "fp32", f"bf16 not faster here ({bf16:.0f} vs {fp32:.0f} GFLOP/s fp32)"
-        return "bf16", f"native bf16 ({cap.isa}{', AMX' if cap.amx else ''}: {bf16:.0f} vs {fp32:.0f} GFLOP/s fp32)"
+        return "bf16", f"native bf16 ({cap.isa}, {'AMX' if cap.amx else 'AVX512_BF16'})"
     if dtype == "bf16" and not cap.bf16_native and "bf16" not in _WARNED:
         _WARNED.add("bf16")
         fp32, bf16 = product_rates()
