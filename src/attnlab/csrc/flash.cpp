@@ -188,8 +188,11 @@ Layout make_layout(const char* op, const std::optional<at::Tensor>& layout, int6
                    int64_t tile) {
   Layout lay;
   if (!layout) return lay;
+  ATTNLAB_CHECK(1 <= G && G <= std::max<int64_t>(Lk, 1), "attnlab::", op, ": granularity must be in [1, Lk = ", Lk,
+                "] (a larger block is one block: pass Lk), got ", G);
+  const int64_t blocks = (Lk + G - 1) / G;  // (G ≤ Lk: no overflow)
   ATTNLAB_CHECK(layout->device().is_cpu() && layout->scalar_type() == at::kByte && layout->is_contiguous() &&
-                  layout->dim() == 2 && G >= 1 && layout->size(0) * G >= Lk && layout->size(1) * G >= Lk,
+                  layout->dim() == 2 && layout->size(0) >= blocks && layout->size(1) >= blocks,
                 "attnlab::", op, ": layout must be a contiguous uint8 CPU tensor of (query blocks, key blocks) "
                 "covering ", Lk, " positions in blocks of ", G, ", got ", layout->scalar_type(), " ", layout->sizes());
   ATTNLAB_CHECK(tile == G && (Lk - Lq) % G == 0, "attnlab::", op, ": with a layout of ", G, "-blocks the ",
@@ -204,7 +207,7 @@ Layout make_layout(const char* op, const std::optional<at::Tensor>& layout, int6
 
 Band make_band(const char* op, bool causal, int64_t window, int64_t B, int64_t Lq, int64_t Lk,
                const std::optional<at::Tensor>& spans) {
-  Band band{causal, window, Lk};
+  Band band{causal, attnlab_native::clamp_window(window, Lq, Lk), Lk};
   if (spans) {
     ATTNLAB_CHECK(spans->device().is_cpu() && spans->scalar_type() == at::kLong && spans->is_contiguous() &&
                     spans->dim() == 3 && (spans->size(0) == 1 || spans->size(0) == B) && spans->size(1) == 2 &&
@@ -217,9 +220,13 @@ Band make_band(const char* op, bool causal, int64_t window, int64_t B, int64_t L
     band.span_batches = spans->size(0);
     for (int64_t b = 0; b < band.span_batches; ++b) {  // the block skipping relies on it
       const int64_t* sp = band.span(b);
-      for (int64_t p = 1; p < Lk; ++p)
-        ATTNLAB_CHECK(sp[p - 1] <= sp[p] && sp[Lk + p - 1] <= sp[Lk + p], "attnlab::", op,
+      for (int64_t p = 0; p < Lk; ++p) {
+        ATTNLAB_CHECK(0 <= sp[p] && sp[p] <= Lk && 0 <= sp[Lk + p] && sp[Lk + p] <= Lk, "attnlab::", op,
+                      ": spans' bounds must lie in [0, Lk = ", Lk, "] (batch ", b, ", position ", p, "), got [",
+                      sp[p], ", ", sp[Lk + p], ")");
+        ATTNLAB_CHECK(p == 0 || (sp[p - 1] <= sp[p] && sp[Lk + p - 1] <= sp[Lk + p]), "attnlab::", op,
                       ": spans' bounds must be non-decreasing in the position (batch ", b, ", position ", p, ")");
+      }
     }
   }
   return band;
@@ -286,6 +293,16 @@ Shapes check(const char* op, const at::Tensor& q, const at::Tensor& k, const at:
   return s;
 }
 
+// a pass's tiles (rows, keys): block_q and block_k within the sequences (a larger tile covers the same rows: the
+// same result), at most MAX_TILE scores (their scratch per thread)
+constexpr int64_t MAX_TILE = int64_t(1) << 24;
+std::pair<int64_t, int64_t> tiles(const char* op, const Shapes& s, int64_t block_q, int64_t block_k) {
+  const int64_t bq = std::min(block_q, std::max<int64_t>(s.Lq, 1)), bk = std::min(block_k, std::max<int64_t>(s.Lk, 1));
+  ATTNLAB_CHECK(bq <= MAX_TILE / bk, "attnlab::", op, ": a tile of block_q × block_k scores (within Lq × Lk) must ",
+                "hold at most 2^24, got ", bq, " × ", bk);
+  return {bq, bk};
+}
+
 std::tuple<at::Tensor, at::Tensor> flash_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  double scale_, bool causal, int64_t window,
                                                  const std::optional<at::Tensor>& spans,
@@ -307,7 +324,9 @@ std::tuple<at::Tensor, at::Tensor> flash_forward(const at::Tensor& q, const at::
   const Gemms mm{resolve(products), ISA_FN(gemm_own)};
   const at::Tensor kt = mm.how == OWN ? transposed(k) : at::Tensor();
   const int64_t ldt = s.Lk + kPad;
-  const int64_t BQ = block_q, BK = block_k, BS = (BK + kPad - 1) / kPad * kPad, off = s.Lk - s.Lq, group = s.H / s.Hkv;
+  const std::pair<int64_t, int64_t> tile = tiles("flash_forward", s, block_q, block_k);
+  const int64_t BQ = tile.first, BK = tile.second;
+  const int64_t BS = (BK + kPad - 1) / kPad * kPad, off = s.Lk - s.Lq, group = s.H / s.Hkv;
   const int64_t n_blocks = (s.Lq + BQ - 1) / BQ, heads = s.B * s.H;
   std::vector<std::vector<float>> scratch(at::get_num_threads());
   // the last query blocks first: under a causal mask they see the most keys
@@ -385,7 +404,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& 
   const at::Tensor kt = mm.how == OWN ? transposed(k) : at::Tensor();
   const at::Tensor vt = mm.how == OWN ? transposed(v) : at::Tensor();
   const int64_t ldt = s.Lk + kPad;
-  const int64_t BQ = block_q, BK = block_k, BS = (BK + kPad - 1) / kPad * kPad, off = s.Lk - s.Lq, group = s.H / s.Hkv;
+  const std::pair<int64_t, int64_t> tile = tiles("flash_backward", s, block_q, block_k);
+  const int64_t BQ = tile.first, BK = tile.second;
+  const int64_t BS = (BK + kPad - 1) / kPad * kPad, off = s.Lk - s.Lq, group = s.H / s.Hkv;
   const int64_t n_kv = (s.Lk + BK - 1) / BK, kv_heads = s.B * s.Hkv;
   // tasks: (batch, kv head, a part of its key blocks); each owns its rows of dK and dV. With fewer kv heads than
   // threads the key blocks are split into parts; a part's dQ sums go to a buffer of its own that covers only the

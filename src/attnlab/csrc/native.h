@@ -93,6 +93,10 @@ at::Tensor gated_matvec(const at::Tensor& x, const at::Tensor& w1, const std::op
 // last query's (16-aligned), so at 64 keys 10 of the 16 16 × 16 score tiles.
 constexpr int64_t SHORT_ROWS = 16;
 
+// A window w wider than any distance between a query and a key (< Lq + Lk) sees what w = Lq + Lk sees: clamped to
+// it, so t ± w cannot overflow
+inline int64_t clamp_window(int64_t window, int64_t Lq, int64_t Lk) { return window > Lq + Lk ? Lq + Lk : window; }
+
 // The keys [lo, hi) query row i sees (at position t = i + Lk − Lq): causal j ≤ t, a window w: t − j < w (without
 // causal |t − j| < w); both bounds non-decreasing in i
 struct Seen {

@@ -440,5 +440,7 @@ def bigbird_mod(block: int, *, seq_len: int, num_global_blocks: int = 1, window_
     def mod(b, h, q_idx, kv_idx):
         return layout[q_idx // block, kv_idx // block]
 
-    mod.block_layout = (layout, block)  # what the tiled backend's C++ kernel reads (visible blocks only)
+    # what the tiled backend's C++ kernel reads (visible blocks only); a block past seq_len is one block, the same
+    # as one of seq_len positions (whose tiles then stay within the sequence)
+    mod.block_layout = (layout, min(block, seq_len))
     return mod
