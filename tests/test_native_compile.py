@@ -209,7 +209,7 @@ class _Count:
 def _train_step(model, x, y):
     logits = model(x).logits
     loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-    loss.backward()
+    loss.backward()  # (through the compiled model: its backward graph)
     return loss.detach()
 
 
@@ -236,22 +236,21 @@ def _llama(n_layer=2):
 
 
 def _compiled_step_matches_eager(make, ops):
-    """One training step of ``make()``'s model eager and compiled (fullgraph: no graph break at all): the same loss and
-    gradients to float32 round-off of the loss's magnitude (the compiled graph may sum in another order), with the
-    ``ops`` of attnlab in the traced graphs."""
+    """One training step of ``make()``'s model eager and compiled (``fullgraph=True``: no graph break at all, one
+    graph): the same loss and gradients to float32 round-off of the loss's magnitude (the compiled graph may sum in
+    another order), with the ``ops`` of attnlab in the traced forward and backward graphs."""
     torch._dynamo.reset()
-    eager, compiled = make(), make()
+    eager, model = make(), make()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, 65, (2, 32), generator=g), torch.randint(0, 65, (2, 32), generator=g)
     want = _train_step(eager, x, y)
     count = _Count()
-    step = torch.compile(_train_step, backend=count, fullgraph=True)
-    got = step(compiled, x, y)
+    got = _train_step(torch.compile(model, backend=count, fullgraph=True), x, y)
     assert count.graphs == 1
     assert {f"attnlab.{op}.default" for op in ops} <= count.ops, count.ops
     tol = 64 * 2.0**-24
     assert torch.allclose(got, want, rtol=tol, atol=0)
-    for (name, pe), pc in zip(eager.named_parameters(), compiled.parameters()):
+    for (name, pe), pc in zip(eager.named_parameters(), model.parameters()):
         scale = pe.grad.abs().max().item()
         assert torch.allclose(pc.grad, pe.grad, rtol=0, atol=1e3 * 2.0**-24 * max(scale, 1e-30)), name
 

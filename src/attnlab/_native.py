@@ -240,18 +240,18 @@ def activate(x: Tensor, activation: str) -> Tensor:
 
 def transformed(t: Tensor) -> bool:
     """Whether ``t`` is wrapped by a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, …): our autograd
-    Functions (no ``setup_context``) and C++ kernels (no data pointer) cannot run there; PyTorch's operations can."""
-    return torch._C._functorch.is_functorch_wrapped_tensor(t)
+    Functions (no ``setup_context``) and C++ kernels (no data pointer) cannot run there; PyTorch's operations can.
+    False while ``torch.compile`` traces (its tensors are fakes, which no transform wraps)."""
+    return not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 def runs_on(x: Tensor) -> bool:
     """Whether attnlab's C++ kernels may read ``x`` at all: eager mode or a graph that ``torch.compile`` or
     ``torch.export`` traces (each op has a fake, :mod:`attnlab._native_library`, so the graph records it), not one
     that ``torch.jit.trace`` traces (as ``torch.onnx.export``'s TorchScript exporter does: it records PyTorch's
-    operations), ``x`` not wrapped by a ``torch.func`` transform (:func:`transformed`; not asked while compiling,
-    which wraps nothing), the kernels :func:`available`. The callers add what their kernels need of the dtype,
-    device and layout."""
-    return (not torch.jit.is_tracing() and (torch.compiler.is_compiling() or not transformed(x)) and available())
+    operations), ``x`` not wrapped by a ``torch.func`` transform (:func:`transformed`), the kernels
+    :func:`available`. The callers add what their kernels need of the dtype, device and layout."""
+    return not torch.jit.is_tracing() and not transformed(x) and available()
 
 
 def trainable(*xs: Optional[Tensor], contiguous: bool = True) -> bool:

@@ -174,11 +174,11 @@ class MultiheadAttention(nn.Module):
             if self.k_norm is not None:
                 k = self.k_norm(k).to(k.dtype)  # (a bf16 k under autocast stays bf16 with a float32 gain)
             if self.rotary is not None:
-                k = self.rotary(k, torch.arange(past, past + S_new, device=k.device))
+                k = self._rotary_from(k, past)
         if self.q_norm is not None:
             q = self.q_norm(q).to(q.dtype)
         if self.rotary is not None:
-            q = self.rotary(q, torch.arange(past, past + L, device=q.device))
+            q = self._rotary_from(q, past)
         if (fresh_finite and cache is None and key_padding_mask is None and attn_mask is None and not need_weights
                 and isinstance(is_causal, bool) and self.position_bias is None and self.window is None
                 and self.normalize == "softmax" and self.top_k is None and (self.dropout == 0.0 or not self.training)):
@@ -249,6 +249,15 @@ class MultiheadAttention(nn.Module):
         k, v = cache.update(k, v, finite=True)
         out = attend_step(q, k, v, scale=self.scale)  # (B, H, 1, Dh)
         return self.out_proj(out.reshape(B, 1, H * Dh))
+
+    def _rotary_from(self, x: Tensor, start: int) -> Tensor:
+        """``x (B, H, L, Dh)`` rotated at positions ``start .. start + L - 1``: by the rotary module's ``span`` where it
+        has one (:class:`~attnlab.nn.positional.RotaryEmbedding`: no positions tensor whose data a compiled graph
+        would have to read), else by its ``forward(x, positions)``."""
+        span = getattr(self.rotary, "span", None)
+        if span is not None and isinstance(start, int):
+            return span(x, start)
+        return self.rotary(x, torch.arange(start, start + x.shape[2], device=x.device))
 
     def steps(self, query: Tensor, cache: KVCache) -> bool:
         """Whether :meth:`step` computes ``query`` itself (else it runs :meth:`forward`): one position, a packed

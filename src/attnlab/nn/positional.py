@@ -176,7 +176,26 @@ class RotaryEmbedding(nn.Module):
             cos, sin = self.cos_cached[index].to(x.device), self.sin_cached[index].to(x.device)  # (..., L, R/2)
         if positions.dim() == 2:  # (B, L, R/2) -> (B, 1, L, R/2), broadcast over heads
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        elif (x.requires_grad and torch.is_grad_enabled() and not self.interleaved and self.rotary_dim == self.head_dim
+            return apply_rope(x, cos, sin, interleaved=self.interleaved)
+        return self._rotate(x, cos, sin)
+
+    def span(self, x: Tensor, start: int) -> Tensor:
+        """``forward(x, torch.arange(start, start + L))`` for ``x (B, H, L, D)``: the cached rows taken by a view (the
+        same values as ``forward``'s gather), the positions known without reading a tensor — what a compiled graph
+        needs (``forward`` checks its positions' data). float64 goes through :meth:`forward`."""
+        if not isinstance(x, Tensor) or x.dim() != 4 or x.shape[-1] != self.head_dim:
+            raise ValueError(f"x must be (B, H, L, D={self.head_dim}), got {tuple(getattr(x, 'shape', ()))}")
+        int_at_least("start", start, 0)
+        L = x.shape[2]
+        if x.dtype == torch.float64 or self.cos_cached.device != x.device:
+            return self.forward(x, torch.arange(start, start + L, device=x.device))
+        if start + L > self.cached_positions:
+            self._grow(start + L)
+        return self._rotate(x, self.cos_cached.narrow(0, start, L), self.sin_cached.narrow(0, start, L))
+
+    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """``x (B, H, L, D)`` rotated by the angles' ``cos``, ``sin`` ``(L, R/2)``."""
+        if (x.requires_grad and torch.is_grad_enabled() and not self.interleaved and self.rotary_dim == self.head_dim
               and x.stride(-1) == 1 and x.numel() > 0 and _native.trainable(x, contiguous=False)):
             return _Rotate.apply(x, cos.float().contiguous(), sin.float().contiguous())  # training: one pass each way
         return apply_rope(x, cos, sin, interleaved=self.interleaved)
