@@ -108,12 +108,20 @@ def check_device(name: str, value: Optional[str]) -> None:
 
 
 def available_memory() -> Optional[int]:
-    """Bytes of memory this machine can give now (``MemAvailable``), or None where it cannot say."""
+    """Bytes of memory this machine can give now (Linux's ``MemAvailable``: free pages plus the page cache it can
+    drop; psutil's ``available`` where installed), or None where it cannot say (then nothing is refused)."""
     try:
         import psutil
 
         return int(psutil.virtual_memory().available)
-    except ImportError:
+    except ImportError:  # psutil is optional: read the kernel's own figure
+        pass
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
         pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
