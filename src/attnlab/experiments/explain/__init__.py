@@ -2,8 +2,11 @@
 
 Each experiment is a module with ``run(out_dir, *, seed=0, quick=False) -> dict``: it prints the
 numbers it measures and writes ``NAME.png`` (plot), ``NAME.md`` (a short report: the numbers and
-what they show) and ``NAME.json`` (the numbers) into ``out_dir``. A full run takes at most about
-two minutes on two CPU cores; ``quick=True`` takes seconds (smaller sizes, fewer steps), for tests.
+what they show) and ``NAME.json`` (the numbers) into ``out_dir``. A full run takes from seconds to about ten
+minutes on two CPU cores (:data:`FULL_RUN`, said before it starts); its training shows a progress bar and its other
+stages a line each on standard error. ``quick=True`` takes seconds (smaller sizes, fewer steps): a smoke run that
+draws no conclusion, except for the experiments in :data:`QUICK_CONCLUDES`, whose quick run reaches the full run's
+conclusion (their tests assert the same claim of both).
 """
 from __future__ import annotations
 
@@ -42,16 +45,36 @@ EXPERIMENTS = {
 }
 
 
+# a full run's computing time: measured as one core's CPU time, which an idle two-core CPU takes as wall time or less
+# (a busy machine takes longer); said before the run starts
+FULL_RUN = {"scaling": "10 s", "heads": "20 s", "position": "1 min", "linear": "20 s", "receptive-field": "15 s",
+            "redundancy": "15 s", "ensemble": "15 s", "cross-lengths": "15 s", "more-heads": "15 s",
+            "addressing": "15 s", "parallel": "10 s", "limits": "30 s", "long-context": "10 min"}
+
+# the experiments whose quick run reaches the full run's conclusion (the others' quick runs are smoke runs)
+QUICK_CONCLUDES = frozenset({"scaling", "receptive-field", "addressing"})
+
+
 def run_experiment(name: str, out_dir: Union[str, Path], *, seed: int = 0, quick: bool = False) -> dict:
-    """Run the experiment ``name`` (a key of :data:`EXPERIMENTS`) into ``out_dir``; return its numbers.
+    """Run the experiment ``name`` (a key of :data:`EXPERIMENTS`) into ``out_dir``; return its numbers. A line on
+    standard error says first what kind of run it is and how long a full run takes (:data:`FULL_RUN`).
 
     Raises:
         ValueError: unknown ``name`` (the message lists the known ones).
     """
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)}")
+    from attnlab.experiments.explain._report import stage
+
+    if not quick:
+        stage(f"{name}: a full run, about {FULL_RUN[name]} of computing on two idle CPU cores (longer on a busy "
+              "machine)")
+    elif name in QUICK_CONCLUDES:
+        stage(f"{name}: a quick run (seconds), which reaches the full run's conclusion")
+    else:
+        stage(f"{name}: a quick smoke run (seconds): no conclusion; a full run takes about {FULL_RUN[name]}")
     module, func = EXPERIMENTS[name][1].split(":")
     return getattr(importlib.import_module(module), func)(out_dir, seed=seed, quick=quick)
 
 
-__all__ = ["EXPERIMENTS", "run_experiment"]
+__all__ = ["EXPERIMENTS", "FULL_RUN", "QUICK_CONCLUDES", "run_experiment"]

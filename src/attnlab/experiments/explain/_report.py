@@ -91,13 +91,15 @@ def _jsonable(x):
 
 
 def finish(out: Path, name: str, *, title: str, intro: str, tables: Iterable[tuple[str, Sequence[dict], Sequence[str]]],
-           findings: Sequence[str], fig, results: dict, quick_concludes: bool = False) -> dict:
+           findings: Sequence[str], fig, results: dict) -> dict:
     """Print the tables and findings; write ``name.png`` (``fig``), ``name.md`` and ``name.json``
     atomically into ``out``; return ``results`` plus ``"files": {"plot", "report", "json"}``.
 
-    A quick run (``results["quick"]``) prints and records :data:`SMOKE` in place of the findings, unless
-    ``quick_concludes``: its experiment's quick run reaches the full run's conclusion (a test asserts it)."""
-    if results.get("quick") and not quick_concludes:
+    A quick run (``results["quick"]``) prints and records :data:`SMOKE` in place of the findings, unless ``name`` is
+    in :data:`~attnlab.experiments.explain.QUICK_CONCLUDES` (its quick run reaches the full run's conclusion)."""
+    from attnlab.experiments.explain import QUICK_CONCLUDES
+
+    if results.get("quick") and name not in QUICK_CONCLUDES:
         findings = [SMOKE]
     md = [f"# {title}", "", intro, ""]
     print(f"== {title} ==")

@@ -138,7 +138,7 @@ def run(out_dir: Union[str, Path], *, seed: int = 0, quick: bool = False) -> dic
         torch.manual_seed(seed)
         model = RecallModel(mixing, slots=slots, ffn_dim=widths[mixing])
         curves[mixing] = train(model, lambda g: make_batch(batch, slots, g), _loss, steps=steps, lr=3e-3,
-                               g=torch.Generator().manual_seed(seed))
+                               g=torch.Generator().manual_seed(seed), label=mixing)
         ev = evaluate(model, *test)
         by_slot[mixing] = ev.pop("by_slot")
         with torch.no_grad():

@@ -130,7 +130,7 @@ def run(out_dir: Union[str, Path], *, seed: int = 0, quick: bool = False) -> dic
         torch.manual_seed(seed)
         model = FieldsModel(dim=dim, num_heads=setups[kind][0], combine=setups[kind][1])
         curves[kind] = train(model, lambda g: make_batch(64, g), _loss, steps=steps, lr=3e-3,
-                             g=torch.Generator().manual_seed(seed))
+                             g=torch.Generator().manual_seed(seed), label=kind)
         ev = evaluate(model, *test)
         patterns[kind] = ev.pop("by_offset")
         heads = [f"h{h}→{int(p.argmax())} ({float(p.max()):.2f})" for h, p in enumerate(patterns[kind])]

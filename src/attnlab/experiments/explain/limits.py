@@ -151,13 +151,13 @@ def run(out_dir: Union[str, Path], *, seed: int = 0, quick: bool = False) -> dic
         torch.manual_seed(seed)
         model = build(name)
         curves[name] = train(model, batches(parity, (1, n_train), batch), _loss, steps=steps, lr=LR[name],
-                             g=torch.Generator().manual_seed(seed))
+                             g=torch.Generator().manual_seed(seed), label=f"{name}: parity")
         for n, bits in tests.items():
             rows.append({"model": name, "length": n, "trained on it": n <= n_train, **evaluate(model, bits, parity)})
         torch.manual_seed(seed)
         order_model = build(name)
         train(order_model, batches(first_bit, (n_order, n_order), batch), _loss, steps=order_steps, lr=LR[name],
-              g=torch.Generator().manual_seed(seed + 1))
+              g=torch.Generator().manual_seed(seed + 1), label=f"{name}: order")
         acc = evaluate(order_model, order_test, first_bit)["accuracy"]
         se = math.sqrt(acc * (1 - acc) / len(order_test))
         order_rows.append({"model": name, "accuracy": acc, "± (1 s.e.)": se,

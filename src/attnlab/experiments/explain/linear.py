@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from attnlab.modules.linear import PerformerAttention
 from attnlab.modules.multihead import MultiheadAttention
-from attnlab.experiments.explain._report import check_run_args, finish, fmt, median_ms, plt
+from attnlab.experiments.explain._report import check_run_args, finish, fmt, median_ms, plt, stage
 
 DIM, HEADS = 512, 8
 LAYERS = ("exact (flash)", "exact (materialised)", "linear", "GRU")
@@ -114,6 +114,7 @@ def run(out_dir: Union[str, Path], *, seed: int = 0, quick: bool = False) -> dic
     layers = {name: build(name) for name in LAYERS}
     rows = []
     for n in lengths:
+        stage(f"linear: timing L = {n}")
         x = torch.randn(1, n, DIM)
         xg = x.clone().requires_grad_(True)
         row = {"L": n}

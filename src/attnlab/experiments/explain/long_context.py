@@ -89,8 +89,9 @@ def run(out_dir: Union[str, Path], *, seed: int = 0, quick: bool = False) -> dic
             return x, torch.stack([train_data[j + 1:j + L + 1] for j in i.tolist()])
 
         t0 = time.perf_counter()
-        curves[f"L={L}, " + ("dense" if w is None else f"w={w}")] = train(
-            model, batch_fn, _lm_loss, steps=steps, lr=3e-3, g=torch.Generator().manual_seed(seed))
+        key = f"L={L}, " + ("dense" if w is None else f"w={w}")
+        curves[key] = train(model, batch_fn, _lm_loss, steps=steps, lr=3e-3, g=torch.Generator().manual_seed(seed),
+                            label=key)
         ms = (time.perf_counter() - t0) / steps * 1e3
         v = val_loss(model, val_data, context=L, tokens=val_tokens, seed=seed + 1)
         row = {"context": L, "window": "dense" if w is None else w, "keys per query": _visible(L, w or L),

@@ -100,7 +100,7 @@ def run(out_dir: Union[str, Path], *, seed: int = 0, quick: bool = False) -> dic
         torch.manual_seed(seed)
         model = LookupModel(H)
         curves[H] = train(model, lambda g: make_batch(64, g), _loss, steps=steps, lr=3e-3,
-                          g=torch.Generator().manual_seed(seed))
+                          g=torch.Generator().manual_seed(seed), label=f"H={H}")
         with torch.no_grad():
             logits = model(*test[:3])
             loss = F.cross_entropy(logits.flatten(0, 1), test[3].flatten()).item()

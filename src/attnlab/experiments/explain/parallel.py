@@ -30,7 +30,7 @@ from typing import Union
 import torch
 from torch import nn
 
-from attnlab.experiments.explain._report import check_run_args, finish, fmt, median_ms, plt
+from attnlab.experiments.explain._report import check_run_args, finish, fmt, median_ms, plt, stage
 from attnlab.experiments.explain.linear import build, crossover, power_fit
 
 LAYERS = {"GRU": "GRU", "attention": "exact (flash)"}  # our name -> linear.build's name
@@ -105,6 +105,7 @@ def time_layers(lengths: list[int], threads: int, budget: float) -> dict:
     try:
         out = {}
         for name, kind in LAYERS.items():
+            stage(f"parallel: timing {name} at {threads} thread(s)")
             torch.manual_seed(0)
             mod, call = build(kind)
             for n in lengths:

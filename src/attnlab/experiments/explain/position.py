@@ -137,7 +137,7 @@ def run(out_dir: Union[str, Path], *, seed: int = 0, quick: bool = False) -> dic
         torch.manual_seed(seed)
         model = TinyLM(kind, max_len=max(test_lens))
         curves[kind] = train(model, lambda gen: (chain.sample(64, train_len, gen),), lm_loss, steps=steps, lr=3e-3,
-                             g=torch.Generator().manual_seed(seed + 1))
+                             g=torch.Generator().manual_seed(seed + 1), label=kind)
         with torch.no_grad():
             results[kind] = {n: lm_loss(model, x).item() for n, x in tests.items()}
     rows = [{"test length": n, "oracle": oracle[n], **{k: results[k][n] for k in ENCODINGS}} for n in test_lens]

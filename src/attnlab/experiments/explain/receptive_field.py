@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.experiments.explain._report import check_run_args, finish, plt
+from attnlab.experiments.explain._report import check_run_args, finish, plt, stage
 from attnlab.nn.block import EncoderLayer
 
 WIDTH, KERNEL = 32, 3
@@ -101,6 +101,7 @@ def run(out_dir: Union[str, Path], *, seed: int = 0, quick: bool = False) -> dic
     torch.manual_seed(seed)
     models = {"CNN": CausalCNN(depth), "RNN": StackedGRU(depth), "attention": CausalAttention(depth, length)}
     x = torch.randn(batch, length, WIDTH, generator=torch.Generator().manual_seed(seed))
+    stage(f"receptive-field: the gradients of {', '.join(models)} at depths 1 to {depth}")
     maps = {name: influence(m.eval(), x) for name, m in models.items()}  # (depth, L)
     rows = []
     for d in range(depth):

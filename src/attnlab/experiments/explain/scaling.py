@@ -19,7 +19,7 @@ from typing import Union
 
 import torch
 
-from attnlab.experiments.explain._report import check_run_args, finish, plt
+from attnlab.experiments.explain._report import check_run_args, finish, plt, stage
 
 KEYS = 64  # softmax row length L
 VALUE_DIM = 64
@@ -66,7 +66,10 @@ def run(out_dir: Union[str, Path], *, seed: int = 0, quick: bool = False) -> dic
     g = torch.Generator().manual_seed(seed)
     dims = [16, 64, 256] if quick else [4, 8, 16, 32, 64, 128, 256, 512, 1024]
     groups = 8 if quick else 32
-    rows = [measure(d, groups=groups, g=g) for d in dims]
+    rows = []
+    for i, d in enumerate(dims):
+        stage(f"scaling: d_k = {d} ({i + 1} of {len(dims)})")
+        rows.append(measure(d, groups=groups, g=g))
     max_err = max(abs(r["var/d_k"] - 1) for r in rows)
     lo, hi = rows[0], rows[-1]
     spread_scaled = max(r["max_weight_scaled"] for r in rows) - min(r["max_weight_scaled"] for r in rows)
