@@ -471,3 +471,4 @@ def test_a_batch_beyond_memory_is_refused_before_the_data_is_read(tmp_path):
     with pytest.raises(ValueError, match=r"--set batch_size=65536 with block_size=4096 needs [\d,.]+ GiB of memory"):
         build(s, out=tmp_path, dist=dist_info_from_env(), training=True)  # no tiny-shakespeare needed to refuse
     assert not any(tmp_path.iterdir())
+
