@@ -98,7 +98,7 @@ def test_num_samples_decodes_each_prompt_that_many_times(tmp_path, model, capsys
     (["--num-samples", "0"], "--num-samples must be in [1, 1000], got 0"),
     (["--max-new-tokens", "10000000000"], "--max-new-tokens must be in [1, 1,048,576], got 10000000000"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be in [1, 1,048,576], got 0"),
-    (["--start", "FILE:/no/such/file"], "--start FILE:/no/such/file: no such file"),
+    (["--start", "FILE:/no/such/file"], "--start: no such file"),
     (["--start", "a", "--prompt", "b"], "--start and --prompt"),
     (["--start", "the", "--num-beams", "2", "--max-new-tokens", "20"], "--num-beams 2: beam search stays within"),
 ])

@@ -45,30 +45,22 @@ of `attnlab train shakespeare-char` / `multi30k-de-en`."""
 
 MAX_SAMPLES = 1000  # --num-samples at most
 MAX_NEW_TOKENS = 1 << 20  # --max-new-tokens at most (the output holds them: 8 bytes a token, however cropped)
-MAX_START_BYTES = 16 * 2**20  # --start FILE:path at most (the context is cropped to the model's positions anyway)
 
 
 def start_text(value: str) -> str:
     """``--start``'s text: ``value`` itself, or the UTF-8 text of the file ``FILE:path`` names (as nanoGPT's
-    ``sample.py``), at most :data:`MAX_START_BYTES`.
+    ``sample.py``; read as every text input is, :func:`attnlab._io.read_text_arg`).
 
     Raises:
-        ValueError: the file is absent, too large, not UTF-8 or empty (naming ``--start`` and the file).
+        FileNotFoundError / ValueError: the file is absent, not a regular file, over the cap, not UTF-8 or empty
+            (naming ``--start`` and the file).
     """
     if not value.startswith("FILE:"):
         return value
-    from pathlib import Path
+    from attnlab._io import read_text_arg
 
-    path = Path(value[len("FILE:"):])
-    if not path.is_file():
-        raise ValueError(f"--start FILE:{path}: no such file")
-    size = path.stat().st_size
-    if size > MAX_START_BYTES:
-        raise ValueError(f"--start FILE:{path} holds {size:,} bytes; at most {MAX_START_BYTES:,}")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--start FILE:{path} is not UTF-8 text (byte {e.start})") from None
+    path = value[len("FILE:"):]
+    text = read_text_arg("--start", path)
     if not text:
         raise ValueError(f"--start FILE:{path} is empty")
     return text

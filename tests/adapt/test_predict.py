@@ -133,8 +133,13 @@ def test_file_and_stdin_give_one_prediction_a_line(folder, tmp_path, capsys, mon
     path.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
     want = _printed(capsys, ["predict", "--model", str(folder)] + [a for t in TEXTS for a in ("--text", t)])
     assert _printed(capsys, ["predict", "--model", str(folder), "--file", str(path), "--batch-size", "2"]) == want
-    monkeypatch.setattr("sys.stdin", io.StringIO("\r\n".join(TEXTS)))  # CRLF, no final new line
-    assert _printed(capsys, ["predict", "--model", str(folder), "--file", "-"]) == want
+    stdin = io.TextIOWrapper(io.BytesIO(("\ufeff" + "\n".join(TEXTS)).encode()))  # a byte-order mark, no final \n
+    monkeypatch.setattr("sys.stdin", stdin)
+    assert _printed(capsys, ["predict", "--model", str(folder), "--file", "-", "--batch-size", "2"]) == want
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"ok\n\xff\n")))
+    assert main(["predict", "--model", str(folder), "--file", "-"]) == 2
+    err = capsys.readouterr().err
+    assert "--file - (standard input) is not UTF-8 text" in err and "line 2" in err
 
 
 def test_file_errors_are_one_line(folder, tmp_path, capsys):

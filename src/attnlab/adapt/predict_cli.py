@@ -5,15 +5,16 @@ tab-separated (regression: the value; multi-label: each label's sigmoid, labels 
 line, a carriage return and a backslash inside a label or a text written ``\\t``, ``\\n``, ``\\r``, ``\\\\``, so
 every line has its four fields whatever the labels hold; or ``--format jsonl``: one JSON object a line.
 
-The texts come from ``--text`` (repeatable) or ``--file PATH`` (one text a line; ``-`` reads standard input),
-read and classified ``--batch-size`` lines at a time: each batch is printed before the next is read.
+The texts come from ``--text`` (repeatable) or ``--file PATH`` (one text a line, split at ``\\n`` only, as every
+text input: :func:`attnlab._io.text_lines`; ``-`` reads standard input as it comes, ``--batch-size`` lines at a time,
+each batch printed before the next is read).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from typing import Iterator, TextIO
+from typing import BinaryIO, Iterable, Iterator
 
 EPILOG = """examples:
   attnlab predict --model runs/classify/model --text "ein Hund läuft im Schnee" --text "a dog runs in the snow"
@@ -81,17 +82,29 @@ def format_json(probs, config, text: str) -> str:
     return json.dumps({**record, "text": text}, ensure_ascii=False)
 
 
-def _batches(lines: TextIO, size: int, name: str) -> Iterator[list[str]]:
-    """The lines of ``lines`` (their line ends removed), ``size`` at a time."""
+def _stdin_lines(stream: BinaryIO) -> Iterator[str]:
+    """The lines of ``stream`` as they come, split at ``"\n"`` only, as a file's (:func:`attnlab._io.text_lines`).
+
+    Raises:
+        ValueError: a line is not UTF-8 text (naming ``--file -`` and the line).
+    """
+    for n, raw in enumerate(stream, 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--file - (standard input) is not UTF-8 text ({e.reason} at byte {e.start} of line "
+                             f"{n})") from None
+        yield (line.removeprefix("\ufeff") if n == 1 else line).removesuffix("\n")
+
+
+def _batches(lines: Iterable[str], size: int) -> Iterator[list[str]]:
+    """``lines``, ``size`` at a time."""
     batch = []
-    try:
-        for line in lines:
-            batch.append(line.rstrip("\r\n"))
-            if len(batch) == size:
-                yield batch
-                batch = []
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--file {name} is not UTF-8 text (byte {e.start} of a line)") from None
+    for line in lines:
+        batch.append(line)
+        if len(batch) == size:
+            yield batch
+            batch = []
     if batch:
         yield batch
 
@@ -130,11 +143,10 @@ def main(args: argparse.Namespace) -> int:
 
     if args.text is not None:
         classify(args.text, args.text_b)
-    elif args.file == "-":
-        for texts in _batches(sys.stdin, args.batch_size, "-"):
-            classify(texts, None)
     else:
-        with open(args.file, encoding="utf-8-sig") as lines:  # a line ends at \n, \r\n or \r; no byte-order mark
-            for texts in _batches(lines, args.batch_size, args.file):
-                classify(texts, None)
+        from attnlab._io import read_text_arg, text_lines
+
+        lines = _stdin_lines(sys.stdin.buffer) if args.file == "-" else text_lines(read_text_arg("--file", args.file))
+        for texts in _batches(lines, args.batch_size):
+            classify(texts, None)
     return 0
