@@ -180,6 +180,8 @@ def main(argv=None) -> int:
     args = build_parser(_command_in(argv)).parse_args(argv)
     try:
         apply_common(args)
+        if getattr(args, "model", None) is not None:  # a --model may name a run folder: the training layer reads it
+            importlib.import_module("attnlab.training.recipes")
         command = importlib.import_module(COMMANDS[args.command][1])
         return int(command.main(args) or 0)
     except BrokenPipeError:  # `attnlab ... | head`: the reader left; not an error of ours

@@ -5,6 +5,10 @@
 ``last_hidden_state`` ``(batch, sequence, hidden)`` plus ``pooler_output`` ``(batch, hidden)`` when the model has
 a pooler, or ``logits`` for :class:`~attnlab.models.bert.BertForMaskedLM`.
 
+**Task heads** on those (``BertForSequenceClassification`` / ``…TokenClassification`` / ``…QuestionAnswering``, and
+GPT-2's and Llama's): the encoder's inputs (a decoder head's: ``input_ids`` and ``attention_mask``, no cache) and the
+head's ``logits`` (question answering: ``start_logits`` and ``end_logits``).
+
 **Decoder-only models** (:class:`~attnlab.models.causal_lm.DecoderOnlyLM`: GPT-2, Llama with GQA) use Optimum's
 decoder layout, one graph for the first call and every step after it (``L`` layers, ``Hkv`` key/value heads)::
 
@@ -57,18 +61,20 @@ from attnlab.nn.positional import RotaryEmbedding
 PathLike = Union[str, os.PathLike]
 DEFAULT_OPSET = 17
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")  # the encoders'
-SUPPORTED = "BERT encoders (BertModel, BertForMaskedLM) and decoder-only LMs (GPT2LMHeadModel, LlamaForCausalLM)"
+SUPPORTED = ("BERT encoders (BertModel, BertForMaskedLM), decoder-only LMs (GPT2LMHeadModel, LlamaForCausalLM) and "
+             "the classification / question-answering heads on them (BertForSequenceClassification, ...)")
 
 
 class _Exportable(nn.Module):
-    """An encoder: positional tensors in, a tuple of tensors out: what the tracer records."""
+    """An encoder or a task head: positional tensors in (passed by their names), a tuple of tensors out: what the
+    tracer records."""
 
-    def __init__(self, model: nn.Module, outputs: tuple[str, ...]) -> None:
+    def __init__(self, model: nn.Module, inputs: tuple[str, ...], outputs: tuple[str, ...]) -> None:
         super().__init__()
-        self.model, self.outputs = model, outputs
+        self.model, self.inputs, self.outputs = model, inputs, outputs
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor) -> tuple[Tensor, ...]:
-        out = self.model(input_ids, attention_mask, token_type_ids)
+    def forward(self, *tensors: Tensor) -> tuple[Tensor, ...]:
+        out = self.model(**dict(zip(self.inputs, tensors)))
         return tuple(getattr(out, name) for name in self.outputs)
 
 
@@ -93,9 +99,17 @@ def _cache_names(prefix: str, num_layers: int) -> list[str]:
     return [f"{prefix}.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
 
 
+def _task_head(model: nn.Module) -> bool:
+    """A classification / question-answering head on a BERT encoder or a decoder-only LM (``config.num_labels``)."""
+    return isinstance(model, nn.Module) and hasattr(getattr(model, "config", None), "num_labels") and (
+        isinstance(getattr(model, "bert", None), BertModel) or isinstance(model, DecoderOnlyLM))
+
+
 def input_names(model: nn.Module) -> tuple[str, ...]:
     """The graph inputs :func:`export_onnx` writes for ``model`` (see the module docstring)."""
     if isinstance(model, DecoderOnlyLM):
+        if _task_head(model):
+            return ("input_ids", "attention_mask")
         return ("input_ids", "attention_mask", *_cache_names("past_key_values", len(model.layers)))
     output_names(model)  # raises for what is not supported
     return INPUT_NAMES
@@ -103,6 +117,9 @@ def input_names(model: nn.Module) -> tuple[str, ...]:
 
 def output_names(model: nn.Module) -> tuple[str, ...]:
     """The graph outputs :func:`export_onnx` writes for ``model``."""
+    if _task_head(model):
+        qa = type(model).hf_architecture.endswith("ForQuestionAnswering")
+        return ("start_logits", "end_logits") if qa else ("logits",)
     if isinstance(model, DecoderOnlyLM):
         return ("logits", *_cache_names("present", len(model.layers)))
     if isinstance(model, BertForMaskedLM):
@@ -120,14 +137,16 @@ def _positions(model: nn.Module) -> int:
 
 
 def _encoder_example(model: nn.Module, length: int) -> tuple[tuple[Tensor, ...], dict]:
-    """A padded example batch and the dynamic axes (``batch``, ``sequence``) of an encoder graph."""
+    """A padded example batch and the dynamic axes (``batch``, ``sequence``) of an encoder or task-head graph."""
     ids = torch.randint(1, model.config.vocab_size, (2, length))
     mask = torch.ones_like(ids)
     mask[1, length // 2:] = 0  # a padded row, so the mask is traced as data, not folded away
-    dynamic = {name: {0: "batch", 1: "sequence"} for name in INPUT_NAMES}
-    dynamic.update({name: {0: "batch", 1: "sequence"} if name != "pooler_output" else {0: "batch"}
+    names = input_names(model)
+    dynamic = {name: {0: "batch", 1: "sequence"} for name in names}
+    per_sequence = _task_head(model) and getattr(model, "hf_architecture", "").endswith("ForSequenceClassification")
+    dynamic.update({name: {0: "batch"} if name == "pooler_output" or per_sequence else {0: "batch", 1: "sequence"}
                     for name in output_names(model)})
-    return (ids, mask, torch.zeros_like(ids)), dynamic
+    return (ids, mask, torch.zeros_like(ids))[:len(names)], dynamic
 
 
 def _decoder_example(model: DecoderOnlyLM, length: int) -> tuple[tuple[Tensor, ...], dict]:
@@ -178,7 +197,7 @@ def export_onnx(model: nn.Module, path: PathLike, *, opset: Optional[int] = None
                          "(onnxruntime.quantization.quantize_dynamic)")
     opset = DEFAULT_OPSET if opset is None else opset
     int_at_least("opset", opset, 14)
-    decoder = isinstance(model, DecoderOnlyLM)
+    decoder = isinstance(model, DecoderOnlyLM) and not _task_head(model)  # a graph with the KV cache
     limit = _positions(model) - (1 if decoder else 0)
     if example_length is None:
         example_length = min(16, limit)
@@ -194,7 +213,7 @@ def export_onnx(model: nn.Module, path: PathLike, *, opset: Optional[int] = None
             m.backend = "reference"  # softmax(QKᵀ/√d + mask)V as plain ops; the tracer cannot take SDPA's GQA flag
         if isinstance(m, RotaryEmbedding) and m.cached_positions < _positions(model):
             m._grow(_positions(model))  # the graph keeps the cos/sin table as a constant: make it cover every position
-    wrapper = _DecoderWithCache(traced) if decoder else _Exportable(traced, outputs)
+    wrapper = _DecoderWithCache(traced) if decoder else _Exportable(traced, input_names(model), outputs)
 
     def write(tmp: str) -> None:
         with torch.no_grad(), warnings.catch_warnings():

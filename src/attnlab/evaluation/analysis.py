@@ -228,13 +228,22 @@ def _is_bert(model: nn.Module) -> bool:
     return isinstance(model, (BertModel, BertForMaskedLM))
 
 
+def _is_classifier(model: nn.Module) -> bool:
+    """A BERT / GPT-2 / Llama task head (``.config.num_labels``, one self-attention stack)."""
+    from attnlab.models.heads import _BertHead
+    from attnlab.models.seq2seq_heads import _Seq2SeqHead
+
+    return (isinstance(model, _BertHead) or _is_causal_lm(model) and hasattr(model.config, "num_labels")) \
+        and not isinstance(model, _Seq2SeqHead)
+
+
 def _unsupported(model: nn.Module) -> ValueError:
-    return ValueError(f"model must be a BERT-style encoder or a decoder-only LM (GPT-2, Llama), "
+    return ValueError(f"model must be a BERT-style encoder or a decoder-only LM (GPT-2, Llama), or a task head on one, "
                       f"got {type(model).__name__}")
 
 
 def _forward(model: nn.Module, batch: Batch, *, output_attentions: bool = False):
-    if _is_causal_lm(model) or _is_bert(model):  # both take (input_ids, attention_mask=, output_attentions=)
+    if _is_causal_lm(model) or _is_bert(model) or _is_classifier(model):  # (input_ids, attention_mask=, ...)
         return model(batch.input_ids, attention_mask=batch.attention_mask, output_attentions=output_attentions)
     raise _unsupported(model)
 
@@ -255,6 +264,18 @@ def make_loss(model: nn.Module, batch: Batch, *, mask_token_id: Optional[int] = 
     from attnlab.models.bert import BertForMaskedLM
 
     valid = batch.attention_mask.bool()
+    if _is_classifier(model):  # how far pruning moves the head's outputs (class distribution, span or tag logits)
+        def log_probs() -> list[Tensor]:
+            out = _forward(model, batch)
+            logits = [out.logits] if hasattr(out, "logits") else [out.start_logits, out.end_logits]
+            return [F.log_softmax(x.double(), -1) for x in logits]
+        with torch.no_grad():
+            ref = log_probs()
+
+        def kl_loss() -> float:
+            return sum(F.kl_div(lp, r, log_target=True, reduction="batchmean").item()
+                       for lp, r in zip(log_probs(), ref))
+        return "KL(unpruned ‖ pruned output distribution) (nats)", torch.no_grad()(kl_loss)
     if _is_causal_lm(model):
         target = batch.input_ids[:, 1:].masked_fill(~valid[:, 1:], -100)
 

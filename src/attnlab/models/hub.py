@@ -121,10 +121,32 @@ def read_config(path: PathLike) -> tuple[dict, ModelFamily]:
         raise ValueError(f"{str(cfg_file)!r} must hold a JSON object, got {type(raw).__name__}")
     model_type = raw.get("model_type")
     _import_builtin()
+    if model_type is None and isinstance(raw.get("recipe"), str):
+        raise ValueError(f"{str(path)!r} is an `attnlab train` run folder (recipe {raw['recipe']!r}), not HF format: "
+                         "its model loads once attnlab.training.recipes is imported (the attnlab command does), "
+                         "or through attnlab.training.recipes.load_run")
     if model_type not in MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r} in {str(cfg_file)!r}; "
                          f"supported: {sorted(MODEL_TYPES)}")
     return raw, MODEL_TYPES[model_type]
+
+
+# Readers of model folders that are not HF format, registered by the layer that writes them (the training layer:
+# a run folder of checkpoints): ``reader(path, dtype=...) -> model`` in eval mode, or None when ``path`` is not
+# theirs. :func:`from_pretrained` asks them before reading ``config.json`` as HF's.
+FOLDER_READERS: list[Callable[..., Any]] = []
+
+
+def register_folder_reader(reader: Callable[..., Any]) -> None:
+    """Add ``reader`` to :data:`FOLDER_READERS` (once).
+
+    Raises:
+        TypeError: ``reader`` is not callable.
+    """
+    if not callable(reader):
+        raise TypeError(f"reader must be callable, got {type(reader).__name__}")
+    if reader not in FOLDER_READERS:
+        FOLDER_READERS.append(reader)
 
 
 # Bounds on the sizes a config.json may ask for, checked before anything is allocated: a 1 KB file must not
@@ -282,6 +304,12 @@ def from_pretrained(path: PathLike, *, dtype: Optional[torch.dtype] = None, mode
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
     path = resolve_pretrained(path, revision=revision, local_files_only=local_files_only, cache_dir=cache_dir)
+    for reader in FOLDER_READERS:
+        model = reader(path, dtype=dtype)
+        if model is not None:
+            if model_cls is not None and not isinstance(model, model_cls):
+                raise ValueError(f"{str(path)!r} holds a {type(model).__name__}, not a {model_cls.__name__}")
+            return model
     raw, family = read_config(path)
     if model_cls is None:
         archs = raw.get("architectures") or []

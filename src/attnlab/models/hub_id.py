@@ -1,12 +1,15 @@
 """Hub ids: ``"org/name"`` resolved to a local snapshot folder through ``huggingface_hub`` (its cache,
 ``HF_HUB_OFFLINE`` and ``HF_TOKEN`` untouched), fetching only configs, safetensors weights and tokenizer files;
-a folder is returned as it is. :func:`attnlab.models.hub.from_pretrained` reads what this returns.
+a folder is returned as it is (an `attnlab train` run folder: the HF-format ``model/`` its recipe wrote, if any).
+:func:`attnlab.models.hub.from_pretrained` reads what this returns.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
 from typing import Optional, Union
+
+from attnlab._io import read_input_json
 
 PathLike = Union[str, os.PathLike]
 CONFIG_NAME, SAFETENSORS_NAME, TORCH_NAME = "config.json", "model.safetensors", "pytorch_model.bin"
@@ -16,6 +19,19 @@ CONFIG_NAME, SAFETENSORS_NAME, TORCH_NAME = "config.json", "model.safetensors", 
 HUB_ALLOW_PATTERNS = ("config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
                       "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json", "merges.txt",
                       "generation_config.json", "preprocessor_config.json")
+
+
+def run_model_folder(path: Path) -> Path:
+    """``path/model`` when ``path`` is an `attnlab train` run folder (a ``config.json`` naming its ``recipe``) whose
+    recipe wrote the trained model there in HF format (``classify``, ``digits-vit``); else ``path``."""
+    inner = path / "model"
+    if not (path / CONFIG_NAME).is_file() or not (inner / CONFIG_NAME).is_file():
+        return path
+    try:
+        raw = read_input_json("", path / CONFIG_NAME, "config")
+    except (OSError, ValueError):
+        return path  # read_config reports a bad config.json by name
+    return inner if isinstance(raw, dict) and isinstance(raw.get("recipe"), str) and "model_type" not in raw else path
 
 
 def resolve_pretrained(name_or_path: PathLike, *, revision: Optional[str] = None, local_files_only: bool = False,
@@ -48,7 +64,7 @@ def resolve_pretrained(name_or_path: PathLike, *, revision: Optional[str] = None
     if path.is_dir():
         if revision is not None:
             raise ValueError(f"revision={revision!r} is for a Hub id, but {str(path)!r} is a local folder")
-        return path
+        return run_model_folder(path)
     if path.exists():
         raise FileNotFoundError(f"no such model directory: {str(path)!r} is a file (give the folder holding "
                                 f"{CONFIG_NAME} and the weights, or a Hub id 'org/name')")

@@ -91,20 +91,22 @@ def _model_kind(model) -> str:
     from attnlab.models.causal_lm import DecoderOnlyLM
     from attnlab.models.clip import CLIPModel
     from attnlab.models.t5 import T5ForConditionalGeneration
+    from attnlab.models.transformer import Seq2SeqTransformer
     from attnlab.models.vit import ViTForImageClassification, ViTModel
 
     if isinstance(model, (BertModel, BertForMaskedLM)):
         return "bert"
     if isinstance(model, DecoderOnlyLM):
         return "causal"
-    if isinstance(model, (T5ForConditionalGeneration, BartForConditionalGeneration)):
+    if isinstance(model, (T5ForConditionalGeneration, BartForConditionalGeneration, Seq2SeqTransformer)):
         return "seq2seq"
     if isinstance(model, CLIPModel):
         return "clip"
     if isinstance(model, (ViTModel, ViTForImageClassification)):
         raise ValueError("model is a ViT, which reads images: give a picture (attnlab viz --image FILE, "
                          "attnlab.viz.image_view); text views are for bert, gpt2, llama, t5, bart, the clip text tower")
-    raise TypeError(f"model must be an attnlab BERT, GPT-2, Llama, T5, BART or CLIP model, got {type(model).__name__}")
+    raise TypeError(f"model must be an attnlab BERT, GPT-2, Llama, T5, BART, CLIP or Seq2SeqTransformer model, got "
+                    f"{type(model).__name__}")
 
 
 def _as_tokenizer(tokenizer):
@@ -187,8 +189,10 @@ def extract_attention(model, tokenizer, *, text: Optional[str] = None, text_b: O
             training mode.
         TypeError: an unsupported model or tokenizer, or a text that is not a ``str``.
     """
-    family = _model_kind(model)
     name = type(model).__name__
+    if isinstance(getattr(model, "bert", None), nn.Module):  # a task head on BERT: its encoder's attention
+        model = model.bert
+    family = _model_kind(model)
     if model.training:
         raise ValueError(f"{name} is in training mode (dropout would perturb the weights): call model.eval() first")
     if family == "seq2seq":
@@ -225,12 +229,20 @@ def _device(model: nn.Module) -> torch.device:
 def _extract_seq2seq(model, tokenizer, src: str, tgt: str) -> AttentionRecord:
     tokenizer = _as_tokenizer(tokenizer)
     (src_ids, src_toks, _), (tgt_ids, tgt_toks, _) = _encode(tokenizer, src, "src"), _encode(tokenizer, tgt, "tgt")
-    start = int(model.config.decoder_start_token_id)
-    dec_ids = [start, *tgt_ids[:-1]]  # teacher forcing: tgt shifted right
-    dec_toks = [_token(tokenizer, start), *tgt_toks[:-1]]
+    start = getattr(model.config, "decoder_start_token_id", None)
+    if start is None:  # attnlab's Seq2SeqTransformer: the tokenizer's "<s> ... </s>" already starts the target
+        if len(tgt_ids) < 2:
+            raise ValueError(f"tgt gives {len(tgt_ids)} token(s); the decoder reads all but the last: give at least 2")
+        dec_ids, dec_toks = tgt_ids[:-1], tgt_toks[:-1]
+    else:
+        dec_ids = [int(start), *tgt_ids[:-1]]  # teacher forcing: tgt shifted right
+        dec_toks = [_token(tokenizer, int(start)), *tgt_toks[:-1]]
+    src_t, dec_t = torch.tensor([src_ids], device=_device(model)), torch.tensor([dec_ids], device=_device(model))
     with _rejected("src/tgt", f"{len(src_ids)}/{len(dec_ids)}", type(model).__name__):
-        out = model(input_ids=torch.tensor([src_ids], device=_device(model)), decoder_input_ids=torch.tensor([dec_ids], device=_device(model)),
-                    output_attentions=True)
+        if start is None:
+            out = model(src_t, dec_t, output_attentions=True)
+        else:
+            out = model(input_ids=src_t, decoder_input_ids=dec_t, output_attentions=True)
     return AttentionRecord(
         {"encoder": _stack(out.encoder_attentions), "decoder": _stack(out.decoder_attentions),
          "cross": _stack(out.cross_attentions)},

@@ -30,6 +30,7 @@ from torch import nn
 from attnlab._checks import stored_dtype
 from attnlab._io import read_input_json
 from attnlab._limits import check_settings
+from attnlab.models.hub import register_folder_reader
 from attnlab.training.checkpoint import latest_checkpoint, latest_intact_checkpoint, load_checkpoint
 from attnlab.training.distributed import DistInfo, broadcast_object, dist_info_from_env, distributed
 from attnlab.training.reporting import write_json
@@ -452,3 +453,18 @@ def evaluate_checkpoint(directory: PathLike, *, checkpoint: Optional[PathLike] =
     with torch.no_grad():
         scores = score(run.model, **options)
     return {"recipe": run.recipe.name, "checkpoint": str(run.checkpoint), "step": run.step, **scores}
+
+
+def read_run_folder(path: PathLike, *, dtype: Optional[torch.dtype] = None) -> Optional[nn.Module]:
+    """The model of a ``run_recipe`` output folder at its newest intact checkpoint (:func:`load_run`), cast to
+    ``dtype`` when given; None when ``path`` is no run folder (no ``config.json`` naming a ``recipe``). Registered
+    with :func:`attnlab.models.hub.register_folder_reader`, so ``from_pretrained`` (and ``attnlab viz``,
+    ``analyze``, ``export``, ``predict``) read run folders as they read HF-format ones."""
+    raw = _read_config(Path(path)) if Path(path).is_dir() else None
+    if not isinstance(raw, dict) or not isinstance(raw.get("recipe"), str) or "model_type" in raw:
+        return None
+    model = load_run(path).model
+    return (model if dtype is None else model.to(dtype)).eval()
+
+
+register_folder_reader(read_run_folder)
