@@ -55,6 +55,23 @@ def test_single_process_helpers_are_identities():
             raise ValueError("CUDA is not available")  # nothing to check on a CUDA machine
 
 
+def _one_and_two_processes(tmp_path, steps: list[str]):
+    """The same run as 1 process and as 2 torchrun ranks (gloo): ``(metrics, train log)`` of each."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    subprocess.run([*TRAIN, "--out", str(one), *steps], check=True, env=_env(), timeout=300, capture_output=True)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          *TRAIN[1:], "--out", str(two), *steps], env=_env(), timeout=300, capture_output=True,
+                         text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    m1, m2 = _metrics(one), _metrics(two)
+    assert m2["world_size"] == 2 and m1["world_size"] == 1 and m1["steps"] == m2["steps"]
+    assert m2["train_tokens"] == m1["train_tokens"]  # tokens of both ranks counted
+    log1 = [r for r in map(json.loads, (one / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+    log2 = [r for r in map(json.loads, (two / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+    assert [r["step"] for r in log2] == [r["step"] for r in log1]  # rank 0 alone logs
+    return (m1, log1), (m2, log2)
+
+
 @pytest.mark.slow
 def test_torchrun_two_processes_match_one(tmp_path, shakespeare):
     """Global batch 8 as 2 ranks × 4 rows (gloo) vs 1 process × 8 rows: the same losses.
@@ -65,20 +82,10 @@ def test_torchrun_two_processes_match_one(tmp_path, shakespeare):
     per row) is round-off noise, which Adam normalises into full-size, order-dependent updates that
     change no output.
     """
-    one, two = tmp_path / "one", tmp_path / "two"
-    # float products: with int8 ones each rank rounds its own tokens' columns for ∂L/∂W (TrainConfig)
-    steps = ["--set", "max_steps=30", "--set", "log_every=5", "--set", "int8_training=false"]
-    subprocess.run([*TRAIN, "--out", str(one), *steps], check=True, env=_env(), timeout=300, capture_output=True)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          *TRAIN[1:], "--out", str(two), *steps], env=_env(), timeout=300, capture_output=True,
-                         text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
-    m1, m2 = _metrics(one), _metrics(two)
-    assert m2["world_size"] == 2 and m1["world_size"] == 1 and m1["steps"] == m2["steps"] == 30
-    assert m2["train_tokens"] == m1["train_tokens"]  # tokens of both ranks counted
-    log1 = [r for r in map(json.loads, (one / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
-    log2 = [r for r in map(json.loads, (two / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
-    assert [r["step"] for r in log2] == [r["step"] for r in log1] == [5, 10, 15, 20, 25, 30]  # rank 0 alone logs
+    # float products: with int8 ones each rank rounds its own tokens' columns for ∂L/∂W (the test below)
+    (m1, log1), (m2, log2) = _one_and_two_processes(
+        tmp_path, ["--set", "max_steps=30", "--set", "log_every=5", "--set", "int8_training=false"])
+    assert [r["step"] for r in log1] == [5, 10, 15, 20, 25, 30]
     for a, b in zip(log1, log2):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
     assert m2["val_loss"] == pytest.approx(m1["val_loss"], rel=1e-4)
@@ -92,18 +99,9 @@ def test_torchrun_with_int8_products_matches_one_process_until_the_first_update(
     gradient's roundings (one scale per column over each rank's tokens), a drift, not a divergence.
 
     Tolerance: the first loss within 1e-5 relative (float32 sums in another order); later ones within 10 %."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    steps = ["--set", "max_steps=12", "--set", "log_every=1", "--set", "int8_training=true"]
-    subprocess.run([*TRAIN, "--out", str(one), *steps], check=True, env=_env(), timeout=300, capture_output=True)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          *TRAIN[1:], "--out", str(two), *steps], env=_env(), timeout=300, capture_output=True,
-                         text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
-    m1, m2 = _metrics(one), _metrics(two)
-    assert m2["world_size"] == 2 and m1["steps"] == m2["steps"] == 12 and m2["train_tokens"] == m1["train_tokens"]
-    log1 = [r for r in map(json.loads, (one / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
-    log2 = [r for r in map(json.loads, (two / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
-    assert [r["step"] for r in log2] == [r["step"] for r in log1] == list(range(1, 13))
+    (_, log1), (_, log2) = _one_and_two_processes(
+        tmp_path, ["--set", "max_steps=12", "--set", "log_every=1", "--set", "int8_training=true"])
+    assert [r["step"] for r in log1] == list(range(1, 13))
     assert log2[0]["loss"] == pytest.approx(log1[0]["loss"], rel=1e-5)
     for a, b in zip(log1[1:], log2[1:]):
         assert b["loss"] == pytest.approx(a["loss"], rel=0.1)
