@@ -196,7 +196,9 @@ class _Count:
         self.graphs, self.ops = 0, set()
 
         def compiler(gm, _inputs):
-            self.ops |= {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+            for n in gm.graph.nodes:
+                if n.op == "call_function":  # (an op that writes its inputs, functionalized: its name is an argument)
+                    self.ops.add(str(n.args[0] if "auto_functionalized" in str(n.target) else n.target))
             return make_boxed_func(gm.forward)
 
         self._aot = aot_autograd(fw_compiler=compiler, bw_compiler=compiler)
@@ -264,3 +266,50 @@ def test_a_compiled_gpt2_training_step_is_one_graph_through_the_kernels():
 def test_a_compiled_llama_training_step_is_one_graph_through_the_kernels():
     _compiled_step_matches_eager(_llama, ["int8_linear", "int8_linear_backward", "short_attention",
                                           "short_attention_backward"])
+
+
+@pytest.mark.parametrize("arch", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])
+def test_a_compiled_decode_step_is_one_graph_through_the_kernels(arch):
+    """A decoding step of an ``optimize_for_inference`` model (``DecoderOnlyLM``'s one-token path: matvec,
+    attend_decode writing the KV cache in place, rms_norm / gated_matvec) compiled with ``fullgraph=True``: no graph
+    break, the same logits as the eager step to float32 round-off, and the same cache entries afterwards."""
+    from attnlab.models.gpt import GPT2Config, GPT2LMHeadModel
+    from attnlab.models.llama import LlamaConfig, LlamaForCausalLM
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=65, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                                           bos_token_id=None, eos_token_id=None))
+        ops = {"matvec", "attend_decode"}
+    else:
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=65, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                                             num_attention_heads=4, max_position_embeddings=32, bos_token_id=None,
+                                             eos_token_id=None))
+        ops = {"matvec", "attend_decode", "rms_norm", "gated_matvec"}
+    model.eval().optimize_for_inference(dtype=torch.float32)
+    ids = torch.randint(0, 65, (2, 8), generator=torch.Generator().manual_seed(1))
+
+    def step(tok, caches):
+        return model(tok, past_key_values=caches, use_cache=True).logits
+
+    count = _Count()
+    compiled = torch.compile(step, backend=count, fullgraph=True)
+    with torch.no_grad():
+        runs = []
+        for fn in (step, compiled):
+            caches = model.new_cache(max_length=32)
+            tok = model(ids, past_key_values=caches, use_cache=True).logits[:, -1:].argmax(-1)
+            first = fn(tok, caches)
+            graphs = count.graphs
+            second = fn(first.argmax(-1), caches)  # reads the entries the first step wrote
+            runs.append(((first, second), caches))
+    # fullgraph: no graph break; one graph a step (the second step's new position may trace it once more)
+    assert graphs == 1 and count.graphs <= 2 and {f"attnlab.{op}.default" for op in ops} <= count.ops, count.ops
+    (want, c_want), (got, c_got) = runs
+    for w, g in zip(want, got):
+        assert torch.allclose(g, w, rtol=0, atol=64 * 2.0**-24 * w.abs().max().item())
+    for a, b in zip(c_want, c_got):  # the compiled steps wrote the same entries, in the cache's own buffers
+        assert a.self_attn.length == b.self_attn.length == 10
+        for t_a, t_b in ((a.self_attn.k, b.self_attn.k), (a.self_attn.v, b.self_attn.v)):
+            t_a, t_b = t_a[:, :, :10], t_b[:, :, :10]  # (the buffers' rest is not written)
+            assert torch.allclose(t_b, t_a, rtol=0, atol=64 * 2.0**-24 * t_a.abs().max().item())
