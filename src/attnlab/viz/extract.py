@@ -193,6 +193,8 @@ def extract_attention(model, tokenizer, *, text: Optional[str] = None, text_b: O
     if isinstance(getattr(model, "bert", None), nn.Module):  # a task head on BERT: its encoder's attention
         model = model.bert
     family = _model_kind(model)
+    if family == "seq2seq" and not hasattr(model, "decoder"):  # T5ForTokenClassification: the encoder alone
+        family = "encoder-only"
     if model.training:
         raise ValueError(f"{name} is in training mode (dropout would perturb the weights): call model.eval() first")
     if family == "seq2seq":
@@ -216,10 +218,14 @@ def extract_attention(model, tokenizer, *, text: Optional[str] = None, text_b: O
         elif family == "causal":
             out = model(ids, output_attentions=True)
             kind = "decoder"
+        elif family == "encoder-only":
+            attentions, kind = model._encode(ids, None, True)[1], "encoder"
         else:  # CLIP: the text tower (causal mask, pooled at EOS)
             out = model.text_model(ids, output_attentions=True)
             kind = "encoder"
-    return AttentionRecord({kind: _stack(out.attentions)}, {kind: toks}, {kind: list(toks)}, name)
+        if family != "encoder-only":
+            attentions = out.attentions
+    return AttentionRecord({kind: _stack(attentions)}, {kind: toks}, {kind: list(toks)}, name)
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -241,6 +247,14 @@ def _extract_seq2seq(model, tokenizer, src: str, tgt: str) -> AttentionRecord:
     with _rejected("src/tgt", f"{len(src_ids)}/{len(dec_ids)}", type(model).__name__):
         if start is None:
             out = model(src_t, dec_t, output_attentions=True)
+        elif hasattr(model.config, "num_labels"):
+            # a T5 / BART task head: its forward returns the head's logits; the weights come from the body's stacks
+            from attnlab.models.outputs import Seq2SeqLMOutput
+
+            memory, enc_w = model._encode(src_t, None, True)
+            _, dec_w, cross_w = model._decoder_states(dec_t, memory, None, None, None, True)
+            out = Seq2SeqLMOutput(None, memory, encoder_attentions=enc_w, decoder_attentions=dec_w,
+                                  cross_attentions=cross_w)
         else:
             out = model(input_ids=src_t, decoder_input_ids=dec_t, output_attentions=True)
     return AttentionRecord(
