@@ -472,3 +472,10 @@ def test_a_batch_beyond_memory_is_refused_before_the_data_is_read(tmp_path):
         build(s, out=tmp_path, dist=dist_info_from_env(), training=True)  # no tiny-shakespeare needed to refuse
     assert not any(tmp_path.iterdir())
 
+
+
+@pytest.mark.parametrize("beams", [0, 1025, 1_000_000])
+def test_beams_beyond_the_bound_are_refused_before_the_model_loads(gpt, capsys, beams):
+    # before: a million beams ran 33 s on the tiny model (a batch of a million rows, each with its KV cache)
+    _refused(capsys, ["generate", "--model", str(gpt), "--prompt", "the", "--num-beams", str(beams)],
+             f"--num-beams must be in [1, 1,024], got {beams}")

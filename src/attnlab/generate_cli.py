@@ -180,6 +180,11 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens must be in [1, {MAX_NEW_TOKENS:,}], got {args.max_new_tokens}")
     if not 1 <= args.num_samples <= MAX_SAMPLES:
         raise ValueError(f"--num-samples must be in [1, {MAX_SAMPLES}], got {args.num_samples}")
+    from attnlab._limits import SETTING_LIMITS
+
+    beams = SETTING_LIMITS[("num_beams",)]  # each beam is a row of the batch, with its own KV cache
+    if not 1 <= args.num_beams <= beams:
+        raise ValueError(f"--num-beams must be in [1, {beams:,}], got {args.num_beams}")
     if args.start is not None and args.prompt is not None:
         raise ValueError("--start and --prompt both give the text to continue: give one of them")
     given = None if args.start is None else start_text(args.start)  # before the model loads
