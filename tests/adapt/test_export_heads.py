@@ -1,7 +1,7 @@
 """Task heads export as ONNX graphs of their logits: a BERT sequence / token classifier and QA head (the encoder's
 three inputs) and a GPT-2 sequence classifier (``input_ids``, ``attention_mask``; no cache), each equal to the
 model's forward on a padded batch of another length than the traced example; ``analyze`` prunes their heads by the
-KL divergence of their outputs."""
+KL divergence of their outputs. ViTs export with ``pixel_values`` in and a dynamic batch."""
 import pytest
 import torch
 
@@ -59,3 +59,27 @@ def test_analyze_prunes_task_heads_by_output_divergence(model):
                                         if hasattr(model.config.base, "num_attention_heads") else 2)
     assert bool(torch.isfinite(result.prune_delta).all()) and float(result.prune_delta.min()) >= 0
     assert float(result.prune_delta.max()) > 0
+
+
+@pytest.mark.parametrize("classifier", [False, True])
+def test_vit_graph_matches_the_forward(tmp_path, classifier):
+    ort = pytest.importorskip("onnxruntime", reason="onnxruntime is not installed")
+    from attnlab.models.vit import ViTConfig, ViTForImageClassification, ViTModel
+
+    torch.manual_seed(0)
+    cfg = ViTConfig(image_size=8, patch_size=2, num_channels=1, hidden_size=32, num_hidden_layers=2,
+                    num_attention_heads=4, intermediate_size=64)
+    model = (ViTForImageClassification(cfg) if classifier else ViTModel(cfg)).eval()
+    path = export_onnx(model, tmp_path / "vit.onnx")
+    assert input_names(model) == ("pixel_values",)
+    x = torch.randn(3, 1, 8, 8)  # another batch size than the traced example's
+    outs = output_names(model)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = session.run(list(outs), {"pixel_values": x.numpy()})
+    with torch.no_grad():
+        ref = model(x)
+    for name, g in zip(outs, got):
+        r = getattr(ref, name)
+        tol = 64 * torch.finfo(torch.float32).eps * max(1.0, float(r.abs().max()))
+        assert (torch.from_numpy(g) - r).abs().max() <= tol, name
+    assert outs == (("logits",) if classifier else ("last_hidden_state", "pooler_output"))

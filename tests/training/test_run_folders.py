@@ -131,5 +131,8 @@ def test_digits_vit_run(tmp_path, capsys):
     before = _listing(run)
     assert main(["viz", "--model", str(run), "--image", str(picture), "--out", str(tmp_path / "digit.html")]) == 0
     assert (tmp_path / "digit.html").stat().st_size > 0 and _listing(run) == before
+    assert main(["export", "--model", str(run), "--out", str(tmp_path / "vit.onnx")]) == 0
+    assert "inputs pixel_values; outputs logits" in capsys.readouterr().out
     assert main(["analyze", "--model", str(run), "--text", "x"]) == 2  # a ViT reads pictures: one clear error
-    assert "no tokenizer file" in capsys.readouterr().err
+    assert "reads pictures" in capsys.readouterr().err
+    assert _listing(run) == before

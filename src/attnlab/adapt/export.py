@@ -9,6 +9,10 @@ a pooler, or ``logits`` for :class:`~attnlab.models.bert.BertForMaskedLM`.
 GPT-2's and Llama's): the encoder's inputs (a decoder head's: ``input_ids`` and ``attention_mask``, no cache) and the
 head's ``logits`` (question answering: ``start_logits`` and ``end_logits``).
 
+**Vision Transformers** (``ViTModel``, ``ViTForImageClassification``): ``pixel_values`` ``(batch, channels,
+image_size, image_size)`` float32 in, ``last_hidden_state`` (+ ``pooler_output``) or ``logits`` out; only the batch
+axis is dynamic (the position table fixes the picture's size).
+
 **Decoder-only models** (:class:`~attnlab.models.causal_lm.DecoderOnlyLM`: GPT-2, Llama with GQA) use Optimum's
 decoder layout, one graph for the first call and every step after it (``L`` layers, ``Hkv`` key/value heads)::
 
@@ -61,8 +65,9 @@ from attnlab.nn.positional import RotaryEmbedding
 PathLike = Union[str, os.PathLike]
 DEFAULT_OPSET = 17
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")  # the encoders'
-SUPPORTED = ("BERT encoders (BertModel, BertForMaskedLM), decoder-only LMs (GPT2LMHeadModel, LlamaForCausalLM) and "
-             "the classification / question-answering heads on them (BertForSequenceClassification, ...)")
+SUPPORTED = ("BERT encoders (BertModel, BertForMaskedLM), decoder-only LMs (GPT2LMHeadModel, LlamaForCausalLM), "
+             "the classification / question-answering heads on them (BertForSequenceClassification, ...) and ViTs "
+             "(ViTModel, ViTForImageClassification)")
 
 
 class _Exportable(nn.Module):
@@ -105,8 +110,16 @@ def _task_head(model: nn.Module) -> bool:
         isinstance(getattr(model, "bert", None), BertModel) or isinstance(model, DecoderOnlyLM))
 
 
+def _vit(model: nn.Module) -> bool:
+    from attnlab.models.vit import ViTForImageClassification, ViTModel
+
+    return isinstance(model, (ViTModel, ViTForImageClassification))
+
+
 def input_names(model: nn.Module) -> tuple[str, ...]:
     """The graph inputs :func:`export_onnx` writes for ``model`` (see the module docstring)."""
+    if _vit(model):
+        return ("pixel_values",)
     if isinstance(model, DecoderOnlyLM):
         if _task_head(model):
             return ("input_ids", "attention_mask")
@@ -117,6 +130,10 @@ def input_names(model: nn.Module) -> tuple[str, ...]:
 
 def output_names(model: nn.Module) -> tuple[str, ...]:
     """The graph outputs :func:`export_onnx` writes for ``model``."""
+    if _vit(model):
+        if hasattr(model, "classifier"):
+            return ("logits",)
+        return ("last_hidden_state",) + (("pooler_output",) if model.pooler is not None else ())
     if _task_head(model):
         qa = type(model).hf_architecture.endswith("ForQuestionAnswering")
         return ("start_logits", "end_logits") if qa else ("logits",)
@@ -198,15 +215,20 @@ def export_onnx(model: nn.Module, path: PathLike, *, opset: Optional[int] = None
     opset = DEFAULT_OPSET if opset is None else opset
     int_at_least("opset", opset, 14)
     decoder = isinstance(model, DecoderOnlyLM) and not _task_head(model)  # a graph with the KV cache
-    limit = _positions(model) - (1 if decoder else 0)
-    if example_length is None:
-        example_length = min(16, limit)
-    if not (isinstance(example_length, int) and 2 <= example_length <= limit):
-        raise ValueError(f"example_length must be an int in [2, {limit}], got {example_length!r}")
+    if _vit(model):  # a fixed picture size: only the batch varies
+        c = model.config
+        example = (torch.randn(2, c.num_channels, c.image_size, c.image_size),)
+        dynamic = {name: {0: "batch"} for name in input_names(model) + outputs}
+    else:
+        limit = _positions(model) - (1 if decoder else 0)
+        if example_length is None:
+            example_length = min(16, limit)
+        if not (isinstance(example_length, int) and 2 <= example_length <= limit):
+            raise ValueError(f"example_length must be an int in [2, {limit}], got {example_length!r}")
+        example, dynamic = (_decoder_example if decoder else _encoder_example)(model, example_length)
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"export_onnx: path {path} is a folder: give the .onnx file to write")
-    example, dynamic = (_decoder_example if decoder else _encoder_example)(model, example_length)
     traced = copy.deepcopy(model).eval().float().cpu()
     for m in traced.modules():
         if isinstance(m, MultiheadAttention):

@@ -145,10 +145,13 @@ def main(args: argparse.Namespace) -> int:
         check_output_dir("--out", args.out, inputs=[("--model", args.model), ("--file", args.file)])
     texts = read_texts(args.text, args.file)
     folder = resolve_pretrained(args.model)  # a folder, or a Hub id's snapshot
-    tok = load_tokenizer(folder)
     from attnlab._runtime import model_dtype
 
     model = from_pretrained(folder, dtype=model_dtype(args)).to(args.device or "cpu")
+    if hasattr(getattr(model, "config", None), "image_size"):
+        raise ValueError(f"--model {args.model} holds a {type(model).__name__}, which reads pictures, not texts: "
+                         "see its attention with attnlab viz --model ... --image FILE")
+    tok = load_tokenizer(folder)
     seed = args.seed or 0
     torch.manual_seed(seed)
     batch = encode_texts(tok, texts, max_length=args.max_length)
