@@ -156,6 +156,20 @@ def test_eval_of_weights_that_do_not_fit_the_config_is_one_line(run, capsys):
     _one_line(capsys, "does not fit the model", "wte.weight (3,) vs (")
 
 
+def test_eval_and_generate_of_integer_weights_for_float_parameters_name_them(run, capsys):
+    from attnlab.training.recipes.char_runs import load_run_model
+
+    path = latest_checkpoint(run)
+    state = load_checkpoint(path)
+    state["model"] = {k: (v * 1e3).to(torch.int32) if k.endswith("wte.weight") else v
+                      for k, v in state["model"].items()}
+    torch.save(state, path)
+    assert cli.main(["eval", "--checkpoint", str(run)]) == 2
+    _one_line(capsys, "wte.weight", "stored as torch.int32", "torch.float32")
+    with pytest.raises(ValueError, match=r"wte.weight of .* is stored as torch.int32"):
+        load_run_model(run)
+
+
 def test_integer_weights_for_float_parameters_are_refused_by_name():
     from attnlab.training.recipes import load_weights_checked
 

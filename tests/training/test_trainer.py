@@ -85,6 +85,16 @@ def test_resume_without_checkpoint_starts_fresh_and_fresh_run_refuses_old_checkp
         make_trainer(tmp_path / "a", max_steps=4).fit()
 
 
+def test_resume_refuses_integer_weights_for_float_parameters_by_name(tmp_path, make_trainer):
+    a = make_trainer(tmp_path / "a", max_steps=2, checkpoint_every=2)
+    a.fit()
+    state = a.state_dict()
+    name = next(iter(state["model"]))
+    state["model"][name] = state["model"][name].view(torch.int32)  # the same bytes, read as integers
+    with pytest.raises(ValueError, match=rf"{name} of the checkpoint is stored as torch.int32.*torch.float32"):
+        make_trainer(tmp_path / "b", max_steps=2).load_state_dict(state)
+
+
 def capture_grads(trainer):
     """Record the gradients handed to the optimiser at every step."""
     seen, orig_step = [], trainer.optimizer.step

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from attnlab import _native
+from attnlab._checks import stored_dtype
 from attnlab.adapt.int8_training import int8_training
 from attnlab.training import distributed as D
 from attnlab.training.activation_checkpointing import enable_gradient_checkpointing
@@ -162,6 +163,10 @@ class Trainer:
         missing = {"step", "model", "optimizer", "rng"} - state.keys()
         if missing:
             raise ValueError(f"checkpoint lacks {sorted(missing)}: not written by attnlab's Trainer")
+        own = self.model.state_dict()
+        for name, t in state["model"].items():
+            if name in own:
+                stored_dtype(f"{name} of the checkpoint", t, own[name])
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and state.get("scaler"):

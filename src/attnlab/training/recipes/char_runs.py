@@ -15,7 +15,7 @@ from attnlab.data.tokenizers import CharTokenizer
 from attnlab.training.checkpoint import latest_checkpoint, load_checkpoint
 from attnlab.training.distributed import DistInfo
 from attnlab.training.losses import causal_lm_loss, distillation_loss
-from attnlab.training.recipes import _read_config, get_recipe, resolve_settings
+from attnlab.training.recipes import _read_config, get_recipe, load_weights_checked, resolve_settings
 
 __all__ = ["adapt_run", "load_run_model", "load_init"]
 
@@ -56,7 +56,8 @@ def load_run_model(directory: Union[str, Path], *, role: str = "run") -> nn.Modu
 
     Raises:
         FileNotFoundError: no ``config.json`` or no checkpoint in ``directory``.
-        ValueError: the folder holds another recipe's run, or its checkpoint has no model weights.
+        ValueError: the folder holds another recipe's run, or its checkpoint has no model weights or weights that do
+            not fit the model (missing, unexpected, of another shape or an integer dtype: named).
     """
     directory = Path(directory)
     saved = _read_config(directory)
@@ -73,7 +74,7 @@ def load_run_model(directory: Union[str, Path], *, role: str = "run") -> nn.Modu
     if state is None:
         raise ValueError(f"{role}={directory}: {path.name} holds no model weights")
     model = recipe.build(settings, out=directory, dist=DistInfo(), training=False).model
-    model.load_state_dict(state)
+    load_weights_checked(model, state, source=path)
     if lora_layers(model):
         unload_lora(model, merge=True)
     for p in model.parameters():
