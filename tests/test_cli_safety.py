@@ -461,15 +461,13 @@ def test_set_device_takes_the_same_devices_as_the_flag(device):
         resolve_settings(get_recipe("digits-vit"), overrides={"device": device})
 
 
-def test_a_batch_beyond_memory_is_refused_before_the_data_is_read(tmp_path):
-    from attnlab.training.distributed import dist_info_from_env
-    from attnlab.training.recipes import get_recipe, resolve_settings
-    from attnlab.training.recipes.shakespeare import build
-
-    s = resolve_settings(get_recipe("shakespeare-char"), preset="tiny",
-                         overrides={"batch_size": "65536", "block_size": "4096"})
-    with pytest.raises(ValueError, match=r"--set batch_size=65536 with block_size=4096 needs [\d,.]+ GiB of memory"):
-        build(s, out=tmp_path, dist=dist_info_from_env(), training=True)  # no tiny-shakespeare needed to refuse
+@pytest.mark.parametrize("recipe, overrides, named", [
+    ("shakespeare-char", ["batch_size=65536", "block_size=4096"], "--set batch_size=65536 with block_size=4096"),
+    ("mlm", ["batch_size=65536", "max_len=8192"], "--set batch_size=65536 with max_len=8192"),
+    ("multi30k-de-en", ["max_tokens=1048576", "max_len=65536"], "--set max_tokens=1048576 with max_len=65536")])
+def test_a_batch_beyond_memory_is_refused_before_the_data_is_read(tmp_path, capsys, recipe, overrides, named):
+    argv = ["train", recipe, "--quiet", "--out", str(tmp_path / "run")] + [a for o in overrides for a in ("--set", o)]
+    _refused(capsys, argv, named, "GiB of memory")  # no data needed to refuse: nothing is read first
     assert not any(tmp_path.iterdir())
 
 

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 __all__ = ["SIZE_LIMITS", "SETTING_LIMITS", "MAX_THREADS", "SEED_LIMIT", "check_size", "check_settings",
            "check_seed", "check_threads", "check_device", "available_memory", "check_memory",
-           "transformer_training_bytes"]
+           "transformer_training_bytes", "check_training_memory"]
 
 # field names -> the largest value: generous for every released model (a config.json of 1 KB must not build
 # thousands of layers or allocate gigabytes)
@@ -158,6 +158,33 @@ def transformer_training_bytes(*, batch: int, seq: int, width: int, layers: int,
     of what the step allocates, so a refusal by :func:`check_memory` is never a false alarm by much."""
     per_layer = seq * batch * width * (34 + 5 * heads * seq / width) * bytes_per_value / 2
     return int(layers * per_layer + 3 * batch * seq * vocab * bytes_per_value)
+
+
+def check_training_memory(settings: Any) -> None:
+    """Refuse a recipe's settings whose training step would not fit in free memory (:func:`check_memory` of
+    :func:`transformer_training_bytes`), naming the batch and length settings. Settings without a batch size,
+    a sequence length and a width (a model read from a folder) pass: their sizes are not known here."""
+    def first(names):
+        return next(((n, getattr(settings, n)) for n in names if is_int(getattr(settings, n, None))), (None, None))
+
+    _, width = first(HIDDEN)
+    _, heads = first(HEADS)
+    seq_name, seq = first(("block_size", "max_len"))
+    if None in (width, heads, seq):
+        return
+    layers = sum(getattr(settings, n) for n in LAYERS if is_int(getattr(settings, n, None)))
+    batch_name, batch = first(("batch_size",))
+    if batch is None:
+        batch_name, tokens = first(("max_tokens",))  # a batch of so many tokens
+        if tokens is None:
+            return
+        batch = max(1, tokens // max(seq, 1))
+    vocab = getattr(settings, "vocab_size", None)
+    need = transformer_training_bytes(batch=batch, seq=seq, width=width, layers=layers, heads=heads,
+                                      vocab=vocab if is_int(vocab) else 256)
+    device = getattr(settings, "device", "cpu")
+    check_memory(f"--set {batch_name}={getattr(settings, batch_name)} with {seq_name}={seq}", need,
+                 device="cpu" if device == "auto" else device)
 
 
 def _gib(n: int) -> str:

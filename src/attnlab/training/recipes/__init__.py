@@ -29,7 +29,7 @@ from torch import nn
 
 from attnlab._checks import stored_dtype
 from attnlab._io import read_input_json
-from attnlab._limits import check_settings
+from attnlab._limits import check_settings, check_training_memory
 from attnlab.models.hub import register_folder_reader
 from attnlab.training.checkpoint import latest_checkpoint, latest_intact_checkpoint, load_checkpoint
 from attnlab.training.distributed import DistInfo, broadcast_object, dist_info_from_env, distributed
@@ -327,6 +327,7 @@ def run_recipe(name: str, *, out: PathLike, preset: Optional[str] = None,
     else:
         settings = resolve_settings(recipe, preset=preset, overrides=overrides)
     check_out(out, inputs=[(f"--set {k}", getattr(settings, k, None)) for k in INPUT_SETTINGS])
+    check_training_memory(settings)  # a batch beyond memory: refused by name before anything is read or built
     latest = latest_checkpoint(out) if out.is_dir() else None
     if latest is not None and not resume:
         raise ValueError(f"{out} already holds checkpoints (latest {latest.name}): resume to continue, or choose "

@@ -260,13 +260,6 @@ def evaluate_lm(model: nn.Module, *, batches: Sequence[tuple[Tensor, Tensor]], m
 
 def build(s: ShakespeareSettings, *, out: Path, dist: DistInfo, training: bool) -> Built:
     """Tokenise tiny-shakespeare, split 90/10, build the GPT, the batch iterator and the evaluation."""
-    if training:  # a batch beyond memory: refused by name before the data is read or the model built
-        from attnlab._limits import check_memory, transformer_training_bytes
-
-        need = transformer_training_bytes(batch=s.batch_size, seq=s.block_size, width=s.n_embd, layers=s.n_layer,
-                                          heads=s.n_head, vocab=256)  # characters: at most 256 tokens
-        check_memory(f"--set batch_size={s.batch_size} with block_size={s.block_size}", need,
-                     device="cpu" if s.device == "auto" else s.device)
     text = load_text("tinyshakespeare")
     tokenizer = CharTokenizer.from_text(text)
     if training and dist.is_main:
