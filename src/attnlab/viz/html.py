@@ -293,10 +293,10 @@ def _csp_hash(text: str) -> str:
     return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode("utf-8")).digest()).decode("ascii") + "'"
 
 
-def _page(title: str, model_name: str, data_json: str) -> str:
-    t = html.escape(title, quote=True)
-    sub = html.escape(model_name or "attention", quote=True)
-    csp = (f"default-src 'none'; script-src {_csp_hash(SCRIPT)}; style-src {_csp_hash(STYLE)}; "
+def page_head(title: str, style: str, script: str) -> str:
+    """A page's ``<!DOCTYPE html>`` up to ``</head>``: a Content-Security-Policy that allows exactly ``style`` and
+    ``script`` (by their sha256) and nothing else (no URL, no other script), the escaped ``title``, the style."""
+    csp = (f"default-src 'none'; script-src {_csp_hash(script)}; style-src {_csp_hash(style)}; "
            "img-src data:; base-uri 'none'; form-action 'none'")
     return f"""<!DOCTYPE html>
 <html lang="en">
@@ -305,9 +305,15 @@ def _page(title: str, model_name: str, data_json: str) -> str:
 <meta http-equiv="Content-Security-Policy" content="{csp}">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <link rel="icon" href="data:,">
-<title>{t}</title>
-<style>{STYLE}</style>
-</head>
+<title>{html.escape(title, quote=True)}</title>
+<style>{style}</style>
+</head>"""
+
+
+def _page(title: str, model_name: str, data_json: str) -> str:
+    t = html.escape(title, quote=True)
+    sub = html.escape(model_name or "attention", quote=True)
+    return f"""{page_head(title, STYLE, SCRIPT)}
 <body>
 <header>
 <h1>{t}</h1>

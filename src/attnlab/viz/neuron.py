@@ -20,14 +20,16 @@ The page is self-contained as the other views (no request, tokens as text, a Con
 """
 from __future__ import annotations
 
+import html
 import math
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
-from attnlab.viz.html import _csp_hash, _json_for_script
+from attnlab.viz.html import _json_for_script, page_head
 from attnlab.viz.notebook import AttentionView, _act, _check_action, prettify
+from attnlab.viz.page import DOM_HELPERS
 
 MAX_TOKENS = 128  # the page embeds layers × heads × tokens × head_dim numbers twice
 HF_FAMILIES = ("bert", "roberta", "gpt2")  # transformers' model_type values whose q/k projections are read
@@ -243,16 +245,7 @@ SCRIPT = r"""
   var D = JSON.parse(document.getElementById("attnlab-data").textContent);
   if (D.theme === "dark") document.body.classList.add("dark");
   var state = { layer: D.layer, head: D.head, q: 0 };
-  function $(id) { return document.getElementById(id); }
-  function make(tag, attrs, parent, text) {
-    var e = document.createElement(tag);
-    for (var a in attrs) e.setAttribute(a, attrs[a]);
-    if (text !== undefined) e.textContent = text;
-    if (parent) parent.appendChild(e);
-    return e;
-  }
-  function clear(n) { while (n.firstChild) n.removeChild(n.firstChild); }
-  function shade(v, m) {  // blue for positive, orange for negative, opacity |v| / max
+""" + DOM_HELPERS + r"""  function shade(v, m) {  // blue for positive, orange for negative, opacity |v| / max
     var a = m > 0 ? Math.min(1, Math.abs(v) / m) : 0;
     return (v >= 0 ? "rgba(42,122,176," : "rgba(230,120,20,") + a.toFixed(3) + ")";
   }
@@ -299,20 +292,8 @@ SCRIPT = r"""
 
 
 def _page(title: str, data_json: str) -> str:
-    import html
-
     t = html.escape(title, quote=True)
-    csp = (f"default-src 'none'; script-src {_csp_hash(SCRIPT)}; style-src {_csp_hash(STYLE)}; "
-           "img-src data:; base-uri 'none'; form-action 'none'")
-    return f"""<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta http-equiv="Content-Security-Policy" content="{csp}">
-<link rel="icon" href="data:,">
-<title>{t}</title>
-<style>{STYLE}</style>
-</head>
+    return f"""{page_head(title, STYLE, SCRIPT)}
 <body>
 <h1>{t}</h1>
 <p class="sub">Hover a query token (left) to see its query vector q against every key vector k: the elementwise

@@ -44,6 +44,20 @@ body.dark .zoom { background: #111; }
 .value { font: 13px monospace; color: #333; }
 """
 
+# The DOM helpers every page script shares (inside its function scope): $(id), clear(node) and
+# make(tag, attrs, parent, text), which sets text with textContent only.
+DOM_HELPERS = r"""
+  function $(id) { return document.getElementById(id); }
+  function clear(node) { while (node.firstChild) node.removeChild(node.firstChild); }
+  function make(tag, attrs, parent, text) {
+    var e = document.createElement(tag);
+    for (var a in attrs) e.setAttribute(a, attrs[a]);
+    if (text !== undefined) e.textContent = text;
+    if (parent) parent.appendChild(e);
+    return e;
+  }
+"""
+
 SCRIPT = r"""
 (function () {
   "use strict";
@@ -55,16 +69,7 @@ SCRIPT = r"""
   var state = { kind: 0, layer: D.layer, heads: [] };
   var lines = [];
 
-  function $(id) { return document.getElementById(id); }
-  function clear(node) { while (node.firstChild) node.removeChild(node.firstChild); }
-  function make(tag, attrs, parent, text) {
-    var e = document.createElement(tag);
-    for (var a in attrs) e.setAttribute(a, attrs[a]);
-    if (text !== undefined) e.textContent = text;
-    if (parent) parent.appendChild(e);
-    return e;
-  }
-  function svg(tag, attrs, parent, text) {
+""" + DOM_HELPERS + r"""  function svg(tag, attrs, parent, text) {
     var e = document.createElementNS(SVGNS, tag);
     for (var a in attrs) e.setAttribute(a, attrs[a]);
     if (text !== undefined) e.textContent = text;
