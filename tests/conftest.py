@@ -10,6 +10,8 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests/_tolerance.py: tolerances
 torch.set_num_threads(1)
 # flex runs eagerly in the default suite (compiling takes seconds per shape; slow tests compile)
 os.environ.setdefault("ATTNLAB_FLEX_COMPILE", "0")
+# no kernel probe and no cache of its choices: each choice is the forced or the default one, never a timing's
+os.environ.setdefault("ATTNLAB_PROBE", "0")
 
 
 @pytest.fixture(autouse=True)

@@ -37,8 +37,8 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 # compiled; they include CSRC's headers
 SOURCES = (CSRC / "matvec.cpp", CSRC / "decode.cpp", CSRC / "flash.cpp", CSRC / "train.cpp")
-# the kernel's regime: a decode step's rows (batch), by weight dtype — up to where it beats the GEMM kernels on
-# GPT-2's matrices (fp32 up to 8 rows; bf16 and int8 up to 4, past which oneDNN's and fbgemm's products win)
+# the kernel's regime by default (nothing forced or probed: attnlab._choice): a decode step's rows (batch), by weight
+# dtype — up to where it beat the GEMM kernels on GPT-2's matrices (fp32 up to 8 rows; bf16 and int8 up to 4)
 MAX_ROWS = 4
 MAX_ROWS_FP32 = 8
 # matvec.cpp's: an int4 product of more rows than this multiplies panels of the dequantised weight (at::mm): up to
@@ -52,7 +52,8 @@ LDFLAGS = ("-fopenmp",)
 
 
 def max_rows(dtype: torch.dtype) -> int:
-    """How many rows of x the kernel takes for a weight of ``dtype`` before a GEMM kernel is faster."""
+    """How many rows of x the kernel takes by default for a weight of ``dtype`` before a GEMM kernel is faster (the
+    probed crossover replaces it: :func:`attnlab.nn.inference.native_rows`)."""
     return MAX_ROWS_FP32 if dtype == torch.float32 else MAX_ROWS
 
 

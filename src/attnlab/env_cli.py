@@ -13,7 +13,7 @@ import json
 import os
 import platform
 
-from attnlab import _native
+from attnlab import _choice, _native
 from attnlab._runtime import probe, resolve_dtype
 
 
@@ -32,6 +32,8 @@ def report(*, measure: bool = True) -> dict:
         "overrides": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")
                       if k in os.environ},
         "auto_dtype": dtype, "auto_dtype_reason": reason, "auto_device": device, "native_kernels": _native.status(),
+        "kernel_choices": {"forced": {f: _choice.forced(f) for f in _choice.FAMILIES}, "probe": _choice.probing(),
+                           "cache": str(_choice.cache_path()), "table": _choice.table()},
     }
 
 
@@ -74,4 +76,25 @@ def main(args: argparse.Namespace) -> int:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    for line in choice_lines(r["kernel_choices"]):
+        print(line)
     return 0
+
+
+def choice_lines(choices: dict) -> list[str]:
+    """The table of kernel choices (:mod:`attnlab._choice`): what each family forces, then one line per probed or
+    cached shape class: the candidate chosen at each row count and each candidate's median milliseconds."""
+    lines = [f"kernel choices (probe {'on' if choices['probe'] else 'off: ATTNLAB_PROBE=0'}; cache {choices['cache']})"]
+    for family, cand in choices["forced"].items():
+        if cand is not None:
+            lines.append(f"  {family}: {cand}, forced")
+    if not choices["table"]:
+        lines.append("  none probed yet (optimize_for_inference and quantize probe a model's shapes)")
+    for e in choices["table"]:
+        rows = e["rows"]
+        chosen = " ".join(f"{r}:{'own' if r <= e['crossover'] else 'aten'}" for r in rows)
+        times = "; ".join(f"{c} " + " ".join("-" if t is None else f"{t:.3f}" for t in ms) for c, ms in e["ms"].items())
+        inexact = f"; inexact: {', '.join(e['inexact'])}" if e["inexact"] else ""
+        lines.append(f"  {e['family']} {e['dtype']} {e['class']} ({e['shape'][0]}x{e['shape'][1]}), {e['source']}: "
+                     f"rows {chosen}; ms {times}{inexact}")
+    return lines

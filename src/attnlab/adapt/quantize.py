@@ -23,7 +23,7 @@ Three modes:
   weight, 0.56 bytes at G = 64 against int8's 1). Rows are stored in blocks of 128 columns: a width that is not
   a multiple of 128 pads its last block (a width of 32 takes as many bytes as 128), so int4 pays on wide layers.
 
-A few rows at a time (a decoding step: at most :data:`attnlab._native.MAX_ROWS` for int8, 64 for int4), on a CPU
+A few rows at a time (a decoding step: for int8 up to :meth:`Int8Linear.own_rows`, 64 for int4), on a CPU
 where attnlab's native kernel is built, every mode runs it: each row of ``x`` is rounded to 16-bit integers
 (``x ≈ s_x Q_x``, ``s_x = max|x| / 32767``, finer than the int8 modes' own rounding of the activations) and the
 products are summed in integers, reading the quantised weight once at memory speed
@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab import _native
+from attnlab import _choice, _native
 from attnlab._checks import one_of
 
 MODES = ("int8", "int8-weight", "int4")
@@ -185,9 +185,17 @@ class Int8Linear(_NativeArgs):
         return (self.weight_int8.contiguous(), self.weight_scale.float().contiguous(),
                 None if self.bias is None else self.bias.float().contiguous())
 
+    def own_rows(self) -> int:
+        """The rows of ``x`` up to which attnlab's matvec computes the product: the ``decode_linear`` choice for this
+        layer's mode and shape class (:mod:`attnlab._choice`: forced, probed or cached; by default
+        :data:`attnlab._native.MAX_ROWS`)."""
+        if getattr(self, "_rows", None) is None:
+            self._rows = _choice.decode_rows(self.mode, self.in_features, self.out_features, _native.MAX_ROWS)[0]
+        return self._rows
+
     def matvec_args(self, x: Tensor) -> Optional[tuple]:
         """``(Q, s, bias)`` for :func:`attnlab._native.matvec` where it serves ``x`` (few rows, on the CPU), else None."""
-        if x.numel() <= _native.MAX_ROWS * self.in_features and x.device.type == "cpu":
+        if x.numel() <= self.own_rows() * self.in_features and x.device.type == "cpu":
             return self._matvec_args() or None
         return None
 
@@ -197,6 +205,10 @@ class Int8Linear(_NativeArgs):
             if x.dtype == torch.float32 and x.is_contiguous():
                 return _native.matvec(x, *args)
             return _native.matvec(x.float().contiguous(), *args).to(x.dtype)
+        return self.aten(x)
+
+    def aten(self, x: Tensor) -> Tensor:
+        """The product without attnlab's kernel: fbgemm's (``"int8"``) or ``aten._weight_int8pack_mm``'s."""
         if self.mode == "int8":
             return self._dynamic(x)
         shape = x.shape
@@ -228,7 +240,7 @@ class Int8Linear(_NativeArgs):
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def _reset(self) -> None:
-        self._packed = self._native = None
+        self._packed = self._native = self._rows = None
 
     def extra_repr(self) -> str:
         extra = f", compute_dtype={self.compute_dtype}" if self.mode == "int8-weight" else ""
@@ -444,7 +456,19 @@ def quantize(model: nn.Module, mode: str, *, compute_dtype: Optional[torch.dtype
             new = (Int4Linear.from_linear(lin, group_size=groups[name], shared=tied) if mode == "int4" else
                    Int8Linear.from_linear(lin, mode=mode, compute_dtype=compute_dtype, shared=tied))
             _replace(model, name, new)
+    _probe_int8(model)
     return model.eval()
+
+
+def _probe_int8(model: nn.Module) -> None:
+    """Time the ``decode_linear`` candidates (:mod:`attnlab._choice`) once per mode and shape class of the model's
+    :class:`Int8Linear` layers not yet known: ``own`` (attnlab's int8 matvec) against ``aten``
+    (:meth:`Int8Linear.aten`), each against the float formula of the dequantised weight."""
+    for m in model.modules():
+        if isinstance(m, Int8Linear) and _choice.needs_probe(m.mode, m.in_features, m.out_features) \
+                and m._matvec_args():
+            _choice.probe_decode(m.mode, m.weight, m.bias, {
+                "own": lambda x, m=m: _native.matvec(x, *m._matvec_args()), "aten": m.aten})
 
 
 def _group_for(name: str, width: int, group_size: int) -> int:

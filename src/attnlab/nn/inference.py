@@ -17,8 +17,8 @@ CPU that depends on the layout:
 
 - attnlab's own matrix–vector kernel (:func:`attnlab._native.matvec`, C++) streams a plain row-major ``W``
   (float32, or bfloat16 widened in registers) over all threads at the speed of memory; where it is built
-  (``make setup``) a layer packed for few rows (``rows`` ≤ :func:`~attnlab._native.max_rows`, a decoder's
-  step) keeps ``W`` plain for it and multiplies more rows (a prompt's prefill) with oneDNN's inner product on
+  (``make setup``) a layer packed for few rows (``rows`` ≤ :func:`native_rows`, a decoder's step: the rows up to
+  which the kernel is faster, probed once per machine and shape class by :mod:`attnlab._choice`) keeps ``W`` plain for it and multiplies more rows (a prompt's prefill) with oneDNN's inner product on
   the plain rows (measured faster than ``F.linear``'s MKL GEMM at 32 and 512 rows, within ~20 % of the packed
   layout), or ``F.linear`` without oneDNN. In bf16 its
   input and output stay float32 (only the weight is rounded), where the many-row bf16 product rounds them
@@ -35,10 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab import _native
+from attnlab import _choice, _native
 from attnlab._checks import one_of, positive_int
 
 INFERENCE_DTYPES = (torch.float32, torch.bfloat16)
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # the dtypes' names in attnlab._choice's classes
 try:  # oneDNN's inner product on a packed weight (the overload itself: no per-call overload resolution)
     _ONEDNN_LINEAR = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
 except (AttributeError, RuntimeError):  # a build without the op
@@ -52,10 +53,41 @@ def _packable(weight: Tensor) -> bool:
     return weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def native_rows(weight: Tensor) -> int:
+    """How many rows of ``x`` attnlab's matrix–vector kernel multiplies by ``weight`` before ATen's product takes over
+    (0: none): the ``decode_linear`` choice for the weight's shape class (:mod:`attnlab._choice`: forced, probed or
+    cached; by default :func:`~attnlab._native.max_rows`), on the CPU where the kernel is built."""
+    if weight.device.type != "cpu" or weight.dtype not in INFERENCE_DTYPES or not _native.available():
+        return 0
+    out_features, in_features = weight.shape
+    return _choice.decode_rows(DTYPE_NAMES[weight.dtype], in_features, out_features,
+                               _native.max_rows(weight.dtype))[0]
+
+
 def _native_rows(weight: Tensor, rows: Optional[int]) -> bool:
-    """attnlab's matrix–vector kernel serves a layer packed for a few rows on the CPU, where it is built."""
-    return (rows is not None and rows <= _native.max_rows(weight.dtype) and weight.device.type == "cpu"
-            and weight.dtype in INFERENCE_DTYPES and _native.available())
+    """attnlab's matrix–vector kernel serves a layer packed for a few rows on the CPU, where it is built and faster."""
+    return rows is not None and rows <= native_rows(weight)
+
+
+def probe_linears(module: nn.Module, *, dtype: torch.dtype, rows: Optional[int]) -> list[dict]:
+    """Time the ``decode_linear`` candidates (:mod:`attnlab._choice`) once per shape class of ``module``'s
+    ``nn.Linear`` layers not yet known, on the first layer of each class in ``dtype``: ``own`` (attnlab's matvec on
+    the plain weight) against ``aten`` (the layer as :class:`PackedLinear` computes it without the kernel: oneDNN's
+    packed weight, or ``F.linear``). Nothing where ``rows`` (the packing's) is not a decoding step's or the kernel is
+    not built. Returns the new entries."""
+    if rows is None or rows > _choice.DECODE_ROWS or not _native.available():
+        return []
+    entries = []
+    for m in module.modules():
+        if not isinstance(m, nn.Linear) or m.weight.device.type != "cpu" \
+                or not _choice.needs_probe(DTYPE_NAMES[dtype], m.in_features, m.out_features):
+            continue
+        w = m.weight.detach().to(dtype).contiguous()
+        bias = None if m.bias is None else m.bias.detach().to(dtype).float()
+        aten = PackedLinear(m, dtype=dtype)  # rows=None: never the kernel
+        entries.append(_choice.probe_decode(DTYPE_NAMES[dtype], w.float(), bias, {
+            "own": lambda x, w=w, bias=bias: _native.matvec(x, w, None, bias), "aten": aten}))
+    return entries
 
 
 class PackedLinear(nn.Module):
@@ -99,7 +131,7 @@ class PackedLinear(nn.Module):
         w = weight.to(self.dtype)  # (out, in); the same tensor when it already has the dtype
         self.bias_: Optional[Tensor] = None if bias is None else bias.to(self.dtype).contiguous()  # (out,)
         self.native = _native_rows(w, self.rows)
-        self.max_rows = _native.max_rows(w.dtype)  # x's rows the native kernel takes (a decoding step's batch)
+        self.max_rows = native_rows(w)  # x's rows the native kernel takes (a decoding step's batch)
         self.bias32 = None if bias is None or not self.native else self.bias_.float()  # the kernel's (rounded) bias
         self.packed = self.pack and not self.native and _packable(w)
         self.onednn = self.packed or (self.native and _packable(w))  # many rows: oneDNN (on plain rows too)
@@ -196,14 +228,16 @@ def optimize_linears_(module: nn.Module, *, dtype: torch.dtype = torch.float32, 
 
     A linear layer whose weight *is* an ``nn.Embedding``'s table (a tied LM head) keeps one copy with
     ``share_tied`` in float32 and reads the table in place: as it is (row-major) where attnlab's matvec serves
-    the layer (``rows`` ≤ ``max_rows``, the kernel built: every thread), else stored column-major (MKL's GEMV
+    the layer (``rows`` ≤ :func:`native_rows`, the kernel built: every thread), else stored column-major (MKL's GEMV
     streams that layout fastest; the embedding's lookups read it as well). Otherwise, and for other shared
-    weights, each layer gets its own copy.
+    weights, each layer gets its own copy. With ``rows`` a decoding step's, the kernels are first probed once per
+    shape class not yet known on this machine (:func:`probe_linears`).
 
     Raises:
         ValueError: ``dtype`` is not one of :data:`INFERENCE_DTYPES`.
     """
     one_of("dtype", dtype, INFERENCE_DTYPES)
+    probe_linears(module, dtype=dtype, rows=rows)
     tables = {id(m.weight): m.weight for m in module.modules() if isinstance(m, nn.Embedding)}
     targets = [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()
                if isinstance(child, nn.Linear)]

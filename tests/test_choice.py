@@ -1,0 +1,222 @@
+"""The per-machine kernel choice (attnlab._choice): the force settings, the cache, the probe's exactness rule, and
+each ``decode_linear`` candidate forced on every layer that has it, compared with the float formula. Nothing here
+depends on a timing: the probe's crossover is asserted only where exactness alone decides it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnlab import _choice, _native
+from attnlab.adapt.quantize import Int8Linear, quantize
+from attnlab.nn.inference import PackedLinear, native_rows
+
+NATIVE = _native.available()
+needs_native = pytest.mark.skipif(not NATIVE, reason="attnlab's native kernels are not built here (attnlab env says why)")
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """No force setting, probing on, the cache in ``tmp_path``, an empty table; restored afterwards."""
+    for name in ("ATTNLAB_FORCE_DECODE_LINEAR", "ATTNLAB_KERNELS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ATTNLAB_PROBE", "1")
+    path = tmp_path / "attnlab" / "choices.json"
+    monkeypatch.setattr(_choice, "cache_path", lambda: path)
+    monkeypatch.setattr(_choice, "_table", {})
+    monkeypatch.setattr(_choice, "_loaded", [])
+    monkeypatch.setattr(_choice, "_spent", [0.0])
+    return path
+
+
+def test_force_settings(fresh, monkeypatch):
+    assert _choice.forced("decode_linear") is None
+    assert _choice.decode_rows("fp32", 768, 768, 5) == (5, "default")
+    monkeypatch.setenv("ATTNLAB_FORCE_DECODE_LINEAR", "own")
+    assert _choice.decode_rows("fp32", 768, 768, 5) == (_choice.DECODE_ROWS, "forced")
+    monkeypatch.setenv("ATTNLAB_FORCE_DECODE_LINEAR", "aten")
+    assert _choice.decode_rows("int8", 768, 768, 5) == (0, "forced")
+    assert not _choice.needs_probe("fp32", 768, 768)  # forced: nothing to measure
+    monkeypatch.delenv("ATTNLAB_FORCE_DECODE_LINEAR")
+    monkeypatch.setenv("ATTNLAB_KERNELS", " decode_linear = own ")
+    assert _choice.forced("decode_linear") == "own"
+
+
+@pytest.mark.parametrize("env, match", [
+    ({"ATTNLAB_FORCE_DECODE_LINEAR": "fast"}, r"ATTNLAB_FORCE_DECODE_LINEAR: decode_linear's candidates are \['own', 'aten'\], got 'fast'"),
+    ({"ATTNLAB_KERNELS": "decode_linear=blas"}, r"ATTNLAB_KERNELS: decode_linear's candidates"),
+    ({"ATTNLAB_KERNELS": "matmul=own"}, r"ATTNLAB_KERNELS takes family=candidate pairs .*\['decode_linear'\]; got 'matmul=own'"),
+    ({"ATTNLAB_KERNELS": "decode_linear"}, r"ATTNLAB_KERNELS takes family=candidate pairs"),
+    ({"ATTNLAB_KERNELS": "decode_linear=own", "ATTNLAB_FORCE_DECODE_LINEAR": "aten"}, r"force different candidates"),
+    ({"ATTNLAB_PROBE": "yes"}, r"ATTNLAB_PROBE must be 0 or 1, got 'yes'"),
+])
+def test_a_bad_setting_is_one_named_error(fresh, monkeypatch, env, match):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=match):
+        _choice.decode_rows("fp32", 768, 768, 4)
+
+
+def test_unknown_family():
+    with pytest.raises(ValueError, match=r"family must be one of \['decode_linear'\], got 'gemm'"):
+        _choice.forced("gemm")
+
+
+def test_shape_classes():
+    """GPT-2's five linear shapes fall in four classes (QKV and the FFN's first product share one)."""
+    shapes = [(768, 2304), (768, 768), (768, 3072), (3072, 768), (768, 50257)]
+    assert [_choice.shape_class(i, o) for i, o in shapes] == [(1024, 4096), (1024, 1024), (1024, 4096),
+                                                              (4096, 1024), (1024, 65536)]
+    assert _choice.shape_class(1, 1) == (1, 1) and _choice.shape_class(1024, 1025) == (1024, 2048)
+
+
+def _probe(fresh_weight, candidates, dtype="fp32"):
+    w, b = fresh_weight
+    return _choice.probe_decode(dtype, w, b, candidates)
+
+
+@pytest.fixture
+def weight():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
+
+
+def test_an_inexact_candidate_is_never_chosen(fresh, weight):
+    """``own`` off by more than the tolerance: ``aten`` at every row count, whatever the timings; then the
+    reverse. The entry lands in the cache file, keyed by this machine."""
+    w, b = weight
+    exact = lambda x: F.linear(x, w, b)  # noqa: E731
+    off = lambda x: F.linear(x, w, b) + 1e-2  # noqa: E731
+    e = _probe(weight, {"own": off, "aten": exact})
+    assert e["inexact"] == ["own"] and e["crossover"] == 0 and e["source"] == "probed"
+    assert _choice.decode_rows("fp32", 40, 24, 4) == (0, "probed")
+    e = _probe((torch.randn(24, 70), None), {"own": lambda x: x[:, :24].clone(), "aten": lambda x: x[:, :24] * 0})
+    assert e["inexact"] == ["aten", "own"] and e["crossover"] == 0  # neither exact: never the kernel
+    data = json.loads(fresh.read_text(encoding="utf-8"))
+    assert data["key"] == _choice.machine_key() and set(data["choices"]) == {"decode_linear/fp32/64x32",
+                                                                          "decode_linear/fp32/128x32"}
+
+
+def test_the_own_candidate_exact_and_the_other_not_runs_to_the_last_row_count(fresh, weight):
+    w, b = weight
+    e = _probe(weight, {"own": lambda x: F.linear(x, w, b), "aten": lambda x: F.linear(x, w, b) * 1.01})
+    assert e["inexact"] == ["aten"] and e["crossover"] == max(_choice.PROBE_ROWS)
+    assert all(t is not None and t >= 0 for ms in e["ms"].values() for t in ms)
+
+
+def test_the_cache_round_trip_and_a_corrupt_or_foreign_file(fresh, weight, monkeypatch):
+    w, b = weight
+    _probe(weight, {"own": lambda x: F.linear(x, w, b), "aten": lambda x: F.linear(x, w, b) * 1.01})
+    monkeypatch.setattr(_choice, "_table", {})
+    monkeypatch.setattr(_choice, "_loaded", [])
+    assert _choice.decode_rows("fp32", 40, 24, 4) == (max(_choice.PROBE_ROWS), "cached")
+    assert not _choice.needs_probe("fp32", 40, 24) and _choice.needs_probe("bf16", 40, 24)
+    assert [r["source"] for r in _choice.table()] == ["cached"]
+    monkeypatch.setenv("ATTNLAB_PROBE", "0")  # off: the default, the cache unread
+    assert _choice.decode_rows("fp32", 40, 24, 4) == (4, "default") and not _choice.needs_probe("bf16", 40, 24)
+    monkeypatch.setenv("ATTNLAB_PROBE", "1")
+    good = fresh.read_text(encoding="utf-8")
+    foreign = json.loads(good)
+    foreign["key"]["torch"] = "0.0"
+    for text in ("{not json", "[]", json.dumps(foreign), good.replace('"crossover": 8', '"crossover": 99')):
+        fresh.write_text(text, encoding="utf-8")
+        monkeypatch.setattr(_choice, "_table", {})
+        monkeypatch.setattr(_choice, "_loaded", [])
+        assert _choice.decode_rows("fp32", 40, 24, 4) == (4, "default"), text[:40]
+
+
+def test_a_probe_cut_short_is_not_cached(fresh, weight, monkeypatch):
+    w, b = weight
+    monkeypatch.setattr(_choice, "PROBE_SECONDS", 0.0)  # stops after the first row count
+    e = _probe(weight, {"own": lambda x: F.linear(x, w, b), "aten": lambda x: F.linear(x, w, b) * 1.01})
+    assert e["crossover"] == 1 and e["ms"]["own"][1:] == [None] * (len(_choice.PROBE_ROWS) - 1)
+    assert _choice.decode_rows("fp32", 40, 24, 4) == (1, "probed")  # this process
+    assert not fresh.exists() or "64x32" not in fresh.read_text(encoding="utf-8")
+
+
+def _linear(in_features=48, out_features=80):
+    g = torch.Generator().manual_seed(2)
+    lin = nn.Linear(in_features, out_features)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(out_features, in_features, generator=g))
+        lin.bias.copy_(torch.randn(out_features, generator=g))
+    return lin
+
+
+@needs_native
+@pytest.mark.parametrize("cand", ["own", "aten"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_each_forced_candidate_of_a_packed_linear_equals_the_float_formula(monkeypatch, cand, dtype):
+    """A layer packed for a decoding step runs the forced candidate at 1..8 rows: ``own`` attnlab's matvec (its plain
+    weight), ``aten`` oneDNN's packed weight or F.linear; both within the dtype's tolerance of the float64 product
+    of x and the rounded weight."""
+    monkeypatch.setenv("ATTNLAB_FORCE_DECODE_LINEAR", cand)
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported() and cand == "aten":
+        pytest.skip("no bf16 oneDNN here: F.linear's bf16 product is emulated")
+    lin = _linear()
+    p = PackedLinear(lin, dtype=dtype, rows=1)
+    assert p.native == (cand == "own") and p.max_rows == native_rows(p.weight)
+    calls = []
+    real = _native.matvec
+    monkeypatch.setattr(_native, "matvec", lambda *a: calls.append(1) or real(*a))
+    for rows in range(1, _choice.DECODE_ROWS + 1):
+        x = torch.randn(rows, 48)
+        y = p(x)
+        want = F.linear(x.double(), lin.weight.detach().to(dtype).double(), lin.bias.detach().to(dtype).double())
+        assert ((y.double() - want).abs() <= _choice.tolerance("fp32" if dtype == torch.float32 else "bf16", x,
+                                                               lin.weight.detach().to(dtype).float())).all()
+    assert len(calls) == (_choice.DECODE_ROWS if cand == "own" else 0)
+
+
+@needs_native
+@pytest.mark.parametrize("cand", ["own", "aten"])
+@pytest.mark.parametrize("mode", ["int8", "int8-weight"])
+def test_each_forced_candidate_of_an_int8_linear_equals_the_float_formula(monkeypatch, cand, mode):
+    """An int8 layer runs the forced candidate at 1..8 rows: ``own`` attnlab's int8 matvec, ``aten`` fbgemm's
+    product (``int8``) or ``_weight_int8pack_mm`` (``int8-weight``); both within int8's tolerance of the float64
+    product of x and the dequantised weight."""
+    monkeypatch.setenv("ATTNLAB_FORCE_DECODE_LINEAR", cand)
+    q = quantize(nn.Sequential(_linear()), mode)[0]
+    assert isinstance(q, Int8Linear) and q.own_rows() == (_choice.DECODE_ROWS if cand == "own" else 0)
+    for rows in range(1, _choice.DECODE_ROWS + 1):
+        x = torch.randn(rows, 48)
+        assert (q.matvec_args(x) is not None) == (cand == "own")
+        want = F.linear(x.double(), q.weight.double(), q.bias.double())
+        assert ((q(x).double() - want).abs() <= _choice.tolerance("int8", x, q.weight)).all()
+
+
+@needs_native
+def test_optimize_probes_once_per_shape_class(fresh, monkeypatch):
+    """optimize_for_inference's conversion probes each shape class once, on its first layer; a forced or a known
+    class is not probed again; the layers follow the recorded crossover."""
+    seen = []
+    real = _choice.probe_decode
+    monkeypatch.setattr(_choice, "probe_decode", lambda dtype, w, b, c: seen.append((dtype, tuple(w.shape)))
+                        or real(dtype, w, b, c))
+    from attnlab.nn.inference import optimize_linears_
+
+    model = nn.Sequential(_linear(48, 80), _linear(48, 96), _linear(80, 48))  # classes 64x128 twice, 128x64
+    optimize_linears_(model, dtype=torch.float32, rows=1)
+    assert seen == [("fp32", (80, 48)), ("fp32", (48, 80))]
+    for layer in model:
+        assert layer.max_rows == _choice.decode_rows("fp32", layer.in_features, layer.out_features, -1)[0]
+        assert layer.native == (layer.max_rows >= 1)
+    optimize_linears_(nn.Sequential(_linear(48, 80)), dtype=torch.float32, rows=1)
+    assert len(seen) == 2  # known now
+    optimize_linears_(nn.Sequential(_linear(48, 80)), dtype=torch.float32, rows=None)  # not a decoding step
+    assert len(seen) == 2
+
+
+def test_env_prints_the_table(fresh, weight, capsys, monkeypatch):
+    from attnlab.cli import main
+
+    w, b = weight
+    _probe(weight, {"own": lambda x: F.linear(x, w, b), "aten": lambda x: F.linear(x, w, b) * 1.01})
+    monkeypatch.setenv("ATTNLAB_KERNELS", "decode_linear=aten")
+    assert main(["env", "--no-measure"]) == 0
+    out = capsys.readouterr().out
+    assert "kernel choices (probe on" in out and "  decode_linear: aten, forced" in out
+    assert "decode_linear fp32 64x32 (40x24), probed: rows 1:own 2:own 4:own 6:own 8:own; ms own " in out
