@@ -83,6 +83,8 @@ def test_gradcheck_and_empty_rows():
     assert torch.autograd.gradcheck(lambda q, k, v: short.ShortAttention.apply(q, k, v, None, 0.7), (q, k, v))
     finite = torch.randn(1, 2, 4, 5, dtype=F64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda *t: short.ShortAttention.apply(*t, 0.7), (q, k, v, finite))
+    # second derivatives (create_graph=True: the backward is differentiable again, not detached)
+    assert torch.autograd.gradgradcheck(lambda *t: short.ShortAttention.apply(*t, 0.7), (q, k, v, finite))
     bias = torch.randn(1, 2, 4, 5, dtype=F64)
     bias[0, :, 1] = -torch.inf  # query 1 sees no key
     bias.requires_grad_(True)
@@ -91,6 +93,22 @@ def test_gradcheck_and_empty_rows():
     assert torch.equal(out[0, :, 1], torch.zeros_like(out[0, :, 1]))
     assert torch.equal(gq[0, :, 1], torch.zeros_like(gq[0, :, 1])) and torch.equal(gb[0, :, 1], torch.zeros_like(gb[0, :, 1]))
     assert torch.isfinite(gq).all() and torch.isfinite(gb).all()
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(causal=True, window=4)])
+def test_gradient_penalty_through_auto_equals_reference(kw):
+    """A gradient penalty ‖∂L/∂k‖² differentiated again through ``auto``'s short path (float64)."""
+    q, k, v = _qkv(dtype=F64)
+
+    def penalty(backend):
+        out = attention(q, k, v, backend=backend, **kw)
+        dk, = torch.autograd.grad(out.square().sum(), k, create_graph=True)
+        return out, torch.autograd.grad(dk.square().sum(), (q, k, v))
+
+    (out, got), (_, want) = penalty("auto"), penalty("reference")
+    assert "ShortAttention" in _path(out)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
 
 
 def test_half_precision_training_outside_the_short_path_runs_the_kernel_in_float32():

@@ -22,6 +22,8 @@ from attnlab import _native
 
 from attnlab import _native_train
 from attnlab._native import transformed
+from attnlab.backends import reference
+from attnlab._native_library import refuse_second_derivative
 from attnlab.functional.masks import build_mask, split_mask
 from attnlab.functional.request import default_scale
 
@@ -100,13 +102,17 @@ class ShortAttention(torch.autograd.Function):
         if bias is not None:
             p = p.nan_to_num_(0.0)  # rows with every key masked: softmax of all −inf
         out = torch.bmm(p.to(q.dtype), v3)
-        ctx.save_for_backward(q3, k3, v3, p)
+        ctx.save_for_backward(q3, k3, v3, p, q, k, v, bias)  # q, k, v, bias: for create_graph=True
         ctx.scale = scale
         return out.view(B, H, Lq, v.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        q3, k3, v3, p = ctx.saved_tensors
+        q3, k3, v3, p, q, k, v, bias = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: gradients differentiable again, from the formula
+            return (*reference.formula_grads(
+                grad_out, q, k, v, (bias,), ctx.needs_input_grad[:4], compute_dtype=p.dtype, mask=bias, causal=False,
+                window=None, scale=ctx.scale, score_mod=None, mask_mod=None), None)
         B, H = grad_out.shape[:2]
         # (B·H, Lq, Dv), in the products' dtype: under autocast the incoming gradient can be float32
         # while q, k, v are bfloat16
@@ -148,8 +154,8 @@ class NativeShortAttention(torch.autograd.Function):
     A long enough causal request runs by query blocks (:func:`causal_blocks`): block ``b`` computes the columns of
     ``P`` up to its last query's key, the rest being 0; ``dK``, ``dV`` sum the blocks' parts.
 
-    Its backward is not differentiable again (``once_differentiable``: a second-order gradient raises instead of
-    coming out wrong), as the fused kernels' (SDPA's CPU flash kernel, ``tiled``'s C++ path) are not.
+    Its backward is not differentiable again: with ``create_graph=True`` it raises, naming this path, instead of
+    coming out wrong, as the fused kernels' (SDPA's CPU flash kernel, ``tiled``'s C++ path) are not.
     """
 
     @staticmethod
@@ -171,8 +177,8 @@ class NativeShortAttention(torch.autograd.Function):
         return out.view(B, H, Lq, v.shape[-1])
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
+        refuse_second_derivative("the short backend's C++ softmax pass")
         q3, k3, v3, *ps = ctx.saved_tensors
         B, H = grad_out.shape[:2]
         go = grad_out.reshape(q3.shape[0], q3.shape[1], v3.shape[2]).to(v3.dtype)  # (autocast: can be float32)
@@ -209,7 +215,7 @@ def fused_applies(q, k, v) -> bool:
 
 
 def fused_short_attention(q, k, v, scale, causal, window):
-    """:class:`NativeShortAttention`'s computation as one C++ autograd node
+    """:class:`NativeShortAttention`'s computation as one autograd node
     (:func:`attnlab._native_train.short_attention_train`: ``short_attention`` forward, ``short_attention_backward``
     from the kept ``P``): a (batch, head) a task, reading q, k, v where they lie (views of the packed projection), 16
     queries' scores at a time (a causal block computes only the keys its queries see), ``P`` (float32) kept for the
