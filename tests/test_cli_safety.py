@@ -477,3 +477,14 @@ def test_beams_beyond_the_bound_are_refused_before_the_model_loads(gpt, capsys, 
     # before: a million beams ran 33 s on the tiny model (a batch of a million rows, each with its KV cache)
     _refused(capsys, ["generate", "--model", str(gpt), "--prompt", "the", "--num-beams", str(beams)],
              f"--num-beams must be in [1, 1,024], got {beams}")
+
+
+def test_eval_never_writes_over_a_dataset_file(run, tmp_path, monkeypatch, capsys):
+    from attnlab.data.datasets import DATASETS
+
+    monkeypatch.setenv("ATTNLAB_DATA_DIR", str(tmp_path / "data"))
+    f = tmp_path / "data" / DATASETS["tinyshakespeare"].files[0].path
+    f.parent.mkdir(parents=True)
+    f.write_text("First Citizen:\n")
+    _refused(capsys, ["eval", "--checkpoint", str(run), "--out", str(f)], "--out", "is dataset tinyshakespeare")
+    assert f.read_text() == "First Citizen:\n"

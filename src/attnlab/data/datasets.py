@@ -38,7 +38,7 @@ from attnlab._io import atomic_write, read_input_text
 
 __all__ = ["RemoteFile", "DatasetSpec", "DATASETS", "DataUnavailableError", "ChecksumError", "data_dir",
            "fetch", "load_text", "load_parallel", "load_sentences", "MULTI30K_SPLITS", "MULTI30K_LANGS",
-           "atomic_write"]
+           "atomic_write", "dataset_files"]
 
 ENV_VAR = "ATTNLAB_DATA_DIR"
 STAMP_NAME = ".sha256-ok"
@@ -112,6 +112,12 @@ def data_dir() -> Path:
     """Where datasets live: ``$ATTNLAB_DATA_DIR`` if set (and non-empty), else ``~/.cache/attnlab``."""
     env = os.environ.get(ENV_VAR, "").strip()
     return Path(env).expanduser() if env else Path.home() / ".cache" / "attnlab"
+
+
+def dataset_files() -> list[tuple[str, Path]]:
+    """``("dataset NAME", path)`` of every dataset file under :func:`data_dir`: what a recipe may read, so that
+    no command writes over one (:func:`attnlab._io.refuse_overlap`)."""
+    return [(f"dataset {spec.name}", data_dir() / f.path) for spec in DATASETS.values() for f in spec.files]
 
 
 def _spec(name: str) -> DatasetSpec:

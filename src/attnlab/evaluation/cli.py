@@ -103,7 +103,11 @@ def main(args: argparse.Namespace, *, checkpoint_scores: Optional[Callable[[argp
     """
     if args.dtype not in (None, "float32", "auto"):
         raise ValueError(f"attnlab eval scores in float32; --dtype {args.dtype} is not supported")
+    from attnlab.data.datasets import dataset_files
+
     inputs = [("--hyp", args.hyp), *(("--ref", r) for r in args.ref), ("--checkpoint", args.checkpoint)]
+    if args.checkpoint is not None:  # its recipe reads a dataset
+        inputs += dataset_files()
     if args.checkpoint is not None and Path(args.checkpoint).is_file():  # one ckpt-*.pt: its run is read too
         inputs.append(("the run of --checkpoint", Path(args.checkpoint).parent))
     if args.out is not None and args.reliability_png is not None and \

@@ -326,7 +326,9 @@ def run_recipe(name: str, *, out: PathLike, preset: Optional[str] = None,
         settings = _resume_settings(recipe, saved, overrides or {}, out, say)
     else:
         settings = resolve_settings(recipe, preset=preset, overrides=overrides)
-    check_out(out, inputs=[(f"--set {k}", getattr(settings, k, None)) for k in INPUT_SETTINGS])
+    from attnlab.data.datasets import dataset_files
+
+    check_out(out, inputs=[(f"--set {k}", getattr(settings, k, None)) for k in INPUT_SETTINGS] + dataset_files())
     check_training_memory(settings)  # a batch beyond memory: refused by name before anything is read or built
     latest = latest_checkpoint(out) if out.is_dir() else None
     if latest is not None and not resume:
