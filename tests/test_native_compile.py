@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from attnlab import _native, _native_train
-from _native_isas import needs_native
+from _native_isas import ISA_IDS, ISAS, isa, needs_native  # noqa: F401 (isa: a fixture)
 
 pytestmark = needs_native
 NO_FAKE = {"attnlab::all_finite", "attnlab::int8_kernel", "attnlab::int8_cols_laid", "attnlab::cpu_isa",
@@ -86,6 +86,21 @@ def test_the_fakes_give_the_real_ops_shapes_dtypes_and_strides(i):
     torch.library.opcheck(op, args, test_utils=OPCHECK)
 
 
+@pytest.mark.parametrize("isa", ISAS, indirect=True, ids=ISA_IDS.get)
+@pytest.mark.parametrize("kernel", ["auto", "ours"])
+def test_the_int8_layer_fake_lays_the_weight_gradient_operand_as_the_op_does(isa, kernel):
+    """With AVX2 and attnlab's own int8 product the op writes ``qxt`` as the transposed view of a ``(T, in)``
+    rounding, else contiguous: the fake asks the library (``int8_cols_laid``) and gives the same strides."""
+    before = _native_train.int8_kernel(kernel)
+    try:
+        x, w = _randn(40, 64), _randn(24, 64, seed=1)
+        torch.library.opcheck(torch.ops.attnlab.int8_linear, (x, w, None, 127, 63, True, False), test_utils=OPCHECK)
+        laid = torch.ops.attnlab.int8_linear(x, w, None, 127, 63, True, False)[3].stride() == (1, 64)
+        assert laid == (isa == 1 and kernel == "ours")
+    finally:
+        _native_train.int8_kernel(before)
+
+
 def _block_args(C=32, heads=2, bias=True, seed=0):
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: (torch.randn(*s, generator=g) * 0.2).requires_grad_()  # noqa: E731
@@ -149,6 +164,11 @@ def _packed(qkv):
     return _native_train.short_attention_packed(qkv, 2, scale=0.25, causal=True, window=None)
 
 
+def _short_softmax(q, k, v):  # (a value width not the query's: the short backend's unfused path)
+    from attnlab import attention
+    return attention(q, k, v, causal=True, backend="short")
+
+
 def _tiled(q, k, v):
     from attnlab import attention
     return attention(q, k, v, causal=True, backend="tiled")
@@ -161,6 +181,8 @@ def _tiled(q, k, v):
     ("gelu", lambda g: _native_train.act_kept_train(g, "gelu"), [(4, 16)], "the FFN activation"),
     ("block", lambda x: _gpt_layer()(x), [(2, 8, 32)], "the GPT block's one-node training pass"),
     ("tiled", _tiled, [(1, 2, 8, 16)] * 3, "the tiled backend's C++ flash attention"),
+    ("short_softmax", _short_softmax, [(1, 2, 8, 16), (1, 2, 8, 16), (1, 2, 8, 8)],
+     "the short backend's C++ softmax pass"),
 ])
 def test_a_second_derivative_through_a_native_path_raises_naming_it(path, run, shapes, match):
     xs = [_randn(*s, seed=i).requires_grad_() for i, s in enumerate(shapes)]

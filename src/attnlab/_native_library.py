@@ -1,5 +1,5 @@
-"""What ``torch.library`` knows of attnlab's C++ ops beyond their CPU kernels, so that ``torch.compile``, ``torch.export``
-and autograd treat them as they treat PyTorch's own operations:
+"""What ``torch.library`` knows of attnlab's C++ ops beyond their CPU kernels, so that ``torch.compile``,
+``torch.export`` and autograd treat them as they treat PyTorch's own operations:
 
 - a fake implementation of every op (:func:`torch.library.register_fake`): the outputs' shapes, dtypes and strides
   from the inputs' alone, never their data, so that a graph can be traced through the op;
@@ -60,9 +60,9 @@ def _rows(x: Tensor) -> int:
 
 
 def _cols_layout(x_rows: int, n: int, left: int, right: int) -> Tensor:
-    """The int8 ``(n, x_rows)`` operand ``qxt`` of an int8 layer's weight gradient as ``int8_linear`` lays it: contiguous,
-    or the transposed view of an ``(x_rows, n)`` rounding where the product that reads it is ``int8_gemm.h``'s (asked
-    of the library: ``int8_cols_laid``)."""
+    """The int8 ``(n, x_rows)`` operand ``qxt`` of an int8 layer's weight gradient as ``int8_linear`` lays it:
+    contiguous, or the transposed view of an ``(x_rows, n)`` rounding where the product that reads it is
+    ``int8_gemm.h``'s (asked of the library: ``int8_cols_laid``)."""
     if torch.ops.attnlab.int8_cols_laid.default(x_rows, left, right):
         return torch.empty((x_rows, n), dtype=I8).t()
     return torch.empty((n, x_rows), dtype=I8)

@@ -27,8 +27,9 @@ roundings of 7-bit operands (relative error up to 1/126 of the row's or column's
 product; ``nanogpt-cpu``'s val loss is unchanged within its seed-to-seed spread (see docs/performance.md).
 
 Evaluation and inference are not quantised: the layer is an ``nn.Linear`` (same parameters, same state dict) whose
-training forward takes this path — one C++ autograd node (:func:`attnlab._native_train.int8_linear_train`): the
-roundings, products and rescalings of each direction in one native call, no Python between them; in ``eval()``
+training forward takes this path — one autograd node (:func:`attnlab._native_train.int8_linear_train`): the
+roundings, products and rescalings of each direction in one native call (``int8_linear`` and its backward op,
+autograd by ``torch.library``, so ``torch.compile`` traces it); in ``eval()``
 mode, or where the native kernels are not built, it is the float layer. :func:`int8_training` swaps the layers of a
 model in place. A pre-norm GPT layer whose four products are such layers trains as one node in all
 (:func:`attnlab.nn.layer_native.decoder_train`: the norms, these products, the attention, the activation and
@@ -69,7 +70,7 @@ class Int8TrainingLinear(nn.Linear):
         out_dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
         if out_dtype not in (torch.float32, torch.bfloat16):
             return super().forward(x)
-        # one C++ autograd node (csrc/train.cpp's Int8Linear); autocast casts none of its operations
+        # one autograd node (attnlab._native_library: int8_linear's); autocast casts none of its operations
         return _native_train.int8_linear_train(x, self.weight, self.bias, left=LEFT, right=RIGHT, dtype=out_dtype)
 
 

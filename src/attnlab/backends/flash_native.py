@@ -27,7 +27,7 @@ NARROW_WINDOW = 512
 
 def native_applies(q: Tensor) -> bool:
     """Whether the C++ kernel may serve a request on ``q`` (given a mask and mods it computes, :func:`native_request`):
-    a float32/bf16/fp16 CPU tensor the kernels may read (:func:`attnlab._native.runs_on`: eager mode, no
+    a float32/bf16/fp16 CPU tensor the kernels may read (:func:`attnlab._native.runs_on`: no ``torch.jit`` trace, no
     ``torch.func`` transform, the kernels built). Its backward is not differentiable again, as SDPA's CPU flash
     kernel's is not: with ``create_graph=True`` it raises, naming this path."""
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16)

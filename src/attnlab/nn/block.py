@@ -332,7 +332,7 @@ class DecoderLayer(_ResidualLayer):
         return layer_native.decoder_step(self, x, cache)
 
     def _train_native(self, x: Tensor) -> Optional[Tensor]:
-        """The training forward as one C++ autograd node where the modules would make exactly its calls, else None
+        """The training forward as one autograd node where the modules would make exactly its calls, else None
         (:func:`attnlab.nn.layer_native.decoder_train`)."""
         return layer_native.decoder_train(self, x)
 

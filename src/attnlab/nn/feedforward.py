@@ -67,7 +67,7 @@ class _Activation(torch.autograd.Function):
     """``h = act(g) ⊙ u`` (gated) and the gradients ``∂L/∂g = ∂L/∂h ⊙ u ⊙ act'(g)``, ``∂L/∂u = ∂L/∂h ⊙ act(g)``, one
     C++ pass each (:func:`attnlab._native_train.act_train`, float32 arithmetic, one rounding to the inputs' dtype)
     instead of PyTorch's activation, its backward and three products. A plain activation (``h = act(g)``,
-    :func:`_activate`: one C++ autograd node, :func:`~attnlab._native_train.act_kept_train`) keeps ``act'(g)`` from
+    :func:`_activate`: one autograd node, :func:`~attnlab._native_train.act_kept_train`) keeps ``act'(g)`` from
     its forward (:func:`~attnlab._native_train.act_with_grad`: GELU's derivative reuses the forward's e^(−g²/2), so
     the two cost about one), the backward then one product ``∂L/∂h ⊙ act'(g)``: the same bits in float32, in bf16
     ``act'(g)`` rounded once more. Training only; the call sites take it where ``benchmarks/train_passes.py``
@@ -90,8 +90,7 @@ class _Activation(torch.autograd.Function):
 
 def _activate(g: Tensor, u: Optional[Tensor], activation: str) -> Tensor:
     """The training activation by our passes (where :func:`_native_grad` says so): gated, :class:`_Activation`;
-    plain, one C++ autograd node that keeps ``act'(g)`` (:func:`attnlab._native_train.act_kept_train`: no Python
-    ``autograd.Function`` each way)."""
+    plain, one autograd node that keeps ``act'(g)`` (:func:`attnlab._native_train.act_kept_train`)."""
     if u is None:
         return _native_train.act_kept_train(g, activation)
     return _Activation.apply(g, u, activation)

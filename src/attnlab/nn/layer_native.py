@@ -1,6 +1,6 @@
 """A decoder layer's native paths: a decoding step in one C++ call (:func:`decoder_step`) and a training step as one
-C++ autograd node (:func:`decoder_train`). Each is taken only where the layer's modules would make exactly its calls
-— the same bits — and returns None otherwise, so :class:`attnlab.nn.block.DecoderLayer` runs its modules."""
+autograd node of C++ ops (:func:`decoder_train`). Each is taken only where the layer's modules would make exactly its
+calls — the same bits — and returns None otherwise, so :class:`attnlab.nn.block.DecoderLayer` runs its modules."""
 from __future__ import annotations
 
 from typing import Optional
@@ -81,7 +81,7 @@ def decoder_step(layer, x: Tensor, cache: KVCache) -> Optional[Tensor]:
 
 
 def decoder_train(layer, x: Tensor) -> Optional[Tensor]:
-    """A decoder layer's training forward as one C++ autograd node (:func:`attnlab._native_train.gpt_block_train`:
+    """A decoder layer's training forward as one autograd node (:func:`attnlab._native_train.gpt_block_train`:
     both LayerNorms, the four int8 products, the short backend's causal attention, the activation with its
     derivative kept, both residuals — the calls the modules would make, in their order, so the same bits forward
     and backward) where the modules would take exactly those calls: a pre-norm decoder-only layer in training,
@@ -91,8 +91,8 @@ def decoder_train(layer, x: Tensor) -> Optional[Tensor]:
     (``auto`` or ``short``; no window, position bias, QK-norm, RoPE or grouped heads; at most ``SHORT_KEYS``
     keys), a plain activation, no dropout, no module hooks, not compiled (the fallback below branches on the data,
     which a graph cannot: compiled, the modules run, each through its own op). Else None; also where the projection
-    or the attention's output is not finite (the modules then run, whose pipeline handles or explains it). Why: the layer's ten
-    nodes and ~100 Python-level operations cost ~2 ms of nanogpt-cpu's ~40 ms step on 2 cores (the per-operation
+    or the attention's output is not finite (the modules then run, whose pipeline handles or explains it). Why: the
+    layer's ten nodes and ~100 Python-level operations cost ~2 ms of nanogpt-cpu's ~40 ms step on 2 cores (the per-operation
     overhead, not the arithmetic)."""
     # (submodules and parameters read from their dicts: Module.__getattr__ would be ~26 lookups a call)
     mods = layer._modules
