@@ -136,3 +136,21 @@ def test_digits_vit_run(tmp_path, capsys):
     assert main(["analyze", "--model", str(run), "--text", "x"]) == 2  # a ViT reads pictures: one clear error
     assert "reads pictures" in capsys.readouterr().err
     assert _listing(run) == before
+
+
+def test_multi30k_run_analyze_reads_the_encoder(multi30k, tmp_path):
+    from attnlab.data.tokenizers import load_tokenizer
+    from attnlab.evaluation.analysis import analyze, self_attention_modules
+    from attnlab.evaluation.analyze_cli import encode_texts
+    from attnlab.models.hub import from_pretrained
+
+    run = tmp_path / "run"
+    run_recipe("multi30k-de-en", out=run, preset="tiny", overrides=STEPS)
+    model = from_pretrained(run)
+    batch = encode_texts(load_tokenizer(run), ["ein Hund läuft im Schnee", "zwei Männer"])
+    result = analyze(model, batch)
+    n_enc = len(model.encoder.layers)
+    assert result.entropy.shape == (n_enc, model.config.num_heads) == tuple(result.prune_delta.shape)
+    assert len(self_attention_modules(model)) > n_enc  # the decoder's self-attention is not analysed
+    assert bool(torch.isfinite(result.prune_delta).all()) and result.loss_name.startswith("1 − cos")
+    assert main(["analyze", "--model", str(run), "--text", "ein Hund"]) == 0

@@ -225,7 +225,27 @@ def _is_causal_lm(model: nn.Module) -> bool:
 
 def _is_bert(model: nn.Module) -> bool:
     from attnlab.models.bert import BertForMaskedLM, BertModel
-    return isinstance(model, (BertModel, BertForMaskedLM))
+    return isinstance(model, (BertModel, BertForMaskedLM, _SourceEncoder))
+
+
+class _SourceEncoder(nn.Module):
+    """The encoder stack of a :class:`~attnlab.models.transformer.Seq2SeqTransformer` (a ``multi30k-de-en`` run) seen
+    as a BERT-style encoder: ``(input_ids, attention_mask=, output_attentions=)`` -> ``last_hidden_state`` and the
+    self-attention weights. Its only submodule is the model's encoder (the decoder's heads are not listed, and
+    pruning a head prunes it in the model itself); the embedding is the model's, called as it is."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.encoder = model.encoder
+        self.embed_source = model.embed_source  # a bound method: the model is not registered as a submodule
+
+    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, output_attentions: bool = False):
+        from types import SimpleNamespace
+
+        pad = None if attention_mask is None else attention_mask == 0  # True = padding
+        h, weights = self.encoder(self.embed_source(input_ids), key_padding_mask=pad, need_weights=True)
+        return SimpleNamespace(last_hidden_state=h,
+                               attentions=tuple(w.self_attn for w in weights) if output_attentions else None)
 
 
 def _is_classifier(model: nn.Module) -> bool:
@@ -395,7 +415,9 @@ def analyze(model: nn.Module, batch: Batch, *, similarity: str = "cosine", prune
     """Analyse every self-attention head of ``model`` on the encoded texts ``batch``.
 
     Args:
-        model: a BERT-style encoder (``BertModel``, ``BertForMaskedLM``) or a decoder-only LM.
+        model: a BERT-style encoder (``BertModel``, ``BertForMaskedLM``), a decoder-only LM, a classification /
+            QA head on either (pruning measured by the KL divergence of its outputs), or a ``Seq2SeqTransformer``
+            (its encoder's self-attention, pruning measured on the mean-pooled encoder output).
         batch: the encoded texts (:class:`Batch`).
         similarity: ``"cosine"`` or ``"js"`` (see :func:`head_similarity`).
         prune: also measure the loss change of pruning each head (``layers · H`` forward passes).
@@ -408,6 +430,10 @@ def analyze(model: nn.Module, batch: Batch, *, similarity: str = "cosine", prune
     one_of("similarity", similarity, SIMILARITIES)
     if not isinstance(batch, Batch):
         raise TypeError(f"batch must be an attnlab.evaluation.analysis.Batch, got {type(batch).__name__}")
+    from attnlab.models.transformer import Seq2SeqTransformer
+
+    if isinstance(model, Seq2SeqTransformer):  # its source side: the encoder's self-attention
+        model = _SourceEncoder(model)
     was_training = model.training
     model.eval()
     try:
