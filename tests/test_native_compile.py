@@ -290,7 +290,7 @@ def test_a_compiled_llama_training_step_is_one_graph_through_the_kernels():
                                           "short_attention_backward"])
 
 
-@pytest.mark.parametrize("arch", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_a_compiled_decode_step_is_one_graph_through_the_kernels(arch):
     """A decoding step of an ``optimize_for_inference`` model (``DecoderOnlyLM``'s one-token path: matvec,
     attend_decode writing the KV cache in place, rms_norm / gated_matvec) compiled with ``fullgraph=True``: no graph
