@@ -16,7 +16,7 @@ How a choice is made, first match wins:
    ``ATTNLAB_KERNELS="<family>=<candidate>,..."``; an unknown family or candidate, or the two settings disagreeing,
    is a ValueError that names the setting and the valid values. The tests force each candidate.
 2. probed in this process, or read from the cache (a JSON file under the user cache dir, keyed by the CPU's model
-   and flags, torch's version and attnlab's; written atomically; a corrupt or foreign file is ignored);
+   and flags, torch's version, attnlab's and the thread count; written atomically; a corrupt or foreign file is ignored);
 3. the default: the built-in crossover (deterministic; also wherever ``ATTNLAB_PROBE=0``, which turns off the probe
    and the cache: the test suite sets it).
 
@@ -52,6 +52,9 @@ PROBE_ROWS = (1, 2, 4, 6, 8)
 PROBE_CALLS = 5  # timed calls per candidate and row count (their median), after one warm-up
 PROBE_SECONDS = 0.4  # one shape class's probe stops measuring more row counts past this
 PROBE_BUDGET = 1.6  # all probes of a process together: past it, unprobed classes keep their default
+# ``own`` keeps a row count unless ``aten`` is faster by more than this factor: it also lets a decoder layer's step
+# run as one call (attnlab.nn.layer_native.decoder_step, every product ``own``), which one product's timing misses
+OWN_MARGIN = 1.1
 CHECK_OUTPUTS = 4096  # the probe checks a candidate's first outputs this many against the float formula
 _table: dict[str, dict] = {}  # "family/dtype/class" -> entry (see probe_decode), this process's and the cache's
 _spent: list = [0.0]  # seconds the probes of this process took
@@ -110,12 +113,13 @@ def _key(family: str, dtype: str, in_features: int, out_features: int) -> str:
 
 
 def machine_key() -> dict:
-    """What a cached choice is valid for: the CPU's model and flags, torch's version, attnlab's."""
+    """What a cached choice is valid for: the CPU's model and flags, torch's version, attnlab's, and the number of
+    threads (the kernels split a product over them; MKL's GEMV does not)."""
     import attnlab
 
     flags = " ".join(sorted(_cpu_flags()))
     return {"cpu": _cpu_name(), "flags": hashlib.sha256(flags.encode()).hexdigest()[:16],
-            "torch": torch.__version__, "attnlab": attnlab.__version__}
+            "torch": torch.__version__, "attnlab": attnlab.__version__, "threads": torch.get_num_threads()}
 
 
 def cache_path() -> Path:
@@ -209,7 +213,8 @@ def probe_decode(dtype: str, weight: Tensor, bias: Optional[Tensor], candidates:
     out)``) on a weight of the class, record the choice for the class (this process and the cache) and return its
     entry: ``shape``, ``rows``, ``ms`` (per candidate, per row count; None where not measured), ``inexact`` (the
     candidates outside :func:`tolerance`, never chosen), ``crossover`` (the largest measured row count up to which
-    ``own`` is exact and faster at every measured count, 0 where it is not at 1 row) and ``seconds``.
+    ``own`` is exact and faster at every measured count, within :data:`OWN_MARGIN`; 0 where it is not at 1 row) and
+    ``seconds``.
 
     ``weight`` is the float formula's ``(out, in)`` weight (dequantised for int8), ``bias`` its bias or None.
     """
@@ -235,7 +240,7 @@ def probe_decode(dtype: str, weight: Tensor, bias: Optional[Tensor], candidates:
                 for name, fn in candidates.items():
                     t = _median_ms(fn, x)
                     ms[name][i] = t if ms[name][i] is None else min(ms[name][i], t)
-        faster = "own" not in inexact and ("aten" in inexact or ms["own"][i] <= ms["aten"][i])
+        faster = "own" not in inexact and ("aten" in inexact or ms["own"][i] <= OWN_MARGIN * ms["aten"][i])
         own_wins = own_wins and faster
         if own_wins:
             crossover = rows
