@@ -1,7 +1,8 @@
 """Task heads export as ONNX graphs of their logits: a BERT sequence / token classifier and QA head (the encoder's
 three inputs) and a GPT-2 sequence classifier (``input_ids``, ``attention_mask``; no cache), each equal to the
 model's forward on a padded batch of another length than the traced example; ``analyze`` prunes their heads by the
-KL divergence of their outputs. ViTs export with ``pixel_values`` in and a dynamic batch."""
+KL divergence of their outputs. ViTs export with ``pixel_values`` in and a dynamic batch; a Seq2SeqTransformer as
+its teacher-forced logits, source and target lengths dynamic."""
 import pytest
 import torch
 
@@ -83,3 +84,27 @@ def test_vit_graph_matches_the_forward(tmp_path, classifier):
         tol = 64 * torch.finfo(torch.float32).eps * max(1.0, float(r.abs().max()))
         assert (torch.from_numpy(g) - r).abs().max() <= tol, name
     assert outs == (("logits",) if classifier else ("last_hidden_state", "pooler_output"))
+
+
+@pytest.mark.parametrize("position", ["sinusoidal", "rope"])
+def test_seq2seq_transformer_graph_matches_the_forward(tmp_path, position):
+    ort = pytest.importorskip("onnxruntime", reason="onnxruntime is not installed")
+    from attnlab.models.config import TransformerConfig
+    from attnlab.models.transformer import Seq2SeqTransformer
+
+    torch.manual_seed(0)
+    model = Seq2SeqTransformer(TransformerConfig(src_vocab_size=30, dim=32, num_heads=4, ffn_dim=64,
+                                                 num_encoder_layers=2, num_decoder_layers=2, max_positions=64,
+                                                 position=position, pad_id=0)).eval()
+    path = export_onnx(model, tmp_path / "s2s.onnx", example_length=8)
+    assert input_names(model) == ("input_ids", "attention_mask", "decoder_input_ids")
+    src = torch.tensor([[5, 9, 11, 13, 17, 19, 23, 2, 4, 6, 8], [5, 7, 9, 3, 0, 0, 0, 0, 0, 0, 0]])
+    mask = (src != 0).long()
+    tgt = torch.tensor([[1, 4, 6, 8, 10], [1, 3, 5, 7, 9]])  # lengths other than the traced example's
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (got,) = session.run(["logits"], {"input_ids": src.numpy(), "attention_mask": mask.numpy(),
+                                     "decoder_input_ids": tgt.numpy()})
+    with torch.no_grad():
+        ref = model(src, tgt)
+    tol = 64 * torch.finfo(torch.float32).eps * max(1.0, float(ref.abs().max()))
+    assert got.shape == (2, 5, 30) and (torch.from_numpy(got) - ref).abs().max() <= tol

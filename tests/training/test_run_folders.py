@@ -75,6 +75,7 @@ def test_multi30k_run(multi30k, tmp_path, capsys):
     kinds = _data((tmp_path / "view.html").read_text(encoding="utf-8"))["kinds"]
     assert [k["name"] for k in kinds] == ["encoder", "decoder", "cross"]
     assert kinds[2]["tokens_k"] == kinds[0]["tokens_q"] and kinds[1]["tokens_q"][0] == "<s>"
+    assert main(["export", "--model", str(run), "--out", str(tmp_path / "s2s.onnx")]) == 0
     assert _listing(run) == before
 
 

@@ -13,6 +13,10 @@ head's ``logits`` (question answering: ``start_logits`` and ``end_logits``).
 image_size, image_size)`` float32 in, ``last_hidden_state`` (+ ``pooler_output``) or ``logits`` out; only the batch
 axis is dynamic (the position table fixes the picture's size).
 
+**Seq2SeqTransformer** (a ``multi30k-de-en`` run): ``input_ids``, ``attention_mask`` (source) and
+``decoder_input_ids`` in, the teacher-forced ``logits`` ``(batch, decoder_sequence, vocab)`` out; no cache (each
+decoding step runs the whole graph).
+
 **Decoder-only models** (:class:`~attnlab.models.causal_lm.DecoderOnlyLM`: GPT-2, Llama with GQA) use Optimum's
 decoder layout, one graph for the first call and every step after it (``L`` layers, ``Hkv`` key/value heads)::
 
@@ -66,8 +70,8 @@ PathLike = Union[str, os.PathLike]
 DEFAULT_OPSET = 17
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")  # the encoders'
 SUPPORTED = ("BERT encoders (BertModel, BertForMaskedLM), decoder-only LMs (GPT2LMHeadModel, LlamaForCausalLM), "
-             "the classification / question-answering heads on them (BertForSequenceClassification, ...) and ViTs "
-             "(ViTModel, ViTForImageClassification)")
+             "the classification / question-answering heads on them (BertForSequenceClassification, ...), ViTs "
+             "(ViTModel, ViTForImageClassification) and Seq2SeqTransformer (teacher-forced logits)")
 
 
 class _Exportable(nn.Module):
@@ -100,6 +104,24 @@ class _DecoderWithCache(nn.Module):
         return (logits, *(t for cache in caches for t in cache.self_attn.stored()))
 
 
+class _Seq2SeqLogits(nn.Module):
+    """A :class:`~attnlab.models.transformer.Seq2SeqTransformer`: teacher-forced ``logits`` of ``decoder_input_ids``
+    over ``input_ids`` (``attention_mask``: 1 = source token, 0 = padding)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, decoder_input_ids: Tensor) -> tuple[Tensor]:
+        return (self.model(input_ids, decoder_input_ids, src_key_padding_mask=attention_mask == 0),)
+
+
+def _seq2seq(model: nn.Module) -> bool:
+    from attnlab.models.transformer import Seq2SeqTransformer
+
+    return isinstance(model, Seq2SeqTransformer)
+
+
 def _cache_names(prefix: str, num_layers: int) -> list[str]:
     return [f"{prefix}.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
 
@@ -120,6 +142,8 @@ def input_names(model: nn.Module) -> tuple[str, ...]:
     """The graph inputs :func:`export_onnx` writes for ``model`` (see the module docstring)."""
     if _vit(model):
         return ("pixel_values",)
+    if _seq2seq(model):
+        return ("input_ids", "attention_mask", "decoder_input_ids")
     if isinstance(model, DecoderOnlyLM):
         if _task_head(model):
             return ("input_ids", "attention_mask")
@@ -130,6 +154,8 @@ def input_names(model: nn.Module) -> tuple[str, ...]:
 
 def output_names(model: nn.Module) -> tuple[str, ...]:
     """The graph outputs :func:`export_onnx` writes for ``model``."""
+    if _seq2seq(model):
+        return ("logits",)
     if _vit(model):
         if hasattr(model, "classifier"):
             return ("logits",)
@@ -150,6 +176,8 @@ def _positions(model: nn.Module) -> int:
     """The most positions the model's tables hold (the ``example_length`` bound)."""
     if isinstance(model, DecoderOnlyLM):
         return getattr(model.config, model.positions_field)
+    if _seq2seq(model):
+        return model.config.max_positions
     return model.config.max_position_embeddings
 
 
@@ -164,6 +192,17 @@ def _encoder_example(model: nn.Module, length: int) -> tuple[tuple[Tensor, ...],
     dynamic.update({name: {0: "batch"} if name == "pooler_output" or per_sequence else {0: "batch", 1: "sequence"}
                     for name in output_names(model)})
     return (ids, mask, torch.zeros_like(ids))[:len(names)], dynamic
+
+
+def _seq2seq_example(model: nn.Module, length: int) -> tuple[tuple[Tensor, ...], dict]:
+    """A padded source batch and a target one token shorter (the two lengths are separate dynamic axes)."""
+    c = model.config
+    ids = torch.randint(1, c.src_vocab_size, (2, length))
+    mask = torch.ones_like(ids)
+    mask[1, length // 2:] = 0
+    tgt = torch.randint(1, c.tgt_vocab_size or c.src_vocab_size, (2, length - 1))
+    src, dec = {0: "batch", 1: "encoder_sequence"}, {0: "batch", 1: "decoder_sequence"}
+    return (ids, mask, tgt), {"input_ids": src, "attention_mask": src, "decoder_input_ids": dec, "logits": dec}
 
 
 def _decoder_example(model: DecoderOnlyLM, length: int) -> tuple[tuple[Tensor, ...], dict]:
@@ -225,7 +264,8 @@ def export_onnx(model: nn.Module, path: PathLike, *, opset: Optional[int] = None
             example_length = min(16, limit)
         if not (isinstance(example_length, int) and 2 <= example_length <= limit):
             raise ValueError(f"example_length must be an int in [2, {limit}], got {example_length!r}")
-        example, dynamic = (_decoder_example if decoder else _encoder_example)(model, example_length)
+        make_example = _decoder_example if decoder else _seq2seq_example if _seq2seq(model) else _encoder_example
+        example, dynamic = make_example(model, example_length)
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"export_onnx: path {path} is a folder: give the .onnx file to write")
@@ -235,7 +275,8 @@ def export_onnx(model: nn.Module, path: PathLike, *, opset: Optional[int] = None
             m.backend = "reference"  # softmax(QKᵀ/√d + mask)V as plain ops; the tracer cannot take SDPA's GQA flag
         if isinstance(m, RotaryEmbedding) and m.cached_positions < _positions(model):
             m._grow(_positions(model))  # the graph keeps the cos/sin table as a constant: make it cover every position
-    wrapper = _DecoderWithCache(traced) if decoder else _Exportable(traced, input_names(model), outputs)
+    wrapper = (_DecoderWithCache(traced) if decoder else _Seq2SeqLogits(traced) if _seq2seq(model)
+               else _Exportable(traced, input_names(model), outputs))
 
     def write(tmp: str) -> None:
         with torch.no_grad(), warnings.catch_warnings():
