@@ -136,6 +136,14 @@ def test_the_mutating_decode_ops_declare_what_they_write():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+def test_the_gradient_clip_declares_the_list_it_scales():
+    """clip_grad_norm_ scales its Tensor list in place: ``Tensor(a!)[]`` in the schema, and a fake for the norm."""
+    schema = torch.ops.attnlab.clip_grad_norm_.default._schema
+    assert schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write
+    grads = [_randn(5, 7) * 3, _randn(11, seed=1) * 3]
+    torch.library.opcheck(torch.ops.attnlab.clip_grad_norm_, (grads, 1.0), test_utils=("test_schema", "test_faketensor"))
+
+
 # second derivatives: refused by name, never silently detached
 
 
