@@ -15,7 +15,8 @@ from attnlab.adapt.quantize import Int8Linear, quantize
 from attnlab.nn.inference import PackedLinear, native_rows
 
 NATIVE = _native.available()
-needs_native = pytest.mark.skipif(not NATIVE, reason="attnlab's native kernels are not built here (attnlab env says why)")
+needs_native = pytest.mark.skipif(not NATIVE,
+                                  reason="attnlab's native kernels are not built here (attnlab env says why)")
 
 
 @pytest.fixture
@@ -46,9 +47,11 @@ def test_force_settings(fresh, monkeypatch):
 
 
 @pytest.mark.parametrize("env, match", [
-    ({"ATTNLAB_FORCE_DECODE_LINEAR": "fast"}, r"ATTNLAB_FORCE_DECODE_LINEAR: decode_linear's candidates are \['own', 'aten'\], got 'fast'"),
+    ({"ATTNLAB_FORCE_DECODE_LINEAR": "fast"},
+     r"ATTNLAB_FORCE_DECODE_LINEAR: decode_linear's candidates are \['own', 'aten'\], got 'fast'"),
     ({"ATTNLAB_KERNELS": "decode_linear=blas"}, r"ATTNLAB_KERNELS: decode_linear's candidates"),
-    ({"ATTNLAB_KERNELS": "matmul=own"}, r"ATTNLAB_KERNELS takes family=candidate pairs .*\['decode_linear'\]; got 'matmul=own'"),
+    ({"ATTNLAB_KERNELS": "matmul=own"},
+     r"ATTNLAB_KERNELS takes family=candidate pairs .*\['decode_linear'\]; got 'matmul=own'"),
     ({"ATTNLAB_KERNELS": "decode_linear"}, r"ATTNLAB_KERNELS takes family=candidate pairs"),
     ({"ATTNLAB_KERNELS": "decode_linear=own", "ATTNLAB_FORCE_DECODE_LINEAR": "aten"}, r"force different candidates"),
     ({"ATTNLAB_PROBE": "yes"}, r"ATTNLAB_PROBE must be 0 or 1, got 'yes'"),
@@ -121,7 +124,8 @@ def test_the_cache_round_trip_and_a_corrupt_or_foreign_file(fresh, weight, monke
     good = fresh.read_text(encoding="utf-8")
     foreign = json.loads(good)
     foreign["key"]["torch"] = "0.0"
-    for text in ("{not json", "[]", json.dumps(foreign), good.replace('"crossover": 8', '"crossover": 99')):
+    for text in ("{not json", "[]", json.dumps(foreign), good.replace('"crossover": 8', '"crossover": 99'),
+                 good.replace('"inexact"', '"exact"')):
         fresh.write_text(text, encoding="utf-8")
         monkeypatch.setattr(_choice, "_table", {})
         monkeypatch.setattr(_choice, "_loaded", [])

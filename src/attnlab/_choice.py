@@ -16,7 +16,8 @@ How a choice is made, first match wins:
    ``ATTNLAB_KERNELS="<family>=<candidate>,..."``; an unknown family or candidate, or the two settings disagreeing,
    is a ValueError that names the setting and the valid values. The tests force each candidate.
 2. probed in this process, or read from the cache (a JSON file under the user cache dir, keyed by the CPU's model
-   and flags, torch's version, attnlab's and the thread count; written atomically; a corrupt or foreign file is ignored);
+   and flags, torch's version, attnlab's and the thread count; written atomically; a corrupt or foreign file is
+   ignored);
 3. the default: the built-in crossover (deterministic; also wherever ``ATTNLAB_PROBE=0``, which turns off the probe
    and the cache: the test suite sets it).
 
@@ -137,8 +138,7 @@ def _load_cache() -> None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         entries = data["choices"] if data.get("key") == machine_key() else {}
-        good = {k: dict(e, source="cached") for k, e in entries.items()
-                if isinstance(e, dict) and isinstance(e.get("crossover"), int) and 0 <= e["crossover"] <= DECODE_ROWS}
+        good = {k: dict(e, source="cached") for k, e in entries.items() if _valid(e)}
     except FileNotFoundError:
         return
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:  # corrupt: probed again, then replaced
@@ -146,6 +146,17 @@ def _load_cache() -> None:
         return
     for k, e in good.items():
         _table.setdefault(k, e)
+
+
+def _valid(e) -> bool:
+    """Whether a cached entry has :func:`probe_decode`'s fields, of their types, from a whole probe."""
+    rows = list(PROBE_ROWS)
+    return (isinstance(e, dict) and type(e.get("crossover")) is int and 0 <= e["crossover"] <= DECODE_ROWS
+            and e.get("rows") == rows and isinstance(e.get("ms"), dict)
+            and set(e["ms"]) == set(FAMILIES["decode_linear"])
+            and all(isinstance(t, list) and len(t) == len(rows) and all(isinstance(v, (int, float)) for v in t)
+                    for t in e["ms"].values())
+            and isinstance(e.get("shape"), list) and len(e["shape"]) == 2 and isinstance(e.get("inexact"), list))
 
 
 def _save_cache() -> None:
@@ -187,8 +198,8 @@ def needs_probe(dtype: str, in_features: int, out_features: int) -> bool:
 def tolerance(dtype: str, x: Tensor, weight: Tensor) -> Tensor:
     """The largest difference from the float formula ``x Wᵀ`` (float64, ``W`` as stored: rounded to bf16, or
     ``diag(s) Q``) that a ``decode_linear`` candidate may show, per output: float32 summation over K terms
-    (``K · 2⁻²⁴ · |x| |W|ᵀ``), plus for bf16 the rounding of the input and the output (``2⁻⁷ · |x| |W|ᵀ``), plus for
-    int8 (``int8``, ``int8-weight``) that of each input row to int8 levels of its own range (``max|x| / 127 · Σ|W|``)
+    (``K · 2⁻²⁴ · |x| |W|ᵀ``), plus for bf16 the rounding of the input and the output (``2⁻⁷ · |x| |W|ᵀ``),
+    plus for int8 (``int8``, ``int8-weight``) that of each input row to int8 levels of its own range (``max|x| / 127 · Σ|W|``)
     and bf16's (``int8-weight``'s compute dtype)."""
     x, w = x.double(), weight.double()
     mag = x.abs() @ w.abs().T

@@ -18,7 +18,8 @@ CPU that depends on the layout:
 - attnlab's own matrix–vector kernel (:func:`attnlab._native.matvec`, C++) streams a plain row-major ``W``
   (float32, or bfloat16 widened in registers) over all threads at the speed of memory; where it is built
   (``make setup``) a layer packed for few rows (``rows`` ≤ :func:`native_rows`, a decoder's step: the rows up to
-  which the kernel is faster, probed once per machine and shape class by :mod:`attnlab._choice`) keeps ``W`` plain for it and multiplies more rows (a prompt's prefill) with oneDNN's inner product on
+  which the kernel is faster, probed once per machine and shape class by :mod:`attnlab._choice`) keeps ``W``
+  plain for it and multiplies more rows (a prompt's prefill) with oneDNN's inner product on
   the plain rows (measured faster than ``F.linear``'s MKL GEMM at 32 and 512 rows, within ~20 % of the packed
   layout), or ``F.linear`` without oneDNN. In bf16 its
   input and output stay float32 (only the weight is rounded), where the many-row bf16 product rounds them
@@ -65,7 +66,8 @@ def native_rows(weight: Tensor) -> int:
 
 
 def _native_rows(weight: Tensor, rows: Optional[int]) -> bool:
-    """attnlab's matrix–vector kernel serves a layer packed for a few rows on the CPU, where it is built and faster."""
+    """attnlab's matrix–vector kernel serves a layer packed for a few rows on the CPU, where it is built and
+    faster."""
     return rows is not None and rows <= native_rows(weight)
 
 
