@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import attnlab
 
 QUICK = os.environ.get("ATTNLAB_TUTORIAL_QUICK") == "1"
-torch.manual_seed(0)
+_ = torch.manual_seed(0)  # (it returns the generator: `_ =` keeps its repr out of the output)
 
 # %% [markdown]
 # ## The formula in torch

@@ -35,7 +35,7 @@ from attnlab import bigbird_mod, favor_projection, fixed_mod, linear_attention, 
 from attnlab.functional.masks import evaluate_mask_mod
 
 QUICK = os.environ.get("ATTNLAB_TUTORIAL_QUICK") == "1"
-torch.manual_seed(0)
+_ = torch.manual_seed(0)  # (it returns the generator: `_ =` keeps its repr out of the output)
 
 # %% [markdown]
 # ## Sparse masks: which scores to compute

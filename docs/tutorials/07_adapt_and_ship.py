@@ -48,7 +48,8 @@ def curve(run_dir, key="loss", kind="train"):
 # `ATTNLAB_DATA_DIR` or is downloaded). We take its `tiny` preset (2 layers, width 32), for `STEPS` steps.
 
 # %%
-common = dict(max_steps=STEPS, eval_every=STEPS // 4, checkpoint_every=STEPS // 4, log_every=STEPS // 8, progress=False)
+common = dict(max_steps=STEPS, eval_every=STEPS // 4, checkpoint_every=STEPS // 4, log_every=STEPS // 8,
+              progress=not QUICK)  # the full runs show their steps
 base = run_recipe("shakespeare-char", out="base", preset="tiny", overrides=common)
 print({k: base.get(k) for k in ("steps", "parameters", "val_loss")})
 
