@@ -106,6 +106,30 @@ def test_clip_image_tower(tmp_path):
     assert view.layer == 1 and torch.equal(view.heads[3], att[1][0, 3, 0, 1:].reshape(4, 4))
 
 
+def test_clip_image_classifier_shows_its_tower(tmp_path):
+    """A CLIPForImageClassification (a task head ``from_pretrained`` loads) shows its image tower's attention,
+    equal to CLIPModel's with the same tower weights."""
+    from attnlab.models.classifier import ClassifierConfig
+    from attnlab.models.image_heads import CLIPForImageClassification
+
+    torch.manual_seed(0)
+    vision = dict(hidden_size=40, intermediate_size=45, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                  patch_size=8)
+    text = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=4,
+                max_position_embeddings=16)
+    cfg = CLIPConfig(text_config=text, vision_config=vision, projection_dim=24)
+    head = CLIPForImageClassification(ClassifierConfig(cfg, num_labels=3)).eval()
+    head.save_pretrained(tmp_path / "head")
+    clip = CLIPModel(cfg).eval()
+    clip.vision_model.load_state_dict(head.vision_model.state_dict())
+    clip.save_pretrained(tmp_path / "clip")
+    pic = _picture(tmp_path / "p.png", (50, 32))
+    att, picture, name = image_attention_from_path(tmp_path / "head", pic)
+    ref, _, _ = image_attention_from_path(tmp_path / "clip", pic)
+    assert name == "CLIPForImageClassification" and picture.shape == (32, 32, 3)
+    assert all(torch.equal(a, b) for a, b in zip(att, ref))
+
+
 def test_greyscale_vit_reads_one_channel(tmp_path, capsys):
     """A ViT with ``num_channels=1`` (e.g. ``attnlab train digits-vit``) is given the picture in grey: the luminance
     PIL computes, normalised with the model's one mean and std, and shown in grey."""

@@ -174,12 +174,13 @@ def image_attention_from_path(path, image_path, *, dtype: torch.dtype = torch.fl
 
     from attnlab.models.clip import CLIPModel
     from attnlab.models.hub import from_pretrained, resolve_pretrained
+    from attnlab.models.image_heads import CLIPForImageClassification
     from attnlab.models.vit import ViTForImageClassification, ViTModel
 
     folder = resolve_pretrained(path)
     model = from_pretrained(folder, dtype=dtype).to(device)
     channels = 3
-    if isinstance(model, CLIPModel):
+    if isinstance(model, (CLIPModel, CLIPForImageClassification)):  # (the head's config reads through to CLIP's)
         size, mean, std, crop = model.config.vision_config.image_size, CLIP_MEAN, CLIP_STD, True
         tower = model.vision_model
     elif isinstance(model, (ViTModel, ViTForImageClassification)):
