@@ -488,3 +488,19 @@ def test_eval_never_writes_over_a_dataset_file(run, tmp_path, monkeypatch, capsy
     f.write_text("First Citizen:\n")
     _refused(capsys, ["eval", "--checkpoint", str(run), "--out", str(f)], "--out", "is dataset tinyshakespeare")
     assert f.read_text() == "First Citizen:\n"
+
+
+def test_a_failed_atomic_write_leaves_no_file_and_no_folder(tmp_path):
+    from attnlab._io import atomic_write
+
+    def fail(tmp):
+        Path(tmp).write_bytes(b"half")
+        raise ValueError("refused half-way")
+
+    with pytest.raises(ValueError, match="half-way"):
+        atomic_write(tmp_path / "a" / "b" / "out.onnx", fail)
+    assert not any(tmp_path.iterdir())
+    (tmp_path / "keep.onnx").write_bytes(b"old")
+    with pytest.raises(ValueError, match="half-way"):
+        atomic_write(tmp_path / "keep.onnx", fail)
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.onnx"] and (tmp_path / "keep.onnx").read_bytes() == b"old"

@@ -39,9 +39,11 @@ def atomic_write(target: Union[str, os.PathLike], write: Callable[[str], None]) 
     """``write(tmp)`` to a temporary file beside ``target``, fsync it, then ``os.replace`` it over ``target``.
 
     ``os.replace`` is atomic on POSIX: readers see the old file or the new one, never a torn one;
-    a process killed mid-write leaves only a ``.<name>.*.tmp`` file that nothing reads.
+    a process killed mid-write leaves only a ``.<name>.*.tmp`` file that nothing reads. When ``write`` fails,
+    the temporary file and the folders made for ``target`` are removed again: a failed write leaves nothing.
     """
     target = Path(target)
+    made = [p for p in [target.parent, *target.parent.parents] if not p.exists()]  # deepest first
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     os.close(fd)
@@ -55,6 +57,11 @@ def atomic_write(target: Union[str, os.PathLike], write: Callable[[str], None]) 
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:  # something else was written into it meanwhile: leave it
+                break
         raise
 
 
