@@ -155,6 +155,7 @@ const float* ptr(const Opt& t) { return t ? t->data_ptr<float>() : nullptr; }
 // (~64 K elements per task at least); `op` names the caller in the errors
 at::Tensor norm(const char* op, const at::Tensor& x, const Opt& w, const Opt& b, bool rms, double eps) {
   check_f32(x, op, "x");
+  ATTNLAB_CHECK(x.dim() >= 1, "attnlab::", op, ": x must be (..., E), got a 0-D tensor");
   for (const Opt* t : {&w, &b})
     if (*t) {
       check_f32(**t, op, "a norm's weight or bias");

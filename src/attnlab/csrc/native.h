@@ -82,6 +82,15 @@ inline void check_f32(const at::Tensor& t, const char* op, const char* name) {
                 t.is_contiguous() ? "" : " (not contiguous)");
 }
 
+// the check of an argument whose elements must each have their own memory (no expanded view: a result as large as
+// it would be as large as its sizes, not its storage)
+inline void check_not_expanded(const at::Tensor& t, const char* op, const char* name) {
+  for (int64_t d = 0; d < t.dim(); ++d)
+    ATTNLAB_CHECK(t.size(d) <= 1 || t.stride(d) != 0, "attnlab::", op, ": ", name,
+                  " must not be an expanded view (stride 0 in dimension ", d, "), got sizes ", t.sizes(),
+                  " and strides ", t.strides());
+}
+
 // matvec.cpp: y = s ⊙ (x Wᵀ) + b, and act(x W₁ᵀ ⊙ s₁ + b₁) ⊙ (x W₃ᵀ ⊙ s₃ + b₃)
 at::Tensor matvec(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale,
                   const std::optional<at::Tensor>& bias);

@@ -249,6 +249,7 @@ at::Tensor rope_train(const at::Tensor& x, const at::Tensor& cos, const at::Tens
                   x.dim() == 4 && x.stride(3) == 1 && x.size(3) % 2 == 0,
                 "attnlab::rope_train: x must be a float32 or bfloat16 CPU tensor (B, H, L, D), D even, its last ",
                 "dimension contiguous; got ", x.scalar_type(), " ", x.sizes());
+  attnlab_native::check_not_expanded(x, "rope_train", "x");
   const int64_t B = x.size(0), H = x.size(1), Lx = x.size(2), D = x.size(3), h = D / 2;
   attnlab_native::check_f32(cos, "rope_train", "cos");
   attnlab_native::check_f32(sin, "rope_train", "sin");
@@ -570,6 +571,8 @@ at::Tensor int8_product_plus(const at::Tensor& a, const at::Tensor& b, const at:
                 "attnlab::int8_product: a (M, K) and b (K, N) must be int8, got ", a.scalar_type(), " ", a.sizes(),
                 " and ", b.scalar_type(), " ", b.sizes());
   ATTNLAB_CHECK(max_inner >= 1, "attnlab::int8_product: max_inner must be >= 1, got ", max_inner);
+  attnlab_native::check_not_expanded(a, "int8_product", "a");
+  attnlab_native::check_not_expanded(b, "int8_product", "b");
   ATTNLAB_CHECK(!res || (!bf16 && res->scalar_type() == at::kFloat && res->is_contiguous() && res->dim() == 2 &&
                          res->size(0) == a.size(0) && res->size(1) == b.size(1)),
                 "attnlab::int8_product: a residual must be float32 (M, N) contiguous with a float32 result");
@@ -722,6 +725,7 @@ void check_short(const at::Tensor& t, const at::Tensor& q, const char* op, const
                 q.sizes(), " ", q.scalar_type(), " with the last stride 1, got ", t.scalar_type(), " ", t.sizes(),
                 " strides ", t.strides());
   ATTNLAB_CHECK(t.size(2) == L, "attnlab::", op, ": ", name, " must have ", L, " rows, got ", t.size(2));
+  attnlab_native::check_not_expanded(t, op, name);
 }
 
 // the rows of (batch b, head h) of a (B, H, L, D) tensor x whose data starts at base
@@ -873,20 +877,39 @@ at::Tensor short_attention_packed_backward(const at::Tensor& qkv, const at::Tens
 // layer (qkv, o, 1, 2) qw, sw, qxt, sxc, and between them qkv and P (attention), x₃, mean₂, rstd₂, act'(f)
 bool all_finite(at::TensorList ts);
 
+// gpt_block_train's (and its backward's) checks of x and the layer's parameters
+void check_block(const char* op, const at::Tensor& x, const at::Tensor& n1w, const std::optional<at::Tensor>& n1b,
+                 const at::Tensor& wqkv, const at::Tensor& wo, const at::Tensor& n2w,
+                 const std::optional<at::Tensor>& n2b, const at::Tensor& w1, const at::Tensor& w2, int64_t heads) {
+  ATTNLAB_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "attnlab::", op,
+                ": x must be float32 (B, L, C) on the CPU, got ", x.scalar_type(), " ", x.sizes());
+  attnlab_native::check_not_expanded(x, op, "x");
+  const int64_t C = x.size(2);
+  for (const auto& [t, name] : {std::pair{&n1w, "n1w"}, {&n2w, "n2w"}, {n1b ? &*n1b : nullptr, "n1b"},
+                                {n2b ? &*n2b : nullptr, "n2b"}}) {
+    if (!t) continue;
+    attnlab_native::check_f32(*t, op, name);
+    ATTNLAB_CHECK(t->dim() == 1 && t->size(0) == C, "attnlab::", op, ": ", name, " must be (", C, ",), got ",
+                  t->sizes());
+  }
+  ATTNLAB_CHECK(wqkv.dim() == 2 && wo.dim() == 2 && w1.dim() == 2 && w2.dim() == 2, "attnlab::", op,
+                ": the weights must be 2-D, got qkv ", wqkv.sizes(), ", o ", wo.sizes(), ", ffn ", w1.sizes(),
+                " and ", w2.sizes());
+  const int64_t E3 = wqkv.size(0);
+  ATTNLAB_CHECK(heads >= 1 && heads <= E3 && E3 % (3 * heads) == 0 && wqkv.size(1) == C && wo.size(1) == E3 / 3 &&
+                    wo.size(0) == C && w2.size(0) == C && w1.size(0) == w2.size(1) && w1.size(1) == C,
+                "attnlab::", op, ": the weights do not make a block of width ", C, " and ", heads, " heads: qkv ",
+                wqkv.sizes(), ", o ", wo.sizes(), ", ffn ", w1.sizes(), " and ", w2.sizes());
+}
+
 std::tuple<at::Tensor, std::vector<at::Tensor>> gpt_block_train(
     const at::Tensor& x, const at::Tensor& n1w, const std::optional<at::Tensor>& n1b, const at::Tensor& wqkv,
     const std::optional<at::Tensor>& bqkv, const at::Tensor& wo, const std::optional<at::Tensor>& bo,
     const at::Tensor& n2w, const std::optional<at::Tensor>& n2b, const at::Tensor& w1, const std::optional<at::Tensor>& b1,
     const at::Tensor& w2, const std::optional<at::Tensor>& b2, int64_t heads, double scale, double eps1, double eps2,
     int64_t act, int64_t left, int64_t right) {
-  ATTNLAB_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-                "attnlab::gpt_block_train: x must be float32 (B, L, C) on the CPU, got ", x.scalar_type(), " ",
-                x.sizes());
+  check_block("gpt_block_train", x, n1w, n1b, wqkv, wo, n2w, n2b, w1, w2, heads);
   const int64_t B = x.size(0), L = x.size(1), C = x.size(2), T = B * L, E3 = wqkv.size(0);
-  ATTNLAB_CHECK(heads >= 1 && E3 % (3 * heads) == 0 && wo.size(1) == E3 / 3 && wo.size(0) == C &&
-                    w2.size(0) == C && w1.size(0) == w2.size(1),
-                "attnlab::gpt_block_train: the weights do not make a block of width ", C, " and ", heads,
-                " heads: qkv ", wqkv.sizes(), ", o ", wo.sizes(), ", ffn ", w1.sizes(), " and ", w2.sizes());
   auto [h1, mean1, rstd1] = at::native_layer_norm(x, {C}, n1w, n1b, eps1);
   double bound;  // of |qkv|: where it is at most 1e15, qkv is finite and so is the attention's output (the scores
                  // |κ q·k| ≤ κ D 1e30 < 3e38 for |κ| ≤ 1e3, D ≤ 256; softmax's rows weigh finite v): no scan
@@ -922,9 +945,26 @@ std::vector<at::Tensor> gpt_block_train_backward(
     const std::optional<at::Tensor>& n2b, const at::Tensor& w1, const std::optional<at::Tensor>& b1,
     const at::Tensor& w2, const std::optional<at::Tensor>& b2, int64_t heads, double scale, int64_t act, int64_t left,
     int64_t right) {
-  ATTNLAB_CHECK(saved.size() == 24 && x.dim() == 3 && dy.sizes() == x.sizes() && dy.scalar_type() == at::kFloat,
+  check_block("gpt_block_train_backward", x, n1w, n1b, wqkv, wo, n2w, n2b, w1, w2, heads);
+  ATTNLAB_CHECK(saved.size() == 24 && dy.sizes() == x.sizes() && dy.scalar_type() == at::kFloat && dy.device().is_cpu(),
                 "attnlab::gpt_block_train_backward: dy must be float32 like x ", x.sizes(), " and saved the 24 "
                 "tensors gpt_block_train returned, got ", dy.sizes(), " and ", saved.size());
+  {  // saved: what the forward returns for these shapes (its float32 tensors contiguous)
+    const int64_t B = x.size(0), L = x.size(1), C = x.size(2), T = B * L, E3 = wqkv.size(0), E = E3 / 3;
+    const int64_t F = w1.size(0);
+    const std::vector<std::vector<int64_t>> shapes = {
+        {B, L, 1}, {B, L, 1}, {E3, C}, {E3}, {C, T}, {C}, {B, L, E3}, {B, heads, L, L}, {C, E}, {C}, {E, T}, {E},
+        {B, L, C}, {B, L, 1}, {B, L, 1}, {F, C}, {F}, {C, T}, {C}, {T, F}, {C, F}, {C}, {F, T}, {F}};
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      const bool rounded = shapes[i].size() == 2 && i != 19;  // int8 (qw, qxt), else float32
+      const at::Tensor& t = saved[i];
+      ATTNLAB_CHECK(t.device().is_cpu() && t.sizes() == c10::IntArrayRef(shapes[i]) &&
+                        t.scalar_type() == (rounded ? at::kChar : at::kFloat) && (rounded || t.is_contiguous()),
+                    "attnlab::gpt_block_train_backward: saved[", i, "] must be ", rounded ? "int8 " : "float32 ",
+                    c10::IntArrayRef(shapes[i]), rounded ? "" : " contiguous", " as gpt_block_train returns it, got ",
+                    t.scalar_type(), " ", t.sizes());
+    }
+  }
   const at::Tensor& qkv = saved[6];
   const at::Tensor& x3 = saved[12];
   const int64_t B = x.size(0), L = x.size(1), C = x.size(2), T = B * L;
@@ -961,8 +1001,11 @@ std::vector<at::Tensor> gpt_block_train_backward(
 // memory (contiguous, or a permutation of a contiguous tensor) scanned by finite_span over torch's threads, any other
 // by at::isfinite
 bool all_finite(at::TensorList ts) {
-  for (const at::Tensor& t : ts) {
-    ATTNLAB_CHECK(t.device().is_cpu(), "attnlab::all_finite: tensors must be on the CPU, got ", t.device().str());
+  for (const at::Tensor& arg : ts) {
+    ATTNLAB_CHECK(arg.device().is_cpu(), "attnlab::all_finite: tensors must be on the CPU, got ", arg.device().str());
+    at::Tensor t = arg;  // an expanded dimension repeats its first entry: that entry is enough
+    for (int64_t d = 0; d < t.dim(); ++d)
+      if (t.stride(d) == 0 && t.size(d) > 1) t = t.narrow(d, 0, 1);
     const bool scan = (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) &&
                       t.is_non_overlapping_and_dense();
     if (!scan) {
