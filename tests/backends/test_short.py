@@ -27,7 +27,10 @@ def _grads(out, leaves):
 
 
 def _path(out) -> str:
-    return out.grad_fn.name()  # a Python Function's (…Backward) or a C++ node's (ShortAttention)
+    """``out``'s autograd node: a Python Function's (…Backward), or the fused kernel's op's (attnlab::short_attention,
+    called ShortAttention here)."""
+    name = out.grad_fn.name()
+    return "ShortAttention (the fused op)" if "attnlab_short_attention" in name else name
 
 
 def test_short_path_runs_only_when_training_short_sequences_on_cpu(monkeypatch):
