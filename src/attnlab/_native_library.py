@@ -179,9 +179,17 @@ def _fakes(ops) -> None:
 # the autograd of the one-node training passes
 
 
+def _only_first(ctx, rest) -> None:
+    """The op's outputs after the first are what its backward reads, not results: no gradient flows into them (and
+    none is made of zeros for them)."""
+    ctx.mark_non_differentiable(*rest)
+    ctx.set_materialize_grads(False)
+
+
 def _int8_setup(ctx, inputs, output):
     x, w, b, left, right, cols, bf16 = inputs
     ctx.save_for_backward(*output[1:])
+    _only_first(ctx, output[1:])
     ctx.levels, ctx.x_bf16 = (left, right), x.dtype == torch.bfloat16
 
 
@@ -199,6 +207,7 @@ def _short_setup(ctx, inputs, output):
     q, k, v, scale, causal, window = inputs
     ctx.save_for_backward(q, k, v, output[1])
     ctx.args = (scale, causal, window)
+    _only_first(ctx, output[1:])
 
 
 def _grad_rows(grad: Tensor, dtype: torch.dtype) -> Tensor:
@@ -218,6 +227,7 @@ def _packed_setup(ctx, inputs, output):
     qkv, heads, scale, causal, window = inputs
     ctx.save_for_backward(qkv, output[1])
     ctx.args = (heads, scale, causal, window)
+    _only_first(ctx, output[1:])
 
 
 def _packed_backward(ctx, g_out, _g_p):
@@ -231,6 +241,7 @@ def _act_setup(ctx, inputs, output):
     g, u, act, keep = inputs
     ctx.keep, ctx.act, ctx.gated = keep, act, u is not None
     ctx.save_for_backward(output[1]) if keep else ctx.save_for_backward(g, u)
+    _only_first(ctx, output[1:])
 
 
 def _act_backward(ctx, g_h, _g_d):
@@ -247,6 +258,7 @@ def _block_setup(ctx, inputs, output):
     x, n1w, n1b, wqkv, bqkv, wo, bo, n2w, n2b, w1, b1, w2, b2, heads, scale, eps1, eps2, act, left, right = inputs
     ctx.save_for_backward(x, n1w, n1b, wqkv, bqkv, wo, bo, n2w, n2b, w1, b1, w2, b2, *output[1])
     ctx.args = (heads, scale, act, left, right)
+    _only_first(ctx, output[1])
 
 
 def _block_backward(ctx, dy, *_):
