@@ -9,7 +9,7 @@ from attnlab.experiments.explain.long_context import _visible, make_model
 from _explain import check_files
 
 
-def test_long_context_quick(tmp_path):
+def test_long_context_quick(tmp_path, shakespeare):  # trains on tiny-shakespeare
     r = run_experiment("long-context", tmp_path, quick=True)
     check_files(r, tmp_path, "long-context")
     rows = r["rows"]
@@ -53,7 +53,7 @@ def test_visible_keys():
 
 
 @pytest.mark.slow
-def test_long_context_claim(tmp_path):
+def test_long_context_claim(tmp_path, shakespeare):
     """At the longest context the 256-wide window does no worse than the dense model (late positions, 0.05 nats
     of slack) while each query reads under a quarter of the keys: ~240 of a causal query's 1024.5 on average at
     L = 2048 (w − w(w−1)/2L against (L+1)/2; "a sixth" was asserted before, which that arithmetic never allowed).
