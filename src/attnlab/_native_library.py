@@ -211,9 +211,11 @@ def _short_setup(ctx, inputs, output):
 
 
 def _grad_rows(grad: Tensor, dtype: torch.dtype) -> Tensor:
-    """A gradient as the short kernels read it: in ``dtype``, the last stride 1."""
+    """A gradient as the short kernels read it: in ``dtype``, the last stride 1, no expanded dimension (the
+    gradient of a ``sum()`` or ``mean()`` arrives as a stride-0 view)."""
     grad = grad.to(dtype)
-    return grad if grad.stride(-1) == 1 else grad.contiguous()
+    expanded = any(st == 0 and n > 1 for st, n in zip(grad.stride(), grad.shape))
+    return grad if grad.stride(-1) == 1 and not expanded else grad.contiguous()
 
 
 def _short_backward(ctx, g_out, _g_p):

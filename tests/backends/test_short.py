@@ -215,3 +215,18 @@ def test_packed_node_equals_the_node_on_the_views(dtype, causal):
     assert torch.equal(out, ref) and torch.equal(g_packed, g_views)
     with pytest.raises(RuntimeError, match="qkv must be"):
         short.fused_short_attention_packed(qkv[..., :-1], H, 0.4, causal, None)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean_over_heads"])
+def test_a_gradient_that_arrives_expanded_reaches_the_fused_kernel_exactly(reduce):
+    """The gradient of ``sum()`` / ``mean(dim)`` arrives as a stride-0 view; the fused backward takes it as rows."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 48, 16) for _ in range(3))
+    grads = []
+    for backend in ("auto", "reference"):
+        xs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attention(*xs, causal=True, backend=backend)
+        (out.sum() if reduce == "sum" else out.mean(dim=1).sum()).backward()
+        grads.append([x.grad for x in xs])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
