@@ -12,7 +12,7 @@ OLDEST := .venv-oldest
 # unset, recipes download into ~/.cache/attnlab and tests without the data skip, saying why.
 AVX2   := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 
-.PHONY: setup setup-notebook notebooks demo test test-avx2 test-oldest test-tutorials test-all bench clean
+.PHONY: setup setup-notebook notebooks demo test test-avx2 test-sanitize test-oldest test-tutorials test-all bench clean
 
 setup: $(STAMP)
 
@@ -56,6 +56,16 @@ NUMERICS := tests/functional tests/backends tests/modules tests/nn tests/models 
             tests/training/test_recipe_dtype.py tests/training/test_losses.py tests/training/test_trainer.py
 test-avx2: $(STAMP)
 	$(AVX2) $(PY) -m pytest -q $(NUMERICS)
+
+# the C++ kernels built with AddressSanitizer and UBSan (a build of their own: the flags key its folder), every
+# report fatal, under their tests and the fuzz test; python is not instrumented, so ASan's runtime is preloaded
+# (with libstdc++, whose exceptions ASan must intercept from the start)
+SANITIZE := ATTNLAB_NATIVE_SANITIZE=address,undefined ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
+            LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)"
+test-sanitize: $(STAMP)
+	$(SANITIZE) $(PY) -m attnlab._native --require
+	$(SANITIZE) $(PY) -m pytest -q -p no:cacheprovider tests/test_native.py tests/test_native_decode.py \
+	    tests/test_native_flash.py tests/test_native_train.py tests/test_native_fuzz.py
 
 # the numerical tests on the oldest torch attnlab supports, in a venv of its own: that torch first and alone
 # (PyPI's Linux build carries CUDA's libraries: ~3 GB to fetch), then attnlab with it held

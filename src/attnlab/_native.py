@@ -51,6 +51,19 @@ CFLAGS = ("-O3", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
 
+def _flags() -> tuple[tuple, tuple]:
+    """The compiler's and the linker's flags: :data:`CFLAGS` and :data:`LDFLAGS`, and with
+    ``$ATTNLAB_NATIVE_SANITIZE`` (e.g. ``address,undefined``: ``make test-sanitize``) those sanitizers, every report
+    fatal (the library's folder is keyed by the flags: a build of its own). Python itself is not instrumented: run
+    with ``LD_PRELOAD=$(gcc -print-file-name=libasan.so)`` for AddressSanitizer."""
+    sanitize = os.environ.get("ATTNLAB_NATIVE_SANITIZE")
+    if not sanitize:
+        return CFLAGS, LDFLAGS
+    extra = (f"-fsanitize={sanitize}", "-fno-sanitize=vptr", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer",
+             "-g")
+    return CFLAGS + extra, LDFLAGS + extra[:2]
+
+
 def max_rows(dtype: torch.dtype) -> int:
     """How many rows of x the kernel takes by default for a weight of ``dtype`` before a GEMM kernel is faster (the
     probed crossover replaces it: :func:`attnlab.nn.inference.native_rows`)."""
@@ -63,7 +76,7 @@ def build_directory() -> Path:
     if os.environ.get("ATTNLAB_NATIVE_DIR"):
         return Path(os.environ["ATTNLAB_NATIVE_DIR"])
     sources = b"".join(p.read_bytes() for p in sorted(CSRC.iterdir()) if p.is_file())
-    digest = hashlib.sha256(sources + repr((CFLAGS, LDFLAGS)).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(sources + repr(_flags()).encode()).hexdigest()[:12]
     tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}-{digest}"
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return base / "attnlab" / "native" / tag
@@ -111,8 +124,9 @@ def _load() -> None:
             where.mkdir(parents=True, exist_ok=True)
             if not any(where.glob("attnlab_native*.so")):
                 log.warning("attnlab: building the native CPU kernels in %s (once per machine, ~30 s)", where)
+            cflags, ldflags = _flags()
             cpp_extension.load(name="attnlab_native", sources=[str(p) for p in SOURCES], build_directory=str(where),
-                               extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), is_python_module=False,
+                               extra_cflags=list(cflags), extra_ldflags=list(ldflags), is_python_module=False,
                                verbose=False)
         ops = torch.ops.attnlab  # the overloads: no resolution per call
         _state.update(loaded=True, why="", op=ops.matvec.default, gated=ops.gated_matvec.default,

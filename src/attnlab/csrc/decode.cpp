@@ -65,8 +65,10 @@ at::Tensor attend_decode(const at::Tensor& qkv, const at::Tensor& k_cache, const
                 "attnlab::attend_decode: k_cache and v_cache must be equal (B, Hkv, capacity, D), got ",
                 k_cache.sizes(), " and ", v_cache.sizes());
   const int64_t B = k_cache.size(0), cap = k_cache.size(2), D = k_cache.size(3);
-  const int64_t width = (heads + 2 * kv_heads) * D;
-  ATTNLAB_CHECK(k_cache.size(1) == kv_heads && qkv.numel() == B * width && qkv.size(-1) == width,
+  int64_t width = 0;
+  const bool fits = k_cache.size(1) == kv_heads && heads <= qkv.numel() &&  // (so no overflow below)
+                    !__builtin_mul_overflow(heads + 2 * kv_heads, D, &width);
+  ATTNLAB_CHECK(fits && qkv.dim() >= 1 && qkv.numel() == B * width && qkv.size(-1) == width,
                 "attnlab::attend_decode: qkv must be (B, 1, (H + 2 Hkv) · D) = (", B, ", 1, ", width,
                 ") for a cache of ", k_cache.sizes(), " and ", heads, "/", kv_heads, " heads, got ", qkv.sizes());
   ATTNLAB_CHECK(0 <= length && length < cap, "attnlab::attend_decode: position ", length,

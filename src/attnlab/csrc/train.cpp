@@ -369,7 +369,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const std:
         const auto [scale, inv] = scale_of(amax(X + r * n, C, n), levels);
         S[r] = scale;
         if (inv == 0.f) {
-          std::memset(Q + r * n, 0, n);
+          if (n) std::memset(Q + r * n, 0, n);
         } else {
           quant(X + r * n, C, n, inv, Q + r * n);
         }
@@ -832,7 +832,8 @@ std::array<at::Tensor, 3> unpacked(const at::Tensor& qkv, int64_t H) {
 // p), and its backward writing dq, dk, dv into one (B, L, 3E) gradient: no split, views or concatenation of the
 // three gradients. The same arithmetic, so the same bits
 void check_packed(const at::Tensor& qkv, int64_t heads, const char* op) {
-  ATTNLAB_CHECK(qkv.dim() == 3 && heads >= 1 && qkv.size(2) % (3 * heads) == 0 && qkv.stride(2) == 1, "attnlab::", op,
+  ATTNLAB_CHECK(qkv.dim() == 3 && 1 <= heads && heads <= qkv.size(2) && qkv.size(2) % (3 * heads) == 0 &&
+                    qkv.stride(2) == 1, "attnlab::", op,
                 ": qkv must be (B, L, 3 · heads · D) with the last stride 1, got ", qkv.sizes(), " strides ",
                 qkv.strides(), " for ", heads, " heads");
 }
@@ -896,7 +897,7 @@ void check_block(const char* op, const at::Tensor& x, const at::Tensor& n1w, con
                 ": the weights must be 2-D, got qkv ", wqkv.sizes(), ", o ", wo.sizes(), ", ffn ", w1.sizes(),
                 " and ", w2.sizes());
   const int64_t E3 = wqkv.size(0);
-  ATTNLAB_CHECK(heads >= 1 && heads <= E3 && E3 % (3 * heads) == 0 && wqkv.size(1) == C && wo.size(1) == E3 / 3 &&
+  ATTNLAB_CHECK(1 <= heads && heads <= E3 && E3 % (3 * heads) == 0 && wqkv.size(1) == C && wo.size(1) == E3 / 3 &&
                     wo.size(0) == C && w2.size(0) == C && w1.size(0) == w2.size(1) && w1.size(1) == C,
                 "attnlab::", op, ": the weights do not make a block of width ", C, " and ", heads, " heads: qkv ",
                 wqkv.sizes(), ", o ", wo.sizes(), ", ffn ", w1.sizes(), " and ", w2.sizes());
