@@ -2,7 +2,7 @@
 
 Each experiment is a module with ``run(out_dir, *, seed=0, quick=False) -> dict``: it prints the
 numbers it measures and writes ``NAME.png`` (plot), ``NAME.md`` (a short report: the numbers and
-what they show) and ``NAME.json`` (the numbers) into ``out_dir``. A full run takes from seconds to about ten
+what they show) and ``NAME.json`` (the numbers) into ``out_dir``. A full run takes from seconds to about six
 minutes on two CPU cores (:data:`FULL_RUN`, said before it starts); its training shows a progress bar and its other
 stages a line each on standard error. ``quick=True`` takes seconds (smaller sizes, fewer steps): a smoke run that
 draws no conclusion, except for the experiments in :data:`QUICK_CONCLUDES`, whose quick run reaches the full run's
@@ -49,7 +49,7 @@ EXPERIMENTS = {
 # (a busy machine takes longer); said before the run starts
 FULL_RUN = {"scaling": "10 s", "heads": "20 s", "position": "1 min", "linear": "20 s", "receptive-field": "15 s",
             "redundancy": "15 s", "ensemble": "15 s", "cross-lengths": "15 s", "more-heads": "15 s",
-            "addressing": "15 s", "parallel": "10 s", "limits": "30 s", "long-context": "10 min"}
+            "addressing": "15 s", "parallel": "10 s", "limits": "30 s", "long-context": "6 min"}
 
 # the experiments whose quick run reaches the full run's conclusion (the others' quick runs are smoke runs)
 QUICK_CONCLUDES = frozenset({"scaling", "receptive-field", "addressing"})
