@@ -1,7 +1,7 @@
 """The flags a user expects of any command line: ``--version``, ``--debug`` anywhere, ``--dtype``'s short names."""
 import subprocess
 import sys
-from importlib.metadata import version
+import attnlab
 
 import pytest
 
@@ -14,7 +14,7 @@ def _run(*args):
 
 def test_version_prints_the_package_version():
     out = _run("--version")
-    assert out.returncode == 0 and out.stdout.strip() == f"attnlab {version('attnlab')}"
+    assert out.returncode == 0 and out.stdout.strip() == f"attnlab {attnlab.__version__}"
 
 
 @pytest.mark.parametrize("argv", [["--debug", "env"], ["env", "--debug"], ["env", "--json", "--debug"]])

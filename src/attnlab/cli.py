@@ -87,14 +87,11 @@ def dtype_flag(value: str) -> str:
 
 
 def version_line() -> str:
-    """``attnlab X.Y.Z``: the installed package's version."""
-    from importlib.metadata import PackageNotFoundError, version
+    """``attnlab X.Y.Z``: the version of the code that runs (``attnlab.__version__``, which the package metadata
+    is built from; an editable install's metadata may be older than its source)."""
+    from attnlab import __version__
 
-    try:
-        return f"attnlab {version('attnlab')}"
-    except PackageNotFoundError:  # run from a source tree that is not installed
-        from attnlab import __version__
-        return f"attnlab {__version__}"
+    return f"attnlab {__version__}"
 
 
 def common_flags() -> argparse.ArgumentParser:
