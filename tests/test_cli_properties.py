@@ -165,8 +165,8 @@ def test_known_mistakes_are_one_line(argv, assets, capsys):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["eval", "--hyp", "{file}", "--ref", "{file}", "--out", "{file}"], "is also --hyp"),
-    (["viz", "--model", "{gpt2}", "--text", "hi", "--out", "{gpt2}/config.json"], "is also a file of --model"),
+    (["eval", "--hyp", "{file}", "--ref", "{file}", "--out", "{file}"], "is --hyp"),
+    (["viz", "--model", "{gpt2}", "--text", "hi", "--out", "{gpt2}/config.json"], "lies inside --model"),
 ])
 def test_an_output_never_overwrites_an_input(argv, words, assets, capsys):
     with tempfile.TemporaryDirectory() as tmp:
