@@ -21,6 +21,7 @@ the AVX2 code here as it does in ATen). No argument of an op chooses it, so no c
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -109,6 +110,23 @@ def _whole_elf(path: Path) -> bool:
     return path.stat().st_size >= shoff + shentsize * shnum
 
 
+@contextlib.contextmanager
+def _build_lock(where: Path):
+    """Hold an exclusive ``flock`` on ``where/build.flock`` while building. The kernel releases it when its holder
+    dies, so a build killed half-way never blocks the next one; ``cpp_extension``'s own lock file (``where/lock``),
+    which a killed build leaves behind and which would make every later build wait for ever, is removed while we
+    hold ours (nobody else can be building then)."""
+    import fcntl
+
+    with open(where / "build.flock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            (where / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _load() -> None:
     if os.environ.get("ATTNLAB_NATIVE", "1") == "0":
         _state.update(loaded=False, why="disabled by ATTNLAB_NATIVE=0")
@@ -122,12 +140,14 @@ def _load() -> None:
             if shutil.which("ninja") is None and (venv_bin / "ninja").exists():
                 os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
             where.mkdir(parents=True, exist_ok=True)
-            if not any(where.glob("attnlab_native*.so")):
-                log.warning("attnlab: building the native CPU kernels in %s (once per machine, ~30 s)", where)
-            cflags, ldflags = _flags()
-            cpp_extension.load(name="attnlab_native", sources=[str(p) for p in SOURCES], build_directory=str(where),
-                               extra_cflags=list(cflags), extra_ldflags=list(ldflags), is_python_module=False,
-                               verbose=False)
+            with _build_lock(where):
+                if not _load_built(where / "attnlab_native.so"):  # another process may have built it meanwhile
+                    if not any(where.glob("attnlab_native*.so")):
+                        log.warning("attnlab: building the native CPU kernels in %s (once per machine, ~30 s)", where)
+                    cflags, ldflags = _flags()
+                    cpp_extension.load(name="attnlab_native", sources=[str(p) for p in SOURCES],
+                                       build_directory=str(where), extra_cflags=list(cflags),
+                                       extra_ldflags=list(ldflags), is_python_module=False, verbose=False)
         ops = torch.ops.attnlab  # the overloads: no resolution per call
         _state.update(loaded=True, why="", op=ops.matvec.default, gated=ops.gated_matvec.default,
                       rms_norm=ops.rms_norm.default, decoder_step=ops.decoder_step.default,
