@@ -132,12 +132,13 @@ def test_the_cache_round_trip_and_a_corrupt_or_foreign_file(fresh, weight, monke
         assert _choice.decode_rows("fp32", 40, 24, 4) == (4, "default"), text[:40]
 
 
-def test_a_probe_cut_short_is_not_cached(fresh, weight, monkeypatch):
+def test_a_probe_cut_short_is_neither_cached_nor_followed(fresh, weight, monkeypatch):
     w, b = weight
     monkeypatch.setattr(_choice, "PROBE_SECONDS", 0.0)  # stops after the first row count
     e = _probe(weight, {"own": lambda x: F.linear(x, w, b), "aten": lambda x: F.linear(x, w, b) * 1.01})
     assert e["crossover"] == 1 and e["ms"]["own"][1:] == [None] * (len(_choice.PROBE_ROWS) - 1)
-    assert _choice.decode_rows("fp32", 40, 24, 4) == (1, "probed")  # this process
+    assert _choice.decode_rows("fp32", 40, 24, 4) == (4, "default")  # listed, not followed
+    assert [r["class"] for r in _choice.table()] == ["64x32"] and not _choice.needs_probe("fp32", 40, 24)
     assert not fresh.exists() or "64x32" not in fresh.read_text(encoding="utf-8")
 
 

@@ -26,7 +26,8 @@ The probe (:func:`probe_decode`) runs where a model is prepared for inference (`
 GPT-2 has four), on the first layer of that class: for each of :data:`PROBE_ROWS` rows it checks every candidate
 against the float formula in float64 within the dtype's tolerance (:func:`tolerance`; an inexact candidate is never
 chosen), then times each (a warm-up, then the median of a few calls, alternating), within :data:`PROBE_SECONDS` per
-class and :data:`PROBE_BUDGET` per process. :func:`table` lists the choices for ``attnlab env``.
+class and :data:`PROBE_BUDGET` per process (a probe cut short by them keeps the class's default: :func:`whole`).
+:func:`table` lists the choices for ``attnlab env``.
 """
 from __future__ import annotations
 
@@ -159,11 +160,16 @@ def _valid(e) -> bool:
             and isinstance(e.get("shape"), list) and len(e["shape"]) == 2 and isinstance(e.get("inexact"), list))
 
 
+def whole(entry: dict) -> bool:
+    """Whether a probe measured every row count of :data:`PROBE_ROWS`: one cut short by :data:`PROBE_SECONDS` (a
+    large weight, a busy machine) is listed but neither cached nor followed (the class keeps its default)."""
+    return None not in entry["ms"]["own"]
+
+
 def _save_cache() -> None:
     """Write this process's and the cache's entries, atomically (:func:`attnlab._io.atomic_write`)."""
     path = cache_path()
-    entries = {k: {f: v for f, v in e.items() if f != "source"} for k, e in _table.items()
-               if None not in e["ms"]["own"]}  # not a probe cut short
+    entries = {k: {f: v for f, v in e.items() if f != "source"} for k, e in _table.items() if whole(e)}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps({"key": machine_key(), "choices": entries}, indent=1, sort_keys=True))
@@ -181,7 +187,7 @@ def decode_rows(dtype: str, in_features: int, out_features: int, default: int) -
     if probing():
         _load_cache()
         entry = _table.get(_key("decode_linear", dtype, in_features, out_features))
-        if entry is not None:
+        if entry is not None and whole(entry):
             return entry["crossover"], entry["source"]
     return default, "default"
 
@@ -262,7 +268,7 @@ def probe_decode(dtype: str, weight: Tensor, bias: Optional[Tensor], candidates:
     entry = {"shape": [in_features, out_features], "rows": list(PROBE_ROWS), "ms": ms, "inexact": sorted(inexact),
              "crossover": crossover, "seconds": round(seconds, 3), "source": "probed"}
     _table[_key("decode_linear", dtype, in_features, out_features)] = entry
-    if probing():  # (a probe cut short holds for this process only: _save_cache)
+    if probing() and whole(entry):
         _save_cache()
     return entry
 

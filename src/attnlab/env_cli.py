@@ -95,6 +95,7 @@ def choice_lines(choices: dict) -> list[str]:
         chosen = " ".join(f"{r}:{'own' if r <= e['crossover'] else 'aten'}" for r in rows)
         times = "; ".join(f"{c} " + " ".join("-" if t is None else f"{t:.3f}" for t in ms) for c, ms in e["ms"].items())
         inexact = f"; inexact: {', '.join(e['inexact'])}" if e["inexact"] else ""
-        lines.append(f"  {e['family']} {e['dtype']} {e['class']} ({e['shape'][0]}x{e['shape'][1]}), {e['source']}: "
+        source = e["source"] if _choice.whole(e) else "probe cut short, the default runs"
+        lines.append(f"  {e['family']} {e['dtype']} {e['class']} ({e['shape'][0]}x{e['shape'][1]}), {source}: "
                      f"rows {chosen}; ms {times}{inexact}")
     return lines
