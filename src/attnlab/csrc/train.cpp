@@ -665,6 +665,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_linear_backward(
                         qxt.size(1) == g.size(0)),
                 "attnlab::int8_linear_backward: qxt must be int8 (", qw.size(1), ", ", g.size(0), ") for dw, got ",
                 qxt.scalar_type(), " ", qxt.sizes());
+  ATTNLAB_CHECK(!dw || (sxc.device().is_cpu() && sxc.scalar_type() == at::kFloat && sxc.is_contiguous() &&
+                        sxc.dim() == 1 && sxc.size(0) == qw.size(1)),
+                "attnlab::int8_linear_backward: sxc must be a contiguous float32 CPU tensor (", qw.size(1),
+                ",) for dw, got ", sxc.scalar_type(), " ", sxc.sizes());
   const int64_t max_inner = max_terms(left, right);  // (operands checked before the rounding pass runs)
   at::Tensor qz, sz, qgt, sg, gsum, none = at::empty({0}, g.options().dtype(at::kFloat));
   if (dw || db) {
