@@ -52,8 +52,8 @@ test: $(STAMP)
 # command-line, run-safety, browser and data tests do not depend on it and ran in `make test`
 NUMERICS := tests/functional tests/backends tests/modules tests/nn tests/models tests/adapt tests/evaluation \
             tests/experiments tests/test_capability.py tests/test_runtime.py tests/test_generation.py tests/test_native.py \
-            tests/test_native_decode.py tests/test_native_flash.py tests/test_native_train.py tests/test_native_fuzz.py \
-            tests/training/test_recipe_dtype.py tests/training/test_losses.py tests/training/test_trainer.py
+            tests/test_native_decode.py tests/test_native_flash.py tests/test_native_train.py \
+            tests/test_native_fuzz.py tests/training/test_recipe_dtype.py tests/training/test_losses.py tests/training/test_trainer.py
 test-avx2: $(STAMP)
 	$(AVX2) $(PY) -m pytest -q $(NUMERICS)
 
