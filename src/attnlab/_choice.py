@@ -25,7 +25,8 @@ The probe (:func:`probe_decode`) runs where a model is prepared for inference (`
 ``quantize``), once per *shape class* (the weight's dtype and its ``(in, out)`` each rounded up to a power of two:
 GPT-2 has four), on the first layer of that class: for each of :data:`PROBE_ROWS` rows it checks every candidate
 against the float formula in float64 within the dtype's tolerance (:func:`tolerance`; an inexact candidate is never
-chosen), then times each (a warm-up, then the median of a few calls, alternating), within :data:`PROBE_SECONDS` per
+chosen), then times each (a warm-up, then the fastest of :data:`ROUNDS` medians of a few calls, alternating, with
+:data:`CONFIRM` more rounds where ``own`` lost), within :data:`PROBE_SECONDS` per
 class and :data:`PROBE_BUDGET` per process (a probe cut short by them keeps the class's default: :func:`whole`).
 :func:`table` lists the choices for ``attnlab env``.
 """
@@ -52,6 +53,8 @@ FAMILIES = {"decode_linear": ("own", "aten")}
 DECODE_ROWS = 8  # the decode_linear family's largest batch: forcing ``own`` runs it up to this many rows
 PROBE_ROWS = (1, 2, 4, 6, 8)
 PROBE_CALLS = 5  # timed calls per candidate and row count (their median), after one warm-up
+ROUNDS = 2  # rounds of PROBE_CALLS per candidate and row count, alternating; each keeps its fastest median
+CONFIRM = 2  # more rounds where ``own`` lost after ROUNDS (a burst of load on one side), until it wins or they end
 PROBE_SECONDS = 0.4  # one shape class's probe stops measuring more row counts past this
 PROBE_BUDGET = 1.6  # all probes of a process together: past it, unprobed classes keep their default
 # ``own`` keeps a row count unless ``aten`` is faster by more than this factor: it also lets a decoder layer's step
@@ -245,6 +248,9 @@ def probe_decode(dtype: str, weight: Tensor, bias: Optional[Tensor], candidates:
     ms: dict[str, list] = {c: [None] * len(PROBE_ROWS) for c in candidates}
     inexact: set[str] = set()
     crossover, own_wins = 0, True
+
+    def own_faster(i: int) -> bool:
+        return ms["own"][i] <= OWN_MARGIN * ms["aten"][i]
     for i, rows in enumerate(PROBE_ROWS):
         x = xs[:rows]
         with torch.no_grad():
@@ -253,11 +259,13 @@ def probe_decode(dtype: str, weight: Tensor, bias: Optional[Tensor], candidates:
                 if not ((got.double() - want[:rows]).abs() <= tol[:rows]).all():
                     inexact.add(name)
                 fn(x)
-            for _ in range(2):  # alternating, so that a burst of load hits both
+            for r in range(ROUNDS + CONFIRM):  # alternating, so that a burst of load hits both
+                if r >= ROUNDS and own_faster(i):
+                    break
                 for name, fn in candidates.items():
                     t = _median_ms(fn, x)
                     ms[name][i] = t if ms[name][i] is None else min(ms[name][i], t)
-        faster = "own" not in inexact and ("aten" in inexact or ms["own"][i] <= OWN_MARGIN * ms["aten"][i])
+        faster = "own" not in inexact and ("aten" in inexact or own_faster(i))
         own_wins = own_wins and faster
         if own_wins:
             crossover = rows
