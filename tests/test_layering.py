@@ -20,7 +20,8 @@ ROOT = Path(attnlab.__file__).parent
 # Lowest first; a unit may import only units of a strictly lower layer. Keep in step with the docs.
 LAYERS: list[set[str]] = [
     {"_native_library"},  # what torch.library knows of the C++ ops (imports torch only; _native registers it)
-    {"_checks", "_io", "_limits", "_runtime", "_native"},
+    {"_checks"},
+    {"_io", "_limits", "_runtime", "_native"},
     {"_native_train", "_choice"},
     {"functional"},
     {"backends"},

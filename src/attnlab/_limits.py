@@ -8,11 +8,12 @@ machine has free before it is made. Every refusal is one ``ValueError`` naming t
 """
 from __future__ import annotations
 
-import numbers
 import os
 import re
 import sys
 from typing import Any, Optional
+
+from attnlab._checks import is_int
 
 __all__ = ["SIZE_LIMITS", "SETTING_LIMITS", "MAX_THREADS", "SEED_LIMIT", "check_size", "check_settings",
            "check_seed", "check_threads", "check_device", "available_memory", "check_memory",
@@ -36,11 +37,6 @@ SETTING_LIMITS = {**SIZE_LIMITS, ("block_size", "max_len", "max_tokens", "window
 
 MAX_THREADS = 1024  # more is never a thread count, always a typo
 SEED_LIMIT = 1 << 63  # torch.manual_seed takes [0, 2**63) without wrapping
-
-
-def is_int(value) -> bool:
-    """An integral number, not a bool (as :func:`attnlab._checks.is_int`; this layer imports none of its own)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def check_size(name: str, value: Any, limit: int, *, where: str = "") -> None:
