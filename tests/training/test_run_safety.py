@@ -91,8 +91,8 @@ def test_out_that_is_not_ours_is_refused(tmp_path, shakespeare, capsys):
 
 
 def test_out_may_not_be_an_input(run, capsys):
-    assert cli.main([*TINY, "--out", os.environ["ATTNLAB_DATA_DIR"]]) == 2  # the data folder: not a run of ours
-    _one_line(capsys, "not an attnlab run")
+    assert cli.main([*TINY, "--out", os.environ["ATTNLAB_DATA_DIR"]]) == 2  # the data folder holds the dataset read
+    _one_line(capsys, "--out", "holding dataset tinyshakespeare", "would write over its own input")
     assert cli.main([*TINY, "--out", str(run), "--init", str(run)]) == 2
     _one_line(capsys, "--set init", "would write over its own input")
     assert cli.main([*TINY, "--out", str(run.parent), "--set", f"teacher={run}"]) == 2
