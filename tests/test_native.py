@@ -253,11 +253,19 @@ def test_a_failed_build_logs_one_line_and_falls_back(monkeypatch, caplog, tmp_pa
         _native.matvec(torch.randn(1, 4), torch.randn(2, 4))
 
 
-def test_build_directory_is_keyed_by_torch_and_the_sources(monkeypatch, tmp_path):
+def test_build_directory_is_keyed_by_torch_the_sources_and_the_compiler(monkeypatch, tmp_path):
     monkeypatch.delenv("ATTNLAB_NATIVE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     d = _native.build_directory()
     assert d.parent == tmp_path / "attnlab" / "native" and torch.__version__ in d.name
+    monkeypatch.setenv("CXX", "g++")
+    with_gxx = _native.build_directory()
+    fake = tmp_path / "bin" / "g++"  # another compiler of the same name, first on PATH
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    assert _native.build_directory() != with_gxx  # another compiler, another folder
     monkeypatch.setenv("ATTNLAB_NATIVE_DIR", str(tmp_path / "mine"))
     assert _native.build_directory() == tmp_path / "mine"
 

@@ -73,14 +73,25 @@ def max_rows(dtype: torch.dtype) -> int:
 
 def build_directory() -> Path:
     """Where the library is built: ``$ATTNLAB_NATIVE_DIR``, else the user cache, keyed by torch, Python, the
-    sources and the flags (a change builds anew)."""
+    sources, the flags and the compiler (a change of any builds anew)."""
     if os.environ.get("ATTNLAB_NATIVE_DIR"):
         return Path(os.environ["ATTNLAB_NATIVE_DIR"])
     sources = b"".join(p.read_bytes() for p in sorted(CSRC.iterdir()) if p.is_file())
-    digest = hashlib.sha256(sources + repr(_flags()).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(sources + repr((_flags(), _compiler())).encode()).hexdigest()[:12]
     tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}-{digest}"
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return base / "attnlab" / "native" / tag
+
+
+def _compiler() -> tuple:
+    """The C++ compiler ``cpp_extension`` runs (``$CXX``, else ``c++``) as its resolved path, size and modification
+    time: a new or upgraded compiler changes the key without running it (no process spawned on every import)."""
+    found = shutil.which(os.environ.get("CXX", "c++"))
+    if found is None:
+        return (os.environ.get("CXX", "c++"), None)
+    real = os.path.realpath(found)
+    st = os.stat(real)
+    return (real, st.st_size, st.st_mtime_ns)
 
 
 def _load_built(so: Path) -> bool:
