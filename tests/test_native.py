@@ -181,7 +181,7 @@ def test_an_error_message_keeps_its_numbers_with_a_static_libstdcxx(tmp_path):
     code = ("import sys, torch\nfrom torch.utils import cpp_extension\nimport attnlab._native as n\n"
             "cpp_extension.load(name='attnlab_native', sources=[str(p) for p in n.SOURCES], build_directory=sys.argv[1],"
             " extra_cflags=list(n.CFLAGS), extra_ldflags=[*n.LDFLAGS, '-static-libstdc++'], is_python_module=False)\n"
-            "try:\n    torch.ops.attnlab.matvec(torch.randn(2, 8).double(), torch.randn(3, 8), None, None, 0)\n"
+            "try:\n    torch.ops.attnlab.matvec(torch.randn(2, 8).double(), torch.randn(3, 8), None, None)\n"
             "except RuntimeError as e:\n    print(str(e).splitlines()[0])\n")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
