@@ -44,7 +44,8 @@ FLAGS = {
 }
 REQUIRED = {"demo": ["--max-steps", "2", "--quiet"], "train": ["shakespeare-char", "--set", "max_steps=2", "--quiet",
                                                                "--set", "eval_every=0"],
-            "env": ["--no-measure"], "analyze": ["--no-prune"]}
+            "env": ["--no-measure"], "analyze": ["--no-prune"],
+            "bench": ["nope"]}  # never a real benchmark run (minutes, and it records into benchmarks/results/)
 
 
 @st.composite
