@@ -1,4 +1,5 @@
-"""attnlab._runtime.reuse_freed_memory: a training step reuses freed pages instead of faulting new ones."""
+"""attnlab._runtime: a training step reuses freed pages instead of faulting new ones (reuse_freed_memory); progress
+bars are the text bar wherever the notebook widget cannot show (progress_bar)."""
 import platform
 import subprocess
 import sys
@@ -51,3 +52,33 @@ def test_reuse_freed_memory_is_a_no_op_off_glibc(monkeypatch):
     from attnlab import _runtime
     monkeypatch.setattr(_runtime.platform, "libc_ver", lambda: ("musl", "1.2"))
     assert _runtime.reuse_freed_memory() is False
+
+
+def test_progress_bar_in_a_kernel_without_ipywidgets_is_the_text_bar_and_warns_nothing(monkeypatch):
+    import sys
+    import warnings
+
+    from tqdm import tqdm as text_bar
+
+    from attnlab._runtime import progress_bar
+
+    monkeypatch.setitem(sys.modules, "ipykernel", sys.modules.get("ipykernel") or object())
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)  # `import ipywidgets` raises ImportError
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bar = progress_bar(total=3, disable=True)
+    assert type(bar) is text_bar
+    bar.close()
+
+
+def test_progress_bar_outside_a_kernel_is_the_text_bar(monkeypatch):
+    import sys
+
+    from tqdm import tqdm as text_bar
+
+    from attnlab._runtime import progress_bar
+
+    monkeypatch.delitem(sys.modules, "ipykernel", raising=False)
+    bar = progress_bar(total=3, disable=True)
+    assert type(bar) is text_bar
+    bar.close()

@@ -17,6 +17,7 @@ import ctypes.util
 import functools
 import os
 import platform
+import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, replace
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 __all__ = ["reuse_freed_memory", "reuse_large_blocks", "Capability", "probe", "resolve_dtype", "check_dtype_name", "torch_dtype",
-           "DTYPE_CHOICES", "model_dtype", "cpu_float32_only"]
+           "DTYPE_CHOICES", "model_dtype", "cpu_float32_only", "progress_bar"]
 
 # mallopt(3) parameter numbers (glibc's malloc.h)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
@@ -305,3 +306,18 @@ def cpu_float32_only(args) -> None:
                             ("--dtype", args.dtype, ("float32", "auto", None))):
         if value not in ok:
             raise ValueError(f"attnlab {args.command} runs on the CPU in float32; {flag} {value} is not supported")
+
+
+def progress_bar(*args, **kwargs):
+    """A ``tqdm`` bar: the notebook widget inside a Jupyter kernel that has ``ipywidgets``, the text bar everywhere
+    else (``tqdm.auto`` warns "IProgress not found" into the notebook when ``ipywidgets`` is missing)."""
+    from tqdm import tqdm as text_bar
+
+    if "ipykernel" in sys.modules:
+        try:
+            import ipywidgets  # noqa: F401
+        except ImportError:
+            return text_bar(*args, **kwargs)
+        from tqdm.notebook import tqdm as widget_bar
+        return widget_bar(*args, **kwargs)
+    return text_bar(*args, **kwargs)

@@ -193,7 +193,7 @@ def _download(path: Path, rf: RemoteFile, timeout: float = 60.0) -> None:
 
     Nothing is created on disk unless the server answers.
     """
-    from tqdm.auto import tqdm
+    from attnlab._runtime import progress_bar as tqdm
 
     try:
         resp = urllib.request.urlopen(rf.url, timeout=timeout)

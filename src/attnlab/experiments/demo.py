@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
+from attnlab._runtime import progress_bar as tqdm
 
 from attnlab._checks import positive_int
 from attnlab._io import atomic_write_text, check_output_dir, read_input_json

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor, nn
-from tqdm.auto import tqdm
+from attnlab._runtime import progress_bar as tqdm
 
 from attnlab import _native
 from attnlab._checks import stored_dtype

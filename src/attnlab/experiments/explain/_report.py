@@ -147,9 +147,9 @@ def train(model: nn.Module, batch_fn: Callable[[torch.Generator], tuple], loss_f
           lr: float, g: torch.Generator, warmup: int = 20, log_every: Optional[int] = None,
           label: str = "training") -> list[float]:
     """AdamW with linear warm-up and cosine decay; ``loss_fn(model, *batch_fn(g))`` per step, with a progress bar
-    named ``label`` on standard error (a widget in a notebook). Returns the loss every ``log_every`` steps
+    named ``label`` on standard error (a widget in a notebook with ipywidgets). Returns the loss every ``log_every`` steps
     (default: steps // 20)."""
-    from tqdm.auto import tqdm
+    from attnlab._runtime import progress_bar as tqdm
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
