@@ -170,14 +170,16 @@ def _one_line_error(capsys, argv, fragment):
 
 
 def test_attnlab_export_errors_are_one_line(tmp_path, capsys, make_gpt2):
-    from attnlab.models.t5 import T5Config, T5ForConditionalGeneration
+    from attnlab.models.clip import CLIPConfig, CLIPModel
 
-    T5ForConditionalGeneration(T5Config(vocab_size=V, d_model=16, d_kv=4, d_ff=32, num_layers=1,
-                                        num_heads=2)).save_pretrained(tmp_path / "t5")
+    CLIPModel(CLIPConfig(text_config=dict(vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                          num_attention_heads=2, max_position_embeddings=10),
+                         vision_config=dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                            num_attention_heads=2, image_size=16, patch_size=8),
+                         projection_dim=8)).save_pretrained(tmp_path / "clip")
     make_gpt2().save_pretrained(tmp_path / "gpt2")
     out = str(tmp_path / "x.onnx")
-    _one_line_error(capsys, ["export", "--model", str(tmp_path / "t5"), "--out", out],
-                    "holds a T5ForConditionalGeneration")
+    _one_line_error(capsys, ["export", "--model", str(tmp_path / "clip"), "--out", out], "holds a CLIPModel")
     _one_line_error(capsys, ["export", "--model", str(tmp_path / "gpt2"), "--out", out, "--dtype", "bfloat16"],
                     "float32")
     _one_line_error(capsys, ["export", "--model", str(tmp_path / "gpt2"), "--out", out, "--opset", "12"], "opset")

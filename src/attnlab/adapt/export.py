@@ -13,9 +13,12 @@ head's ``logits`` (question answering: ``start_logits`` and ``end_logits``).
 image_size, image_size)`` float32 in, ``last_hidden_state`` (+ ``pooler_output``) or ``logits`` out; only the batch
 axis is dynamic (the position table fixes the picture's size).
 
-**Seq2SeqTransformer** (a ``multi30k-de-en`` run): ``input_ids``, ``attention_mask`` (source) and
-``decoder_input_ids`` in, the teacher-forced ``logits`` ``(batch, decoder_sequence, vocab)`` out; no cache (each
-decoding step runs the whole graph).
+**Encoder–decoders**: a ``Seq2SeqTransformer`` (a ``multi30k-de-en`` run), ``T5ForConditionalGeneration`` and
+``BartForConditionalGeneration`` take ``input_ids``, ``attention_mask`` (source) and ``decoder_input_ids`` and return
+the teacher-forced ``logits`` ``(batch, decoder_sequence, vocab)``; no cache (each decoding step runs the whole
+graph). Their task heads (``T5For…`` / ``BartForSequenceClassification``, ``…QuestionAnswering``,
+``T5ForTokenClassification``) take ``input_ids`` and ``attention_mask`` as their forward does (the decoder is fed
+``input_ids`` shifted right inside the graph) and return the head's outputs.
 
 **Decoder-only models** (:class:`~attnlab.models.causal_lm.DecoderOnlyLM`: GPT-2, Llama with GQA) use Optimum's
 decoder layout, one graph for the first call and every step after it (``L`` layers, ``Hkv`` key/value heads)::
@@ -64,14 +67,17 @@ from attnlab.modules.cache import KVCache
 from attnlab.modules.multihead import MultiheadAttention
 from attnlab.models.bert import BertForMaskedLM, BertModel
 from attnlab.models.causal_lm import CausalLMOutput, DecoderOnlyLM
+from attnlab.models.config import TransformerConfig
 from attnlab.nn.positional import RotaryEmbedding
 
 PathLike = Union[str, os.PathLike]
 DEFAULT_OPSET = 17
+MAX_EXAMPLE_LENGTH = 512  # the longest traced example of a model without a position table (T5)
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")  # the encoders'
 SUPPORTED = ("BERT encoders (BertModel, BertForMaskedLM), decoder-only LMs (GPT2LMHeadModel, LlamaForCausalLM), "
              "the classification / question-answering heads on them (BertForSequenceClassification, ...), ViTs "
-             "(ViTModel, ViTForImageClassification) and Seq2SeqTransformer (teacher-forced logits)")
+             "(ViTModel, ViTForImageClassification), T5 / BART (T5ForConditionalGeneration, BartForConditionalGeneration: "
+             "teacher-forced logits; their task heads: the head's logits) and Seq2SeqTransformer (teacher-forced logits)")
 
 
 class _Exportable(nn.Module):
@@ -117,9 +123,18 @@ class _Seq2SeqLogits(nn.Module):
 
 
 def _seq2seq(model: nn.Module) -> bool:
+    """A teacher-forced encoder–decoder graph: a Seq2SeqTransformer, or T5 / BART with the LM head."""
     from attnlab.models.transformer import Seq2SeqTransformer
 
-    return isinstance(model, Seq2SeqTransformer)
+    return isinstance(model, Seq2SeqTransformer) or _encoder_decoder(model) and not _task_head(model)
+
+
+def _encoder_decoder(model: nn.Module) -> bool:
+    """T5 or BART: the LM (``…ForConditionalGeneration``) or a task head on it."""
+    from attnlab.models.bart import BartForConditionalGeneration
+    from attnlab.models.t5 import T5ForConditionalGeneration
+
+    return isinstance(model, (T5ForConditionalGeneration, BartForConditionalGeneration))
 
 
 def _cache_names(prefix: str, num_layers: int) -> list[str]:
@@ -127,9 +142,11 @@ def _cache_names(prefix: str, num_layers: int) -> list[str]:
 
 
 def _task_head(model: nn.Module) -> bool:
-    """A classification / question-answering head on a BERT encoder or a decoder-only LM (``config.num_labels``)."""
+    """A classification / question-answering head on a BERT encoder, a decoder-only LM, T5 or BART
+    (``config.num_labels``)."""
     return isinstance(model, nn.Module) and hasattr(getattr(model, "config", None), "num_labels") and (
-        isinstance(getattr(model, "bert", None), BertModel) or isinstance(model, DecoderOnlyLM))
+        isinstance(getattr(model, "bert", None), BertModel) or isinstance(model, DecoderOnlyLM)
+        or _encoder_decoder(model))
 
 
 def _vit(model: nn.Module) -> bool:
@@ -144,7 +161,7 @@ def input_names(model: nn.Module) -> tuple[str, ...]:
         return ("pixel_values",)
     if _seq2seq(model):
         return ("input_ids", "attention_mask", "decoder_input_ids")
-    if isinstance(model, DecoderOnlyLM):
+    if isinstance(model, DecoderOnlyLM) or _encoder_decoder(model):
         if _task_head(model):
             return ("input_ids", "attention_mask")
         return ("input_ids", "attention_mask", *_cache_names("past_key_values", len(model.layers)))
@@ -176,9 +193,10 @@ def _positions(model: nn.Module) -> int:
     """The most positions the model's tables hold (the ``example_length`` bound)."""
     if isinstance(model, DecoderOnlyLM):
         return getattr(model.config, model.positions_field)
-    if _seq2seq(model):
+    if isinstance(getattr(model, "config", None), TransformerConfig):
         return model.config.max_positions
-    return model.config.max_position_embeddings
+    # T5's relative positions have no table: any length runs
+    return getattr(model.config, "max_position_embeddings", MAX_EXAMPLE_LENGTH)
 
 
 def _encoder_example(model: nn.Module, length: int) -> tuple[tuple[Tensor, ...], dict]:
@@ -194,13 +212,28 @@ def _encoder_example(model: nn.Module, length: int) -> tuple[tuple[Tensor, ...],
     return (ids, mask, torch.zeros_like(ids))[:len(names)], dynamic
 
 
+def _encoder_decoder_example(model: nn.Module, length: int) -> tuple[tuple[Tensor, ...], dict]:
+    """A T5 / BART task head's padded example: ids other than its special ones and one ``eos_token_id`` ending
+    each row's tokens (what the sequence heads pool; every row needs the same count of it)."""
+    c = model.config
+    ids = torch.randint(max(c.pad_token_id, c.eos_token_id) + 1, c.vocab_size, (2, length))
+    mask = torch.ones_like(ids)
+    mask[1, length // 2:] = 0
+    ids[1, length // 2:] = c.pad_token_id
+    ids[0, -1] = ids[1, length // 2 - 1] = c.eos_token_id
+    (_, _), dynamic = _encoder_example(model, length)
+    return (ids, mask), dynamic
+
+
 def _seq2seq_example(model: nn.Module, length: int) -> tuple[tuple[Tensor, ...], dict]:
     """A padded source batch and a target one token shorter (the two lengths are separate dynamic axes)."""
     c = model.config
-    ids = torch.randint(1, c.src_vocab_size, (2, length))
+    src_vocab, tgt_vocab = (c.src_vocab_size, c.tgt_vocab_size or c.src_vocab_size) \
+        if isinstance(c, TransformerConfig) else (c.vocab_size, c.vocab_size)
+    ids = torch.randint(1, src_vocab, (2, length))
     mask = torch.ones_like(ids)
     mask[1, length // 2:] = 0
-    tgt = torch.randint(1, c.tgt_vocab_size or c.src_vocab_size, (2, length - 1))
+    tgt = torch.randint(1, tgt_vocab, (2, length - 1))
     src, dec = {0: "batch", 1: "encoder_sequence"}, {0: "batch", 1: "decoder_sequence"}
     return (ids, mask, tgt), {"input_ids": src, "attention_mask": src, "decoder_input_ids": dec, "logits": dec}
 
@@ -225,8 +258,7 @@ def export_onnx(model: nn.Module, path: PathLike, *, opset: Optional[int] = None
     """Write ``model`` as an ONNX file with dynamic batch and length axes (atomically).
 
     Args:
-        model: a :class:`~attnlab.models.bert.BertModel` / ``BertForMaskedLM``, or a decoder-only language model
-            (``GPT2LMHeadModel``, ``LlamaForCausalLM``; e.g. from ``attnlab.from_pretrained``); exported in eval
+        model: one of :data:`SUPPORTED` (e.g. from ``attnlab.from_pretrained``); exported in eval
             mode, float32, on the CPU, from a copy (``model`` is left as it was). The graphs' inputs and outputs
             are in the module docstring (:func:`input_names`, :func:`output_names`).
         path: the ``.onnx`` file to write (its folder is created).
@@ -264,7 +296,8 @@ def export_onnx(model: nn.Module, path: PathLike, *, opset: Optional[int] = None
             example_length = min(16, limit)
         if not (isinstance(example_length, int) and 2 <= example_length <= limit):
             raise ValueError(f"example_length must be an int in [2, {limit}], got {example_length!r}")
-        make_example = _decoder_example if decoder else _seq2seq_example if _seq2seq(model) else _encoder_example
+        make_example = (_decoder_example if decoder else _seq2seq_example if _seq2seq(model)
+                        else _encoder_decoder_example if _encoder_decoder(model) else _encoder_example)
         example, dynamic = make_example(model, example_length)
     path = Path(path)
     if path.is_dir():
@@ -276,7 +309,7 @@ def export_onnx(model: nn.Module, path: PathLike, *, opset: Optional[int] = None
         if isinstance(m, RotaryEmbedding) and m.cached_positions < _positions(model):
             m._grow(_positions(model))  # the graph keeps the cos/sin table as a constant: make it cover every position
     wrapper = (_DecoderWithCache(traced) if decoder else _Seq2SeqLogits(traced) if _seq2seq(model)
-               else _Exportable(traced, input_names(model), outputs))
+               and not _encoder_decoder(model) else _Exportable(traced, input_names(model), outputs))
 
     def write(tmp: str) -> None:
         with torch.no_grad(), warnings.catch_warnings():

@@ -11,14 +11,14 @@ import argparse
 EPILOG = """examples:
   attnlab export --model path/to/gpt2-dir --out gpt2.onnx
   attnlab export --model sentence-transformers/all-MiniLM-L6-v2 --out minilm.onnx --opset 18
---model is an HF-format folder or a Hub id holding a BERT encoder (BertModel, BertForMaskedLM) or a decoder-only
-language model (GPT2LMHeadModel, LlamaForCausalLM). Decode the decoder file with attnlab.adapt.export.OnnxDecoder
+--model is an HF-format folder or a Hub id holding a BERT encoder, a decoder-only language model (GPT-2, Llama), a
+ViT, T5 or BART (teacher-forced logits), or a task head on any of them (its logits). Decode the decoder file with attnlab.adapt.export.OnnxDecoder
 (or any runtime that feeds Optimum's inputs); quantise it with onnxruntime.quantization.quantize_dynamic."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``attnlab export`` (the common flags are added by :mod:`attnlab.cli`)."""
-    p.add_argument("--model", required=True, help="HF-format model folder or Hub id (BERT, GPT-2, Llama)")
+    p.add_argument("--model", required=True, help="HF-format model folder or Hub id (BERT, GPT-2, Llama, ViT, T5, BART, a task head)")
     p.add_argument("--out", required=True, help="the .onnx file to write (its folder is created)")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default 17, at least 14)")
 

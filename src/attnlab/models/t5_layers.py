@@ -116,7 +116,7 @@ class T5Stack(nn.Module):
             for i, layer in enumerate(self.layers):
                 if self.decoder:
                     out = layer(x, memory, tgt_key_padding_mask=pad, memory_key_padding_mask=mem_pad,
-                                is_causal=L > 1, cache=None if caches is None else caches[i],
+                                is_causal=bool(L > 1), cache=None if caches is None else caches[i],
                                 need_weights=need_weights)
                 else:
                     out = layer(x, key_padding_mask=pad, need_weights=need_weights)
