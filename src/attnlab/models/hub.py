@@ -46,14 +46,14 @@ import torch
 from torch import Tensor
 
 from attnlab._checks import one_of, stored_dtype
-from attnlab._io import atomic_write, check_input_file, read_input_json
-from attnlab._limits import FFN, HEADS, HIDDEN, LAYERS, POSITIONS, SIZE_LIMITS, check_size
+from attnlab._io import atomic_write, read_input_json
 from attnlab.models.hub_id import (CONFIG_NAME, HUB_ALLOW_PATTERNS, SAFETENSORS_NAME, TORCH_NAME,  # noqa: F401
                                    PathLike, resolve_pretrained)  # (resolve_pretrained is public here too)
-
-SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"  # transformers' sharded checkpoints
+# the files of a folder, the input checks and the weight map, importable from here as before
+from attnlab.models.hub_weights import (SAFETENSORS_INDEX_NAME, _check_config_matches_weights,  # noqa: F401
+                                        _listed, check_config_sizes, load_weights)
+from attnlab.models.input_checks import check_attention_mask, check_encoder_outputs, check_token_inputs  # noqa: F401
 from attnlab.models.weight_map import WeightMap, pack, rename  # noqa: F401  (re-exported for the model files)
-
 
 
 @dataclass(frozen=True)
@@ -147,135 +147,6 @@ def register_folder_reader(reader: Callable[..., Any]) -> None:
         raise TypeError(f"reader must be callable, got {type(reader).__name__}")
     if reader not in FOLDER_READERS:
         FOLDER_READERS.append(reader)
-
-
-# Bounds on the sizes a config.json may ask for, checked before anything is allocated: a 1 KB file must not
-# make us allocate gigabytes or build thousands of layers. Generous for every released model of these families.
-# The bounds are :mod:`attnlab._limits`'s, shared with a recipe's ``--set`` sizes.
-_LAYERS, _HEADS, _HIDDEN, _FFN, _POSITIONS = LAYERS, HEADS, HIDDEN, FFN, POSITIONS
-
-
-def _listed(names: list[str], limit: int = 10) -> str:
-    """``names`` as a list, cut after ``limit`` with how many more: a broken checkpoint must not print thousands."""
-    if len(names) <= limit:
-        return str(names)
-    return f"{str(names[:limit])[:-1]}, ... ({len(names) - limit} more)]"
-
-
-def _size_fields(raw: dict):
-    """``(sub-config, its dict)`` pairs: the config and nested ones (CLIP's text_config / vision_config)."""
-    yield "", raw
-    for key, value in raw.items():
-        if isinstance(value, dict) and key.endswith("_config"):
-            yield f"{key}.", value
-
-
-def check_config_sizes(raw: dict, *, where: str) -> None:
-    """Every size field of ``config.json`` (and its nested configs) is an int within :data:`SIZE_LIMITS`.
-
-    Raises:
-        ValueError: naming the file, the field, its value and the bound.
-    """
-    for prefix, cfg in _size_fields(raw):
-        for names, limit in SIZE_LIMITS.items():
-            for name in names:
-                if name not in cfg or cfg[name] is None:
-                    continue
-                check_size(f"{prefix}{name}", cfg[name], limit, where=where)
-
-
-def _estimated_parameters(raw: dict) -> int:
-    """A rough count from the config alone: per layer ``4h² + 2hf`` (attention and feed-forward), plus the
-    token and position tables. Within a small factor of the real count for the families here."""
-    total = 0
-    for _, cfg in _size_fields(raw):
-        def size(names):
-            return max((cfg[n] for n in names if isinstance(cfg.get(n), int)), default=0)
-
-        # encoder + decoder stacks (T5: num_layers + num_decoder_layers; BART: encoder_ + decoder_layers)
-        layers = sum(cfg[n] for n in _LAYERS if isinstance(cfg.get(n), int))
-        h = size(_HIDDEN)
-        f = size(_FFN) or 4 * h
-        total += layers * (4 * h * h + 2 * h * f) + (size(("vocab_size",)) + size(_POSITIONS[:2])) * h
-    return total
-
-
-def _check_config_matches_weights(raw: dict, weights: dict, *, where: str) -> None:
-    """Refuse a config that describes a model far larger than its weights (checked before building it)."""
-    stored = sum(t.numel() for t in weights.values())
-    estimated = _estimated_parameters(raw)
-    if estimated > 64 * stored + 10_000_000:  # the estimate is rough; this only stops configs far from their weights
-        raise ValueError(f"{where!r} describes a model of ~{estimated:,} parameters, but the weights beside it hold "
-                         f"{stored:,}: the config does not belong to these weights")
-
-
-def load_weights(path: PathLike) -> dict[str, Tensor]:
-    """The tensors of ``model.safetensors`` (preferred), of the shards ``model.safetensors.index.json`` lists
-    (``save_pretrained(max_shard_size=...)``), or of ``pytorch_model.bin`` (``weights_only`` unpickling).
-
-    Raises:
-        FileNotFoundError: none of these exists in ``path``, or a listed shard is missing.
-        ValueError: a file is corrupt or truncated (the message names it); an index that is not a
-            ``{"weight_map": {tensor: shard file}}`` object, names a shard outside ``path``, or does not
-            match what its shards hold.
-    """
-    path = Path(path)
-    st, pt, index = path / SAFETENSORS_NAME, path / TORCH_NAME, path / SAFETENSORS_INDEX_NAME
-    if st.exists():
-        return _read_safetensors(st)
-    if index.exists():
-        return _load_sharded(path, index)
-    if pt.exists():
-        check_input_file("", pt, "weights")
-        try:
-            sd = torch.load(str(pt), map_location="cpu", weights_only=True)
-        except Exception as e:  # torch raises several types (UnpicklingError, RuntimeError, EOFError) here
-            raise ValueError(f"cannot read {str(pt)!r} (corrupt, truncated or not a plain state dict): {e}") from e
-        if not isinstance(sd, dict) or not all(isinstance(v, Tensor) for v in sd.values()):
-            raise ValueError(f"{str(pt)!r} must hold a dict of tensors")
-        return sd
-    raise FileNotFoundError(f"no {SAFETENSORS_NAME}, {SAFETENSORS_INDEX_NAME} or {TORCH_NAME} in {str(path)!r}")
-
-
-def _read_safetensors(file: Path) -> dict[str, Tensor]:
-    check_input_file("", file, "weights")
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(file))
-    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-        raise ValueError(f"cannot read {str(file)!r} (corrupt or truncated safetensors file): {e}") from e
-
-
-def _load_sharded(folder: Path, index: Path) -> dict[str, Tensor]:
-    """The tensors of every shard ``index``'s ``weight_map`` names, each shard a file directly in ``folder``
-    holding exactly the tensors the map assigns to it."""
-    raw = read_input_json("", index)
-    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
-    if (not isinstance(weight_map, dict) or not weight_map
-            or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items())):
-        raise ValueError(f"{str(index)!r}: weight_map must be a non-empty object {{tensor name: shard file}}")
-    root = folder.resolve()
-    shards: dict[str, set[str]] = {}
-    for name, shard in weight_map.items():
-        shards.setdefault(shard, set()).add(name)
-    out: dict[str, Tensor] = {}
-    for shard, names in shards.items():
-        file = (folder / shard).resolve()
-        if Path(shard).is_absolute() or file.parent != root:
-            raise ValueError(f"{str(index)!r} names the shard {shard!r}, which is not a file directly in "
-                             f"{str(folder)!r}: refused")
-        if not file.is_file():
-            raise FileNotFoundError(f"{str(index)!r} names the shard {shard!r}, which is missing")
-        tensors = _read_safetensors(file)
-        missing, extra = sorted(names - tensors.keys()), sorted(tensors.keys() - names)
-        if missing or extra:
-            raise ValueError(f"shard {shard!r} does not match {str(index)!r}: tensors the index assigns to it but "
-                             f"it lacks {_listed(missing)}, tensors it holds that the index assigns elsewhere "
-                             f"{_listed(extra)}")
-        out.update(tensors)
-    return out
 
 
 def from_pretrained(path: PathLike, *, dtype: Optional[torch.dtype] = None, model_cls: Optional[type] = None,
@@ -404,68 +275,3 @@ class PreTrainedMixin:
     def save_pretrained(self, path: PathLike) -> None:
         """Write HF-format ``config.json`` + ``model.safetensors`` (see :func:`save_pretrained`)."""
         save_pretrained(self, path)
-
-
-def check_token_inputs(input_ids, attention_mask=None, *, vocab_size: int, max_positions: Optional[int] = None,
-                       past: int = 0, name: str = "input_ids", mask_name: str = "attention_mask",
-                       positions_name: str = "max_position_embeddings") -> tuple[int, int]:
-    """Validate ``input_ids (B, L)`` continuing ``past`` cached positions, and an optional 0/1
-    ``attention_mask (B, past + L)``, at a model's boundary; return ``(B, L)``.
-
-    The checks that read the values (ids in range, a 0/1 mask) are skipped while ``torch.compile``
-    traces (a data-dependent check would break the graph); shapes and dtypes are always checked.
-
-    Args:
-        max_positions: the most positions ``past + L`` the model has (None: unbounded).
-        name, mask_name: the argument names used in the error messages.
-        positions_name: the config field that holds ``max_positions`` (GPT-2: ``n_positions``).
-
-    Raises:
-        ValueError: not a non-empty integer (B, L) tensor, more than ``max_positions`` positions, ids
-            outside ``[0, vocab_size)``, or a mask of another shape or with values other than 0 and 1.
-    """
-    if (not isinstance(input_ids, Tensor) or input_ids.dim() != 2
-            or input_ids.dtype not in (torch.int64, torch.int32)):
-        raise ValueError(f"{name} must be an integer tensor (B, L), got "
-                         f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} "
-                         f"{tuple(getattr(input_ids, 'shape', ()))}")
-    B, L = input_ids.shape
-    if B == 0 or L == 0:
-        raise ValueError(f"{name} must be non-empty, got shape {(B, L)}")
-    if max_positions is not None and past + L > max_positions:
-        cached = f"{past} cached + " if past else ""
-        raise ValueError(f"{name} has {cached}{L} positions; at most {positions_name}={max_positions} fit")
-    tracing = torch.compiler.is_compiling()
-    if not tracing:
-        lo, hi = (int(v) for v in torch.aminmax(input_ids))
-        if lo < 0 or hi >= vocab_size:
-            raise ValueError(f"{name} must lie in [0, vocab_size={vocab_size}), got values in [{lo}, {hi}]")
-    check_attention_mask(attention_mask, (B, past + L), name=mask_name, values=not tracing)
-    return B, L
-
-
-def check_attention_mask(mask, shape: tuple[int, ...], *, name: str = "attention_mask", values: bool = True) -> None:
-    """Check that ``mask`` is None or a tensor of ``shape`` holding only 1 (token) and 0 (padding)
-    (the values are read only when ``values``).
-
-    Raises:
-        ValueError: another shape, not a tensor, or other values (the message names ``name``).
-    """
-    if mask is None:
-        return
-    if not isinstance(mask, Tensor) or tuple(mask.shape) != tuple(shape):
-        raise ValueError(f"{name} must be a tensor of shape {tuple(shape)}, got "
-                         f"{tuple(getattr(mask, 'shape', ())) or type(mask).__name__}")
-    if values and not ((mask == 0) | (mask == 1)).all():
-        raise ValueError(f"{name} must hold only 1 (token) and 0 (padding)")
-
-
-def check_encoder_outputs(memory, d_model: int) -> None:
-    """Check an encoder–decoder's ``encoder_outputs``: a ``(B, S, d_model)`` tensor.
-
-    Raises:
-        ValueError: anything else (the message names ``encoder_outputs`` and the expected shape).
-    """
-    if not isinstance(memory, Tensor) or memory.dim() != 3 or memory.shape[-1] != d_model:
-        raise ValueError(f"encoder_outputs must be a (B, S, d_model={d_model}) tensor, got "
-                         f"{tuple(getattr(memory, 'shape', ())) or type(memory).__name__}")
