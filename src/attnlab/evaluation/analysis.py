@@ -15,6 +15,10 @@ pooled over texts):
   masked-LM cross-entropy on a fixed 15 % mask for ``BertForMaskedLM``, and for an encoder
   without an LM head (``BertModel``, e.g. all-MiniLM-L6-v2) the sentence-embedding change
   ``1 − cos(e_pruned, e)`` of the mean-pooled last hidden state (MiniLM's own pooling).
+
+Encoder–decoders (T5, BART, a ``Seq2SeqTransformer``) are analysed on their encoder's self-attention over the
+texts. T5 and BART run whole when a head is pruned: an LM's loss is the cross-entropy of reproducing the text
+(the decoder fed it shifted right, teacher-forced), a task head's the KL divergence of its outputs.
 """
 from __future__ import annotations
 
@@ -77,22 +81,60 @@ class _SourceEncoder(nn.Module):
                                attentions=tuple(w.self_attn for w in weights) if output_attentions else None)
 
 
+class _EncoderDecoder(nn.Module):
+    """T5 or BART (the LM or a task head) seen through its encoder's self-attention: ``output_attentions`` returns
+    the encoder's weights, and the encoder is the only submodule (its heads are the ones listed and pruned, in the
+    model itself); the forward runs the whole model: a task head's outputs, or the LM's logits of the text fed to
+    the decoder shifted right."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.encoder = model.encoder
+        self.whole = [model]  # in a list: not registered, so its decoder's heads are not listed
+        self.is_head = hasattr(model.config, "num_labels")
+
+    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, output_attentions: bool = False):
+        from types import SimpleNamespace
+
+        from attnlab.models.bart import shift_tokens_right
+
+        model = self.whole[0]
+        if output_attentions:
+            return SimpleNamespace(attentions=model._encode(input_ids, attention_mask, True)[1])
+        if self.is_head:
+            return model(input_ids, attention_mask=attention_mask)
+        shifted = (model.shift_right(input_ids) if hasattr(model, "shift_right")
+                   else shift_tokens_right(input_ids, model.config.decoder_start_token_id))
+        return model(input_ids, attention_mask=attention_mask, decoder_input_ids=shifted)
+
+
+def _encoder_decoder(model: nn.Module) -> bool:
+    """T5 or BART: the LM or a task head on it."""
+    from attnlab.models.bart import BartForConditionalGeneration
+    from attnlab.models.t5 import T5ForConditionalGeneration
+
+    return isinstance(model, (T5ForConditionalGeneration, BartForConditionalGeneration))
+
+
 def _is_classifier(model: nn.Module) -> bool:
-    """A BERT / GPT-2 / Llama task head (``.config.num_labels``, one self-attention stack)."""
+    """A task head (``.config.num_labels``): on BERT, GPT-2 or Llama (one self-attention stack), or on T5 / BART
+    seen through :class:`_EncoderDecoder`."""
     from attnlab.models.heads import _BertHead
     from attnlab.models.seq2seq_heads import _Seq2SeqHead
 
+    if isinstance(model, _EncoderDecoder):
+        return model.is_head
     return (isinstance(model, _BertHead) or _is_causal_lm(model) and hasattr(model.config, "num_labels")) \
         and not isinstance(model, _Seq2SeqHead)
 
 
 def _unsupported(model: nn.Module) -> ValueError:
-    return ValueError(f"model must be a BERT-style encoder or a decoder-only LM (GPT-2, Llama), or a task head on one, "
-                      f"got {type(model).__name__}")
+    return ValueError(f"model must be a BERT-style encoder, a decoder-only LM (GPT-2, Llama), T5, BART or a "
+                      f"Seq2SeqTransformer, or a task head on one, got {type(model).__name__}")
 
 
 def _forward(model: nn.Module, batch: Batch, *, output_attentions: bool = False):
-    if _is_causal_lm(model) or _is_bert(model) or _is_classifier(model):  # (input_ids, attention_mask=, ...)
+    if _is_causal_lm(model) or _is_bert(model) or _is_classifier(model) or isinstance(model, _EncoderDecoder):
         return model(batch.input_ids, attention_mask=batch.attention_mask, output_attentions=output_attentions)
     raise _unsupported(model)
 
@@ -132,6 +174,13 @@ def make_loss(model: nn.Module, batch: Batch, *, mask_token_id: Optional[int] = 
             logits = _forward(model, batch).logits[:, :-1]  # (B, L-1, V)
             return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100).item()
         return "next-token cross-entropy (nats)", torch.no_grad()(lm_loss)
+    if isinstance(model, _EncoderDecoder):  # the LM reproducing the text, teacher-forced
+        target = batch.input_ids.masked_fill(~valid, -100)
+
+        def reconstruction_loss() -> float:
+            logits = _forward(model, batch).logits  # (B, L, V)
+            return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=-100).item()
+        return "cross-entropy of reproducing the text (nats, teacher-forced)", torch.no_grad()(reconstruction_loss)
     if isinstance(model, BertForMaskedLM):
         if mask_token_id is None:
             raise ValueError("mask_token_id is required for a masked-LM model (the tokenizer's [MASK] id)")
@@ -233,8 +282,9 @@ def analyze(model: nn.Module, batch: Batch, *, similarity: str = "cosine", prune
 
     Args:
         model: a BERT-style encoder (``BertModel``, ``BertForMaskedLM``), a decoder-only LM, a classification /
-            QA head on either (pruning measured by the KL divergence of its outputs), or a ``Seq2SeqTransformer``
-            (its encoder's self-attention, pruning measured on the mean-pooled encoder output).
+            QA head on either (pruning measured by the KL divergence of its outputs), T5 or BART or a task head on
+            one (the encoder's self-attention; see the module docstring), or a ``Seq2SeqTransformer`` (its
+            encoder's self-attention, pruning measured on the mean-pooled encoder output).
         batch: the encoded texts (:class:`Batch`).
         similarity: ``"cosine"`` or ``"js"`` (see :func:`head_similarity`).
         prune: also measure the loss change of pruning each head (``layers · H`` forward passes).
@@ -249,10 +299,12 @@ def analyze(model: nn.Module, batch: Batch, *, similarity: str = "cosine", prune
         raise TypeError(f"batch must be an attnlab.evaluation.analysis.Batch, got {type(batch).__name__}")
     from attnlab.models.transformer import Seq2SeqTransformer
 
+    whole, was_training = model, model.training
+    whole.eval()
     if isinstance(model, Seq2SeqTransformer):  # its source side: the encoder's self-attention
         model = _SourceEncoder(model)
-    was_training = model.training
-    model.eval()
+    elif _encoder_decoder(model):
+        model = _EncoderDecoder(model)
     try:
         maps = [a.double() for a in attention_maps(model, batch)]  # layers × (B, H, L, L)
         qm, special = batch.attention_mask.bool(), batch.special_tokens_mask.bool()
@@ -267,7 +319,7 @@ def analyze(model: nn.Module, batch: Batch, *, similarity: str = "cosine", prune
             result.loss_name, loss = make_loss(model, batch, mask_token_id=mask_token_id, seed=seed)
             result.base_loss, result.prune_delta = pruning_effect(model, loss)
     finally:
-        model.train(was_training)
+        whole.train(was_training)
     return result
 
 

@@ -1,7 +1,8 @@
 """``attnlab analyze``: per-head statistics of a model on some texts, as a table, JSON and a plot.
 
-The model is any directory :func:`attnlab.from_pretrained` loads (BERT-style encoders and
-decoder-only LMs), with its ``tokenizer.json`` beside the weights (read with ``tokenizers``).
+The model is any directory :func:`attnlab.from_pretrained` loads (BERT-style encoders, decoder-only LMs,
+T5 and BART — their encoder's self-attention — and the task heads on them), with its ``tokenizer.json`` beside
+the weights (read with ``tokenizers``).
 """
 from __future__ import annotations
 
@@ -157,7 +158,8 @@ def main(args: argparse.Namespace) -> int:
     batch = encode_texts(tok, texts, max_length=args.max_length)
     result = analyze(model, batch, similarity=args.similarity, prune=not args.no_prune,
                      mask_token_id=tok.token_to_id("[MASK]"), seed=seed)
-    title = (f"{type(model).__name__}: {result.shape[0]} layers × {result.shape[1]} heads, "
+    stack = " of encoder self-attention" if hasattr(model, "encoder") and hasattr(model, "encode") else ""
+    title = (f"{type(model).__name__}: {result.shape[0]} layers × {result.shape[1]} heads{stack}, "
              f"{result.num_texts} text(s), {result.num_tokens} tokens")
     print_table(result, title)
     if result.prune_delta is not None:
