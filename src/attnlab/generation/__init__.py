@@ -42,6 +42,7 @@ from attnlab._checks import (boolean, int_at_least, is_real, non_negative_int, o
                              positive_number, real)
 from attnlab.generation.state import CroppedContext, EncoderDecoderAsDecoder, EncoderDecoderCache, reorder_cache
 from attnlab.generation.search import beam_search, decode, filter_logits
+from attnlab.nn.inference import decode_view
 
 __all__ = ["GenerationConfig", "generate", "filter_logits", "reorder_cache", "EncoderDecoderCache",
            "EncoderDecoderAsDecoder", "CACHES"]
@@ -137,6 +138,11 @@ def generate(model, input_ids: Tensor, *, attention_mask: Optional[Tensor] = Non
              config: Optional[GenerationConfig] = None, streamer: Optional[Callable[[Tensor], None]] = None) -> Tensor:
     """Continue ``input_ids (B, T)`` by up to ``max_new_tokens`` tokens (call ``model.eval()`` first).
 
+    A decoder in eval mode decodes on attnlab's kernels without an ``optimize_for_inference`` call: its float32
+    linear layers are read in place by the matrix–vector kernel (:func:`attnlab.nn.inference.decode_view`: no
+    weight copied, kept per model and rebuilt when a weight, a mode or a hook changes), the same tokens up to
+    float32 summation order.
+
     The settings (``max_new_tokens`` ... ``cache``, all but ``generator``) are :class:`GenerationConfig`'s
     fields, with its defaults: give them as keywords, or as ``config``, or both (a keyword given overrides
     the config's field, as ``transformers``' ``generate(**kwargs)``). ``max_new_tokens`` is required
@@ -193,6 +199,8 @@ def generate(model, input_ids: Tensor, *, attention_mask: Optional[Tensor] = Non
         raise ValueError(f"{type(model).__name__} cannot generate: it has no language-model head with a KV cache "
                          "(use e.g. GPT2LMHeadModel, LlamaForCausalLM, T5ForConditionalGeneration, "
                          "BartForConditionalGeneration or Seq2SeqTransformer)")
+    if not encoder_decoder:  # a decoder's float32 linear layers on attnlab's kernels, its weights read in place
+        model = decode_view(model)
     if config.cache == "crop":
         model = _cropped(model, attention_mask, config)
     elif not encoder_decoder:

@@ -26,10 +26,12 @@ CPU that depends on the layout:
   too: a decoding step's logits and a full forward's then agree to bf16 rounding, not float32's.
 
 :class:`InferenceLayoutMixin` gives a model ``optimize_for_inference(dtype=...)``, which converts
-every linear layer at once.
+every linear layer at once. Without that call, :func:`decode_view` gives the decoding loops
+(:func:`attnlab.generation.generate`) the same kernels on the model's own float32 weights, without a copy.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Union
 
 import torch
@@ -297,6 +299,79 @@ class InferenceLayoutMixin:
             resolve_dtype("bf16", next((p.device for p in self.parameters()), torch.device("cpu")))  # warns if emulated
         optimize_linears_(self, dtype=dtype, rows=self.packed_rows, share_tied=share_tied)
         return self.eval()
+
+
+_VIEWS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()  # model -> (key, view)
+
+
+def decode_view(model: nn.Module) -> nn.Module:
+    """``model`` as a decoding loop should run it: a decoder (``packed_rows`` = 1, :class:`InferenceLayoutMixin`) in
+    eval mode whose float32 CPU linear layers attnlab's matvec serves (:func:`native_rows`: the kernels built, the
+    ``decode_linear`` choice) gets a *view*: the same modules, except that each such ``nn.Linear`` is a
+    :class:`PackedLinear` reading the layer's own weight and bias in place (``pack=False``; a decoding step then
+    runs in one native call per layer, as after :meth:`~InferenceLayoutMixin.optimize_for_inference` in float32).
+    Anything else — training mode, another dtype or device, a layer with hooks, no kernels, nothing to convert — is
+    returned as it is.
+
+    The view copies no weight: its memory is that of its module objects (a few hundred bytes each), held while the
+    model lives. Its layers read the model's tensors, so a weight edited in place is seen at once; the view is kept
+    per model under a key of every parameter's and buffer's identity, storage and version counter and every
+    module's mode and hooks, and is built again when any of them changed (``load_state_dict``, an optimizer step,
+    ``.to()``, ``train()``, a new hook). Results equal the model's own forward up to float32 summation order. The
+    first view of a model probes the ``decode_linear`` kernels on its shapes (:func:`probe_linears`), once per
+    machine (cached)."""
+    if not isinstance(model, InferenceLayoutMixin) or model.packed_rows != 1 or model.training \
+            or not _native.available():
+        return model
+    key = _view_key(model)
+    held = _VIEWS.get(model)
+    if held is not None and held[0] == key:
+        return held[1]
+    with torch.no_grad():
+        probe_linears(model, dtype=torch.float32, rows=1)
+        view = _viewed(model, {}) if any(_served(m) for m in model.modules()) else model
+    _VIEWS[model] = (key, view)
+    return view
+
+
+def _view_key(model: nn.Module) -> tuple:
+    """What a :func:`decode_view` depends on: each parameter's and buffer's identity, storage and version, each
+    module's identity, mode and hooks."""
+    tensors = tuple((id(t), t.data_ptr(), t.dtype, t.device, 0 if t.is_inference() else t._version)
+                    for t in (*model.parameters(), *model.buffers()))
+    modules = tuple((id(m), m.training, len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules())
+    return tensors, modules
+
+
+def _served(m: nn.Module) -> bool:
+    """An ``nn.Linear`` (exactly) that a :class:`PackedLinear` with ``pack=False`` serves with attnlab's matvec on
+    its own storage: contiguous float32 CPU weight (and bias), no hooks, the kernel chosen for a decoding step."""
+    if type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks:
+        return False
+    if any(t is not None and (t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous())
+           for t in (m.weight, m.bias)):
+        return False
+    return _native_rows(m.weight, 1)
+
+
+def _viewed(m: nn.Module, memo: dict) -> nn.Module:
+    """A shallow copy of the module tree ``m`` (one copy per module however often it appears), its
+    :func:`_served` linear layers replaced by storage-sharing :class:`PackedLinear` s."""
+    if id(m) in memo:
+        return memo[id(m)]
+    if _served(m):
+        c = PackedLinear(m, dtype=torch.float32, rows=1, pack=False)
+        c.train(m.training)
+        if c.weight_.data_ptr() != m.weight.data_ptr():  # (not expected: _served holds) never a copy of a weight
+            c = m
+    else:
+        c = m.__class__.__new__(m.__class__)
+        c.__dict__.update(m.__dict__)  # the same parameters, buffers, hooks and settings
+        c.__dict__["_modules"] = {}
+        memo[id(m)] = c  # before the children: a module that holds itself
+        c.__dict__["_modules"] = {name: None if ch is None else _viewed(ch, memo) for name, ch in m._modules.items()}
+    memo[id(m)] = c
+    return c
 
 
 def decode_weight_bytes(model: nn.Module) -> int:
