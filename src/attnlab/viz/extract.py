@@ -232,17 +232,25 @@ def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _extract_seq2seq(model, tokenizer, src: str, tgt: str) -> AttentionRecord:
-    tokenizer = _as_tokenizer(tokenizer)
-    (src_ids, src_toks, _), (tgt_ids, tgt_toks, _) = _encode(tokenizer, src, "src"), _encode(tokenizer, tgt, "tgt")
+def seq2seq_tokens(model, tokenizer, src: str, tgt: str, names: tuple[str, str] = ("src", "tgt")):
+    """``(src ids, src tokens, decoder ids, decoder tokens)`` of an encoder–decoder: the decoder reads ``tgt``
+    teacher-forced, shifted right behind ``decoder_start_token_id`` (a Seq2SeqTransformer's ``<s> … </s>``
+    target: all but its last token); ``names`` are the arguments named in errors."""
+    (src_ids, src_toks, _), (tgt_ids, tgt_toks, _) = _encode(tokenizer, src, names[0]), _encode(tokenizer, tgt,
+                                                                                               names[1])
     start = getattr(model.config, "decoder_start_token_id", None)
     if start is None:  # attnlab's Seq2SeqTransformer: the tokenizer's "<s> ... </s>" already starts the target
         if len(tgt_ids) < 2:
-            raise ValueError(f"tgt gives {len(tgt_ids)} token(s); the decoder reads all but the last: give at least 2")
-        dec_ids, dec_toks = tgt_ids[:-1], tgt_toks[:-1]
-    else:
-        dec_ids = [int(start), *tgt_ids[:-1]]  # teacher forcing: tgt shifted right
-        dec_toks = [_token(tokenizer, int(start)), *tgt_toks[:-1]]
+            raise ValueError(f"{names[1]} gives {len(tgt_ids)} token(s); the decoder reads all but the last: give "
+                             "at least 2")
+        return src_ids, src_toks, tgt_ids[:-1], tgt_toks[:-1]
+    return src_ids, src_toks, [int(start), *tgt_ids[:-1]], [_token(tokenizer, int(start)), *tgt_toks[:-1]]
+
+
+def _extract_seq2seq(model, tokenizer, src: str, tgt: str) -> AttentionRecord:
+    tokenizer = _as_tokenizer(tokenizer)
+    src_ids, src_toks, dec_ids, dec_toks = seq2seq_tokens(model, tokenizer, src, tgt)
+    start = getattr(model.config, "decoder_start_token_id", None)
     src_t, dec_t = torch.tensor([src_ids], device=_device(model)), torch.tensor([dec_ids], device=_device(model))
     with _rejected("src/tgt", f"{len(src_ids)}/{len(dec_ids)}", type(model).__name__):
         if start is None:
