@@ -93,3 +93,26 @@ def test_cross_attention_page_in_the_browser(tmp_path, open_file):
     w = page.eval_on_selector_all("#nv td.w", "els => els.map(e => +e.getAttribute('data-w'))")
     assert w == data["w"][1][2][2] and "Cross-attention: target queries over source keys" in page.content()
     assert page.problems == []
+
+
+@pytest.mark.parametrize("position", ["sinusoidal", "rope"])
+def test_seq2seq_transformer_weights_equal_its_forward(tmp_path, position):
+    from tokenizers import Tokenizer
+
+    from attnlab.models.config import TransformerConfig
+    from attnlab.models.transformer import Seq2SeqTransformer
+
+    save_word_tokenizer(tmp_path, WORDS, template="<s> $A </s>", specials=("<pad>", "<s>", "</s>", "<unk>"))
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    torch.manual_seed(0)
+    model = Seq2SeqTransformer(TransformerConfig(src_vocab_size=12, dim=32, num_heads=4, ffn_dim=64,
+                                                 num_encoder_layers=2, num_decoder_layers=2, max_positions=64,
+                                                 position=position, pad_id=0)).eval()
+    src, tgt = torch.tensor([tok.encode(SRC).ids]), torch.tensor([tok.encode(TGT).ids[:-1]])  # "<s> … " read
+    with torch.no_grad():
+        out = model(src, tgt, output_attentions=True)
+    for attention, maps in (("encoder", out.encoder_attentions), ("decoder", out.decoder_attentions),
+                            ("cross", out.cross_attentions)):
+        data = _data(neuron_view(model, None, tok, SRC, TGT, html_action="return", attention=attention).data)
+        assert float((torch.tensor(data["w"]) - torch.stack([a[0] for a in maps])).abs().max()) <= 0.5e-4 + 1e-6
+    assert data["tokens"] == ["<s>", "the", "dog", "ran"] and data["tokens_k"] == tok.encode(SRC).tokens
