@@ -4,6 +4,7 @@ newest checkpoint, or the HF-format ``model/`` the recipe wrote) and write their
 run folder as it was. The ONNX graph of a trained classifier gives the model's own logits."""
 import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -155,3 +156,44 @@ def test_multi30k_run_analyze_reads_the_encoder(multi30k, tmp_path):
     assert len(self_attention_modules(model)) > n_enc  # the decoder's self-attention is not analysed
     assert bool(torch.isfinite(result.prune_delta).all()) and result.loss_name.startswith("1 − cos")
     assert main(["analyze", "--model", str(run), "--text", "ein Hund"]) == 0
+
+
+def test_classify_run_stopped_before_its_end_is_read_at_its_checkpoint(tmp_path, capsys, monkeypatch):
+    import attnlab.training.recipes.classify as classify
+
+    base = tmp_path / "base"
+    texts = _tiny_bert(base)
+    data = tmp_path / "lang.jsonl"
+    data.write_text("".join(json.dumps({"text": t, "label": "de" if i % 2 == 0 else "en"}) + "\n"
+                            for i, t in enumerate(texts)), encoding="utf-8")
+    calls = []
+
+    def killed_at_step_3(model, batch):  # the process dies during step 3, after ckpt-2 was written
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return loss(model, batch)
+
+    loss = classify.classify_loss
+    monkeypatch.setattr(classify, "classify_loss", killed_at_step_3)
+    run = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        run_recipe("classify", out=run, overrides={"progress": False, "max_steps": 10, "checkpoint_every": 2,
+                                                    "eval_every": 100, "model": str(base), "data": str(data),
+                                                    "max_len": 16, "batch_size": 8})
+    monkeypatch.undo()
+    assert not (run / "model").exists() and (run / "tokenizer.json").read_bytes() == (
+        base / "tokenizer.json").read_bytes()
+    assert not list(run.glob(".tokenizer.json.*"))  # written atomically: no temporary left
+    before = _listing(run)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the checkpoint's head is read: no "freshly initialised" warning
+        assert main(["predict", "--model", str(run), "--text", "a dog runs"]) == 0
+    label, p = capsys.readouterr().out.split("\t")[:2]
+    assert label in ("de", "en") and 0.5 <= float(p) <= 1
+    assert main(["viz", "--model", str(run), "--text", "a dog runs", "--out", str(tmp_path / "view.html")]) == 0
+    assert _data((tmp_path / "view.html").read_text(encoding="utf-8"))["kinds"][0]["tokens_q"][0] == "[CLS]"
+    assert main(["analyze", "--model", str(run), "--text", "a dog runs", "--no-prune"]) == 0
+    assert main(["export", "--model", str(run), "--out", str(tmp_path / "cls.onnx")]) == 0
+    assert "BertForSequenceClassification" in capsys.readouterr().out
+    assert _listing(run) == before

