@@ -225,3 +225,67 @@ def test_env_prints_the_table(fresh, weight, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "kernel choices (probe on" in out and "  decode_linear: aten, forced" in out
     assert "decode_linear fp32 64x32 (40x24), probed: rows 1:own 2:own 4:own 6:own 8:own; ms own " in out
+
+
+def _new_process(monkeypatch):
+    """This process's table and budget as a new process finds them (the cache file stays)."""
+    monkeypatch.setattr(_choice, "_table", {})
+    monkeypatch.setattr(_choice, "_loaded", [])
+    monkeypatch.setattr(_choice, "_spent", [0.0])
+
+
+def test_clear_cache_forgets_the_file_and_the_process_and_names_the_classes(fresh, weight, monkeypatch):
+    w, b = weight
+    _probe(weight, {"own": lambda x: F.linear(x, w, b), "aten": lambda x: F.linear(x, w, b) * 1.01})
+    assert fresh.is_file()
+    _new_process(monkeypatch)
+    assert _choice.needs_probe("bf16", 40, 24)  # (reads the cache, as every probe's caller does)
+    _probe(weight, {"own": lambda x: F.linear(x, w, b), "aten": lambda x: F.linear(x, w, b) * 1.01}, dtype="bf16")
+    assert _choice.clear_cache() == [("decode_linear", "bf16", [40, 24]), ("decode_linear", "fp32", [40, 24])]
+    assert not fresh.exists() and _choice.table() == [] and _choice._spent == [0.0]
+    assert _choice.decode_rows("fp32", 40, 24, 4) == (4, "default") and _choice.needs_probe("fp32", 40, 24)
+    assert _choice.clear_cache() == []  # nothing left: no error
+
+
+@needs_native
+def test_env_reprobe_measures_the_cached_classes_again(fresh, monkeypatch, capsys):
+    """``attnlab env --reprobe`` forgets the cache of this machine and torch and probes each class it held again on
+    a weight of the recorded shape (a float layer's and an int8 layer's), writing the new choices to the cache."""
+    import json as json_
+
+    from attnlab.cli import main
+    from attnlab.nn.inference import probe_linears
+
+    probe_linears(_linear(48, 80), dtype=torch.float32, rows=1)
+    quantize(nn.Sequential(_linear(64, 32)), "int8")
+    classes = [["decode_linear", "fp32", [48, 80]], ["decode_linear", "int8", [64, 32]]]
+    stale = json_.loads(fresh.read_text(encoding="utf-8"))
+    for e in stale["choices"].values():  # a choice measured under other conditions: own never
+        e.update(crossover=0, seconds=-1.0)
+    fresh.write_text(json_.dumps(stale), encoding="utf-8")
+    _new_process(monkeypatch)
+    assert main(["env", "--reprobe", "--no-measure", "--json"]) == 0
+    again = json_.loads(capsys.readouterr().out)["kernel_choices"]
+    assert again["reprobed"] == {"forgotten": classes, "measured": classes}
+    assert sorted(e["source"] for e in again["table"]) == ["probed", "probed"]
+    cached = json_.loads(fresh.read_text(encoding="utf-8"))["choices"]
+    assert sorted(cached) == sorted(stale["choices"]) and all(e["seconds"] >= 0 for e in cached.values())
+    _new_process(monkeypatch)
+    assert main(["env", "--reprobe", "--no-measure"]) == 0  # the text form says what it did
+    assert "kernel choices: forgot 2 class(es) of " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("env, named", [({"ATTNLAB_PROBE": "0"}, "ATTNLAB_PROBE=0"),
+                                        ({"ATTNLAB_FORCE_DECODE_LINEAR": "own"}, "forced")])
+def test_env_reprobe_with_the_probe_off_or_forced_is_one_error_and_keeps_the_cache(fresh, weight, monkeypatch,
+                                                                                   capsys, env, named):
+    from attnlab.cli import main
+
+    w, b = weight
+    _probe(weight, {"own": lambda x: F.linear(x, w, b), "aten": lambda x: F.linear(x, w, b) * 1.01})
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert main(["env", "--reprobe", "--no-measure"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("attnlab env: error: --reprobe: ") and named in err[0]
+    assert fresh.is_file()

@@ -180,6 +180,20 @@ def _save_cache() -> None:
         log.info("attnlab: could not write the kernel choice cache %s (%s)", path, e)
 
 
+def clear_cache() -> list[tuple[str, str, list[int]]]:
+    """Forget the choices of this machine and torch (:func:`cache_path`, keyed by :func:`machine_key`): delete the
+    cache file and this process's table, and reset the process's probe budget, so that the next probe of each class
+    measures again. Returns ``(family, dtype, shape)`` of each class forgotten (``shape``: the ``[in, out]`` of the
+    weight it was probed on), sorted, for a caller that re-measures them (``attnlab env --reprobe``)."""
+    _loaded.clear()
+    _load_cache()  # the file's classes as well as this process's
+    known = sorted({(*key.split("/")[:2], tuple(e["shape"])) for key, e in _table.items()})
+    _table.clear()
+    _spent[0] = 0.0
+    cache_path().unlink(missing_ok=True)
+    return [(family, dtype, list(shape)) for family, dtype, shape in known]
+
+
 def decode_rows(dtype: str, in_features: int, out_features: int, default: int) -> tuple[int, str]:
     """``(rows, source)``: the number of rows up to which ``own`` computes a ``decode_linear`` product of this
     weight (0: never), and where that comes from: ``"forced"``, ``"probed"``, ``"cached"`` or ``"default"``

@@ -44,17 +44,65 @@ def _yes(v: bool) -> str:
 EPILOG = """examples:
   attnlab env                       # ISA, native bf16, AMX, threads, measured GFLOP/s, what dtype=auto picks
   attnlab env --json
-  ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 attnlab env    # behave as an AVX2-only CPU"""
+  ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 attnlab env    # behave as an AVX2-only CPU
+  attnlab env --reprobe --no-measure   # forget this machine's kernel choices and measure them again"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``attnlab env`` (the common flags are added by :mod:`attnlab.cli`)."""
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-measure", action="store_true", help="skip the ~1 s measurement (GFLOP/s, GB/s)")
+    p.add_argument("--reprobe", action="store_true",
+                   help="clear the kernel-choice cache of this machine and torch, and measure its classes again")
+
+
+def reprobe() -> dict:
+    """Clear the kernel-choice cache of this machine and torch (:func:`attnlab._choice.clear_cache`) and probe each
+    class it held again, as the layers that use it probe it (a float linear layer through
+    :func:`attnlab.nn.inference.probe_linears`, an int8 one through :func:`attnlab.adapt.quantize.quantize`), on a
+    weight of the recorded shape. Returns ``{"forgotten": [[family, dtype, [in, out]], ...], "measured": [...]}``;
+    a class that is not measured again (the C++ kernels not built, the process's probe budget spent) keeps its
+    default until a model of that shape probes it.
+
+    Raises:
+        ValueError: ``ATTNLAB_PROBE=0`` (the probe and the cache are off) or the family's candidate forced.
+    """
+    import torch
+    from torch import nn
+
+    from attnlab.adapt.quantize import quantize
+    from attnlab.nn.inference import probe_linears
+
+    if not _choice.probing():
+        raise ValueError("--reprobe: ATTNLAB_PROBE=0 turns the kernel-choice probe and its cache off; "
+                         "set ATTNLAB_PROBE=1 (the default) to measure again")
+    if _choice.forced("decode_linear") is not None:
+        raise ValueError("--reprobe: decode_linear's candidate is forced (ATTNLAB_FORCE_DECODE_LINEAR or "
+                         "ATTNLAB_KERNELS), so nothing is probed; unset it to measure again")
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    forgotten = _choice.clear_cache()
+    for family, dtype, (n_in, n_out) in forgotten:
+        if family != "decode_linear":  # (the only family that has a probe)
+            continue
+        with torch.random.fork_rng():  # a weight of the shape; the user's random stream untouched
+            torch.manual_seed(0)
+            layer = nn.Linear(n_in, n_out)
+        if dtype in dtypes:
+            probe_linears(layer, dtype=dtypes[dtype], rows=1)
+        elif dtype in ("int8", "int8-weight"):
+            quantize(nn.Sequential(layer), dtype, inplace=True)
+    measured = [[e["family"], e["dtype"], e["shape"]] for e in _choice.table() if e["source"] == "probed"]
+    return {"forgotten": [list(f) for f in forgotten], "measured": measured}
 
 
 def main(args: argparse.Namespace) -> int:
+    again = reprobe() if args.reprobe else None
     r = report(measure=not args.no_measure)
+    if again is not None:
+        r["kernel_choices"]["reprobed"] = again
+    if again is not None and not args.json:
+        print(f"kernel choices: forgot {len(again['forgotten'])} class(es) of {r['kernel_choices']['cache']}, "
+              f"measured {len(again['measured'])} again")
     if args.json:
         print(json.dumps(r, indent=2))
         return 0
