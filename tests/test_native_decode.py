@@ -418,6 +418,37 @@ def test_every_ffn_activation_and_norm_in_the_one_call_step(activation, norm):
     assert (fused - parts).abs().max() <= tolerance(parts, n=96, depth=2)
 
 
+@needs_native
+def test_the_layers_decoding_plan_follows_its_norms_hooks_and_mode():
+    """The plan for decoding is cached on the layer (nn.layer_native.plan) and made again where the layer changes:
+    norms of two kinds take the step in parts, one kind again the one call; a hook, while registered, the step in
+    parts; train() then eval() the one call again."""
+    from torch import nn
+
+    from attnlab.nn.block import DecoderLayer
+    from attnlab.nn.inference import optimize_linears_
+    from attnlab.nn.norms import RMSNorm
+
+    torch.manual_seed(0)
+    layer = DecoderLayer(64, 4, cross_attention=False, ffn_dim=96, norm_first=True).eval()
+    optimize_linears_(layer, dtype=torch.float32, rows=1)
+    cache = KVCache()
+    x = torch.randn(2, 1, 64)
+    with torch.no_grad():
+        layer(torch.randn(2, 5, 64), cache=_layer_cache(cache), is_causal=True)
+        assert layer._step_native(x, cache) is not None
+        norm2 = layer.norm2
+        layer.norm2 = RMSNorm(64)
+        assert layer._step_native(x, cache) is None
+        layer.norm2 = norm2
+        assert layer._step_native(x, cache) is not None
+        hook = layer.norm1.register_forward_hook(lambda m, i, o: None)
+        assert layer._step_native(x, cache) is None
+        hook.remove()
+        layer.train().eval()
+        assert layer._step_native(x, cache) is not None and cache.length == 8
+
+
 def _layer_cache(kv):
     from attnlab.nn.block import LayerCache
 

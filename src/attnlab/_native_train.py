@@ -305,6 +305,22 @@ def gpt_block_train(x: Tensor, n1w: Tensor, n1b: Optional[Tensor], wqkv: Tensor,
                                              eps[0], eps[1], ACTIVATIONS[activation], left, right)[0]
 
 
+_INT8_TRAINING: dict[type, tuple[int, int]] = {}  # a class -> its levels (register_int8_training)
+
+
+def register_int8_training(cls: type, left: int, right: int) -> None:
+    """Declare that ``cls``'s training forward is exactly :func:`int8_linear_train` at levels ``left``/``right``, so
+    that a layer whose four products are of this class may train as one node (:func:`gpt_block_train`;
+    :func:`attnlab.backends.dispatch.plan_layer` reads it). The class itself, not its subclasses (which may
+    compute otherwise)."""
+    _INT8_TRAINING[cls] = (int(left), int(right))
+
+
+def int8_training_levels(cls: type) -> Optional[tuple[int, int]]:
+    """The levels ``(left, right)`` that :func:`register_int8_training` declared for exactly ``cls``, or None."""
+    return _INT8_TRAINING.get(cls)
+
+
 def int8_linear_backward(g: Tensor, qw: Tensor, sw: Tensor, qxt: Optional[Tensor], sxc: Optional[Tensor], *,
                          left: int, right: int, dx: bool, dw: bool, db: bool, dx_dtype: torch.dtype
                          ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:

@@ -79,8 +79,11 @@ def test_the_one_node_layer_keeps_its_graph_for_a_second_backward_and_refuses_a_
 
 @needs_native
 @pytest.mark.parametrize("case", ["eval", "no_grad", "dropout", "hook", "dropout_hook", "frozen", "autocast",
-                                  "float_linear", "subclass", "eval_linear", "not_causal", "rotary", "long"])
+                                  "float_linear", "subclass", "eval_linear", "not_causal", "rotary", "long",
+                                  "dropout_rate", "backend", "float64"])
 def test_the_one_node_layer_steps_aside_where_the_modules_would_not_make_its_calls(case, monkeypatch):
+    """Each case a layer built so, or (all but rotary and dropout) changed so after a first call took the node: the
+    layer's cached plan (nn.layer_native.plan) is made again, or the call's own checks step aside."""
     from attnlab.nn.block import DecoderLayer
     from attnlab.nn.positional import RotaryEmbedding
     L, kw = 8, {}
@@ -92,6 +95,10 @@ def test_the_one_node_layer_steps_aside_where_the_modules_would_not_make_its_cal
         I.int8_training(layer, skip=())
     else:
         layer = _gpt_layer(32, 2)
+        calls = _fused_calls(monkeypatch)
+        layer(torch.randn(2, L, 32, requires_grad=True))
+        assert calls == [1]
+        monkeypatch.undo()
     if case == "eval":
         layer.eval()
     elif case == "hook":
@@ -102,7 +109,7 @@ def test_the_one_node_layer_steps_aside_where_the_modules_would_not_make_its_cal
         layer.ffn.dropout.register_forward_hook(lambda m, i, o: None)
     elif case == "float_linear":
         layer.self_attn.out_proj.__class__ = nn.Linear
-    elif case == "subclass":  # a subclass may compute otherwise: only the class that declares its levels
+    elif case == "subclass":  # a subclass may compute otherwise: only the class registered with its levels
         layer.ffn.w1.__class__ = type("Sub", (I.Int8TrainingLinear,), {})
     elif case == "eval_linear":
         layer.ffn.w2.eval()
@@ -111,6 +118,12 @@ def test_the_one_node_layer_steps_aside_where_the_modules_would_not_make_its_cal
     elif case == "long":
         from attnlab.backends import short
         L = short.FUSED_KEYS + 1
+    elif case == "dropout_rate":
+        layer.dropout2.p = 0.1
+    elif case == "backend":
+        layer.self_attn.backend = "sdpa"
+    elif case == "float64":
+        layer.double()
     calls = _fused_calls(monkeypatch)
     x = torch.randn(2, L, 32, requires_grad=True)
     if case == "no_grad":
@@ -120,7 +133,7 @@ def test_the_one_node_layer_steps_aside_where_the_modules_would_not_make_its_cal
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = layer(x)
     else:
-        y = layer(x, **kw)
+        y = layer(x.double() if case == "float64" else x, **kw)
     assert calls == [] and y.shape == x.shape
 
 

@@ -32,8 +32,8 @@ roundings, products and rescalings of each direction in one native call (``int8_
 autograd by ``torch.library``, so ``torch.compile`` traces it); in ``eval()``
 mode, or where the native kernels are not built, it is the float layer. :func:`int8_training` swaps the layers of a
 model in place. A pre-norm GPT layer whose four products are such layers trains as one node in all
-(:func:`attnlab.nn.layer_native.decoder_train`: the norms, these products, the attention, the activation and
-the residuals, the same calls and bits).
+(:func:`attnlab._native_train.gpt_block_train`, where :func:`attnlab.backends.dispatch.plan_layer` takes it: the
+norms, these products, the attention, the activation and the residuals, the same calls and bits).
 """
 from __future__ import annotations
 
@@ -58,10 +58,6 @@ class Int8TrainingLinear(nn.Linear):
     mode, inputs other than float32/bfloat16 on the CPU, or no native kernels: the float layer. Same parameters
     and state dict as ``nn.Linear``."""
 
-    # the levels of its products' operands, declared in this class's own body: what DecoderLayer's one-node training
-    # path (nn.layer_native) reads to know a layer computes exactly this (without importing adapt)
-    int8_levels = (LEFT, RIGHT)
-
     def forward(self, x: Tensor) -> Tensor:
         if not (self.training and torch.is_grad_enabled() and x.device.type == "cpu"
                 and x.dtype in (torch.float32, torch.bfloat16) and self.weight.dtype == torch.float32
@@ -72,6 +68,10 @@ class Int8TrainingLinear(nn.Linear):
             return super().forward(x)
         # one autograd node (attnlab._native_library: int8_linear's); autocast casts none of its operations
         return _native_train.int8_linear_train(x, self.weight, self.bias, left=LEFT, right=RIGHT, dtype=out_dtype)
+
+
+# what the dispatcher's plan for a decoder layer reads to know these products compute exactly int8_linear_train's
+_native_train.register_int8_training(Int8TrainingLinear, LEFT, RIGHT)
 
 
 def int8_training(model: nn.Module, *, skip: Iterable[str] = ("*lm_head*", "*head")) -> list[str]:

@@ -382,3 +382,56 @@ def attention_weights(
     return w
 
 
+
+
+def plan_layer(layer, mode: str, *, norms: tuple, activation: Optional[str]) -> Optional[tuple]:
+    """Which implementation computes a pre-norm decoder layer's call in ``mode``, and its fixed arguments: the one
+    place that chooses between a layer's modules and the native layer ops. :class:`attnlab.nn.block.DecoderLayer`
+    asks once per mode and structure (it caches the answer; :mod:`attnlab.nn.layer_native` runs it, adding the
+    checks that depend on a call's tensors: grad mode, autocast, compiling, hooks, dtypes, lengths).
+
+    ``mode``: ``"decode"`` (a decoding step, gradients off) or ``"train"`` (a training forward). ``norms``: each of
+    the layer's two norms as ``(rms, eps, has_weight)`` where it is an RMSNorm or a LayerNorm over the last dim with
+    float32 CPU parameters, else None; ``activation``: the FFN's activation where it is attnlab's ``FeedForward``,
+    else None — what the layer knows of its own modules. Returns:
+
+    - ``("decoder_step", {"rms", "eps", "activation"})``: the step in one call (:func:`attnlab._native.decoder_step`),
+      for a decoder-only pre-norm layer with two norms of one kind and a ``FeedForward``;
+    - ``("gpt_block_train", {"heads", "scale", "eps", "activation", "left", "right"})``: the training forward as
+      one autograd node (:func:`attnlab._native_train.gpt_block_train`): two LayerNorms with weights, a plain
+      activation, no dropout, a packed causal softmax self-attention that the short backend serves (``short``, or
+      ``auto`` with short first) with no window, position bias, QK-norm, RoPE, grouped heads or top-k, and four
+      int8 training products of one registered class (:func:`attnlab._native_train.int8_training_levels`);
+    - None: the layer's modules (each choosing its backend per call, :func:`attend`).
+    """
+    if mode not in ("decode", "train"):
+        raise ValueError(f"mode must be 'decode' or 'train', got {mode!r}")
+    n1, n2 = norms
+    if not layer.norm_first or layer.cross_attn is not None or n1 is None or n2 is None or activation is None:
+        return None
+    attn, ffn = layer.self_attn, layer.ffn
+    if mode == "decode":
+        if n1[0] != n2[0]:
+            return None
+        return "decoder_step", {"rms": n1[0], "eps": (n1[1], n2[1]), "activation": activation}
+    products = (attn.in_proj, attn.out_proj, ffn.w1, ffn.w2)
+    levels = {_native_train.int8_training_levels(type(m)) for m in products}
+    scale = default_scale(attn.head_dim) if attn.scale is None else float(attn.scale)
+    if not (not n1[0] and not n2[0] and n1[2] and n2[2] and ffn.w3 is None and activation in _native.ACTIVATIONS
+            and attn.dropout == 0 and all(getattr(m, "p", 1.0) == 0 for m in (layer.dropout1, layer.dropout2,
+                                                                                layer.drop_path, ffn.dropout))
+            and attn.packed and attn.num_kv_heads == attn.num_heads and attn.q_norm is None and attn.k_norm is None
+            and attn.rotary is None and attn.position_bias is None and attn.window is None
+            and attn.normalize == "softmax" and attn.top_k is None and abs(scale) <= 1e3
+            and (attn.backend == "short" or (attn.backend == "auto" and AUTO_ORDER[0] == "short"))
+            and len(levels) == 1 and None not in levels):
+        return None
+    (left, right), = levels
+    return "gpt_block_train", {"heads": attn.num_heads, "scale": scale, "eps": (n1[1], n2[1]),
+                               "activation": activation, "left": left, "right": right}
+
+
+def plan_fits(path: str, length: int) -> bool:
+    """Whether a call of ``length`` positions fits a layer's planned ``path`` (:func:`plan_layer`), read per call:
+    ``gpt_block_train``'s attention is the short backend's fused kernel, up to its ``FUSED_KEYS`` keys."""
+    return path != "gpt_block_train" or 0 < length <= short.FUSED_KEYS

@@ -306,6 +306,16 @@ class DecoderLayer(_ResidualLayer):
             self.cross_attn = MultiheadAttention(spec.dim, spec.num_heads, num_kv_heads=spec.num_kv_heads,
                                                  bias=spec.bias, dropout=self.self_attn.dropout,
                                                  head_dim=spec.head_dim, scale=spec.scale, backend=spec.backend)
+        self._plans: dict = {}  # the dispatcher's plans per mode (layer_native.plan)
+
+    def train(self, mode: bool = True) -> "DecoderLayer":
+        """``nn.Module.train``; a mode change forgets the layer's plans (:func:`attnlab.nn.layer_native.plan`)."""
+        self.__dict__.setdefault("_plans", {}).clear()
+        return super().train(mode)
+
+    def _apply(self, fn, recurse: bool = True):
+        self.__dict__.setdefault("_plans", {}).clear()  # a dtype or device change makes new plans
+        return super()._apply(fn, recurse)
 
     @classmethod
     def from_spec(cls, spec: LayerSpec, *, cross_attention: bool = True) -> "DecoderLayer":
