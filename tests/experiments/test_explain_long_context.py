@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from attnlab.backends import banded
+from attnlab.backends import tiled
 from attnlab.experiments.explain import run_experiment
 from attnlab.experiments.explain.long_context import _visible, make_model
 
@@ -23,21 +23,21 @@ def test_long_context_quick(tmp_path, shakespeare):  # trains on tiny-shakespear
 
 
 def test_windowed_model_attends_through_the_window(monkeypatch):
-    """The windowed model's layers compute windowed attention (the banded path at a long context), equal to
+    """The windowed model's layers compute windowed attention (the tiled backend, float64: its block loop), equal to
     the float64 reference backend with the window mask."""
     torch.manual_seed(0)
     calls = []
-    orig = banded._BandedAttention.forward
+    orig = tiled._TiledAttention.forward
 
     def spy(ctx, *a):
         calls.append(a[0].window)
         return orig(ctx, *a)
 
-    monkeypatch.setattr(banded._BandedAttention, "forward", staticmethod(spy))
+    monkeypatch.setattr(tiled._TiledAttention, "forward", staticmethod(spy))
     model = make_model(65, 1024, 32).double()
     x = torch.randint(0, 65, (1, 1024))
     got = model(x).logits
-    assert calls == [32, 32]  # both layers, through the banded path
+    assert calls == [32, 32]  # both layers, through the tiled backend's window
 
     for layer in model.layers:  # the same model, every attention through the reference backend
         layer.self_attn.backend = "reference"

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from attnlab import _native
 from attnlab._runtime import reuse_large_blocks
-from attnlab.backends import banded, reference
+from attnlab.backends import reference
 from attnlab.backends.flash_native import NativeFlash, native_applies, native_blocks, native_request
 from attnlab.functional.masks import (additive_without_grads, call_mask_mod, call_score_mod, captured_tensors,
                                      derivative_without_grads)
@@ -69,9 +69,9 @@ def auto_when(q, k, v, *, window=None, causal=False, mask=None, mask_mod=None, s
     comes before ``sdpa``) where the C++ kernel is faster: float32, no mask tensor, at least
     :data:`NATIVE_DENSE_MIN` queries and keys, and (unless its products are its own, AVX-512) causal or wanting
     gradients. For every sparse request
-    (:data:`SPARSE_ORDER`) except a window too wide to save work (see :func:`~attnlab.backends.banded.saves_work`)
-    on a sequence short enough for a dense mask (``Lq·Lk ≤ DENSE_WINDOW_LIMIT``): measured, SDPA's fused kernel
-    with the mask is faster there."""
+    (:data:`SPARSE_ORDER`) except a window too wide to save work (:func:`window_saves_work`) on a sequence short
+    enough for a dense mask (``Lq·Lk ≤ DENSE_WINDOW_LIMIT``): measured, SDPA's fused kernel with the mask is faster
+    there."""
     Lq, Lk = q.shape[-2], k.shape[-2]
     if window is None and mask_mod is None and score_mod is None:
         wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -79,7 +79,22 @@ def auto_when(q, k, v, *, window=None, causal=False, mask=None, mask_mod=None, s
                 and (causal or wants_grad or _native.own_products()) and native_applies(q))
     if mask is not None or mask_mod is not None or score_mod is not None:
         return True
-    return banded.saves_work(Lq, Lk, window, causal) or Lq * Lk > DENSE_WINDOW_LIMIT
+    return window_saves_work(Lq, Lk, window, causal) or Lq * Lk > DENSE_WINDOW_LIMIT
+
+
+WINDOW_BLOCK = 32  # the query rows of a tile whose key span window_saves_work counts
+
+
+def window_saves_work(Lq: int, Lk: int, window: Optional[int], causal: bool) -> bool:
+    """Whether a sliding window skips at least half of dense attention's work, counted in tiles of
+    :data:`WINDOW_BLOCK` queries: each tile's span of ``S`` keys (its rows and the window behind them, and ahead when
+    not causal, in whole tiles) against ``Lk / 2`` keys per query on average if causal, else ``Lk``; and the sequence
+    at least two spans long. Where it does not, a fused dense kernel with a mask is faster."""
+    if window is None or window >= Lk:
+        return False
+    span = -(-(WINDOW_BLOCK + (window - 1) * (1 if causal else 2)) // WINDOW_BLOCK)  # in tiles
+    dense = Lk / 2 if causal else Lk
+    return -(-Lq // WINDOW_BLOCK) >= 2 * (span - 1) and 2 * span * WINDOW_BLOCK <= dense
 
 
 def attention(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, dropout_p, normalize,
@@ -108,9 +123,6 @@ def tiled_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Optional[Tensor] =
     native = native_request(q, k, score_mod, mask_mod, captured) if mask is None and native_applies(q) else None
     if native is not None:
         return NativeFlash.apply(q, k, v, scale, causal, window, native_blocks(window, native), native)
-    if mask is None and banded.applies(q.shape[2], k.shape[2], window, causal, min(block_q, banded.BLOCK)):
-        return banded.banded_attention(q, k, v, window=window, causal=causal, scale=scale, score_mod=score_mod,
-                                       mask_mod=mask_mod, captured=captured, block=min(block_q, banded.BLOCK))
     cfg = _Config(causal=causal, window=window, scale=scale, score_mod=score_mod, mask_mod=mask_mod,
                   bool_mask=mask if mask is not None and mask.dtype == torch.bool else None,
                   block_q=block_q, block_k=block_k, max_chunk=max_chunk)
@@ -178,11 +190,18 @@ def _chunks(cfg: _Config, B: int, H: int, qs: int, qe: int, Lq: int, Lk: int, de
     cols = allowed.flatten(0, -2).any(dim=0).expand(hi - lo)               # key columns anyone sees
     n = -(-(hi - lo) // cfg.block_k)
     flags = torch.nn.functional.pad(cols, (0, n * cfg.block_k - (hi - lo))).view(n, cfg.block_k).any(dim=1)
-    for c0, c1 in banded.true_runs(flags):
+    for c0, c1 in true_runs(flags):
         for ks in range(lo + c0 * cfg.block_k, min(lo + c1 * cfg.block_k, hi), cfg.max_chunk):
             ke = min(ks + cfg.max_chunk, lo + c1 * cfg.block_k, hi)
             part = allowed if allowed.shape[-1] == 1 else allowed[..., ks - lo:ke - lo]
             yield ks, ke, True, _block_grids(B, H, qs, qe, ks, ke, off, device), part
+
+
+def true_runs(flags: Tensor) -> list[tuple[int, int]]:
+    """``[start, end)`` of each run of True in a 1-D bool tensor."""
+    padded = torch.cat([flags.new_zeros(1), flags, flags.new_zeros(1)]).to(torch.int8)
+    change = (padded[1:] - padded[:-1]).nonzero().flatten().tolist()
+    return list(zip(change[0::2], change[1::2]))
 
 
 def _initial_chunks(cfg: _Config, qs: int, qe: int, Lq: int, Lk: int) -> list[tuple[int, int, bool]]:

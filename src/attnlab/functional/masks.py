@@ -189,8 +189,8 @@ def softcap_score_mod(cap: float) -> Callable:
     """Logit soft-capping (Gemma 2's ``attn_logit_softcapping``, Grok-1): ``score' = c · tanh(score / c)``.
 
     Scores stay inside ``(-c, c)``, smoothly: a FlexAttention-style ``score_mod``. It carries its derivative
-    ``d score' / d score = 1 - (score' / c)²`` as ``grad_from_output``, so the ``tiled`` backend (and its banded
-    window path) computes the backward in closed form, with no autograd inside the blocks.
+    ``d score' / d score = 1 - (score' / c)²`` as ``grad_from_output``, so the ``tiled`` backend computes the
+    backward in closed form, with no autograd inside the blocks.
 
     Raises:
         ValueError: ``cap`` is not a positive finite number.

@@ -1,16 +1,15 @@
 """Long context on a CPU: does a sliding window replace full attention? Char-level models trained at
 contexts up to 2,048 tokens, dense and windowed, on tiny-shakespeare.
 
-Full causal attention costs ``O(L²)`` per sequence; a window of ``w`` keys costs ``O(L·w)``, and the
-``tiled`` backend computes it as a few large batched products (``backends/banded.py``), so training at a
-long context stays cheap. The question is what the window gives up. Each model — a 2-layer Llama
-(rotary positions, so nothing ties it to the length it was trained at) — sees the same number of
-training tokens (``steps × batch × L`` fixed: a longer context means fewer, longer sequences), at
-contexts ``L`` and windows ``w`` (dense = ``w = L``). The validation loss is measured on the last 10 %
-of the text, on fixed blocks of the model's own context (``all positions``), and on the last quarter of
-each block only (``late positions``: every one of them has at least ``3L/4`` tokens of history, so this
-is where a longer context can pay). Each windowed model is also scored at twice the context it was
-trained at (its window still bounds what it reads).
+Full causal attention costs ``O(L²)`` per sequence; a window of ``w`` keys costs ``O(L·w)``, and the ``tiled``
+backend computes only the tiles the band reaches, so training at a long context stays cheap. The question is
+what the window gives up. Each model — a 2-layer Llama (rotary positions, so nothing ties it to the length it
+was trained at) — sees the same number of training tokens (``steps × batch × L`` fixed: a longer context means
+fewer, longer sequences), at contexts ``L`` and windows ``w`` (dense = ``w = L``). The validation loss is
+measured on the last 10 % of the text, on fixed blocks of the model's own context (``all positions``), and on
+the last quarter of each block only (``late positions``: every one of them has at least ``3L/4`` tokens of
+history, so this is where a longer context can pay). Each windowed model is also scored at twice the context
+it was trained at (its window still bounds what it reads).
 """
 from __future__ import annotations
 

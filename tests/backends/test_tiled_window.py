@@ -1,6 +1,6 @@
-"""The banded path of the tiled backend (a narrow sliding window as a few batched products) against the
+"""Sliding windows through the tiled backend's PyTorch loop (the C++ kernel: tests/test_native_flash.py) against the
 float64 reference: values, gradients (q, k, v and tensors a score_mod reads), GQA, Lq != Lk, bidirectional
-windows, mask_mod, empty rows, groups split inside a head, and the kept-vs-recomputed backward.
+windows, mask_mod, empty rows, tiles of every size, closed-form mod backwards; and where ``auto`` takes a window.
 
 Tolerances: float64 1e-10 (observed ~1e-15); bf16 inputs (computed in float32) 2e-2.
 """
@@ -11,15 +11,15 @@ from hypothesis import strategies as st
 
 import attnlab
 from attnlab import attention
-from attnlab.backends import banded
-from attnlab.backends.banded import banded_attention
+from attnlab.backends import select_backend, tiled
+from attnlab.backends.tiled import tiled_attention
 
 from _oracle import matches_reference
 
 F64 = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-10)
 
-pytestmark = pytest.mark.usefixtures("python_tiled")  # the banded path, not the C++ kernel
+pytestmark = pytest.mark.usefixtures("python_tiled")  # the PyTorch loop, not the C++ kernel
 
 
 def _qkv(B, H, Hkv, Lq, Lk, D, Dv, dtype=F64):
@@ -28,9 +28,11 @@ def _qkv(B, H, Hkv, Lq, Lk, D, Dv, dtype=F64):
             torch.randn(B, Hkv, Lk, Dv, dtype=dtype, requires_grad=True))
 
 
-def _check(q, k, v, *, window, causal, block, extra=(), score_mod=None, mask_mod=None):
-    run = lambda: banded_attention(q, k, v, window=window, causal=causal, scale=q.shape[-1] ** -0.5,  # noqa: E731
-                                   score_mod=score_mod, mask_mod=mask_mod, captured=list(extra), block=block)
+def _check(q, k, v, *, window, causal, block, extra=(), score_mod=None, mask_mod=None, block_k=None,
+           max_chunk=None):
+    tiles = dict(block_q=block, block_k=block_k or block, max_chunk=max_chunk or 2 * block)
+    run = lambda: tiled_attention(q, k, v, window=window, causal=causal, scale=q.shape[-1] ** -0.5,  # noqa: E731
+                                  score_mod=score_mod, mask_mod=mask_mod, **tiles)
     return matches_reference(run, q, k, v, tol=TOL, extra=extra, causal=causal, window=window, score_mod=score_mod,
                              mask_mod=mask_mod)
 
@@ -44,17 +46,13 @@ def test_matches_reference(data):
     q, k, v = _qkv(data.draw(st.integers(1, 2)), H, Hkv, Lq, Lk, data.draw(st.integers(1, 5)),
                    data.draw(st.integers(1, 4)))
     kw = dict(window=data.draw(st.integers(1, 12)), causal=data.draw(st.booleans()),
-              block=data.draw(st.integers(1, 8)))
+              block=data.draw(st.integers(1, 8)), block_k=data.draw(st.integers(1, 8)),
+              max_chunk=data.draw(st.sampled_from([1, 5, 1024])))
     if data.draw(st.booleans()):
         kw["score_mod"] = lambda s, b, h, qi, kj: s - 0.1 * (h + 1) * (qi - kj).abs() + 0.01 * b
     if data.draw(st.booleans()):
         kw["mask_mod"] = lambda b, h, qi, kj: ((qi + kj + h) % 3) != 0
-    group = data.draw(st.sampled_from([banded.GROUP_ELEMENTS, 7, 100]))   # whole heads / parts of one head
-    keep = data.draw(st.sampled_from([banded.KEEP_ELEMENTS, 0]))           # reuse or recompute e^(S - m)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(banded, "GROUP_ELEMENTS", group)
-        mp.setattr(banded, "KEEP_ELEMENTS", keep)
-        _check(q, k, v, **kw)
+    _check(q, k, v, **kw)
 
 
 def test_gradcheck_with_captured_slopes():
@@ -64,8 +62,8 @@ def test_gradcheck_with_captured_slopes():
 
     def f(q, k, v, slopes):
         mod = lambda s, b, h, qi, kj: s + slopes[h] * (kj - qi)  # noqa: E731
-        return banded_attention(q, k, v, window=3, causal=True, scale=0.7, score_mod=mod, captured=[slopes],
-                                block=2)[0]
+        return tiled_attention(q, k, v, window=3, causal=True, scale=0.7, score_mod=mod, block_q=2, block_k=2,
+                               max_chunk=4)[0]
 
     assert torch.autograd.gradcheck(f, (q, k, v, slopes))
     assert torch.autograd.gradgradcheck(f, (q, k, v, slopes))
@@ -89,7 +87,7 @@ def test_empty_rows_give_zero_output_and_neg_inf_lse():
 
 def test_lse_is_logsumexp_of_windowed_scores():
     q, k, v = _qkv(1, 2, 2, 33, 33, 4, 4)
-    _, lse = banded_attention(q, k, v, window=5, causal=True, scale=0.5, block=4)
+    _, lse = tiled_attention(q, k, v, window=5, causal=True, scale=0.5, block_q=4, block_k=4, max_chunk=8)
     d = torch.arange(33).view(-1, 1) - torch.arange(33)
     s = (q @ k.transpose(-2, -1) * 0.5).masked_fill(~((d >= 0) & (d < 5)), float("-inf"))
     torch.testing.assert_close(lse, torch.logsumexp(s, dim=-1).detach(), **TOL)
@@ -98,7 +96,7 @@ def test_lse_is_logsumexp_of_windowed_scores():
 def test_bf16_inputs_computed_in_float32():
     q, k, v = (t.detach().float().requires_grad_() for t in _qkv(1, 2, 1, 64, 64, 8, 8))
     qb, kb, vb = (t.detach().bfloat16().requires_grad_() for t in (q, k, v))
-    out, _ = banded_attention(qb, kb, vb, window=8, causal=True, scale=8 ** -0.5, block=8)
+    out, _ = tiled_attention(qb, kb, vb, window=8, causal=True, scale=8 ** -0.5, block_q=8, block_k=8, max_chunk=16)
     assert out.dtype == torch.bfloat16
     ref = attention(qb.float(), kb.float(), vb.float(), causal=True, window=8, backend="reference")
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
@@ -106,31 +104,18 @@ def test_bf16_inputs_computed_in_float32():
     assert qb.grad.dtype == torch.bfloat16 and torch.isfinite(qb.grad.float()).all()
 
 
-def test_layout_work_and_padding():
-    q, k = torch.zeros(1, 8, 8192, 64), torch.zeros(1, 8, 8192, 64)
-    L = banded._layout(q, k, 256, True, 1.0, 32)
-    assert L.S == 288 and L.S < 32 + 256 + 32           # span: the block and the window, rounded to blocks
-    assert (L.nb - 8192 // 32) / L.nb < 0.04            # padding blocks per head
-    bi = banded._layout(q, k, 256, False, 1.0, 32)
-    assert bi.S >= 32 + 2 * 255                         # a bidirectional window reaches both ways
-
-
-def test_auto_takes_the_banded_path_for_a_long_narrow_window(monkeypatch):
-    calls = []
-    orig = banded._BandedAttention.forward
-
-    def spy(ctx, *a):
-        calls.append(a[0])
-        return orig(ctx, *a)
-
-    monkeypatch.setattr(banded._BandedAttention, "forward", staticmethod(spy))
+def test_auto_takes_tiled_for_a_window_that_skips_half_the_work():
+    """A long narrow window: ``tiled`` (it computes only the band's tiles); a window too wide or a sequence too short
+    for that to skip half the work: SDPA with the dense mask (faster there, measured)."""
+    assert tiled.window_saves_work(1024, 1024, 64, True) and tiled.window_saves_work(8192, 8192, 256, True)
+    assert not tiled.window_saves_work(64, 64, 60, True) and not tiled.window_saves_work(1024, 1024, 1024, True)
+    assert not tiled.window_saves_work(1024, 1024, None, True)
+    assert tiled.window_saves_work(1024, 1024, 64, False) and not tiled.window_saves_work(1024, 1024, 300, False)
+    request = dict(mask=None, causal=True, scale=0.25, score_mod=None, mask_mod=None, dropout_p=0.0,
+                   normalize="softmax", top_k=None, return_weights=False)
     q, k, v = (torch.randn(1, 2, 1024, 16) for _ in range(3))
-    attnlab.attention(q, k, v, causal=True, window=64)
-    assert len(calls) == 1
-    attnlab.attention(q, k, v, causal=True, window=64, mask=torch.ones(1024, 1024, dtype=torch.bool)[None, None])
-    attnlab.attention(q[:, :, :64], k[:, :, :64], v[:, :, :64], causal=True, window=60)  # too short to pay
-    assert len(calls) == 1
-    assert not banded.applies(1024, 1024, None, True) and not banded.applies(1024, 1024, 1024, True)
+    assert select_backend(q, k, v, window=64, **request).name == "tiled"
+    assert select_backend(q[:, :, :64], k[:, :, :64], v[:, :, :64], window=60, **request).name == "sdpa"
 
 
 def test_long_sequence_float32_matches_sdpa_with_dense_mask():
@@ -159,8 +144,8 @@ CLOSED_FORM_MODS = {  # mods whose backward is computed without autograd: (mod, 
 @pytest.mark.parametrize("name", sorted(CLOSED_FORM_MODS))
 def test_closed_form_score_mod_backward_needs_no_autograd(monkeypatch, name, window):
     """ALiBi with fixed slopes (marked additive: dS passes through) and softcap (its derivative in its output
-    scales dS): both paths (block loop, banded) compute the backward without autograd inside the blocks, and
-    still equal the reference (autograd through the mod) in float64."""
+    scales dS): the block loop computes the backward without autograd inside the blocks, with and without a
+    window, and still equals the reference (autograd through the mod) in float64."""
     make, q_scale, mark = CLOSED_FORM_MODS[name]
     q, k, v = _qkv(1, 4, 2, 40, 40, 4, 3)
     with torch.no_grad():
