@@ -51,7 +51,7 @@ def test_force_settings(fresh, monkeypatch):
      r"ATTNLAB_FORCE_DECODE_LINEAR: decode_linear's candidates are \['own', 'aten'\], got 'fast'"),
     ({"ATTNLAB_KERNELS": "decode_linear=blas"}, r"ATTNLAB_KERNELS: decode_linear's candidates"),
     ({"ATTNLAB_KERNELS": "matmul=own"},
-     r"ATTNLAB_KERNELS takes family=candidate pairs .*\['decode_linear'\]; got 'matmul=own'"),
+     r"ATTNLAB_KERNELS takes family=candidate pairs .*\['batch_linear', 'decode_linear'\]; got 'matmul=own'"),
     ({"ATTNLAB_KERNELS": "decode_linear"}, r"ATTNLAB_KERNELS takes family=candidate pairs"),
     ({"ATTNLAB_KERNELS": "decode_linear=own", "ATTNLAB_FORCE_DECODE_LINEAR": "aten"}, r"force different candidates"),
     ({"ATTNLAB_PROBE": "yes"}, r"ATTNLAB_PROBE must be 0 or 1, got 'yes'"),
@@ -64,7 +64,7 @@ def test_a_bad_setting_is_one_named_error(fresh, monkeypatch, env, match):
 
 
 def test_unknown_family():
-    with pytest.raises(ValueError, match=r"family must be one of \['decode_linear'\], got 'gemm'"):
+    with pytest.raises(ValueError, match=r"family must be one of \['batch_linear', 'decode_linear'\], got 'gemm'"):
         _choice.forced("gemm")
 
 
@@ -258,21 +258,23 @@ def test_env_reprobe_measures_the_cached_classes_again(fresh, monkeypatch, capsy
 
     probe_linears(_linear(48, 80), dtype=torch.float32, rows=1)
     quantize(nn.Sequential(_linear(64, 32)), "int8")
-    classes = [["decode_linear", "fp32", [48, 80]], ["decode_linear", "int8", [64, 32]]]
+    classes = sorted([e["family"], e["dtype"], e["shape"]] for e in _choice.table())
+    assert [c for c in classes if c[0] == "decode_linear"] == [["decode_linear", "fp32", [48, 80]],
+                                                               ["decode_linear", "int8", [64, 32]]]
     stale = json_.loads(fresh.read_text(encoding="utf-8"))
-    for e in stale["choices"].values():  # a choice measured under other conditions: own never
-        e.update(crossover=0, seconds=-1.0)
+    for e in stale["choices"].values():  # a choice measured under other conditions: own never, aten
+        e.update(seconds=-1.0, **({"crossover": 0} if "crossover" in e else {"choice": "aten"}))
     fresh.write_text(json_.dumps(stale), encoding="utf-8")
     _new_process(monkeypatch)
     assert main(["env", "--reprobe", "--no-measure", "--json"]) == 0
     again = json_.loads(capsys.readouterr().out)["kernel_choices"]
     assert again["reprobed"] == {"forgotten": classes, "measured": classes}
-    assert sorted(e["source"] for e in again["table"]) == ["probed", "probed"]
+    assert [e["source"] for e in again["table"]] == ["probed"] * len(classes)
     cached = json_.loads(fresh.read_text(encoding="utf-8"))["choices"]
     assert sorted(cached) == sorted(stale["choices"]) and all(e["seconds"] >= 0 for e in cached.values())
     _new_process(monkeypatch)
     assert main(["env", "--reprobe", "--no-measure"]) == 0  # the text form says what it did
-    assert "kernel choices: forgot 2 class(es) of " in capsys.readouterr().out
+    assert f"kernel choices: forgot {len(classes)} class(es) of " in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("env, named", [({"ATTNLAB_PROBE": "0"}, "ATTNLAB_PROBE=0"),
@@ -289,3 +291,65 @@ def test_env_reprobe_with_the_probe_off_or_forced_is_one_error_and_keeps_the_cac
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("attnlab env: error: --reprobe: ") and named in err[0]
     assert fresh.is_file()
+
+
+def test_batch_linear_probe_chooses_the_exact_candidate_and_caches_it(fresh, weight, monkeypatch):
+    """``batch_linear``: an inexact candidate is never chosen; the choice is cached and read back; a forced one
+    wins; a class too large to probe within its budget of multiply–adds is not probed."""
+    w, b = weight
+    exact = lambda x: F.linear(x, w, b)  # noqa: E731
+    e = _choice.probe_batch("fp32", w, b, {"onednn": lambda x: exact(x) + 1e-2, "aten": exact})
+    assert e["inexact"] == ["onednn"] and e["choice"] == "aten" and e["rows"] == list(_choice.BATCH_ROWS)
+    assert _choice.batch_kernel("fp32", 40, 24, "onednn") == ("aten", "probed")
+    assert not _choice.needs_probe("fp32", 40, 24, family="batch_linear")
+    e = _choice.probe_batch("bf16", w, b, {"onednn": exact, "aten": lambda x: exact(x) * 1.5})
+    assert e["inexact"] == ["aten"] and e["choice"] == "onednn"
+    _new_process(monkeypatch)
+    assert _choice.batch_kernel("fp32", 40, 24, "onednn") == ("aten", "cached")
+    assert _choice.batch_kernel("bf16", 40, 24, "aten") == ("onednn", "cached")
+    assert _choice.decode_rows("fp32", 40, 24, 4) == (4, "default")  # another family's class: not known
+    side = int((_choice.BATCH_MACS // max(_choice.BATCH_ROWS)) ** 0.5) + 1
+    assert not _choice.needs_probe("fp32", side, side, family="batch_linear") and _choice.needs_probe("fp32", side,
+                                                                                                        side)
+    monkeypatch.setenv("ATTNLAB_KERNELS", "batch_linear=onednn")
+    assert _choice.batch_kernel("fp32", 40, 24, "aten") == ("onednn", "forced")
+    monkeypatch.setenv("ATTNLAB_FORCE_BATCH_LINEAR", "own")
+    with pytest.raises(ValueError, match=r"ATTNLAB_FORCE_BATCH_LINEAR: batch_linear's candidates are "
+                                         r"\['onednn', 'aten'\], got 'own'"):
+        _choice.batch_kernel("fp32", 40, 24, "aten")
+
+
+@needs_native
+@pytest.mark.parametrize("cand", ["onednn", "aten"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_each_forced_batch_candidate_of_a_packed_linear_equals_the_float_formula(monkeypatch, cand, dtype):
+    """A layer kept plain for the matvec multiplies more rows than a decoding step's by the forced candidate:
+    ``onednn`` oneDNN's inner product on the plain weight, ``aten`` F.linear; both within the dtype's tolerance of
+    the float64 product of x and the rounded weight."""
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("no bf16 oneDNN here: the bf16 product is emulated")
+    monkeypatch.setenv("ATTNLAB_KERNELS", f"decode_linear=own,batch_linear={cand}")
+    lin = _linear()
+    p = PackedLinear(lin, dtype=dtype, rows=1)
+    assert p.native and p.onednn == (cand == "onednn" and torch.backends.mkldnn.is_available())
+    name = "fp32" if dtype == torch.float32 else "bf16"
+    w = lin.weight.detach().to(dtype)
+    for rows in (_choice.DECODE_ROWS + 1, *_choice.BATCH_ROWS, 300):
+        x = torch.randn(rows, 48)
+        want = F.linear(x.double(), w.double(), lin.bias.detach().to(dtype).double())
+        assert ((p(x).double() - want).abs() <= _choice.tolerance(name, x, w.float())).all()
+
+
+@needs_native
+def test_probe_linears_measures_the_batch_family_of_a_class_the_matvec_serves(fresh, monkeypatch, capsys):
+    from attnlab.cli import main
+    from attnlab.nn.inference import batch_onednn, probe_linears
+
+    monkeypatch.setenv("ATTNLAB_KERNELS", "decode_linear=own")  # the matvec serves every class: batch is probed
+    entries = probe_linears(nn.Sequential(_linear(48, 80)), dtype=torch.float32, rows=1)
+    batch = [e for e in entries if "choice" in e]
+    assert len(batch) == 1 and batch[0]["shape"] == [48, 80] and batch[0]["inexact"] == []
+    assert batch_onednn(_linear(48, 80).weight.detach()) == (batch[0]["choice"] == "onednn")
+    assert main(["env", "--no-measure"]) == 0
+    assert f"batch_linear fp32 64x128 (48x80), probed: rows 16:{batch[0]['choice']} 128:{batch[0]['choice']}; " \
+           "ms onednn " in capsys.readouterr().out

@@ -9,6 +9,10 @@ A *family* is one operation at one regime; its *candidates* compute the same pro
   ``aten``: what the layer runs otherwise (oneDNN's inner product on a packed weight or ``F.linear``; fbgemm's
   int8 product or ``aten._weight_int8pack_mm``). The choice is a *crossover*: the number of rows up to which
   ``own`` runs, ``aten`` past it.
+- ``batch_linear``: the product at more rows (a prompt's prefill, a batch of sequences) of a float32 or bfloat16
+  layer whose weight is kept plain for ``own``'s matvec. ``onednn``: oneDNN's inner product on the plain weight
+  (reordered per call); ``aten``: ``F.linear`` (MKL's GEMM, or oneDNN's matmul as ATen picks: AMX where the CPU has
+  it). The choice is one candidate per class, probed at :data:`BATCH_ROWS`: the exact one of least total time.
 
 How a choice is made, first match wins:
 
@@ -21,8 +25,8 @@ How a choice is made, first match wins:
 3. the default: the built-in crossover (deterministic; also wherever ``ATTNLAB_PROBE=0``, which turns off the probe
    and the cache: the test suite sets it).
 
-The probe (:func:`probe_decode`) runs where a model is prepared for inference (``optimize_for_inference``,
-``quantize``), once per *shape class* (the weight's dtype and its ``(in, out)`` each rounded up to a power of two:
+The probe (:func:`probe_decode`; :func:`probe_batch` alike) runs where a model is prepared for inference
+(``optimize_for_inference``, ``quantize``, the first ``generate`` of a plain model), once per *shape class* (the weight's dtype and its ``(in, out)`` each rounded up to a power of two:
 GPT-2 has four), on the first layer of that class: for each of :data:`PROBE_ROWS` rows it checks every candidate
 against the float formula in float64 within the dtype's tolerance (:func:`tolerance`; an inexact candidate is never
 chosen), then times each (a warm-up, then the fastest of :data:`ROUNDS` medians of a few calls, alternating, with
@@ -49,9 +53,11 @@ from attnlab._runtime import _cpu_flags, _cpu_name
 
 log = logging.getLogger(__name__)
 
-FAMILIES = {"decode_linear": ("own", "aten")}
+FAMILIES = {"decode_linear": ("own", "aten"), "batch_linear": ("onednn", "aten")}
 DECODE_ROWS = 8  # the decode_linear family's largest batch: forcing ``own`` runs it up to this many rows
 PROBE_ROWS = (1, 2, 4, 6, 8)
+BATCH_ROWS = (16, 128)  # the batch_linear family's probed row counts: a batch, a prompt
+BATCH_MACS = 1 << 29  # a class whose product at max(BATCH_ROWS) rows takes more multiply–adds keeps its default
 PROBE_CALLS = 5  # timed calls per candidate and row count (their median), after one warm-up
 ROUNDS = 2  # rounds of PROBE_CALLS per candidate and row count, alternating; each keeps its fastest median
 CONFIRM = 2  # more rounds where ``own`` lost after ROUNDS (a burst of load on one side), until it wins or they end
@@ -142,7 +148,7 @@ def _load_cache() -> None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         entries = data["choices"] if data.get("key") == machine_key() else {}
-        good = {k: dict(e, source="cached") for k, e in entries.items() if _valid(e)}
+        good = {k: dict(e, source="cached") for k, e in entries.items() if _valid(k, e)}
     except FileNotFoundError:
         return
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:  # corrupt: probed again, then replaced
@@ -152,21 +158,27 @@ def _load_cache() -> None:
         _table.setdefault(k, e)
 
 
-def _valid(e) -> bool:
-    """Whether a cached entry has :func:`probe_decode`'s fields, of their types, from a whole probe."""
-    rows = list(PROBE_ROWS)
-    return (isinstance(e, dict) and type(e.get("crossover")) is int and 0 <= e["crossover"] <= DECODE_ROWS
-            and e.get("rows") == rows and isinstance(e.get("ms"), dict)
-            and set(e["ms"]) == set(FAMILIES["decode_linear"])
+def _valid(key: str, e) -> bool:
+    """Whether a cached entry has its family's fields (:func:`probe_decode`'s, :func:`probe_batch`'s), of their
+    types, from a whole probe."""
+    family = key.split("/")[0]
+    if family not in FAMILIES or not isinstance(e, dict):
+        return False
+    rows = list(PROBE_ROWS if family == "decode_linear" else BATCH_ROWS)
+    choice = (type(e.get("crossover")) is int and 0 <= e["crossover"] <= DECODE_ROWS if family == "decode_linear"
+              else e.get("choice") in FAMILIES[family])
+    return (choice and e.get("rows") == rows and isinstance(e.get("ms"), dict)
+            and set(e["ms"]) == set(FAMILIES[family])
             and all(isinstance(t, list) and len(t) == len(rows) and all(isinstance(v, (int, float)) for v in t)
                     for t in e["ms"].values())
             and isinstance(e.get("shape"), list) and len(e["shape"]) == 2 and isinstance(e.get("inexact"), list))
 
 
 def whole(entry: dict) -> bool:
-    """Whether a probe measured every row count of :data:`PROBE_ROWS`: one cut short by :data:`PROBE_SECONDS` (a
-    large weight, a busy machine) is listed but neither cached nor followed (the class keeps its default)."""
-    return None not in entry["ms"]["own"]
+    """Whether a probe measured every row count of its family (:data:`PROBE_ROWS`, :data:`BATCH_ROWS`): one cut
+    short by :data:`PROBE_SECONDS` (a large weight, a busy machine) is listed but neither cached nor followed (the
+    class keeps its default)."""
+    return all(None not in t for t in entry["ms"].values())
 
 
 def _save_cache() -> None:
@@ -201,21 +213,40 @@ def decode_rows(dtype: str, in_features: int, out_features: int, default: int) -
     cand = forced("decode_linear")
     if cand is not None:
         return (DECODE_ROWS if cand == "own" else 0), "forced"
-    if probing():
-        _load_cache()
-        entry = _table.get(_key("decode_linear", dtype, in_features, out_features))
-        if entry is not None and whole(entry):
-            return entry["crossover"], entry["source"]
-    return default, "default"
+    entry = _known("decode_linear", dtype, in_features, out_features)
+    return (default, "default") if entry is None else (entry["crossover"], entry["source"])
 
 
-def needs_probe(dtype: str, in_features: int, out_features: int) -> bool:
-    """Whether :func:`probe_decode` would measure this weight's class: probing on, nothing forced, the class not
-    known yet, the process's budget not spent."""
-    if forced("decode_linear") is not None or not probing() or _spent[0] >= PROBE_BUDGET:
+def batch_kernel(dtype: str, in_features: int, out_features: int, default: str) -> tuple[str, str]:
+    """``(candidate, source)``: the ``batch_linear`` candidate for this weight's products at more rows than a
+    decoding step's (``"onednn"`` or ``"aten"``), and where it comes from (as :func:`decode_rows`; ``default``:
+    the built-in choice)."""
+    cand = forced("batch_linear")
+    if cand is not None:
+        return cand, "forced"
+    entry = _known("batch_linear", dtype, in_features, out_features)
+    return (default, "default") if entry is None else (entry["choice"], entry["source"])
+
+
+def _known(family: str, dtype: str, in_features: int, out_features: int) -> Optional[dict]:
+    """The whole probe of this weight's class, made in this process or cached; None where probing is off."""
+    if not probing():
+        return None
+    _load_cache()
+    entry = _table.get(_key(family, dtype, in_features, out_features))
+    return entry if entry is not None and whole(entry) else None
+
+
+def needs_probe(dtype: str, in_features: int, out_features: int, family: str = "decode_linear") -> bool:
+    """Whether :func:`probe_decode` (``family="batch_linear"``: :func:`probe_batch`) would measure this weight's
+    class: probing on, nothing forced, the class not known yet (for ``batch_linear``, its product at
+    ``max(BATCH_ROWS)`` rows within :data:`BATCH_MACS`), the process's budget not spent."""
+    if forced(family) is not None or not probing() or _spent[0] >= PROBE_BUDGET:
+        return False
+    if family == "batch_linear" and max(BATCH_ROWS) * in_features * out_features > BATCH_MACS:
         return False
     _load_cache()
-    return _key("decode_linear", dtype, in_features, out_features) not in _table
+    return _key(family, dtype, in_features, out_features) not in _table
 
 
 def tolerance(dtype: str, x: Tensor, weight: Tensor) -> Tensor:
@@ -242,62 +273,98 @@ def _median_ms(fn: Callable, x: Tensor) -> float:
     return statistics.median(times)
 
 
+def _measure_rows(dtype: str, weight: Tensor, bias: Optional[Tensor], candidates: dict[str, Callable],
+                  rows_list: tuple, ms: dict, inexact: set, settled: Callable[[int], bool] = lambda i: True):
+    """For each row count of ``rows_list`` (the ``i``-th, yielded once measured): every candidate checked on ``x``
+    against the float formula within :func:`tolerance` (the inexact ones added to ``inexact``; the check is also the
+    warm-up), then timed, alternating, so that a burst of load hits all: :data:`ROUNDS` rounds, then up to
+    :data:`CONFIRM` more until ``settled(i)``, each keeping the fastest median in ``ms[candidate][i]``. Stops
+    measuring more row counts past :data:`PROBE_SECONDS`."""
+    in_features = weight.shape[1]
+    start = time.perf_counter()
+    gen = torch.Generator().manual_seed(0)
+    xs = torch.randn(max(rows_list), in_features, generator=gen)  # x of r rows: its first r
+    w = weight[:CHECK_OUTPUTS]  # the outputs checked against the formula (all of them up to CHECK_OUTPUTS)
+    want = xs.double() @ w.double().T + (0 if bias is None else bias[:CHECK_OUTPUTS].double())
+    tol = tolerance(dtype, xs, w)
+    for i, rows in enumerate(rows_list):
+        x = xs[:rows]
+        with torch.no_grad():
+            for name, fn in candidates.items():
+                got = fn(x)[:, :CHECK_OUTPUTS]
+                if not ((got.double() - want[:rows]).abs() <= tol[:rows]).all():
+                    inexact.add(name)
+                fn(x)
+            for r in range(ROUNDS + CONFIRM):
+                if r >= ROUNDS and settled(i):
+                    break
+                for name, fn in candidates.items():
+                    t = _median_ms(fn, x)
+                    ms[name][i] = t if ms[name][i] is None else min(ms[name][i], t)
+        yield i
+        if time.perf_counter() - start > PROBE_SECONDS:
+            break
+
+
+def _record(family: str, dtype: str, weight: Tensor, start: float, fields: dict) -> dict:
+    """The probe's entry (``shape``, ``fields``, ``seconds``, ``source``) recorded for the class: this process's
+    table, its probe budget, and the cache where the probe is whole."""
+    out_features, in_features = weight.shape
+    seconds = time.perf_counter() - start
+    _spent[0] += seconds
+    entry = {"shape": [in_features, out_features], **fields, "seconds": round(seconds, 3), "source": "probed"}
+    _table[_key(family, dtype, in_features, out_features)] = entry
+    if probing() and whole(entry):
+        _save_cache()
+    return entry
+
+
 def probe_decode(dtype: str, weight: Tensor, bias: Optional[Tensor], candidates: dict[str, Callable]) -> dict:
     """Measure the ``decode_linear`` candidates (``{"own": f, "aten": g}``, each ``x (rows, in) float32 -> (rows,
     out)``) on a weight of the class, record the choice for the class (this process and the cache) and return its
     entry: ``shape``, ``rows``, ``ms`` (per candidate, per row count; None where not measured), ``inexact`` (the
     candidates outside :func:`tolerance`, never chosen), ``crossover`` (the largest measured row count up to which
     ``own`` is exact and faster at every measured count, within :data:`OWN_MARGIN`; 0 where it is not at 1 row) and
-    ``seconds``.
+    ``seconds``. Where ``own`` lost a row count, up to :data:`CONFIRM` more rounds confirm it.
 
     ``weight`` is the float formula's ``(out, in)`` weight (dequantised for int8), ``bias`` its bias or None.
     """
-    out_features, in_features = weight.shape
     start = time.perf_counter()
-    gen = torch.Generator().manual_seed(0)
-    xs = torch.randn(max(PROBE_ROWS), in_features, generator=gen)  # x of r rows: its first r
-    w = weight[:CHECK_OUTPUTS]  # the outputs checked against the formula (all of them up to CHECK_OUTPUTS)
-    want = xs.double() @ w.double().T + (0 if bias is None else bias[:CHECK_OUTPUTS].double())
-    tol = tolerance(dtype, xs, w)
     ms: dict[str, list] = {c: [None] * len(PROBE_ROWS) for c in candidates}
     inexact: set[str] = set()
     crossover, own_wins = 0, True
 
     def own_faster(i: int) -> bool:
         return ms["own"][i] <= OWN_MARGIN * ms["aten"][i]
-    for i, rows in enumerate(PROBE_ROWS):
-        x = xs[:rows]
-        with torch.no_grad():
-            for name, fn in candidates.items():
-                got = fn(x)[:, :CHECK_OUTPUTS]  # and a warm-up
-                if not ((got.double() - want[:rows]).abs() <= tol[:rows]).all():
-                    inexact.add(name)
-                fn(x)
-            for r in range(ROUNDS + CONFIRM):  # alternating, so that a burst of load hits both
-                if r >= ROUNDS and own_faster(i):
-                    break
-                for name, fn in candidates.items():
-                    t = _median_ms(fn, x)
-                    ms[name][i] = t if ms[name][i] is None else min(ms[name][i], t)
+    for i in _measure_rows(dtype, weight, bias, candidates, PROBE_ROWS, ms, inexact, own_faster):
         faster = "own" not in inexact and ("aten" in inexact or own_faster(i))
         own_wins = own_wins and faster
         if own_wins:
-            crossover = rows
-        if time.perf_counter() - start > PROBE_SECONDS:
-            break
-    seconds = time.perf_counter() - start
-    _spent[0] += seconds
-    entry = {"shape": [in_features, out_features], "rows": list(PROBE_ROWS), "ms": ms, "inexact": sorted(inexact),
-             "crossover": crossover, "seconds": round(seconds, 3), "source": "probed"}
-    _table[_key("decode_linear", dtype, in_features, out_features)] = entry
-    if probing() and whole(entry):
-        _save_cache()
-    return entry
+            crossover = PROBE_ROWS[i]
+    return _record("decode_linear", dtype, weight, start, {"rows": list(PROBE_ROWS), "ms": ms,
+                                                           "inexact": sorted(inexact), "crossover": crossover})
+
+
+def probe_batch(dtype: str, weight: Tensor, bias: Optional[Tensor], candidates: dict[str, Callable]) -> dict:
+    """Measure the ``batch_linear`` candidates (``{"onednn": f, "aten": g}``, each ``x (rows, in) float32 ->
+    (rows, out)``) at :data:`BATCH_ROWS` on a weight of the class, record the choice for the class and return its
+    entry: ``shape``, ``rows``, ``ms``, ``inexact`` (as :func:`probe_decode`'s), ``choice`` (the exact candidate of
+    least total time over the row counts; ``aten``, ``F.linear``, where none is exact) and ``seconds``."""
+    start = time.perf_counter()
+    ms: dict[str, list] = {c: [None] * len(BATCH_ROWS) for c in candidates}
+    inexact: set[str] = set()
+    for _ in _measure_rows(dtype, weight, bias, candidates, BATCH_ROWS, ms, inexact):
+        pass
+    exact = [c for c in candidates if c not in inexact and None not in ms[c]]
+    choice = min(exact, key=lambda c: sum(ms[c])) if exact else "aten"
+    return _record("batch_linear", dtype, weight, start, {"rows": list(BATCH_ROWS), "ms": ms,
+                                                          "inexact": sorted(inexact), "choice": choice})
 
 
 def table() -> list[dict]:
     """The choices known to this process (probed, or read from the cache), for ``attnlab env``: one dict each with
-    ``family``, ``dtype``, ``class``, ``shape``, ``crossover``, ``ms``, ``rows``, ``inexact``, ``source``."""
+    ``family``, ``dtype``, ``class``, ``shape``, ``ms``, ``rows``, ``inexact``, ``source`` and the family's choice:
+    ``crossover`` (``decode_linear``) or ``choice`` (``batch_linear``)."""
     if probing():
         _load_cache()
     out = []

@@ -82,7 +82,7 @@ def reprobe() -> dict:
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     forgotten = _choice.clear_cache()
     for family, dtype, (n_in, n_out) in forgotten:
-        if family != "decode_linear":  # (the only family that has a probe)
+        if family not in ("decode_linear", "batch_linear"):  # (the families that have a probe)
             continue
         with torch.random.fork_rng():  # a weight of the shape; the user's random stream untouched
             torch.manual_seed(0)
@@ -137,10 +137,14 @@ def choice_lines(choices: dict) -> list[str]:
         if cand is not None:
             lines.append(f"  {family}: {cand}, forced")
     if not choices["table"]:
-        lines.append("  none probed yet (optimize_for_inference and quantize probe a model's shapes)")
+        lines.append("  none probed yet (optimize_for_inference, quantize and a plain model's first generate probe its "
+                     "shapes)")
     for e in choices["table"]:
         rows = e["rows"]
-        chosen = " ".join(f"{r}:{'own' if r <= e['crossover'] else 'aten'}" for r in rows)
+        if "crossover" in e:  # decode_linear: a candidate per row count
+            chosen = " ".join(f"{r}:{'own' if r <= e['crossover'] else 'aten'}" for r in rows)
+        else:  # one candidate for every row count probed
+            chosen = " ".join(f"{r}:{e['choice']}" for r in rows)
         times = "; ".join(f"{c} " + " ".join("-" if t is None else f"{t:.3f}" for t in ms) for c, ms in e["ms"].items())
         inexact = f"; inexact: {', '.join(e['inexact'])}" if e["inexact"] else ""
         source = e["source"] if _choice.whole(e) else "probe cut short, the default runs"

@@ -20,8 +20,8 @@ CPU that depends on the layout:
   (``make setup``) a layer packed for few rows (``rows`` ≤ :func:`native_rows`, a decoder's step: the rows up to
   which the kernel is faster, probed once per machine and shape class by :mod:`attnlab._choice`) keeps ``W``
   plain for it and multiplies more rows (a prompt's prefill) with oneDNN's inner product on
-  the plain rows (measured faster than ``F.linear``'s MKL GEMM at 32 and 512 rows, within ~20 % of the packed
-  layout), or ``F.linear`` without oneDNN. In bf16 its
+  the plain rows or ``F.linear``, whichever the ``batch_linear`` choice takes for the shape class (probed beside the
+  decoding step's; ``F.linear`` without oneDNN). In bf16 its
   input and output stay float32 (only the weight is rounded), where the many-row bf16 product rounds them
   too: a decoding step's logits and a full forward's then agree to bf16 rounding, not float32's.
 
@@ -67,6 +67,16 @@ def native_rows(weight: Tensor) -> int:
                                _native.max_rows(weight.dtype))[0]
 
 
+def batch_onednn(weight: Tensor) -> bool:
+    """Whether oneDNN's inner product on the plain ``weight`` multiplies more rows than a decoding step's (else
+    ``F.linear``): where oneDNN runs the weight's dtype, the ``batch_linear`` choice for its shape class
+    (:mod:`attnlab._choice`: forced, probed or cached; by default oneDNN)."""
+    if not _packable(weight):
+        return False
+    out_features, in_features = weight.shape
+    return _choice.batch_kernel(DTYPE_NAMES[weight.dtype], in_features, out_features, "onednn")[0] == "onednn"
+
+
 def _native_rows(weight: Tensor, rows: Optional[int]) -> bool:
     """attnlab's matrix–vector kernel serves a layer packed for a few rows on the CPU, where it is built and
     faster."""
@@ -74,23 +84,33 @@ def _native_rows(weight: Tensor, rows: Optional[int]) -> bool:
 
 
 def probe_linears(module: nn.Module, *, dtype: torch.dtype, rows: Optional[int]) -> list[dict]:
-    """Time the ``decode_linear`` candidates (:mod:`attnlab._choice`) once per shape class of ``module``'s
-    ``nn.Linear`` layers not yet known, on the first layer of each class in ``dtype``: ``own`` (attnlab's matvec on
-    the plain weight) against ``aten`` (the layer as :class:`PackedLinear` computes it without the kernel: oneDNN's
-    packed weight, or ``F.linear``). Nothing where ``rows`` (the packing's) is not a decoding step's or the kernel is
-    not built. Returns the new entries."""
+    """Time the kernel candidates (:mod:`attnlab._choice`) once per shape class of ``module``'s ``nn.Linear``
+    layers not yet known, on the first layer of each class in ``dtype``. ``decode_linear``: ``own`` (attnlab's matvec
+    on the plain weight) against ``aten`` (the layer as :class:`PackedLinear` computes it without the kernel:
+    oneDNN's packed weight, or ``F.linear``); then, for a class the matvec serves, ``batch_linear``: its products at
+    more rows, ``onednn`` (oneDNN's inner product on the plain weight) against ``aten`` (``F.linear``). Nothing where
+    ``rows`` (the packing's) is not a decoding step's or the kernel is not built. Returns the new entries."""
     if rows is None or rows > _choice.DECODE_ROWS or not _native.available():
         return []
-    entries = []
+    entries, name = [], DTYPE_NAMES[dtype]
     for m in module.modules():
-        if not isinstance(m, nn.Linear) or m.weight.device.type != "cpu" \
-                or not _choice.needs_probe(DTYPE_NAMES[dtype], m.in_features, m.out_features):
+        if not isinstance(m, nn.Linear) or m.weight.device.type != "cpu":
+            continue
+        shape = m.in_features, m.out_features
+        decode, batch = _choice.needs_probe(name, *shape), _choice.needs_probe(name, *shape, family="batch_linear")
+        if not (decode or batch):
             continue
         w = m.weight.detach().to(dtype).contiguous()
-        bias = None if m.bias is None else m.bias.detach().to(dtype).float()
-        aten = PackedLinear(m, dtype=dtype)  # rows=None: never the kernel
-        entries.append(_choice.probe_decode(DTYPE_NAMES[dtype], w.float(), bias, {
-            "own": lambda x, w=w, bias=bias: _native.matvec(x, w, None, bias), "aten": aten}))
+        bias = None if m.bias is None else m.bias.detach().to(dtype)
+        bias32 = None if bias is None else bias.float()
+        if decode:
+            aten = PackedLinear(m, dtype=dtype)  # rows=None: never the kernel
+            entries.append(_choice.probe_decode(name, w.float(), bias32, {
+                "own": lambda x, w=w, b=bias32: _native.matvec(x, w, None, b), "aten": aten}))
+        if batch and native_rows(w) >= 1 and _packable(w):  # the plain weight's many-row products
+            entries.append(_choice.probe_batch(name, w.float(), bias32, {
+                "onednn": lambda x, w=w, b=bias: _ONEDNN_LINEAR(x.to(dtype), w, b, "none", [], "").float(),
+                "aten": lambda x, w=w, b=bias: F.linear(x.to(dtype), w, b).float()}))
     return entries
 
 
@@ -138,7 +158,7 @@ class PackedLinear(nn.Module):
         self.max_rows = native_rows(w)  # x's rows the native kernel takes (a decoding step's batch)
         self.bias32 = None if bias is None or not self.native else self.bias_.float()  # the kernel's (rounded) bias
         self.packed = self.pack and not self.native and _packable(w)
-        self.onednn = self.packed or (self.native and _packable(w))  # many rows: oneDNN (on plain rows too)
+        self.onednn = self.packed or (self.native and batch_onednn(w))  # many rows: oneDNN (on plain rows too)
         if self.native:  # plain rows for attnlab's matvec (F.linear for many rows): a copy, or shared without pack
             copied = w is not weight  # .to() made a new tensor already (another dtype)
             self.weight_ = w.contiguous() if not self.pack or copied else w.clone(memory_format=torch.contiguous_format)
