@@ -12,8 +12,10 @@ Each family (``--family gpt2|llama|all``) is one random Hugging Face checkpoint 
 Tokens/s = batch · 128 / (median wall time of a whole ``generate`` call, prefill included). Each peer is also
 timed for 1 new token (its "prefill": the prompt's forward pass and one argmax): prefill tokens/s = batch ·
 prompt / that time; decode tokens/s = batch · 127 / (whole call − prefill). Ours uses the preallocated
-(static) KV cache and :meth:`~attnlab.models.causal_lm.DecoderOnlyLM.optimize_for_inference`:
+(static) KV cache and :meth:`~attnlab.models.causal_lm.DecoderOnlyLM.optimize_for_inference`, except ``plain``:
 
+- ``plain``: the model as loaded, no optimize call: ``generate``'s own fast path
+  (:func:`attnlab.nn.inference.decode_view`: the float32 weights read in place by attnlab's matvec);
 - ``float32``: the same weights; decoding steps multiply by attnlab's C++ matvec (:mod:`attnlab._native`,
   where it is built; oneDNN's packed inner product otherwise), prefill by ``F.linear``;
 - ``bfloat16`` (only where the CPU computes it natively): weight-only bf16, compared with transformers **fp32**;
@@ -44,7 +46,7 @@ shows what a step reads of it on average (float32 keys and values at prompt + 64
 and int8 rows): the fraction of transformers' greedy positions where the model, fed that sequence (teacher
 forcing), ranks the same token first.
 
-Targets, both families. ``b1 p32``: fp32 ≥ 1.25× transformers, ≥ 1.0× CTranslate2 fp32, ≥ 75 % of the bound;
+Targets, both families. ``b1 p32``: plain and fp32 ≥ 1.25× transformers, ≥ 1.0× CTranslate2 fp32, ≥ 75 % of the bound;
 bf16 ≥ 2.2× transformers fp32; int8 ≥ 3× our fp32 and ≥ 1.5× CTranslate2 int8; int4 (ours: it pays only if
 it beats our int8) ≥ 1.0× our int8 (``x_our_int8``). ``b8 p32`` and ``b1 p512``
 (no loss hidden by the single-stream win): ≥ 1.0× transformers fp32 and ≥ 1.0× CTranslate2 (same dtype; int4:
@@ -72,7 +74,7 @@ from attnlab.nn.inference import decode_weight_bytes as weight_bytes  # noqa: E4
 
 NEW = 128
 SCENARIOS = {"b1 p32": (1, 32), "b8 p32": (8, 32), "b1 p512": (1, 512)}  # (batch, prompt)
-SINGLE_STREAM = {"float32": {"ratio": 1.25, "ratio_ct2": 1.0, "pct_of_bound": 75.0},
+SINGLE_STREAM = {"plain": {"ratio": 1.25}, "float32": {"ratio": 1.25, "ratio_ct2": 1.0, "pct_of_bound": 75.0},
                  "bfloat16": {"ratio": 2.2}, "int8": {"x_our_fp32": 3.0, "ratio_ct2": 1.5}, "int4": {"x_our_int8": 1.0}}
 NO_LOSS = {"ratio": 1.0, "ratio_ct2": 1.0}
 PREFILL_NO_LOSS = {"prefill_ratio": 1.0, "prefill_ratio_ct2": 1.0}
@@ -88,20 +90,23 @@ def targets(scenario: str, dtype: str) -> dict[str, float]:
     if scenario == "b1 p32":
         return SINGLE_STREAM[dtype]
     no_loss = NO_LOSS | (PREFILL_NO_LOSS if scenario == "b1 p512" else {})
-    if dtype == "int4":  # its CTranslate2 columns are another dtype's (int8): reported, not a target
+    if dtype in ("int4", "plain"):  # CTranslate2's columns are reported, not targets: int4's are another dtype's
+        # (int8), and plain's race a converted model without the optimize call
         return {k: v for k, v in no_loss.items() if "ct2" not in k}
     return no_loss
 
 
 def our_models(fam: Family, no_bf16: bool) -> dict[str, torch.nn.Module]:
-    """Our fp32, bf16 (native only, unless ``no_bf16``), int8 and int4 models, from the loaded fp32 one."""
+    """Our plain (as loaded, no optimize call), fp32, bf16 (native only, unless ``no_bf16``), int8 and int4 models,
+    from the loaded fp32 one."""
     import copy
 
     from attnlab._runtime import resolve_dtype
     from attnlab.adapt.quantize import quantize
 
     base = fam.ours
-    ours = {"float32": copy.deepcopy(base).optimize_for_inference(dtype=torch.float32)}
+    ours = {"plain": copy.deepcopy(base).eval(),  # generate's default path (it probes the kernels as optimize does)
+            "float32": copy.deepcopy(base).optimize_for_inference(dtype=torch.float32)}
     native_bf16, reason = resolve_dtype("auto", "cpu")
     if not no_bf16 and native_bf16 == "bf16":
         ours["bfloat16"] = copy.deepcopy(base).optimize_for_inference(dtype=torch.bfloat16)
@@ -139,7 +144,7 @@ def scenario_rows(fam: Family, ours: dict, scenario: str, new: int, ms: dict, co
 
     rows = []
     for dt, m in ours.items():
-        ct2_dt = "int8" if dt == "int4" else dt  # (CTranslate2 has no int4 on the CPU)
+        ct2_dt = {"int4": "int8", "plain": "float32"}.get(dt, dt)  # (CTranslate2 has no int4 on the CPU)
         peer = f"ct2 {ct2_dt}" if ct2_dt in fam.ct2 else None
         ct2_ms, ct2_prefill = (ms[peer], ms[f"{peer} prefill"]) if peer else (None, None)
         step_ms = (ms[dt] - ms[f"{dt} prefill"]) / (new - 1)
@@ -158,7 +163,7 @@ def scenario_rows(fam: Family, ours: dict, scenario: str, new: int, ms: dict, co
                "kv_mb": fam.kv_bytes(B, P + new / 2) / 1e6, "copy_gbs": bw, "bound_ms": bound_ms,
                "pct_of_bound": 100 * bound_ms / step_ms if step_ms > 0 else None,
                "tokens_equal_theirs": bool(torch.equal(run_ours(m, ids, new), ref))}
-        if dt != "float32":
+        if dt not in ("float32", "plain"):
             row["top1_agree_fp32"] = top1_agreement(m, ref, ref[:, P:])
         if peer:
             row["ct2_tokens_equal_theirs"] = bool(torch.equal(run_ct2(fam.ct2[ct2_dt], fam.names, ids, new), ref))
