@@ -13,9 +13,8 @@
       backward one product) against ``F.gelu`` at (12, 64, 512), nanogpt-cpu's shape;
     - gradient clipping: ``training.optim.clip_grad_norm_`` (one C++ call) against ``torch.nn.utils.clip_grad_norm_`` on
       nanogpt-cpu's parameters' shapes (0.8 M float32 gradients, every one clipped);
-    - causal attention (the ``short`` backend): the fused kernel (``short.fused_short_attention``) against the batched
-      products with the native softmax, at the default preset's and nanogpt-cpu's (12 × 4 × 64 × 32) shapes; and
-      in the products' path two query blocks (``short.causal_blocks``) against one.
+    - causal attention (the ``short`` backend): the fused kernel (``short.fused_short_attention``) against SDPA's CPU
+      kernel (what ``auto`` takes without it), at the default preset's and nanogpt-cpu's (12 × 4 × 64 × 32) shapes.
 
 (b) The default preset's training step (llama 4 × 256, AdamW, bf16 autocast where the CPU has native bf16, else
     float32), with every pass above against with none, each switched at the point the model calls it, timed in
@@ -118,38 +117,21 @@ def pass_rows(dtype: torch.dtype, repeat: int, scale: int) -> list[dict]:
             q, k, v = packed_qkv.split(hh * dd, dim=-1)
             return [t.view(bb, ll, hh, dd).transpose(1, 2) for t in (q, k, v)]
         causal = _backward(lambda: attention(*heads(), causal=True, backend="short"), (packed_qkv,), do)
-
-        def products(blocks=True):
-            def call():
-                with _fused_off(), (contextlib.nullcontext() if blocks else _one_query_block()):
-                    causal()
-            return call
-        shape = f"{bb}x{hh}x{ll}x{dd}"
+        sdpa = _backward(lambda: attention(*heads(), causal=True, backend="sdpa"), (packed_qkv,), do)
         if short.fused_applies(*heads()):
-            row("causal attention fwd+bwd: fused (ours) vs batched products", shape, causal, products())
-        if ll >= short.CAUSAL_BLOCK_QUERIES:
-            row("causal attention products: 2 query blocks (ours) vs 1", shape, products(), products(blocks=False))
+            row("causal attention fwd+bwd: fused (ours) vs sdpa", f"{bb}x{hh}x{ll}x{dd}", causal, sdpa)
     return rows
 
 
 @contextlib.contextmanager
 def _fused_off():
-    before = short.FUSED_KEYS, short.FUSED_KEYS_NATIVE_BF16
-    short.FUSED_KEYS = short.FUSED_KEYS_NATIVE_BF16 = 0
+    """The short backend's attention as PyTorch's products (its general path) instead of the fused kernel."""
+    before = short.FUSED_KEYS
+    short.FUSED_KEYS = 0
     try:
         yield
     finally:
-        short.FUSED_KEYS, short.FUSED_KEYS_NATIVE_BF16 = before
-
-
-@contextlib.contextmanager
-def _one_query_block():
-    before = short.CAUSAL_BLOCK_QUERIES
-    short.CAUSAL_BLOCK_QUERIES = 1 << 30
-    try:
-        yield
-    finally:
-        short.CAUSAL_BLOCK_QUERIES = before
+        short.FUSED_KEYS = before
 
 
 @contextlib.contextmanager
@@ -162,7 +144,7 @@ def _without_passes():
     feedforward._activate = (
         lambda g, u, a: feedforward.GATED_ACTIVATIONS[a](g) * u if u is not None else feedforward.ACTIVATIONS[a](g))
     try:
-        with _one_query_block(), _fused_off():
+        with _fused_off():
             yield
     finally:
         norms._RMSNormFunction.native = staticmethod(saved)

@@ -1,5 +1,6 @@
-"""``benchmarks/train.py``: the MFU column (its FLOP count against torch's own counter, its value from the printed
-peak), the ``--compare-budget`` race at a tiny size, and the live reader that stops nanoGPT at a deadline.
+"""The training benchmarks: ``train.py``'s MFU column (its FLOP count against torch's own counter, its value from the
+printed peak), ``train_budget.py``'s race at a tiny size and the live reader that stops nanoGPT at a deadline, and
+``train_levers.py``'s levers between two baselines.
 
 The race needs an upstream nanoGPT checkout (``git clone https://github.com/karpathy/nanoGPT``), which the tests do
 not ship: its test runs when ``ATTNLAB_NANOGPT_DIR`` names one and says why it skips otherwise. No timing
@@ -18,6 +19,7 @@ import torch
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 SCRIPT = BENCH / "train.py"
 NANOGPT = os.environ.get("ATTNLAB_NANOGPT_DIR")
+NO_CHECKOUT = {k: v for k, v in os.environ.items() if k != "ATTNLAB_NANOGPT_DIR"}  # the scripts' default unset
 sys.path.insert(0, str(BENCH))
 
 from _mfu import matmul_params, settings_flops, train_flops  # noqa: E402
@@ -42,7 +44,6 @@ def test_flop_formula_equals_torchs_flop_counter(arch, monkeypatch):
     from attnlab.training.losses import causal_lm_loss
     from attnlab.training.recipes.shakespeare import make_model
     monkeypatch.setattr(short, "FUSED_KEYS", 0)
-    monkeypatch.setattr(short, "FUSED_KEYS_NATIVE_BF16", 0)
 
     s = _settings(arch=arch)
     torch.manual_seed(0)
@@ -65,8 +66,8 @@ def test_matmul_params_by_hand():
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory, shakespeare):
     out = tmp_path_factory.mktemp("train") / "train.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--no-peer", "--threads", "1", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--threads", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env=NO_CHECKOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout, json.loads(out.read_text())
 
@@ -99,19 +100,19 @@ def test_an_int8_run_is_measured_against_the_int8_products_peak():
         peak_gflops("fp16")
 
 
-def test_compare_budget_needs_a_nanogpt_checkout():
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--compare-budget"], capture_output=True, text=True,
-                          timeout=120)
+def test_the_race_needs_a_nanogpt_checkout():
+    proc = subprocess.run([sys.executable, str(BENCH / "train_budget.py")], capture_output=True, text=True,
+                          timeout=120, env=NO_CHECKOUT)
     assert proc.returncode == 1 and "machine:" not in proc.stdout  # refused before the header and any run
     assert proc.stderr.strip().splitlines()[-1] == (
-        "--compare-budget needs --nanogpt-dir DIR (an upstream nanoGPT checkout: "
+        "train_budget.py needs --nanogpt-dir DIR or $ATTNLAB_NANOGPT_DIR (an upstream nanoGPT checkout: "
         "git clone https://github.com/karpathy/nanoGPT)")
 
 
 @pytest.mark.parametrize("flags", [["--pairs", "3"], ["--pairs", "0", "--nanogpt-dir", "."]])
 def test_pairs_need_a_nanogpt_checkout_and_a_positive_count(flags):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--recipe", "nanogpt-cpu", *flags], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, env=NO_CHECKOUT)
     assert proc.returncode == 1 and "machine:" not in proc.stdout
     assert proc.stderr.strip().splitlines()[-1].startswith("--pairs must be >= 1 and needs --nanogpt-dir")
 
@@ -150,12 +151,12 @@ def test_a_checkpoint_being_written_is_not_cut():
 
 @pytest.mark.skipif(not NANOGPT, reason="ATTNLAB_NANOGPT_DIR names no nanoGPT checkout (git clone "
                     "https://github.com/karpathy/nanoGPT)")
-def test_compare_budget_at_a_tiny_size(tmp_path):
+def test_the_race_at_a_tiny_size(tmp_path):
     """The race at 1 x 32 for 10 s: both curves, both scored on our fixed blocks, the table's arithmetic, a PNG."""
     out = tmp_path / "budget.json"
     tiny = ["n_layer=1", "n_head=2", "n_embd=32", "block_size=32", "batch_size=8", "eval_batches=2",
             "eval_batch_size=16", "eval_every=200"]
-    cmd = [sys.executable, str(SCRIPT), "--compare-budget", "--nanogpt-dir", NANOGPT, "--budget-s", "10",
+    cmd = [sys.executable, str(BENCH / "train_budget.py"), "--nanogpt-dir", NANOGPT, "--budget-s", "10",
            "--nanogpt-iters", "10", "--nanogpt-eval-iters", "2", "--threads", "1", "--out", str(out)]
     proc = subprocess.run(cmd + [a for kv in tiny for a in ("--set", kv)], capture_output=True, text=True,
                           timeout=300)
@@ -217,8 +218,8 @@ def test_the_budget_fit_reads_iteration_and_evaluation_times_from_the_stamped_li
 
 def test_levers_run_each_lever_between_two_baselines(tmp_path, shakespeare):
     out = tmp_path / "levers.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--levers", "adamw", "softcap-30", "--quick", "--threads", "1",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(BENCH / "train_levers.py"), "adamw", "softcap-30", "--quick",
+                           "--threads", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads(out.read_text())
     rows = data["rows"]

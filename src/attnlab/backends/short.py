@@ -8,11 +8,10 @@ on a CPU with at most :data:`SHORT_KEYS` keys, as many key as query heads and no
 (:func:`auto_when`). Asked for by name it computes any softmax request without a score_mod, in O(Lq·Lk)
 memory.
 
-Float32 and bf16 requests whose only constraints are ``causal`` and ``window`` run in C++ (``csrc/train.cpp``, the
-mask in closed form, no ``M`` built): up to :data:`FUSED_KEYS` keys as one call each way (:func:`fused_short_attention`:
-a (batch, head) a task, the products by register tiles, a causal block of 16 queries computing only the keys they
-see), past them the batched products with the softmax and its gradient one pass each (:class:`NativeShortAttention`);
-every other request runs :class:`ShortAttention`.
+Float32 and bf16 requests whose only constraints are ``causal`` and ``window``, with at most :data:`FUSED_KEYS` keys,
+run in C++ (``csrc/train.cpp``, the mask in closed form, no ``M`` built) as one call each way
+(:func:`fused_short_attention`: a (batch, head) a task, the products by register tiles, a causal block of 16 queries
+computing only the keys they see); every other request runs :class:`ShortAttention`.
 """
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ from attnlab import _native
 from attnlab import _native_train
 from attnlab._native import transformed
 from attnlab.backends import reference
-from attnlab._native_library import refuse_second_derivative
 from attnlab.functional.masks import build_mask, split_mask
 from attnlab.functional.request import default_scale
 
@@ -61,10 +59,8 @@ def attention(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, drop
     scale = default_scale(D) if scale is None else scale
     if k.shape[1] != H:
         k, v = k.repeat_interleave(H // k.shape[1], dim=1), v.repeat_interleave(H // k.shape[1], dim=1)
-    if mask is None and mask_mod is None and _native.trainable(q, k, v, contiguous=False):
-        if fused_applies(q, k, v):
-            return fused_short_attention(q, k, v, scale, causal, window), None
-        return NativeShortAttention.apply(q, k, v, scale, causal, window), None
+    if mask is None and mask_mod is None and _native.trainable(q, k, v, contiguous=False) and fused_applies(q, k, v):
+        return fused_short_attention(q, k, v, scale, causal, window), None
     bool_mask, bias = split_mask(mask)
     allowed = build_mask(B=B, H=H, Lq=Lq, Lk=Lk, device=q.device, mask=bool_mask, causal=causal,
                          window=window, mask_mod=mask_mod)
@@ -127,95 +123,21 @@ class ShortAttention(torch.autograd.Function):
         return dq.view(B, H, *dq.shape[1:]), dk.view(B, H, *dk.shape[1:]), dv.view(B, H, *dv.shape[1:]), dbias, None
 
 
-# A causal request of at least this many queries runs as two query blocks, each against the keys up to its last
-# query's: the products skip the masked upper-right quarter (3/4 of the products); in bf16 the gain is small (its
-# products are fast, the strided blocks cost copies), and 64-query blocks are no better than 128.
-CAUSAL_BLOCK_QUERIES = 128
-
-
-def causal_blocks(Lq: int, Lk: int, causal: bool) -> list[tuple[int, int, int]]:
-    """``(q0, q1, keys)``: the query rows ``[q0, q1)`` of a block and the keys ``[0, keys)`` they may see (the last
-    query at position ``q1 − 1 + Lk − Lq``); one block unless ``causal`` with at least
-    :data:`CAUSAL_BLOCK_QUERIES` queries, then two halves."""
-    if not causal or Lq < CAUSAL_BLOCK_QUERIES or Lk < Lq:
-        return [(0, Lq, Lk)]
-    m = Lq // 2
-    return [(0, m, m + Lk - Lq), (m, Lq, Lk)]
-
-
-class NativeShortAttention(torch.autograd.Function):
-    """:class:`ShortAttention`'s computation with the mask in closed form (``causal``, ``window``) and the softmax and
-    its gradient in one C++ pass each (:func:`attnlab._native_train.softmax_rows`, :func:`~attnlab._native.softmax_rows_
-    backward`), reading the products' dtype (float32 or bf16) and keeping ``P`` in float32::
-
-        P = softmax(κ Q Kᵀ) on the visible keys (0 elsewhere),  O = P V
-        dV = Pᵀ dO,   dP = dO Vᵀ,   κ dS = κ P ⊙ (dP − rowsum(dP ⊙ P)),   dQ = (κ dS) K,   dK = (κ dS)ᵀ Q
-
-    A long enough causal request runs by query blocks (:func:`causal_blocks`): block ``b`` computes the columns of
-    ``P`` up to its last query's key, the rest being 0; ``dK``, ``dV`` sum the blocks' parts.
-
-    Its backward is not differentiable again: with ``create_graph=True`` it raises, naming this path, instead of
-    coming out wrong, as the fused kernels' (SDPA's CPU flash kernel, ``tiled``'s C++ path) are not.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, scale, causal, window):
-        B, H, Lq, D = q.shape
-        Lk = k.shape[2]
-        q3, k3, v3 = q.reshape(B * H, Lq, D), k.reshape(B * H, Lk, D), v.reshape(B * H, Lk, v.shape[-1])
-        ctx.blocks = causal_blocks(Lq, Lk, causal)
-        outs, ps = [], []
-        for q0, q1, keys in ctx.blocks:
-            p, p_cast = _native_train.softmax_rows(torch.bmm(q3[:, q0:q1], k3[:, :keys].transpose(1, 2)), scale=scale,
-                                             causal=causal, window=window, cast=True)
-            p_mm = p if p_cast is None else p_cast  # P in the products' dtype
-            outs.append(torch.bmm(p_mm, v3[:, :keys]))
-            ps += [p, p_mm]
-        ctx.save_for_backward(q3, k3, v3, *ps)
-        ctx.scale = scale
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        return out.view(B, H, Lq, v.shape[-1])
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        refuse_second_derivative("the short backend's C++ softmax pass")
-        q3, k3, v3, *ps = ctx.saved_tensors
-        B, H = grad_out.shape[:2]
-        go = grad_out.reshape(q3.shape[0], q3.shape[1], v3.shape[2]).to(v3.dtype)  # (autocast: can be float32)
-        dq, dk, dv = [], None, None
-        for (q0, q1, keys), p, p_mm in zip(reversed(ctx.blocks), reversed(ps[0::2]), reversed(ps[1::2])):
-            gb = go[:, q0:q1]
-            ds = _native_train.softmax_rows_backward(torch.bmm(gb, v3[:, :keys].transpose(1, 2)), p, scale=ctx.scale)  # κ dS
-            dq.append(torch.bmm(ds, k3[:, :keys]))
-            dk_b, dv_b = torch.bmm(ds.transpose(1, 2), q3[:, q0:q1]), torch.bmm(p_mm.transpose(1, 2), gb)
-            if dk is None:  # the last block sees every key
-                dk, dv = dk_b, dv_b
-            else:
-                dk[:, :keys] += dk_b
-                dv[:, :keys] += dv_b
-        dq = dq[0] if len(dq) == 1 else torch.cat(dq[::-1], dim=1)
-        return (dq.view(B, H, *dq.shape[1:]), dk.view(B, H, *dk.shape[1:]), dv.view(B, H, *dv.shape[1:]), None, None,
-                None)
-
-
-# The most keys fused_short_attention takes; past them (and for bf16 with native bf16 past FUSED_KEYS_NATIVE_BF16, where
-# oneDNN's bf16 products win) NativeShortAttention's batched products: the limits are where the fused kernel's fwd + bwd
-# stops beating the products (``benchmarks/train_passes.py``'s attention rows; see docs/performance.md).
+# The most keys fused_short_attention takes: those auto trains with (past them, asked for by name: ShortAttention)
 FUSED_KEYS = SHORT_KEYS
-FUSED_KEYS_NATIVE_BF16 = 128
 
 
 def fused_applies(q, k, v) -> bool:
-    """Whether :func:`fused_short_attention` takes a (mask-free, float32 or bf16) request: key counts as above, the
-    value width the query's, each operand's last stride 1, at least one query (an empty request's gradients come
-    in with any strides: the products path)."""
-    limit = FUSED_KEYS_NATIVE_BF16 if q.dtype == torch.bfloat16 and _native.isa() == 2 else FUSED_KEYS
-    return (0 < q.shape[2] and k.shape[2] <= limit and v.shape[-1] == q.shape[-1]
-            and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)
+    """Whether :func:`fused_short_attention` takes a (mask-free, float32 or bf16) request: at most :data:`FUSED_KEYS`
+    keys, the value width the query's, each operand's last stride 1 and none an expanded view (the kernel refuses
+    those), at least one query (an empty request's gradients come in with any strides: :class:`ShortAttention`)."""
+    return (0 < q.shape[2] and k.shape[2] <= FUSED_KEYS and v.shape[-1] == q.shape[-1]
+            and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+            and not any(n > 1 and s == 0 for t in (q, k, v) for n, s in zip(t.shape, t.stride())))
 
 
 def fused_short_attention(q, k, v, scale, causal, window):
-    """:class:`NativeShortAttention`'s computation as one autograd node
+    """``softmax(κ Q Kᵀ) V`` over the keys ``causal`` and ``window`` leave each query, as one autograd node
     (:func:`attnlab._native_train.short_attention_train`: ``short_attention`` forward, ``short_attention_backward``
     from the kept ``P``): a (batch, head) a task, reading q, k, v where they lie (views of the packed projection), 16
     queries' scores at a time (a causal block computes only the keys its queries see), ``P`` (float32) kept for the
