@@ -224,7 +224,7 @@ def test_right_padding_and_models_that_cannot_generate_are_refused(pair, prompts
 @pytest.mark.parametrize("kw, error, match", [
     (dict(max_new_tokens=0), ValueError, "max_new_tokens must be a positive int, got 0"),
     (dict(max_new_tokens=True), ValueError, "max_new_tokens must be a positive int, got True"),
-    (dict(max_new_tokens=2, temperature=0.0), ValueError, "temperature must be a positive number, got 0.0"),
+    (dict(max_new_tokens=2, temperature=0.0), ValueError, "temperature must be a positive finite number, got 0.0"),
     (dict(max_new_tokens=2, top_k=0), ValueError, "top_k must be a positive int or None, got 0"),
     (dict(max_new_tokens=2, top_p=1.5), ValueError, r"top_p must be in \(0, 1\], got 1.5"),
     (dict(max_new_tokens=2, num_beams=0), ValueError, "num_beams must be an int >= 1, got 0"),

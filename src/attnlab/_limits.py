@@ -15,9 +15,12 @@ from typing import Any, Optional
 
 from attnlab._checks import is_int
 
-__all__ = ["SIZE_LIMITS", "SETTING_LIMITS", "MAX_THREADS", "SEED_LIMIT", "check_size", "check_settings",
-           "check_seed", "check_threads", "check_device", "available_memory", "check_memory",
-           "transformer_training_bytes", "check_training_memory"]
+__all__ = ["SIZE_LIMITS", "SETTING_LIMITS", "LENGTH_LIMIT", "BATCH_LIMIT", "STEPS_LIMIT", "MAX_THREADS",
+           "SEED_LIMIT", "check_size", "check_settings",
+           "check_model_sizes", "check_seed", "check_threads", "check_device", "available_memory", "check_memory",
+           "check_elements",
+           "max_positions", "forward_bytes", "check_forward_memory", "transformer_training_bytes",
+           "check_training_memory"]
 
 # field names -> the largest value: generous for every released model (a config.json of 1 KB must not build
 # thousands of layers or allocate gigabytes)
@@ -27,13 +30,19 @@ HEADS = ("num_attention_heads", "n_head", "num_heads", "num_key_value_heads", "e
          "decoder_attention_heads")
 HIDDEN = ("hidden_size", "n_embd", "d_model", "d_kv", "projection_dim", "dim")
 FFN = ("intermediate_size", "n_inner", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "ffn_dim")
-POSITIONS = ("max_position_embeddings", "n_positions", "relative_attention_num_buckets", "image_size")
+POSITIONS = ("max_position_embeddings", "n_positions", "relative_attention_num_buckets", "image_size",
+             "max_positions")
 SIZE_LIMITS = {LAYERS: 1024, HEADS: 1024, HIDDEN: 65536, FFN: 1 << 20, ("vocab_size",): 1 << 22,
                POSITIONS: 1 << 20}
 
 # a recipe's settings beyond the model's sizes: context, batch and window lengths
-SETTING_LIMITS = {**SIZE_LIMITS, ("block_size", "max_len", "max_tokens", "window"): 1 << 20,
-                  ("batch_size", "eval_batch_size", "decode_batch"): 1 << 16, ("num_beams",): 1024}
+LENGTH_LIMIT = 1 << 20  # tokens in a sequence, a context, a window
+BATCH_LIMIT = 1 << 16  # rows in a batch
+STEPS_LIMIT = 1 << 40  # optimizer steps, or steps between evaluations, checkpoints or log lines
+SETTING_LIMITS = {**SIZE_LIMITS, ("block_size", "max_len", "max_tokens", "window"): LENGTH_LIMIT,
+                  ("batch_size", "eval_batch_size", "decode_batch"): BATCH_LIMIT, ("num_beams",): 1024,
+                  ("max_steps", "warmup_steps", "eval_every", "checkpoint_every", "log_every", "grad_accum",
+                   "keep_checkpoints"): STEPS_LIMIT}
 
 MAX_THREADS = 1024  # more is never a thread count, always a typo
 SEED_LIMIT = 1 << 63  # torch.manual_seed takes [0, 2**63) without wrapping
@@ -57,6 +66,17 @@ def check_settings(settings: Any, *, prefix: str = "--set ") -> None:
     seed = getattr(settings, "seed", None)
     if seed is not None:
         check_seed(f"{prefix}seed", seed)
+
+
+def check_model_sizes(config: Any) -> None:
+    """Every size field of a model's config (a dataclass: ``GPT2Config(n_layer=…)``) within :data:`SIZE_LIMITS`,
+    checked when the config is made, before a layer is built. Raises ValueError naming ``field=value`` and the
+    range."""
+    for names, limit in SIZE_LIMITS.items():
+        for name in names:
+            value = getattr(config, name, None)
+            if value is not None and is_int(value):
+                check_size(name, value, limit)
 
 
 def check_seed(name: str, value: Any) -> None:
@@ -146,6 +166,50 @@ def check_memory(what: str, nbytes: int, *, device: Any = "cpu") -> None:
         raise ValueError(f"{what} needs {_gib(nbytes)} of memory, but {_gib(free)} is free: choose a smaller value")
 
 
+def check_elements(what: str, *sizes: int, bytes_per_value: int = 4, device: Any = "cpu") -> None:
+    """:func:`check_memory` of a tensor (or weights) of ``prod(sizes)`` values: a table, a cache or a layer sized by
+    the arguments ``what`` names, refused before it is allocated."""
+    n = 1
+    for s in sizes:
+        n *= int(s)
+    check_memory(what, n * bytes_per_value, device=device)
+
+
+def _first(obj: Any, names) -> tuple[Optional[str], Optional[int]]:
+    """``(name, value)`` of the first of ``names`` that ``obj`` holds as an int, else ``(None, None)``."""
+    return next(((n, getattr(obj, n)) for n in names if is_int(getattr(obj, n, None))), (None, None))
+
+
+def max_positions(config: Any) -> Optional[int]:
+    """The most token positions a model of ``config`` takes (``max_position_embeddings`` / ``n_positions``), or
+    None where it does not say (relative or rotary positions without a bound)."""
+    return _first(config, ("max_position_embeddings", "n_positions", "max_positions"))[1]
+
+
+def forward_bytes(config: Any, *, batch: int, seq: int, maps: bool = False, bytes_per_value: int = 4) -> Optional[int]:
+    """The memory one forward pass without gradients of a Transformer of ``config`` needs for ``batch`` rows of
+    ``seq`` tokens: a layer's activations (hidden states, queries/keys/values, the feed-forward: ~8 widths a
+    token) and its attention scores and weights (``2·heads·seq²`` a row), plus, with ``maps`` (every layer's
+    weights kept, as ``viz`` and ``analyze`` keep them), ``layers·heads·seq²`` a row. None where ``config`` does
+    not say its width, heads and layers."""
+    _, width = _first(config, HIDDEN)
+    _, heads = _first(config, HEADS)
+    layers = sum(getattr(config, n) for n in LAYERS if is_int(getattr(config, n, None)))
+    if width is None or heads is None or not layers:
+        return None
+    per_row = seq * width * 8 + 2 * heads * seq * seq + (layers * heads * seq * seq if maps else 0)
+    return int(batch * per_row * bytes_per_value)
+
+
+def check_forward_memory(what: str, config: Any, *, batch: int, seq: int, maps: bool = False,
+                         device: Any = "cpu") -> None:
+    """:func:`check_memory` of :func:`forward_bytes`: refuse a forward pass whose activations (and, with
+    ``maps``, attention maps) would not fit, naming ``what`` (the argument that sized it)."""
+    need = forward_bytes(config, batch=batch, seq=seq, maps=maps)
+    if need is not None:
+        check_memory(what, need, device=device)
+
+
 def transformer_training_bytes(*, batch: int, seq: int, width: int, layers: int, heads: int, vocab: int,
                                bytes_per_value: int = 4) -> int:
     """The activations a training step of a Transformer keeps for its backward pass: per layer
@@ -160,18 +224,15 @@ def check_training_memory(settings: Any) -> None:
     """Refuse a recipe's settings whose training step would not fit in free memory (:func:`check_memory` of
     :func:`transformer_training_bytes`), naming the batch and length settings. Settings without a batch size,
     a sequence length and a width (a model read from a folder) pass: their sizes are not known here."""
-    def first(names):
-        return next(((n, getattr(settings, n)) for n in names if is_int(getattr(settings, n, None))), (None, None))
-
-    _, width = first(HIDDEN)
-    _, heads = first(HEADS)
-    seq_name, seq = first(("block_size", "max_len"))
+    _, width = _first(settings, HIDDEN)
+    _, heads = _first(settings, HEADS)
+    seq_name, seq = _first(settings, ("block_size", "max_len"))
     if None in (width, heads, seq):
         return
     layers = sum(getattr(settings, n) for n in LAYERS if is_int(getattr(settings, n, None)))
-    batch_name, batch = first(("batch_size",))
+    batch_name, batch = _first(settings, ("batch_size",))
     if batch is None:
-        batch_name, tokens = first(("max_tokens",))  # a batch of so many tokens
+        batch_name, tokens = _first(settings, ("max_tokens",))  # a batch of so many tokens
         if tokens is None:
             return
         batch = max(1, tokens // max(seq, 1))

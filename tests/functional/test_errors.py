@@ -150,7 +150,7 @@ def test_mask_mod_returning_wrong_shape():
 
 
 @pytest.mark.parametrize("fn,got", [
-    (lambda s, b, h, q, kv: s[..., :1], r"shape \(2, 4, 3, 1\)"),
+    (lambda s, b, h, q, kv: s[..., :1], r"shape \(1, 1, 2, 1\)"),
     (lambda s, b, h, q, kv: s.double(), "dtype torch.float64"),
     (lambda s, b, h, q, kv: 1.0, "got float"),
 ])

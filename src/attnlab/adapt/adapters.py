@@ -23,6 +23,7 @@ from typing import Iterable
 from torch import Tensor, nn
 
 from attnlab._checks import non_negative_number, one_of, positive_int
+from attnlab._limits import check_elements
 from attnlab.nn.block import DecoderLayer, EncoderLayer
 from attnlab.nn.feedforward import ACTIVATIONS
 
@@ -42,6 +43,9 @@ class BottleneckAdapter(nn.Module):
     def __init__(self, dim: int, bottleneck: int, *, activation: str = "gelu", init_std: float = 1e-2,
                  device=None, dtype=None) -> None:
         super().__init__()
+        positive_int("bottleneck", bottleneck)
+        check_elements(f"an adapter of bottleneck={bottleneck} on width {dim}", 2 * dim + 1, bottleneck,
+                       device=device or "cpu")
         self.down = nn.Linear(dim, bottleneck, device=device, dtype=dtype)
         self.up = nn.Linear(bottleneck, dim, device=device, dtype=dtype)
         self.activation = activation

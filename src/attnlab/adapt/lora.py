@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab._checks import is_int, positive_number, rate
+from attnlab._limits import check_elements
 from attnlab.modules.multihead import MultiheadAttention
 from attnlab.nn.dropout import Dropout
 
@@ -67,6 +68,9 @@ class LoRALinear(nn.Module):
             if not 0 <= s < e <= base.out_features:
                 raise ValueError(f"slice {name!r} = ({s}, {e}) is outside the {base.out_features} output rows")
         fk = dict(device=base.weight.device, dtype=base.weight.dtype)
+        check_elements(f"LoRA r={r} on a {base.in_features}→{base.out_features} layer", r,
+                       len(self.slices) * base.in_features + base.out_features,
+                       bytes_per_value=base.weight.element_size(), device=base.weight.device)
         self.lora_A = nn.ParameterDict({n: nn.Parameter(torch.empty(r, base.in_features, **fk)) for n in self.slices})
         self.lora_B = nn.ParameterDict({n: nn.Parameter(torch.zeros(e - s, r, **fk))
                                         for n, (s, e) in self.slices.items()})
@@ -243,8 +247,8 @@ def apply_lora(model: nn.Module, *, r: int, alpha: float, dropout: float = 0.0,
         ``model``, with every base parameter ``requires_grad=False`` and only the LoRA ``A``, ``B`` trainable.
 
     Raises:
-        ValueError: ``r <= 0``, ``alpha <= 0``, ``dropout`` outside [0, 1), a pattern matching nothing,
-            or a model that already has LoRA layers.
+        ValueError: ``r <= 0`` or beyond a target's ``min(in_features, out_features)``, ``alpha <= 0``,
+            ``dropout`` outside [0, 1), a pattern matching nothing, or a model that already has LoRA layers.
         TypeError: ``model`` is not an ``nn.Module`` or a pattern has the wrong type.
     """
     if not isinstance(model, nn.Module):
@@ -253,6 +257,12 @@ def apply_lora(model: nn.Module, *, r: int, alpha: float, dropout: float = 0.0,
     if lora_layers(model):
         raise ValueError("model already has LoRA layers; unload_lora(model) first")
     chosen = resolve_targets(model, targets)
+    for linear_name in chosen:  # a rank beyond the layer's own adds nothing but memory (A is r x in_features)
+        base = model.get_submodule(linear_name)
+        full = min(base.in_features, base.out_features)
+        if r > full:
+            raise ValueError(f"LoRA r={r} is more than the rank of {linear_name} ({base.in_features} -> "
+                             f"{base.out_features}): choose r in [1, {full}]")
     for p in model.parameters():
         p.requires_grad_(False)
     for linear_name, slices in chosen.items():

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab._checks import positive_int
+from attnlab._limits import check_seed
 from attnlab.models.causal_lm import CausalLMOutput, DecoderOnlyLM
 from attnlab.nn.block import LayerCache
 
@@ -57,6 +58,7 @@ class _VirtualTokensLM(nn.Module):
     def _init_ids(self, init_ids: Optional[IdsLike], seed: int) -> Tensor:
         """``init_ids`` checked, or ``num_tokens`` ids drawn uniformly from the vocabulary."""
         n, vocab = self.num_tokens, self.model.config.vocab_size
+        check_seed("seed", seed)
         if init_ids is None:
             return torch.randint(vocab, (n,), generator=torch.Generator().manual_seed(seed))
         ids = torch.as_tensor(init_ids, dtype=torch.long).flatten().cpu()

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab import _choice, _native
-from attnlab._checks import one_of
+from attnlab._checks import one_of, tensor
 
 MODES = ("int8", "int8-weight", "int4")
 FLOAT_DTYPES = {"int8": (torch.float32,), "int8-weight": (torch.float32, torch.bfloat16, torch.float16),
@@ -51,6 +51,7 @@ def quantize_groups(w: Tensor, group_size: int = GROUP_SIZE) -> tuple[Tensor, Te
     Packing, in blocks of 128 columns (64 bytes, 32 little-endian 16-bit lanes): nibble ``r`` of lane ``t`` (bits
     ``4r .. 4r + 3``) holds column ``32 r + t`` of the block, so the kernel gets four runs of 32 consecutive columns
     from a block by two shifts each. See :func:`dequantize_groups`."""
+    tensor("w", w, kind="floating", ndim=2, shape="(out, in)")
     w = w.detach().float()
     out, k = w.shape
     check_group_size(group_size, k)

@@ -85,8 +85,12 @@ def quantize(model: nn.Module, mode: str, *, compute_dtype: Optional[torch.dtype
     from attnlab.adapt.lora import LoRALinear
     from attnlab.nn.inference import PackedLinear
 
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     one_of("mode", mode, MODES)
     check_group_size(group_size)
+    if compute_dtype not in (None, *FLOAT_DTYPES["int8-weight"]):
+        raise ValueError(f"compute_dtype must be None or one of {FLOAT_DTYPES['int8-weight']}, got {compute_dtype!r}")
     packed = [n for n, m in model.named_modules() if isinstance(m, PackedLinear)]
     if packed:  # its float weights are packed for oneDNN: nothing would be quantised
         raise ValueError(f"{packed[0]!r} holds a packed inference layout (optimize_for_inference): quantise the "

@@ -137,6 +137,8 @@ def unavailable(q: Tensor, k: Tensor, v: Tensor, *, mask, score_mod, mask_mod, *
 
 def _fallback_reason(q: Tensor, k: Tensor, v: Tensor, mask, score_mod, mask_mod, signature) -> str:
     device = q.device.type
+    if q.numel() == 0 or v.shape[-1] == 0:  # compiled on CPU, an empty B, H, Lq or Dv divides by zero (SIGFPE)
+        return f"an empty dimension (q {tuple(q.shape)}, v {tuple(v.shape)})"
     if device in _NO_CPU_BACKWARD and torch.is_grad_enabled():
         if q.requires_grad or k.requires_grad or v.requires_grad:
             return f"inputs require grad and FlexAttention has no backward on {device}"

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from attnlab._checks import int_at_least, is_int, is_real, tensor
+from attnlab._limits import HEADS, SIZE_LIMITS, check_elements
 
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -51,6 +52,8 @@ def sinusoidal_table(num_positions: int, dim: int, *, base: float = 10000.0, dev
     int_at_least("num_positions", num_positions, 0)
     int_at_least("dim", dim, 1)
     _check_base(base)
+    check_elements(f"sinusoidal_table(num_positions={num_positions}, dim={dim})", num_positions, dim, 2,
+                   bytes_per_value=8, device=device or "cpu")
     pos = torch.arange(num_positions, dtype=torch.float64, device=device).unsqueeze(1)  # (P, 1)
     two_i = torch.arange(0, dim, 2, dtype=torch.float64, device=device)                 # (ceil(d/2),)
     angles = pos / base ** (two_i / dim)                                                # (P, ceil(d/2))
@@ -90,6 +93,8 @@ def rope_frequencies(head_dim: int, positions: Tensor, *, base: float = 10000.0,
         raise ValueError(f"head_dim must be a positive even int for RoPE (dims rotate in pairs), got {head_dim!r}")
     _check_base(base)
     tensor("positions", positions, kind="integer")
+    check_elements(f"rope_frequencies(head_dim={head_dim}) of {positions.numel()} positions", positions.numel(),
+                   head_dim, bytes_per_value=torch.empty((), dtype=dtype).element_size(), device=positions.device)
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device)
                                .to(dtype) / head_dim))                           # (d/2,)
     angles = positions.to(dtype).unsqueeze(-1) * inv_freq                         # (*S, d/2)
@@ -126,6 +131,11 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False
     """
     if cos.shape != sin.shape:
         raise ValueError(f"cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    try:
+        torch.broadcast_shapes(tuple(cos.shape[:-1]), tuple(x.shape[:-1]))
+    except RuntimeError:
+        raise ValueError(f"cos/sin of shape {tuple(cos.shape)} do not cover x's positions: their leading dims must "
+                         f"broadcast to x's (..., L) = {tuple(x.shape[:-1])}") from None
     rot = 2 * cos.shape[-1]
     if rot > x.shape[-1]:
         raise ValueError(f"cos/sin rotate {rot} dims but x has only D={x.shape[-1]} (shape {tuple(x.shape)})")
@@ -151,9 +161,11 @@ def alibi_slopes(num_heads: int, *, device=None, dtype: torch.dtype = torch.floa
     slopes of ``2c`` (``2^(-4h/c)`` for ``h = 1, 3, 5, ...``), ``n - c`` of them.
 
     Raises:
-        ValueError: ``num_heads`` is not a positive int.
+        ValueError: ``num_heads`` is not an int in ``[1, 1024]`` (a model's largest head count).
     """
     int_at_least("num_heads", num_heads, 1)
+    if num_heads > SIZE_LIMITS[HEADS]:
+        raise ValueError(f"num_heads must be an int in [1, {SIZE_LIMITS[HEADS]}], got {num_heads!r}")
 
     def power_of_two(n: int) -> list[float]:
         return [2.0 ** (-8.0 * h / n) for h in range(1, n + 1)]

@@ -6,12 +6,14 @@ option and returns the request the backends receive (``scale`` resolved to ``1/s
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
 from attnlab._checks import boolean, is_int, one_of, positive_int, rate, real, tensor
+from attnlab.functional.masks import call_mask_mod, call_score_mod
 from attnlab.functional.normalize import NORMALIZERS
 
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -55,6 +57,7 @@ def prepare(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, dropou
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
     _check_mod_sizes(score_mod, mask_mod, H, Lq, Lk)
+    _probe_mods(score_mod, mask_mod, q, Lq, Lk)
     rate("dropout_p", dropout_p)
     one_of("normalize", normalize, sorted(NORMALIZERS))
     if normalize == "topk":
@@ -80,6 +83,49 @@ def _check_mod_sizes(score_mod, mask_mod, H: int, Lq: int, Lk: int) -> None:
         if max(Lq, Lk) > covered:
             raise ValueError(f"mask_mod is a block layout of {covered} positions (seq_len), but the request has "
                              f"Lq={Lq}, Lk={Lk}: build it with seq_len >= {max(Lq, Lk)}")
+
+
+_PROBED = weakref.WeakSet()  # mods already called once on a probe grid
+
+
+def _probe_mods(score_mod, mask_mod, q: Tensor, Lq: int, Lk: int) -> None:
+    """Call each mod once on a small grid of the request's positions (its last ≤ 2 queries, first ≤ 3 keys) and check
+    what it returns (:func:`~attnlab.functional.masks.call_score_mod`: the scores' shape and dtype;
+    :func:`~attnlab.functional.masks.call_mask_mod`: a bool tensor broadcastable to the grid). A mod that raises, or
+    returns the wrong thing, is then reported here by every backend alike, in the user's own words — not inside a
+    compiled FlexAttention kernel, nor silently cast. Once per mod object (a new closure per call is probed per
+    call: a few small tensor operations)."""
+    if torch.compiler.is_compiling():
+        return
+    nq, nk = min(Lq, Lk, 2), min(Lk, 3)
+    for fn in (score_mod, mask_mod):
+        if fn is None or nq == 0:
+            continue
+        try:
+            if fn in _PROBED:
+                continue
+        except TypeError:  # not weakly referable: probed every call
+            pass
+        long = dict(dtype=torch.long, device=q.device)
+        b = h = torch.zeros(1, 1, 1, 1, **long)
+        i = torch.arange(Lk - nq, Lk, **long).view(1, 1, nq, 1)  # absolute positions, as the backends pass them
+        j = torch.arange(nk, **long).view(1, 1, 1, nk)
+        with torch.no_grad():
+            try:
+                if fn is score_mod:
+                    call_score_mod(fn, torch.zeros(1, 1, nq, nk, dtype=torch.promote_types(q.dtype, torch.float32),
+                                                   device=q.device), b, h, i, j)
+                else:
+                    call_mask_mod(fn, b, h, i, j)
+            except ValueError as e:
+                if not str(e).startswith(("score_mod must", "mask_mod must", "mask_mod returned")):
+                    raise  # the mod's own error
+                raise ValueError(f"{e} (called on a probe grid of the request's last {nq} queries and first {nk} "
+                                 f"keys, b = h = 0)") from None
+        try:
+            _PROBED.add(fn)
+        except TypeError:
+            pass
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:

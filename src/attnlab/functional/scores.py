@@ -70,6 +70,8 @@ def prepare_inputs(
         if got != want:
             raise ValueError(f"{name} last dim must be {want}, got {got}")
     B, Lq, Lk = q.shape[0], q.shape[1], keys.shape[1]
+    if Lk == 0:
+        raise ValueError(f"keys must hold at least one position (Lk >= 1), got shape {tuple(keys.shape)}")
     if not (keys.shape[0] == values.shape[0] == B):
         raise ValueError(f"batch sizes differ: query {B}, keys {keys.shape[0]}, values {values.shape[0]}")
     if values.shape[1] != Lk:
@@ -105,6 +107,8 @@ def score_attention(
         ``(context (B, Lq, Dv), weights (B, Lq, Lk))``; a row with nothing to attend to gives
         zeros, never NaN (also in gradients).
     """
+    if normalize == "topk" and top_k > scores.shape[-1]:
+        raise ValueError(f"top_k must be an int in [1, Lk={scores.shape[-1]}] with normalize='topk', got {top_k!r}")
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     weights = NORMALIZERS[normalize](scores, top_k)  # (B, Lq, Lk)

@@ -35,11 +35,14 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, replace
 from typing import Callable, Optional
 
+import math
+
 import torch
 from torch import Tensor
 
-from attnlab._checks import (boolean, int_at_least, is_real, non_negative_int, one_of, positive_int,
+from attnlab._checks import (boolean, int_at_least, is_int, is_real, non_negative_int, one_of, positive_int,
                              positive_number, real)
+from attnlab._limits import SETTING_LIMITS
 from attnlab.generation.state import CroppedContext, EncoderDecoderAsDecoder, EncoderDecoderCache, reorder_cache
 from attnlab.generation.search import beam_search, decode, filter_logits
 from attnlab.nn.inference import decode_view
@@ -48,6 +51,7 @@ __all__ = ["GenerationConfig", "generate", "filter_logits", "reorder_cache", "En
            "EncoderDecoderAsDecoder", "CACHES"]
 
 CACHES = ("dynamic", "static", "window", "crop")
+MAX_BEAMS = SETTING_LIMITS[("num_beams",)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,16 +83,20 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         """Check every field (each message names it); ``dataclasses.replace`` checks the new record again."""
         positive_int("max_new_tokens", self.max_new_tokens)
-        positive_number("temperature", self.temperature)
+        positive_number("temperature", self.temperature, finite=True)
         positive_int("top_k", self.top_k, optional=True)
         if self.top_p is not None and not (is_real(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         int_at_least("num_beams", self.num_beams, 1)
+        if self.num_beams > MAX_BEAMS:
+            raise ValueError(f"num_beams must be an int in [1, {MAX_BEAMS}], got {self.num_beams!r}")
         boolean("do_sample", self.do_sample)
         if self.do_sample and self.num_beams > 1:
             raise ValueError(f"num_beams must be 1 with do_sample=True (beam sampling is not supported), "
                              f"got {self.num_beams}")
         real("length_penalty", self.length_penalty)
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
         for name in ("eos_token_id", "pad_token_id", "decoder_start_token_id"):
             non_negative_int(name, getattr(self, name), optional=True)
         one_of("cache", self.cache, CACHES)
@@ -190,10 +198,17 @@ def generate(model, input_ids: Tensor, *, attention_mask: Optional[Tensor] = Non
     _check_inputs(input_ids, attention_mask)
     if streamer is not None and not callable(streamer):
         raise TypeError(f"streamer must be callable, got {type(streamer).__name__}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     config = _settings(config, dict(
         max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
         num_beams=num_beams, length_penalty=length_penalty, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
         decoder_start_token_id=decoder_start_token_id, cache=cache))
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    for name in ("eos_token_id", "pad_token_id", "decoder_start_token_id"):  # the ids given here (not the defaults)
+        if is_int(vocab) and getattr(config, name) is not None and getattr(config, name) >= vocab:
+            raise ValueError(f"{name} must be a token id in [0, {vocab}) (the model's vocab_size), "
+                             f"got {getattr(config, name)}")
     encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
     if not (hasattr(model, "generation_defaults") if encoder_decoder else hasattr(model, "new_cache")):
         raise ValueError(f"{type(model).__name__} cannot generate: it has no language-model head with a KV cache "

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab._checks import boolean, check_int, check_rate, one_of
+from attnlab._limits import check_model_sizes
 from attnlab.models.hub import (PreTrainedMixin, WeightMap, check_attention_mask, check_encoder_outputs,
                                 check_token_inputs, pack, register, rename)
 from attnlab.models.outputs import Seq2SeqLMOutput
@@ -68,6 +69,7 @@ class BartConfig:
     decoder_start_token_id: int = 2
 
     def __post_init__(self) -> None:
+        check_model_sizes(self)
         for f in ("vocab_size", "max_position_embeddings", "d_model", "encoder_layers", "decoder_layers",
                   "encoder_attention_heads", "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim"):
             check_int(f, getattr(self, f), minimum=1)

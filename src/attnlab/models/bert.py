@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab._checks import check_int, check_positive_float, check_rate, one_of
+from attnlab._limits import check_model_sizes
 from attnlab.models.hub import PreTrainedMixin, WeightMap, check_token_inputs, pack, register, rename
 from attnlab.nn.block import EncoderLayer, LayerSpec
 from attnlab.nn.dropout import Dropout
@@ -67,6 +68,7 @@ class BertConfig:
     pad_token_id: int = 0
 
     def __post_init__(self) -> None:
+        check_model_sizes(self)
         check_encoder_config(self, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                                     "intermediate_size", "max_position_embeddings", "type_vocab_size"))
 

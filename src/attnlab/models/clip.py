@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab._checks import check_positive_float, is_int, one_of, positive_int, rate
+from attnlab._limits import check_model_sizes
 from attnlab.models.hub import PreTrainedMixin, WeightMap, check_token_inputs, pack, register, rename
 from attnlab.models.vit import check_pixel_values
 from attnlab.nn.block import EncoderLayer, LayerSpec
@@ -74,6 +75,7 @@ class CLIPTextConfig:
     eos_token_id: int = 49407
 
     def __post_init__(self) -> None:
+        check_model_sizes(self)
         _check_fields(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                              "num_attention_heads", "max_position_embeddings"))
         e = self.eos_token_id
@@ -106,6 +108,7 @@ class CLIPVisionConfig:
     initializer_factor: float = 1.0
 
     def __post_init__(self) -> None:
+        check_model_sizes(self)
         _check_fields(self, ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                              "num_channels", "image_size", "patch_size"))
         if self.image_size % self.patch_size:
@@ -137,6 +140,7 @@ class CLIPConfig:
     initializer_factor: float = 1.0
 
     def __post_init__(self) -> None:
+        check_model_sizes(self)
         if isinstance(self.text_config, dict):
             self.text_config = CLIPTextConfig.from_hf(self.text_config)
         if isinstance(self.vision_config, dict):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from attnlab._checks import is_int, one_of, positive_int, positive_number, rate
+from attnlab._limits import check_model_sizes
 from attnlab.backends import BACKENDS
 from attnlab.nn.feedforward import FFN_ACTIVATIONS
 from attnlab.nn.norms import NORMS
@@ -69,6 +70,7 @@ class TransformerConfig:
     backend: str = "auto"
 
     def __post_init__(self) -> None:
+        check_model_sizes(self)
         if self.tgt_vocab_size is None:
             self.tgt_vocab_size = self.src_vocab_size
         for name in ("src_vocab_size", "tgt_vocab_size", "dim", "num_heads", "ffn_dim",

@@ -19,7 +19,8 @@ from typing import Optional
 
 from torch import Tensor, nn
 
-from attnlab._checks import boolean, one_of, positive_int, positive_number
+from attnlab._checks import boolean, one_of, positive_int, positive_number, rate
+from attnlab._limits import check_model_sizes
 from attnlab.models.causal_lm import DecoderOnlyLM
 from attnlab.models.hub import WeightMap, register, rename
 from attnlab.nn.block import DecoderLayer, LayerSpec
@@ -66,10 +67,14 @@ class GPT2Config:
     bias: bool = True
 
     def __post_init__(self) -> None:
+        check_model_sizes(self)
         boolean("bias", self.bias)
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
             positive_int(name, getattr(self, name))
         positive_number("layer_norm_epsilon", self.layer_norm_epsilon, finite=True)
+        positive_int("n_inner", self.n_inner, optional=True)
+        for name in ("embd_pdrop", "resid_pdrop", "attn_pdrop"):
+            rate(name, getattr(self, name))
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         one_of("activation", self.activation, _HF_ACTIVATIONS)

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab._checks import boolean, one_of, positive_int, positive_number, rate
+from attnlab._limits import check_model_sizes
 from attnlab.models.causal_lm import DecoderOnlyLM
 from attnlab.models.hub import WeightMap, pack, register, rename
 from attnlab.nn.block import DecoderLayer, LayerSpec
@@ -106,6 +107,7 @@ class LlamaConfig:
     hidden_dropout: float = 0.0
 
     def __post_init__(self) -> None:
+        check_model_sizes(self)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab._checks import check_int, check_positive_float, check_rate, one_of
+from attnlab._limits import check_model_sizes
 from attnlab.models.hub import (PreTrainedMixin, WeightMap, check_attention_mask, check_encoder_outputs,
                                check_token_inputs, pack, register, rename)
 from attnlab.models.outputs import Seq2SeqLMOutput
@@ -71,6 +72,7 @@ class T5Config:
     decoder_start_token_id: int = 0
 
     def __post_init__(self) -> None:
+        check_model_sizes(self)
         if self.num_decoder_layers is None:
             self.num_decoder_layers = self.num_layers
         if self.scale_decoder_outputs is None:

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab._checks import boolean, one_of
+from attnlab._limits import check_model_sizes
 from attnlab.models.bert import check_encoder_config, encoder_layers
 from attnlab.models.classifier import PROBLEM_TYPES, classification_loss
 from attnlab.models.hub import PreTrainedMixin, WeightMap, pack, register, rename
@@ -61,6 +62,7 @@ class ViTConfig:
     problem_type: Optional[str] = None
 
     def __post_init__(self) -> None:
+        check_model_sizes(self)
         check_encoder_config(self, ("image_size", "patch_size", "num_channels", "hidden_size", "num_hidden_layers",
                                     "num_attention_heads", "intermediate_size", "num_labels"))
         if self.image_size % self.patch_size:

@@ -22,7 +22,7 @@ import math
 import torch
 from torch import Tensor
 
-from attnlab._checks import positive_int
+from attnlab._checks import boolean, is_int, positive_int
 
 
 def _tracing() -> bool:
@@ -53,6 +53,7 @@ class KVCache:
     def __init__(self, *, max_length: Optional[int] = None, static: bool = False, window: Optional[int] = None):
         positive_int("max_length", max_length, optional=True)
         positive_int("window", window, optional=True)
+        boolean("static", static)
         if window is not None and (max_length is not None or static):
             raise ValueError("window is a cache of its own: give it without max_length or static")
         self.max_length = max_length
@@ -76,6 +77,9 @@ class KVCache:
         preallocated cache only: a ring's slots are not restored)."""
         if self.window is not None:
             raise ValueError("a windowed (ring) cache cannot be rewound")
+        if not (isinstance(mark, tuple) and len(mark) == 2 and is_int(mark[0]) and 0 <= mark[0] <= self.length):
+            raise ValueError(f"mark must be a value of mark() from this cache (a length in [0, {self.length}]), "
+                             f"got {mark!r}")
         self.length, self.finite = mark
 
     def update(self, k: Tensor, v: Tensor, *, finite: Optional[bool] = None) -> tuple[Tensor, Tensor]:
@@ -86,6 +90,7 @@ class KVCache:
         """
         if self.static and self.filled:
             return self.k, self.v
+        self._check_entries(k, v)
         if self.finite:
             if finite is None:
                 with torch.no_grad():
@@ -106,6 +111,24 @@ class KVCache:
         self.v.narrow(2, self.length, n).copy_(v)
         self.length += n
         return self.k.narrow(2, 0, self.length), self.v.narrow(2, 0, self.length)
+
+    def _check_entries(self, k: Tensor, v: Tensor) -> None:
+        """``k``, ``v`` are ``(B, Hkv, L_new, D)`` tensors of one length, and match what the cache holds (batch, heads,
+        width, dtype, device): a mismatch would otherwise be promoted, cast or reported deep in a concatenation."""
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, Tensor) or t.dim() != 4:
+                got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+                raise (ValueError if isinstance(t, Tensor) else TypeError)(
+                    f"{name} must be a (B, Hkv, L_new, D) tensor, got {got}")
+        if k.shape[:3] != v.shape[:3]:
+            raise ValueError(f"k and v must agree in (B, Hkv, L_new), got k {tuple(k.shape)} and v {tuple(v.shape)}")
+        if self.k is not None:
+            for name, t, held in (("k", k, self.k), ("v", v, self.v)):
+                if (t.shape[:2], t.shape[3]) != (held.shape[:2], held.shape[3]) or t.dtype != held.dtype \
+                        or t.device != held.device:
+                    raise ValueError(f"{name} of shape {tuple(t.shape)} {t.dtype} on {t.device} does not match the "
+                                     f"cached entries (B, Hkv, ·, D) = {tuple(held.shape[:2])} · {held.shape[3]}, "
+                                     f"{held.dtype} on {held.device}: reset() the cache before a new request")
 
     def room_for(self, n: int) -> Optional[tuple[Tensor, Tensor]]:
         """The whole buffers ``(B, Hkv, capacity, D)``, grown (as :meth:`update` grows them) so that ``n`` more entries

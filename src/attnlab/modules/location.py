@@ -101,6 +101,8 @@ class LocationAwareAttention(nn.Module):
         elif not isinstance(prev_weights, Tensor) or prev_weights.shape != (B, Lk):
             got = tuple(prev_weights.shape) if isinstance(prev_weights, Tensor) else type(prev_weights).__name__
             raise ValueError(f"prev_weights must have shape (B, Lk) = {(B, Lk)}, got {got}")
+        elif not prev_weights.is_floating_point():
+            raise TypeError(f"prev_weights must be a floating-point tensor (an alignment), got {prev_weights.dtype}")
         f = self.F(prev_weights.unsqueeze(1)).transpose(1, 2)  # (B, 1, Lk) -> (B, C, Lk) -> (B, Lk, C)
         hidden = torch.tanh(self.W(q) + self.V(keys) + self.U(f) + self.b)  # (B, 1, hid) + (B, Lk, hid)
         scores = self.w(hidden).transpose(1, 2)  # (B, 1, Lk)

@@ -171,5 +171,8 @@ class MonotonicAttention(nn.Module):
             alignment = expected_alignment(p, prev_alignment)
         else:
             alignment = hard_alignment(p, prev_alignment)
+        bad = ~torch.isfinite(prev_alignment).all(-1, keepdim=True)  # NaN/inf in: that row NaN out, never zeros
+        if bool(bad.any()):
+            alignment = alignment.masked_fill(bad, math.nan)
         context = torch.bmm(alignment.unsqueeze(1), values).squeeze(1)  # (B, Dv)
         return context, alignment

@@ -20,7 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab._checks import is_int, positive_int
+from attnlab._checks import boolean, is_int, one_of, positive_int, rate
+from attnlab._limits import check_memory
+from attnlab.backends import BACKENDS
+from attnlab.functional.scores import check_normalize
 from attnlab import _native
 from attnlab.modules.cache import KVCache
 from attnlab.backends.dispatch import (all_finite, attend, attend_plain, attend_step, attention_weights, keeps_lse,
@@ -75,12 +78,18 @@ class MultiheadAttention(nn.Module):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if not is_int(num_kv_heads) or num_kv_heads <= 0 or num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads must be a positive divisor of num_heads={num_heads}, got {num_kv_heads!r}")
+        positive_int("head_dim", head_dim, optional=True)
+        positive_int("kdim", kdim, optional=True)
+        positive_int("vdim", vdim, optional=True)
+        positive_int("window", window, optional=True)
+        if not (backend == "auto" or backend in BACKENDS):  # (an unhashable backend is refused here, not in a dict)
+            one_of("backend", backend, ["auto", *BACKENDS])
+        check_normalize(normalize, top_k)
         if head_dim is None:
             if embed_dim % num_heads:
                 raise ValueError(f"embed_dim={embed_dim} must be divisible by num_heads={num_heads} (or pass head_dim)")
             head_dim = embed_dim // num_heads
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        rate("dropout", dropout)
         if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                                   or not math.isfinite(scale) or scale <= 0):
             raise ValueError(f"scale must be a positive finite float or None (1/sqrt(head_dim)), got {scale!r}")
@@ -93,6 +102,11 @@ class MultiheadAttention(nn.Module):
         self.backend, self.normalize, self.top_k, self.window = backend, normalize, top_k, window
         fk = dict(device=device, dtype=dtype)
         q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
+        if torch.device(device or "cpu").type != "meta":  # the weights' memory, refused before it is allocated
+            width = torch.empty((), dtype=dtype).element_size()
+            check_memory(f"MultiheadAttention(embed_dim={embed_dim}, num_heads={num_heads}, head_dim={head_dim})",
+                         width * (embed_dim * q_out + (self.kdim + self.vdim) * kv_out + q_out * embed_dim),
+                         device=device or "cpu")
         self.packed = self.kdim == embed_dim and self.vdim == embed_dim
         if self.packed:
             self.in_proj = nn.Linear(embed_dim, q_out + 2 * kv_out, bias=bias, **fk)
@@ -150,6 +164,9 @@ class MultiheadAttention(nn.Module):
         """
         key = query if key is None else key
         value = key if value is None else value
+        for name, flag in (("need_weights", need_weights), ("average_attn_weights", average_attn_weights),
+                           ("is_causal", is_causal)):
+            boolean(name, flag)
         self._check_inputs(query, key, value)
         B, L, _ = query.shape
         H, Hkv, Dh = self.num_heads, self.num_kv_heads, self.head_dim
@@ -327,6 +344,16 @@ class MultiheadAttention(nn.Module):
             raise ValueError(f"batch sizes differ: query {query.shape[0]}, key {key.shape[0]}, value {value.shape[0]}")
         if key.shape[1] != value.shape[1]:
             raise ValueError(f"key and value lengths differ: {key.shape[1]} and {value.shape[1]}")
+        if key.shape[1] == 0:
+            raise ValueError(f"key must hold at least one position (S >= 1; the query in self-attention), got shape "
+                             f"{tuple(key.shape)}")
+        proj = self.in_proj if self.packed else self.q_proj
+        if not query.is_floating_point():
+            raise TypeError(f"query must be a floating-point tensor, got {query.dtype}")
+        if type(proj) is nn.Linear and query.dtype != proj.weight.dtype and not torch.is_autocast_enabled(
+                query.device.type):
+            raise TypeError(f"query is {query.dtype} but this module's weights are {proj.weight.dtype}: convert one "
+                            f"to the other (module.to(dtype) or query.to(dtype))")
 
     def _mask(self, key_padding_mask, attn_mask, B, L, S, dtype) -> Optional[Tensor]:
         """torch MHA masks (True = blocked, float = added) -> one pipeline mask (True = allowed)."""
@@ -334,7 +361,7 @@ class MultiheadAttention(nn.Module):
         if key_padding_mask is not None:
             if key_padding_mask.shape != (B, S):
                 raise ValueError(f"key_padding_mask must be (B, S) = {(B, S)}, got {tuple(key_padding_mask.shape)}")
-            masks.append(_to_pipeline(key_padding_mask.view(B, 1, 1, S), dtype))
+            masks.append(_to_pipeline(key_padding_mask.view(B, 1, 1, S), dtype, "key_padding_mask"))
         if attn_mask is not None:
             if attn_mask.shape == (L, S):
                 am = attn_mask
@@ -345,7 +372,7 @@ class MultiheadAttention(nn.Module):
                     f"attn_mask must be (L, S) = {(L, S)} or (B*num_heads, L, S) = {(B * self.num_heads, L, S)}, "
                     f"got {tuple(attn_mask.shape)}"
                 )
-            masks.append(_to_pipeline(am, dtype))
+            masks.append(_to_pipeline(am, dtype, "attn_mask"))
         if not masks:
             return None
         return masks[0] if len(masks) == 1 else _add_masks(*masks)
@@ -385,12 +412,12 @@ class MultiheadAttention(nn.Module):
                 f"backend={self.backend!r}{qk}")
 
 
-def _to_pipeline(m: Tensor, dtype) -> Tensor:
+def _to_pipeline(m: Tensor, dtype, name: str) -> Tensor:
     """torch MHA convention (bool True = blocked) -> pipeline convention (bool True = allowed)."""
     if m.dtype == torch.bool:
         return ~m
     if not m.is_floating_point():
-        raise TypeError(f"masks must be bool or floating, got {m.dtype}")
+        raise TypeError(f"{name} must be bool (True = blocked) or floating (added), got {m.dtype}")
     return m.to(dtype)
 
 

@@ -32,6 +32,7 @@ from attnlab import _native
 
 from attnlab import _native_train
 from attnlab._checks import one_of, positive_int, rate
+from attnlab._limits import check_elements
 from attnlab.nn.dropout import Dropout
 
 
@@ -140,6 +141,7 @@ class FeedForward(nn.Module):
         rate("dropout", dropout)
         self.activation = activation
         self.gated = activation in GATED_ACTIVATIONS
+        check_elements(f"FeedForward(dim={dim}, hidden_dim={hidden_dim})", dim, hidden_dim, 3 if self.gated else 2)
         self.act = GATED_ACTIVATIONS[activation] if self.gated else ACTIVATIONS[activation]
         self.w1 = nn.Linear(dim, hidden_dim, bias=bias)
         self.w3 = nn.Linear(dim, hidden_dim, bias=bias) if self.gated else None

@@ -124,6 +124,6 @@ def make_norm(kind: str, dim: int, *, eps: float = 1e-5, bias: bool = True) -> n
 
 
 def _check_dim_eps(dim: int, eps: float) -> None:
-    """A norm's ``dim`` is a positive int and its ``eps`` a positive number."""
+    """A norm's ``dim`` is a positive int and its ``eps`` a positive finite number."""
     positive_int("dim", dim)
-    positive_number("eps", eps)
+    positive_number("eps", eps, finite=True)

@@ -23,6 +23,7 @@ from attnlab import _native
 
 from attnlab import _native_train
 from attnlab._checks import int_at_least, tensor
+from attnlab._limits import check_elements
 from attnlab.functional.positional import (ScoreMod, alibi_score_mod, alibi_slopes, apply_rope, rope_frequencies,
                                            sinusoidal_table, t5_relative_buckets)
 
@@ -93,6 +94,8 @@ class LearnedPositionalEmbedding(nn.Embedding):
     def __init__(self, max_positions: int, dim: int, *, device=None, dtype=None):
         int_at_least("max_positions", max_positions, 1)
         int_at_least("dim", dim, 1)
+        check_elements(f"LearnedPositionalEmbedding(max_positions={max_positions}, dim={dim})", max_positions, dim,
+                       device=device or "cpu")
         super().__init__(max_positions, dim, device=device, dtype=dtype)
 
     @property
@@ -143,6 +146,7 @@ class RotaryEmbedding(nn.Module):
             if rotary_dim % 2 or rotary_dim > head_dim:
                 raise ValueError(f"rotary_dim must be even and <= head_dim={head_dim}, got {rotary_dim}")
         int_at_least("max_positions", max_positions, 1)
+        check_elements(f"RotaryEmbedding(max_positions={max_positions})", max_positions, rotary_dim)
         self.head_dim, self.rotary_dim, self.base = head_dim, rotary_dim, base
         self.interleaved = bool(interleaved)
         cos, sin = rope_frequencies(rotary_dim, torch.arange(max_positions), base=base)  # (P, R/2)
@@ -302,6 +306,8 @@ class T5RelativeBias(nn.Module):
                             num_buckets=num_buckets, max_distance=max_distance)  # validates the settings
         self.num_heads, self.bidirectional = num_heads, bool(bidirectional)
         self.num_buckets, self.max_distance = num_buckets, max_distance
+        check_elements(f"T5RelativeBias(num_heads={num_heads}, num_buckets={num_buckets})", num_buckets, num_heads,
+                       device=device or "cpu")
         self.relative_attention_bias = nn.Embedding(num_buckets, num_heads, device=device, dtype=dtype)
 
     def _buckets(self, relative_position: Tensor) -> Tensor:
