@@ -227,7 +227,7 @@ def test_short_attention_refuses_what_it_cannot_read():
 # ---- the backend that takes them ---------------------------------------------------------------------------------
 
 @needs_native
-@pytest.mark.parametrize("path", ["fused", "products"])
+@pytest.mark.parametrize("path", ["fused", "formula"])
 @pytest.mark.parametrize("causal,window,Lq,Lk,Hkv", [(True, None, 64, 64, 4), (True, 9, 40, 40, 2),
                                                      (False, None, 33, 33, 4), (True, None, 8, 30, 4),
                                                      (True, None, 131, 131, 4), (True, 50, 128, 140, 2),
@@ -237,7 +237,7 @@ def test_the_short_backend_takes_the_native_passes_and_equals_the_reference(caus
     """float32: out and every gradient against the float64 reference backend, to the products' rounding
     (``tolerance``: an Lk- or D-term sum per layer, two layers), by each path: the fused kernel (blocks of 16
     queries: partial blocks, windows, keys past the queries — a cache) and the backend's general path
-    (:class:`~attnlab.backends.short.ShortAttention`, the mask built) that takes what the kernel does not."""
+    (:func:`~attnlab.backends.short.formula`) that takes what the kernel does not."""
     from attnlab import attention
     from attnlab.backends import short
     from _tolerance import tolerance
@@ -246,9 +246,9 @@ def test_the_short_backend_takes_the_native_passes_and_equals_the_reference(caus
         orig = short.fused_short_attention
         monkeypatch.setattr(short, "fused_short_attention", lambda *a: calls.append(1) or orig(*a))
     else:
-        orig = short.ShortAttention.apply
-        monkeypatch.setattr(short.ShortAttention, "apply", lambda *a: calls.append(1) or orig(*a))
-    if path == "products":
+        orig = short.formula
+        monkeypatch.setattr(short, "formula", lambda *a, **kw: calls.append(1) or orig(*a, **kw))
+    if path == "formula":
         monkeypatch.setattr(short, "FUSED_KEYS", 0)
     gen = torch.Generator().manual_seed(Lq + Lk)
     q = torch.randn(2, 4, Lq, 32, generator=gen, requires_grad=True)
@@ -290,15 +290,15 @@ def test_the_fused_path_takes_what_it_wins(isa, monkeypatch):
 
 
 @needs_native
-@pytest.mark.parametrize("path", ["fused", "products"])
+@pytest.mark.parametrize("path", ["fused", "formula"])
 @pytest.mark.parametrize("L", [64, 128])  # one block, two
 def test_the_short_backend_in_bf16_equals_the_float64_reference_to_bf16_rounding(L, path, monkeypatch):
-    """bf16 q, k, v: the scores, P and every product are rounded to bf16 once each (u = 2⁻⁸) by the products path;
-    the fused one rounds only its results: the output within u (2 max|κ s| + 4) max|v|, each gradient within
-    u (2 max|κ s| + 8) of its scale."""
+    """bf16 q, k, v: both paths compute in float32 and round only their results to bf16 (u = 2⁻⁸), the fused kernel
+    in its registers, the general path (``short.formula``) in float32 tensors: the output within
+    u (2 max|κ s| + 4) max|v|, each gradient within u (2 max|κ s| + 8) of its scale."""
     from attnlab import attention
     from attnlab.backends import short
-    if path == "products":
+    if path == "formula":
         monkeypatch.setattr(short, "FUSED_KEYS", 0)
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(3, 4, L, 32, generator=gen).to(torch.bfloat16).requires_grad_() for _ in range(3))

@@ -1,10 +1,10 @@
 """The two CPU training paths ``auto`` chooses between: the ``sdpa`` backend (torch's fused kernel) and the
-``short`` backend (:class:`ShortAttention`: explicit products with a hand-written backward, taken for at most
-``SHORT_KEYS`` keys).
+``short`` backend (its fused C++ kernel, taken for at most ``SHORT_KEYS`` keys; every request the kernel does not
+take by :func:`~attnlab.backends.short.formula`).
 
 The conformance suite already holds both dtypes of the short path to the float64 reference
-(it trains with gradients on short sequences); here: which path runs when, gradcheck, the two
-paths against each other (float32, 1e-5), bf16 against float64 (2e-2), a learned additive bias.
+(it trains with gradients on short sequences); here: which path runs when, gradcheck, the short backend against
+SDPA (float32, 1e-5), bf16 against float64 (2e-2), a learned additive bias.
 """
 import pytest
 import torch
@@ -26,6 +26,15 @@ def _grads(out, leaves):
     return torch.autograd.grad((out * weights).sum(), leaves)
 
 
+@pytest.fixture
+def formula_calls(monkeypatch):
+    """How many times the short backend ran its general path, :func:`~attnlab.backends.short.formula`."""
+    calls = []
+    orig = short.formula
+    monkeypatch.setattr(short, "formula", lambda *a, **kw: calls.append(1) or orig(*a, **kw))
+    return calls
+
+
 def _path(out) -> str:
     """``out``'s autograd node: a Python Function's (…Backward), or the fused kernel's op's (attnlab::short_attention,
     called ShortAttention here)."""
@@ -33,14 +42,18 @@ def _path(out) -> str:
     return "ShortAttention (the fused op)" if "attnlab_short_attention" in name else name
 
 
-def test_short_path_runs_only_when_training_short_sequences_on_cpu(monkeypatch):
-    q, k, v = _qkv()
-    assert "ShortAttention" in _path(attention(q, k, v, causal=True, backend="auto"))
+def test_short_path_runs_only_when_training_short_sequences_on_cpu(monkeypatch, formula_calls):
+    q, k, v = _qkv()  # a value width other than D: the short backend's formula
+    attention(q, k, v, causal=True, backend="auto")
+    assert formula_calls == [1]
     with torch.no_grad():  # inference: the fused kernel
         assert attention(q, k, v, causal=True, backend="auto").grad_fn is None
-    assert "ShortAttention" not in _path(attention(q, k, v, causal=True, backend="auto", dropout_p=0.1))
+    attention(q, k, v, causal=True, backend="auto", dropout_p=0.1)
     monkeypatch.setattr(short, "SHORT_KEYS", 8)  # 9 keys is now long
-    assert "ShortAttention" not in _path(attention(q, k, v, causal=True, backend="auto"))
+    attention(q, k, v, causal=True, backend="auto")
+    assert formula_calls == [1]
+    q, k, v = _qkv(Dv=8)
+    assert "ShortAttention (the fused op)" == _path(attention(q, k, v, causal=True, backend="short"))
 
 
 def test_gqa_keeps_the_fused_kernel():
@@ -83,15 +96,18 @@ def test_asked_for_by_name_it_computes_inference_and_grouped_queries_exactly():
 
 def test_gradcheck_and_empty_rows():
     q, k, v = _qkv(B=1, H=2, Lq=4, Lk=5, D=3, Dv=2, dtype=F64)
-    assert torch.autograd.gradcheck(lambda q, k, v: short.ShortAttention.apply(q, k, v, None, 0.7), (q, k, v))
+
+    def formula(q, k, v, mask=None):
+        return short.formula(q, k, v, mask=mask, causal=False, window=None, scale=0.7, mask_mod=None)
+    assert torch.autograd.gradcheck(formula, (q, k, v))
     finite = torch.randn(1, 2, 4, 5, dtype=F64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda *t: short.ShortAttention.apply(*t, 0.7), (q, k, v, finite))
+    assert torch.autograd.gradcheck(formula, (q, k, v, finite))
     # second derivatives (create_graph=True: the backward is differentiable again, not detached)
-    assert torch.autograd.gradgradcheck(lambda *t: short.ShortAttention.apply(*t, 0.7), (q, k, v, finite))
+    assert torch.autograd.gradgradcheck(formula, (q, k, v, finite))
     bias = torch.randn(1, 2, 4, 5, dtype=F64)
     bias[0, :, 1] = -torch.inf  # query 1 sees no key
     bias.requires_grad_(True)
-    out = short.ShortAttention.apply(q, k, v, bias, 0.7)
+    out = formula(q, k, v, bias)
     gq, gb = torch.autograd.grad(out.sum(), (q, bias))
     assert torch.equal(out[0, :, 1], torch.zeros_like(out[0, :, 1]))
     assert torch.equal(gq[0, :, 1], torch.zeros_like(gq[0, :, 1])) and torch.equal(gb[0, :, 1], torch.zeros_like(gb[0, :, 1]))
@@ -99,7 +115,7 @@ def test_gradcheck_and_empty_rows():
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(causal=True, window=4)])
-def test_gradient_penalty_through_auto_equals_reference(kw):
+def test_gradient_penalty_through_auto_equals_reference(kw, formula_calls):
     """A gradient penalty ‖∂L/∂k‖² differentiated again through ``auto``'s short path (float64)."""
     q, k, v = _qkv(dtype=F64)
 
@@ -109,7 +125,7 @@ def test_gradient_penalty_through_auto_equals_reference(kw):
         return out, torch.autograd.grad(dk.square().sum(), (q, k, v))
 
     (out, got), (_, want) = penalty("auto"), penalty("reference")
-    assert "ShortAttention" in _path(out)
+    assert formula_calls == [1]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
 
@@ -129,7 +145,7 @@ def test_half_precision_training_outside_the_short_path_runs_the_kernel_in_float
 
 @pytest.mark.parametrize("kw", [dict(causal=True), dict(mask="bool"), dict(mask="float"), dict(window=3, causal=True)],
                          ids=["causal", "bool_mask", "float_mask", "window"])
-def test_short_path_equals_fused_kernel_float32(kw, monkeypatch):
+def test_short_path_equals_fused_kernel_float32(kw, monkeypatch, formula_calls):
     q, k, v = _qkv(Lq=7, Lk=11)
     if kw.get("mask") == "bool":
         kw = dict(mask=torch.rand(2, 1, 7, 11, generator=torch.Generator().manual_seed(2)) > 0.3)
@@ -138,7 +154,7 @@ def test_short_path_equals_fused_kernel_float32(kw, monkeypatch):
     ours = attention(q, k, v, backend="short", **kw)
     g_short = _grads(ours, (q, k, v))
     fused = attention(q, k, v, backend="sdpa", **kw)
-    assert "ShortAttention" in _path(ours) and "ShortAttention" not in _path(fused)
+    assert formula_calls == [1] and "ShortAttention" not in _path(fused)  # Dv != D: the formula
     torch.testing.assert_close(ours, fused, rtol=1e-5, atol=1e-5)
     for a, b in zip(g_short, _grads(fused, (q, k, v))):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -155,11 +171,11 @@ def test_bf16_training_path_against_float64_reference():
         torch.testing.assert_close(a.to(F64), b, rtol=0, atol=5e-2)
 
 
-def test_learned_bias_gets_the_reference_gradient():
+def test_learned_bias_gets_the_reference_gradient(formula_calls):
     q, k, v = _qkv(dtype=F64)
     bias = torch.randn(1, 3, 9, 9, dtype=F64, requires_grad=True)
     out = attention(q, k, v, mask=bias, causal=True, backend="short")
-    assert "ShortAttention" in _path(out)
+    assert formula_calls == [1]
     got = _grads(out, (q, k, v, bias))
     ref = attention(q, k, v, mask=bias, causal=True, backend="reference")
     for a, b in zip(got, _grads(ref, (q, k, v, bias))):
@@ -168,7 +184,7 @@ def test_learned_bias_gets_the_reference_gradient():
 
 def test_short_attention_backward_under_bf16_autocast_with_padding():
     """A training step of an encoder-decoder under CPU bf16 autocast (the demo's and multi30k's shape:
-    ShortAttention with key padding). The incoming gradient can be float32 while q, k, v are bf16."""
+    the short backend's formula with key padding). The incoming gradient can be float32 while q, k, v are bf16."""
     import torch.nn.functional as F
 
     from attnlab.data.synthetic import PAD, ReverseTask

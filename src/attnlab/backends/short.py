@@ -31,7 +31,7 @@ def unsupported(q, k, v, *, normalize, score_mod, dropout_p, return_weights, **_
     if normalize != "softmax":
         return f"normalize={normalize!r} (short computes softmax only)"
     if score_mod is not None:
-        return "score_mod (short folds constraints into one additive mask; use tiled)"
+        return "score_mod (short computes masks, not score mods; use tiled)"
     if dropout_p > 0:
         return "dropout_p > 0 (short has no dropout)"
     if return_weights:
