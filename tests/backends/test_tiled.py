@@ -30,11 +30,11 @@ def _qkv(B=2, H=4, Hkv=2, Lq=13, Lk=17, D=5, Dv=3, dtype=F64):
             torch.randn(B, Hkv, Lk, Dv, dtype=dtype, requires_grad=True))
 
 
-def _check(q, k, v, *, extra=(), **kw):
+def _check(q, k, v, *, extra=(), tiles=SMALL, **kw):
     """tiled (small blocks) == reference in values and gradients w.r.t. q, k, v and ``extra``."""
     scale = kw.get("scale", q.shape[-1] ** -0.5)
     tiled_kw = {key: val for key, val in kw.items() if key != "scale"}
-    return matches_reference(lambda: tiled_attention(q, k, v, scale=scale, **tiled_kw, **SMALL), q, k, v,
+    return matches_reference(lambda: tiled_attention(q, k, v, scale=scale, **tiled_kw, **tiles), q, k, v,
                              tol=TOL, extra=extra, **kw)
 
 
@@ -60,7 +60,9 @@ def test_matches_reference_across_blocks(data):
         kw["mask_mod"] = lambda b, h, qi, kj: ((qi + kj + h) % 3) != 0
     if data.draw(st.booleans()):
         kw["score_mod"] = lambda s, b, h, qi, kj: s - 0.1 * h * (qi - kj).abs()
-    _check(q, k, v, **kw)
+    tiles = dict(block_q=data.draw(st.integers(1, 8)), block_k=data.draw(st.integers(1, 8)),
+                 max_chunk=data.draw(st.sampled_from([1, 5, 1024])))
+    _check(q, k, v, tiles=tiles, **kw)
 
 
 def test_gradcheck_custom_autograd():

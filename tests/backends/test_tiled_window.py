@@ -1,13 +1,12 @@
 """Sliding windows through the tiled backend's PyTorch loop (the C++ kernel: tests/test_native_flash.py) against the
-float64 reference: values, gradients (q, k, v and tensors a score_mod reads), GQA, Lq != Lk, bidirectional
-windows, mask_mod, empty rows, tiles of every size, closed-form mod backwards; and where ``auto`` takes a window.
+float64 reference: the gradient of a tensor a score_mod reads, empty rows, the log-sum-exp, bf16 inputs, a long
+sequence against SDPA, closed-form mod backwards; and where ``auto`` takes a window. Random requests (GQA, Lq != Lk,
+bidirectional windows, mask_mod) at random tile sizes: test_tiled.py.
 
 Tolerances: float64 1e-10 (observed ~1e-15); bf16 inputs (computed in float32) 2e-2.
 """
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import attnlab
 from attnlab import attention
@@ -28,45 +27,12 @@ def _qkv(B, H, Hkv, Lq, Lk, D, Dv, dtype=F64):
             torch.randn(B, Hkv, Lk, Dv, dtype=dtype, requires_grad=True))
 
 
-def _check(q, k, v, *, window, causal, block, extra=(), score_mod=None, mask_mod=None, block_k=None,
-           max_chunk=None):
-    tiles = dict(block_q=block, block_k=block_k or block, max_chunk=max_chunk or 2 * block)
+def _check(q, k, v, *, window, causal, block, extra=(), score_mod=None, mask_mod=None):
     run = lambda: tiled_attention(q, k, v, window=window, causal=causal, scale=q.shape[-1] ** -0.5,  # noqa: E731
-                                  score_mod=score_mod, mask_mod=mask_mod, **tiles)
+                                  score_mod=score_mod, mask_mod=mask_mod, block_q=block, block_k=block,
+                                  max_chunk=2 * block)
     return matches_reference(run, q, k, v, tol=TOL, extra=extra, causal=causal, window=window, score_mod=score_mod,
                              mask_mod=mask_mod)
-
-
-@settings(max_examples=40, deadline=None)
-@given(st.data())
-def test_matches_reference(data):
-    Hkv = data.draw(st.integers(1, 2))
-    H = Hkv * data.draw(st.integers(1, 3))
-    Lq, Lk = data.draw(st.integers(1, 40)), data.draw(st.integers(1, 40))
-    q, k, v = _qkv(data.draw(st.integers(1, 2)), H, Hkv, Lq, Lk, data.draw(st.integers(1, 5)),
-                   data.draw(st.integers(1, 4)))
-    kw = dict(window=data.draw(st.integers(1, 12)), causal=data.draw(st.booleans()),
-              block=data.draw(st.integers(1, 8)), block_k=data.draw(st.integers(1, 8)),
-              max_chunk=data.draw(st.sampled_from([1, 5, 1024])))
-    if data.draw(st.booleans()):
-        kw["score_mod"] = lambda s, b, h, qi, kj: s - 0.1 * (h + 1) * (qi - kj).abs() + 0.01 * b
-    if data.draw(st.booleans()):
-        kw["mask_mod"] = lambda b, h, qi, kj: ((qi + kj + h) % 3) != 0
-    _check(q, k, v, **kw)
-
-
-def test_gradcheck_with_captured_slopes():
-    """First derivatives, and second ones (create_graph=True: the backward is differentiable again, not detached)."""
-    q, k, v = _qkv(1, 2, 1, 11, 11, 3, 2)
-    slopes = torch.rand(2, dtype=F64, requires_grad=True)
-
-    def f(q, k, v, slopes):
-        mod = lambda s, b, h, qi, kj: s + slopes[h] * (kj - qi)  # noqa: E731
-        return tiled_attention(q, k, v, window=3, causal=True, scale=0.7, score_mod=mod, block_q=2, block_k=2,
-                               max_chunk=4)[0]
-
-    assert torch.autograd.gradcheck(f, (q, k, v, slopes))
-    assert torch.autograd.gradgradcheck(f, (q, k, v, slopes))
 
 
 def test_captured_tensor_gradient_equals_reference():
