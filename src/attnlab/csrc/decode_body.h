@@ -1,73 +1,5 @@
-// The vector code of decode.cpp, written once with GCC's vector extensions (`VF`: L floats) and included in each
-// instruction set's `#pragma GCC target` region and namespace, where `L` is that set's width (16 AVX-512, 8 AVX2,
-// 4 SSE / portable): the compiler emits that set's instructions for the same source.
-
-using VF = float __attribute__((vector_size(4 * L)));
-using VI = int32_t __attribute__((vector_size(4 * L)));
-
-inline VF load(const float* p) {
-  VF v;
-  std::memcpy(&v, p, sizeof v);  // unaligned load
-  return v;
-}
-inline void store(float* p, VF v) { std::memcpy(p, &v, sizeof v); }
-inline VF splat(float a) { return VF{} + a; }
-inline float hsum(VF v) {
-  float s = 0.f;
-  for (int i = 0; i < L; ++i) s += v[i];
-  return s;
-}
-
-// e^x = 2ⁿ · e^r with n = round(x log₂e), r = x − n ln 2 (ln 2 in two parts, exact products), e^r ≈ 1 + r + r² p(r)
-// on |r| ≤ ln2/2 (Cephes expf's polynomial: relative error ~1e-7, about an ulp of float32), 2ⁿ built in the exponent
-// bits; for x in [−87.3, 88.7] (NaN stays NaN): the callers below clamp or select outside it
-[[gnu::always_inline]] inline VF exp_in_range(VF x) {
-  const VF magic = splat(12582912.f);
-  const VF n = (x * splat(1.44269504088896341f) + magic) - magic;
-  const VF r = (x - n * splat(0.693359375f)) - n * splat(-2.12194440e-4f);
-  VF p = splat(1.9875691500e-4f);
-  p = p * r + splat(1.3981999507e-3f);
-  p = p * r + splat(8.3334519073e-3f);
-  p = p * r + splat(4.1665795894e-2f);
-  p = p * r + splat(1.6666665459e-1f);
-  p = p * r + splat(5.0000001201e-1f);
-  const VF er = p * (r * r) + r + splat(1.f);
-  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
-  VF two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return er * two_n;
-}
-
-// e^x, lane by lane (NaN stays NaN): x < −87.3 → 0, x > 88.7 → +inf
-[[gnu::always_inline]] inline VF exp_any(VF x) {
-  const VF lo = splat(-87.3f), hi = splat(88.7f);
-  const VF e = exp_in_range(x > hi ? hi : (x < lo ? lo : x));
-  return x < lo ? splat(0.f) : (x > hi ? splat(INFINITY) : e);
-}
-
-// e^x for x ≤ 0 (NaN stays NaN): without the upper clamp a non-positive argument never needs; x < −87.3 → 0 (there
-// n < −126 builds garbage bits, never kept)
-[[gnu::always_inline]] inline VF exp_nonpositive(VF x) {
-  return x < splat(-87.3f) ? splat(0.f) : exp_in_range(x);
-}
-
-// 1 / d lane by lane: the hardware's estimate (AVX-512 14 bits, AVX2 12) and one Newton step r (2 − d r), ~1 ulp
-// (AVX-512) / ~2 ulp (AVX2) where a vdivps costs several times the two FMAs; the exact quotient elsewhere
-template <int W>
-[[gnu::always_inline]] inline VF recip(VF d) {
-#if defined(__x86_64__) || defined(_M_X64)
-  if constexpr (W == 16 || W == 8) {
-    using R = std::conditional_t<W == 16, __m512, __m256>;
-    R v;
-    std::memcpy(&v, &d, sizeof v);
-    if constexpr (W == 16) v = _mm512_rcp14_ps(v); else v = _mm256_rcp_ps(v);
-    VF r;
-    std::memcpy(&r, &v, sizeof r);
-    return r * (splat(2.f) - d * r);
-  }
-#endif
-  return splat(1.f) / d;
-}
+// The vector code of decode.cpp — activations, dot products, norms, the attention over a cache — written once in
+// vec.h's vocabulary (`VF`: L floats) and compiled per instruction set (isa_regions.h).
 
 [[gnu::always_inline]] inline VF sigmoid(VF a) { return splat(1.f) / (splat(1.f) + exp_any(-a)); }
 
@@ -75,7 +7,7 @@ template <int W>
 // `e` = e^{−x²} (the caller computes it: GELU's derivative reuses it)
 [[gnu::always_inline]] inline VF erf_with(VF x, VF e) {
   const VF ax = x < splat(0.f) ? -x : x;
-  const VF t = recip<L>(splat(1.f) + splat(0.3275911f) * ax);
+  const VF t = recip(splat(1.f) + splat(0.3275911f) * ax);
   VF p = splat(1.061405429f);
   p = p * t + splat(-1.453152027f);
   p = p * t + splat(1.421413741f);

@@ -25,6 +25,7 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace u8s8 {
+using namespace avx2;  // the AVX2 region's vocabulary (vec.h) and rows (train_body.h)
 
 constexpr int64_t NR = 16;  // columns of a panel: two vectors of 8 int32 sums
 constexpr int64_t MR = 4;   // rows of a tile: 4 × 2 accumulators, two vectors of B, the broadcast and scratch
@@ -38,34 +39,26 @@ inline int pack_panel(const int8_t* B, int64_t sk, int64_t sn, int64_t K, int64_
   if (sn == 1 && cols == NR) {  // rows of B contiguous: four rows' 16 bytes interleaved into 16 columns' 4 bytes
     for (int64_t k4 = 0; k4 < full; ++k4) {
       const int8_t* row = B + 4 * k4 * sk + n0;
-      const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
-      const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + sk));
-      const __m128i r2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * sk));
-      const __m128i r3 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 3 * sk));
-      const __m128i lo01 = _mm_unpacklo_epi8(r0, r1), hi01 = _mm_unpackhi_epi8(r0, r1);
-      const __m128i lo23 = _mm_unpacklo_epi8(r2, r3), hi23 = _mm_unpackhi_epi8(r2, r3);
-      __m128i* out = reinterpret_cast<__m128i*>(P + 64 * k4);
-      _mm_storeu_si128(out, _mm_unpacklo_epi16(lo01, lo23));
-      _mm_storeu_si128(out + 1, _mm_unpackhi_epi16(lo01, lo23));
-      _mm_storeu_si128(out + 2, _mm_unpacklo_epi16(hi01, hi23));
-      _mm_storeu_si128(out + 3, _mm_unpackhi_epi16(hi01, hi23));
+      const X16 r0 = loadu<X16>(row), r1 = loadu<X16>(row + sk), r2 = loadu<X16>(row + 2 * sk),
+                r3 = loadu<X16>(row + 3 * sk);
+      const X16 lo01 = zip_lo<1>(r0, r1), hi01 = zip_hi<1>(r0, r1);
+      const X16 lo23 = zip_lo<1>(r2, r3), hi23 = zip_hi<1>(r2, r3);
+      int8_t* out = P + 64 * k4;
+      storeu(out, zip_lo<2>(lo01, lo23)), storeu(out + 16, zip_hi<2>(lo01, lo23));
+      storeu(out + 32, zip_lo<2>(hi01, hi23)), storeu(out + 48, zip_hi<2>(hi01, hi23));
     }
   } else if (sk == 1 && cols == NR) {  // columns contiguous (B a transposed matrix): 4 × 4 blocks of 4 bytes transposed
     const int64_t K16 = K / 16;
     for (int64_t c = 0; c < NR; c += 4) {
       const int8_t* col = B + (n0 + c) * sn;
       for (int64_t k16 = 0; k16 < K16; ++k16) {
-        const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(col + 16 * k16));
-        const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(col + sn + 16 * k16));
-        const __m128i r2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(col + 2 * sn + 16 * k16));
-        const __m128i r3 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(col + 3 * sn + 16 * k16));
-        const __m128i lo01 = _mm_unpacklo_epi32(r0, r1), lo23 = _mm_unpacklo_epi32(r2, r3);
-        const __m128i hi01 = _mm_unpackhi_epi32(r0, r1), hi23 = _mm_unpackhi_epi32(r2, r3);
+        const X16 r0 = loadu<X16>(col + 16 * k16), r1 = loadu<X16>(col + sn + 16 * k16),
+                  r2 = loadu<X16>(col + 2 * sn + 16 * k16), r3 = loadu<X16>(col + 3 * sn + 16 * k16);
+        const X16 lo01 = zip_lo<4>(r0, r1), lo23 = zip_lo<4>(r2, r3);
+        const X16 hi01 = zip_hi<4>(r0, r1), hi23 = zip_hi<4>(r2, r3);
         int8_t* out = P + 64 * 4 * k16 + 4 * c;
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_unpacklo_epi64(lo01, lo23));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 64), _mm_unpackhi_epi64(lo01, lo23));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 128), _mm_unpacklo_epi64(hi01, hi23));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 192), _mm_unpackhi_epi64(hi01, hi23));
+        storeu(out, zip_lo<8>(lo01, lo23)), storeu(out + 64, zip_hi<8>(lo01, lo23));
+        storeu(out + 128, zip_lo<8>(hi01, hi23)), storeu(out + 192, zip_hi<8>(hi01, hi23));
       }
       for (int64_t k4 = 4 * K16; k4 < full; ++k4) {  // K past a multiple of 16
         for (int64_t i = 0; i < 4; ++i) std::memcpy(P + 64 * k4 + 4 * (c + i), col + i * sn + 4 * k4, 4);
@@ -82,21 +75,16 @@ inline int pack_panel(const int8_t* B, int64_t sk, int64_t sn, int64_t K, int64_
       }
     }
   }
-  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
-  __m256i s0 = _mm256_setzero_si256(), s1 = s0, top = s0;
+  const VQU ones = VQU{} + 1;
+  VI s0{}, s1{};
+  VQU top{};
   for (int64_t k4 = 0; k4 < K4; ++k4) {
-    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + 64 * k4));
-    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + 64 * k4 + 32));
-    s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, v0), ones16));
-    s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, v1), ones16));
-    top = _mm256_max_epu8(top, _mm256_max_epu8(_mm256_abs_epi8(v0), _mm256_abs_epi8(v1)));
+    const VQ v0 = loadu<VQ>(P + 64 * k4), v1 = loadu<VQ>(P + 64 * k4 + 32);
+    s0 = dot4(s0, ones, v0), s1 = dot4(s1, ones, v1);
+    top = max_u8(top, max_u8(abs_u8(v0), abs_u8(v1)));
   }
-  const __m256i zero = _mm256_setzero_si256();
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(shift), _mm256_sub_epi32(zero, _mm256_slli_epi32(s0, 7)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(shift + 8), _mm256_sub_epi32(zero, _mm256_slli_epi32(s1, 7)));
-  alignas(32) uint8_t bytes[32];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), top);
-  return *std::max_element(bytes, bytes + 32);
+  storeu(shift, VU{} - (bits<VU>(s0) << 7)), storeu(shift + 8, VU{} - (bits<VU>(s1) << 7));
+  return max_lane_u8(top);
 }
 
 // The tile c (R rows × 16 columns: c[2r], c[2r + 1]) = A's R rows (stride lda, already shifted) times panel P over
@@ -106,30 +94,23 @@ inline int pack_panel(const int8_t* B, int64_t sk, int64_t sn, int64_t K, int64_
 // vpmaddwd widens them: 12 multiply-type instructions for 8 k instead of 16, the sums started at −64 Σ_k b_kn; K4
 // even (the panel and the rows padded with zeros)
 template <int R, bool PAIRED>
-inline void tile(const uint8_t* A, int64_t lda, const int8_t* P, int64_t K4, const int32_t* shift, __m256i* c) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int r = 0; r < R; ++r) {
-    c[2 * r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift));
-    c[2 * r + 1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift + 8));
-  }
+inline void tile(const uint8_t* A, int64_t lda, const int8_t* P, int64_t K4, const int32_t* shift, VI* c) {
+  const VW ones = VW{} + 1;
+  for (int r = 0; r < R; ++r) c[2 * r] = loadu<VI>(shift), c[2 * r + 1] = loadu<VI>(shift + 8);
   constexpr int64_t STEP = PAIRED ? 2 : 1;  // steps of 4 k an iteration
   for (int64_t k4 = 0; k4 < K4; k4 += STEP) {
-    __m256i b[2 * STEP];
-    for (int64_t i = 0; i < 2 * STEP; ++i) {
-      b[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + 64 * k4 + 32 * i));
-    }
+    VQ b[2 * STEP];
+    for (int64_t i = 0; i < 2 * STEP; ++i) b[i] = loadu<VQ>(P + 64 * k4 + 32 * i);
     for (int r = 0; r < R; ++r) {
       int32_t four[STEP];
       std::memcpy(four, A + r * lda + 4 * k4, 4 * STEP);
-      const __m256i a0 = _mm256_set1_epi32(four[0]);
-      __m256i s0 = _mm256_maddubs_epi16(a0, b[0]), s1 = _mm256_maddubs_epi16(a0, b[1]);
+      const VQU a0 = bits<VQU>(splat_i32(four[0]));
+      VW s0 = maddubs(a0, b[0]), s1 = maddubs(a0, b[1]);
       if constexpr (PAIRED) {
-        const __m256i a1 = _mm256_set1_epi32(four[STEP - 1]);
-        s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(a1, b[2]));
-        s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(a1, b[3]));
+        const VQU a1 = bits<VQU>(splat_i32(four[STEP - 1]));
+        s0 += maddubs(a1, b[2]), s1 += maddubs(a1, b[3]);
       }
-      c[2 * r] = _mm256_add_epi32(c[2 * r], _mm256_madd_epi16(s0, ones));
-      c[2 * r + 1] = _mm256_add_epi32(c[2 * r + 1], _mm256_madd_epi16(s1, ones));
+      c[2 * r] += madd(s0, ones), c[2 * r + 1] += madd(s1, ones);
     }
   }
 }
@@ -138,11 +119,10 @@ inline void tile(const uint8_t* A, int64_t lda, const int8_t* P, int64_t K4, con
 // copies in every step, 1.3x the instructions); here they stay in registers (8-bit: ymm12-15 the scratch; paired:
 // ymm8-15 the two steps of B, the broadcasts and scratch, the ones from memory)
 template <bool PAIRED>
-inline void tile4(const uint8_t* A, int64_t lda, const int8_t* P, int64_t K4, const int32_t* shift, __m256i* c) {
-  const __m256i s0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift));
-  const __m256i s1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift + 8));
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i c00 = s0, c01 = s1, c10 = s0, c11 = s1, c20 = s0, c21 = s1, c30 = s0, c31 = s1;
+inline void tile4(const uint8_t* A, int64_t lda, const int8_t* P, int64_t K4, const int32_t* shift, VI* c) {
+  const VI s0 = loadu<VI>(shift), s1 = loadu<VI>(shift + 8);
+  const VW ones = VW{} + 1;
+  VI c00 = s0, c01 = s1, c10 = s0, c11 = s1, c20 = s0, c21 = s1, c30 = s0, c31 = s1;
   if (K4 > 0) {
     const uint8_t *a1 = A + lda, *a2 = A + 2 * lda, *a3 = A + 3 * lda;
     const int64_t end = 4 * K4;
@@ -211,7 +191,7 @@ inline void tile4(const uint8_t* A, int64_t lda, const int8_t* P, int64_t K4, co
 // the tile of `rows` (1-4) rows
 template <bool PAIRED>
 inline void any_tile(int64_t rows, const uint8_t* A, int64_t lda, const int8_t* P, int64_t K4, const int32_t* shift,
-                     __m256i* c) {
+                     VI* c) {
   switch (rows) {
     case 4: return tile4<PAIRED>(A, lda, P, K4, shift, c);
     case 3: return tile<3, PAIRED>(A, lda, P, K4, shift, c);
@@ -225,7 +205,7 @@ inline void any_tile(int64_t rows, const uint8_t* A, int64_t lda, const int8_t* 
 // res (float32 y only; rows ldy apart as y's) y = res + (v s + b), the sum rounded after v s + b is: a residual added
 // to the layer's output in the same pass, the same bits as the separate add
 template <class T, bool CS, bool BIAS>
-inline void rescale_tile(const __m256i* c, int64_t rows, const float* rs, const float* cs, const float* b, T* y,
+inline void rescale_tile(const VI* c, int64_t rows, const float* rs, const float* cs, const float* b, T* y,
                          int64_t ldy, const float* res) {
   avx2::VF c0{}, c1{}, b0{}, b1{};
   if constexpr (CS) c0 = avx2::load(cs), c1 = avx2::load(cs + 8);
@@ -234,8 +214,7 @@ inline void rescale_tile(const __m256i* c, int64_t rows, const float* rs, const 
     const avx2::VF r = avx2::splat(rs[i]);
     avx2::VF s0 = r, s1 = r;
     if constexpr (CS) s0 = r * c0, s1 = r * c1;
-    avx2::VI a0, a1;
-    std::memcpy(&a0, &c[2 * i], sizeof a0), std::memcpy(&a1, &c[2 * i + 1], sizeof a1);
+    const VI a0 = c[2 * i], a1 = c[2 * i + 1];
     const avx2::VF v0 = __builtin_convertvector(a0, avx2::VF), v1 = __builtin_convertvector(a1, avx2::VF);
     avx2::VF y0, y1;
     if constexpr (BIAS) {
@@ -298,30 +277,23 @@ void groups(const Packed& pk, const int8_t* A, int64_t lda, int64_t M, int64_t K
   const auto full = cs ? (bias ? rescale_tile<T, true, true> : rescale_tile<T, true, false>)
                        : (bias ? rescale_tile<T, false, true> : rescale_tile<T, false, false>);
   const int64_t first = g0 * MR, count = std::min(M, g1 * MR) - first;
-  __m256i big = _mm256_setzero_si256();
+  VQU big{};
   int widest = 0;
   for (int64_t r = 0; r < count; ++r) {
     const int8_t* src = A + (first + r) * lda;
     int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-      big = _mm256_max_epu8(big, _mm256_abs_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k))));
-    }
+    for (; k + 32 <= K; k += 32) big = max_u8(big, abs_u8(loadu<VQ>(src + k)));
     for (; k < K; ++k) widest = std::max(widest, std::abs(static_cast<int>(src[k])));
   }
-  alignas(32) uint8_t bytes[32];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), big);
-  const bool paired = std::max<int>(widest, *std::max_element(bytes, bytes + 32)) <= 63;
+  const bool paired = std::max<int>(widest, max_lane_u8(big)) <= 63;
   const uint8_t zero = paired ? 64 : 0x80;  // a = 0 shifted
   const std::unique_ptr<uint8_t[]> shifted(new uint8_t[count * Kp + 32]);
-  const __m256i add = _mm256_set1_epi8(static_cast<char>(zero));
+  const VQU add = VQU{} + zero;
   for (int64_t r = 0; r < count; ++r) {
     const int8_t* src = A + (first + r) * lda;
     uint8_t* dst = shifted.get() + r * Kp;
     int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {  // (+128 and the sign bit's XOR are one and the same for bytes)
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), _mm256_add_epi8(v, add));
-    }
+    for (; k + 32 <= K; k += 32) storeu(dst + k, loadu<VQU>(src + k) + add);  // (+128: the sign bit's XOR)
     for (; k < K; ++k) dst[k] = static_cast<uint8_t>(src[k] + zero);
     for (; k < Kp; ++k) dst[k] = zero;  // a = 0 past K (B's rows there are zero anyway)
   }
@@ -333,9 +305,9 @@ void groups(const Packed& pk, const int8_t* A, int64_t lda, int64_t M, int64_t K
       const int64_t r0 = g * MR, rows = std::min(MR, M - r0);
       const uint8_t* a = shifted.get() + (r0 - first) * Kp;
       for (int64_t r = r0 + MR; g + 1 < g1 && r < std::min(M, r0 + 2 * MR); ++r) {
-        _m_prefetchw(y + r * N + n0), _m_prefetchw(y + r * N + n0 + cols - 1);  // (the next tile's lines of y)
+        prefetch_write(y + r * N + n0), prefetch_write(y + r * N + n0 + cols - 1);  // (the next tile's lines of y)
       }
-      __m256i c[2 * MR];
+      VI c[2 * MR];
       if (paired) {
         any_tile<true>(rows, a, Kp, panel, pk.K4p, start + n0, c);
       } else {
@@ -349,9 +321,7 @@ void groups(const Packed& pk, const int8_t* A, int64_t lda, int64_t M, int64_t K
       for (int64_t i = 0; i < rows; ++i) {  // the last panel short of 16 columns: as dequant_row rescales a row
         T* out = y + (r0 + i) * N + n0;
         for (int64_t h = 0; h < 2 && 8 * (h + 1) <= cols; ++h) {
-          avx2::VI v;
-          std::memcpy(&v, &c[2 * i + h], sizeof v);
-          avx2::st(out + 8 * h, avx2::dequant_vec(v, rs[r0 + i], cs ? cs + n0 + 8 * h : nullptr,
+          avx2::st(out + 8 * h, avx2::dequant_vec(c[2 * i + h], rs[r0 + i], cs ? cs + n0 + 8 * h : nullptr,
                                                    bias ? bias + n0 + 8 * h : nullptr));
         }
         if (cols % 8) {  // the last panel's columns past a multiple of 8: dequant_row's scalar tail
@@ -427,7 +397,7 @@ inline void product_pair(const Job (&job)[2], bool (&done)[2]) {
       }
       state[j].store(2, std::memory_order_release);
     } else {
-      while (state[j].load(std::memory_order_acquire) == 1) _mm_pause();
+      while (state[j].load(std::memory_order_acquire) == 1) spin_pause();
       if (state[j].load(std::memory_order_acquire) == 3) return false;
     }
     return pk[j].top <= 63;

@@ -26,8 +26,8 @@
 //
 // The instruction set is the library's (native.h, cpu_isa(): 2 = AVX-512, 1 = AVX2 + FMA, 0 = portable C++): the
 // CPU's best, capped by ATEN_CPU_CAPABILITY as ATen's is, so ATEN_CPU_CAPABILITY=avx2 selects the AVX2 code here too.
-// The vector code is written once (matvec_rows.h) and compiled for each instruction set in its own
-// `#pragma GCC target` region, with that set's vector operations (struct V).
+// The vector code is written once (matvec_rows.h, in vec.h's vocabulary) and compiled for each instruction set in its
+// own `#pragma GCC target` region (isa_regions.h); the portable set runs rows_portable, element by element.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -36,7 +36,6 @@
 #include <torch/library.h>
 
 #if defined(__x86_64__) || defined(_M_X64)
-#define ATTNLAB_X86 1
 #include <immintrin.h>
 #endif
 
@@ -130,111 +129,9 @@ void rows_portable(const Job& j, int64_t n0, int64_t n1) {
     }
 }
 
-#ifdef ATTNLAB_X86
-// ---- AVX-512: 16 floats per vector ------------------------------------------------------------------------
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw")  // what torch's AVX512 capability requires (and more)
-namespace avx512 {
-struct V {
-  using F = __m512;
-  using I = __m512i;
-  static constexpr int64_t L = 16;
-  static inline F zero() { return _mm512_setzero_ps(); }
-  static inline I izero() { return _mm512_setzero_si512(); }
-  static inline F load(const float* p) { return _mm512_loadu_ps(p); }
-  static inline F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static inline F add(F a, F b) { return _mm512_add_ps(a, b); }
-  static inline I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
-  static inline F to_float(I a) { return _mm512_cvtepi32_ps(a); }
-  static inline float sum(F a) { return _mm512_reduce_add_ps(a); }
-  // L pairs of bf16 (2L weights): a 32-bit lane holding (w[2i], w[2i+1]) is w[2i+1] as a float once its low
-  // 16 bits are cleared, and w[2i] once shifted left by 16 (two cheap integer ops, no conversion)
-  static inline void bf16_pairs(const uint16_t* w, F& even, F& odd) {
-    I v = _mm512_loadu_si512(w);
-    even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-    odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-  }
-  // 2L int8 weights widened to int16 (then dot: times 2L int16 x, adjacent pairs summed: L int32)
-  static inline I widen_i8(const int8_t* w) {
-    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
-  }
-  // acc + the pairwise sums of w16 · x (int16 products, adjacent pairs summed into int32)
-  static inline I dot(I acc, I w16, const int16_t* x) {
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(w16, _mm512_loadu_si512(x)));
-  }
-  static inline F set1(float v) { return _mm512_set1_ps(v); }
-  // 2L int16 as float32, times sc, to out[0 .. 2L)
-  static inline void store_scaled(I w16, F sc, float* out) {
-    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(w16))), sc));
-    _mm512_storeu_ps(out + L,
-                     _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(w16, 1))), sc));
-  }
-  // int4: a block's 32 lanes as four runs of 32 int16 weights q (run r: columns 32 r ..; C vectors each)
-  static constexpr int C = 1;
-  static inline void nibbles(const uint8_t* p, I (*w)[C]) {
-    const I v = _mm512_loadu_si512(p);
-    w[0][0] = _mm512_srai_epi16(_mm512_slli_epi16(v, 12), 12);
-    w[1][0] = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 12);
-    w[2][0] = _mm512_srai_epi16(_mm512_slli_epi16(v, 4), 12);
-    w[3][0] = _mm512_srai_epi16(v, 12);
-  }
-};
-#include "matvec_rows.h"
-}  // namespace avx512
-#pragma GCC pop_options
-
-// ---- AVX2 + FMA: 8 floats per vector ----------------------------------------------------------------------
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-namespace avx2 {
-struct V {
-  using F = __m256;
-  using I = __m256i;
-  static constexpr int64_t L = 8;
-  static inline F zero() { return _mm256_setzero_ps(); }
-  static inline I izero() { return _mm256_setzero_si256(); }
-  static inline F load(const float* p) { return _mm256_loadu_ps(p); }
-  static inline F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static inline F add(F a, F b) { return _mm256_add_ps(a, b); }
-  static inline I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
-  static inline F to_float(I a) { return _mm256_cvtepi32_ps(a); }
-  static inline float sum(F v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-  }
-  static inline void bf16_pairs(const uint16_t* w, F& even, F& odd) {
-    I v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-    even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-    odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-  }
-  static inline I widen_i8(const int8_t* w) {
-    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-  }
-  static inline I dot(I acc, I w16, const int16_t* x) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(w16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))));
-  }
-  static inline F set1(float v) { return _mm256_set1_ps(v); }
-  static inline void store_scaled(I w16, F sc, float* out) {
-    _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(w16))), sc));
-    _mm256_storeu_ps(out + L,
-                     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(w16, 1))), sc));
-  }
-  static constexpr int C = 2;
-  static inline void nibbles(const uint8_t* p, I (*w)[C]) {
-    for (int c = 0; c < C; ++c) {
-      const I v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * c));
-      w[0][c] = _mm256_srai_epi16(_mm256_slli_epi16(v, 12), 12);
-      w[1][c] = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 12);
-      w[2][c] = _mm256_srai_epi16(_mm256_slli_epi16(v, 4), 12);
-      w[3][c] = _mm256_srai_epi16(v, 12);
-    }
-  }
-};
-#include "matvec_rows.h"
-}  // namespace avx2
-#pragma GCC pop_options
-#endif  // ATTNLAB_X86
+// the vector kernels of each instruction set (matvec_rows.h in vec.h's vocabulary)
+#define ATTNLAB_BODY "matvec_rows.h"
+#include "isa_regions.h"
 
 // ---- int4 with many rows (a prompt): W dequantised in panels (≤ 16 MiB of float32), each multiplied by at::mm
 constexpr int64_t INT4_ROWS = 64;  // more rows of x than this: panels (attnlab._native.INT4_ROWS, measured there)
@@ -246,7 +143,7 @@ void dequantize_row_portable(const uint8_t* w, const float* gs, int64_t K, int64
 
 using DequantizeFn = void (*)(const uint8_t*, const float*, int64_t, int64_t, float*);
 DequantizeFn pick_dequantize(int64_t isa) {
-#ifdef ATTNLAB_X86
+#ifdef ATTNLAB_ISAS
   if (isa >= 2) return avx512::dequantize_row;
   if (isa == 1) return avx2::dequantize_row;
 #endif
@@ -289,8 +186,8 @@ void int4_panels(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sca
 using RowsFn = void (*)(const Job&, int64_t, int64_t);
 
 template <int KIND>
-RowsFn pick(int64_t isa) {
-#ifdef ATTNLAB_X86
+RowsFn pick_rows(int64_t isa) {
+#ifdef ATTNLAB_ISAS
   if (isa >= 2) return avx512::rows<KIND>;
   if (isa == 1) return avx2::rows<KIND>;
 #endif
@@ -344,10 +241,10 @@ Prepared prepare(const at::Tensor& x, at::ScalarType wt, int64_t M, int64_t K) {
         q[m * K + k] = amax > 0.f ? static_cast<int16_t>(std::nearbyint(src[m * K + k] * inv)) : int16_t(0);
     }
   }
-  p.fn = wt == at::kFloat      ? pick<F32>(isa)
-         : wt == at::kBFloat16 ? pick<BF16>(p.xd.defined() ? isa : 0)
-         : wt == at::kChar     ? pick<I8>(isa)
-                               : pick<I4>(isa);
+  p.fn = wt == at::kFloat      ? pick_rows<F32>(isa)
+         : wt == at::kBFloat16 ? pick_rows<BF16>(p.xd.defined() ? isa : 0)
+         : wt == at::kChar     ? pick_rows<I8>(isa)
+                               : pick_rows<I4>(isa);
   return p;
 }
 

@@ -1,6 +1,6 @@
-// The vector kernel of matvec.cpp, written once in terms of `V` (one instruction set's vector operations) and
-// included inside that set's `#pragma GCC target` region and namespace. Uses Job, Kind, U, FLUSH, finish and
-// dot_tail from matvec.cpp.
+// The vector kernel of matvec.cpp, written once in vec.h's vocabulary and compiled per instruction set
+// (isa_regions.h; the portable set runs matvec.cpp's rows_portable instead). Uses Job, Kind, U, FLUSH, finish,
+// dot_tail and int4_row_bytes from matvec.cpp.
 //
 // row<KIND, NX>(j, n, m): y[m .. m + NX - 1, n] from row n of W, read once, in order, with UX vectors in flight
 // (int4: a block of 128 columns at a time),
@@ -22,11 +22,22 @@ inline void prefetch_ahead(const void* p, int64_t bytes) {
   }
 }
 
+// int4: a block's 32 lanes (64 bytes) as four runs of 32 int16 weights q (run r: columns 32 r .., in C vectors):
+// shifted left so nibble r is on top, then arithmetically right (the sign comes along)
+constexpr int C = 16 / L;
+inline void nibbles(const uint8_t* p, VW (*w)[C]) {
+  using UW = uint16_t __attribute__((vector_size(4 * L)));
+  for (int c = 0; c < C; ++c) {
+    const UW v = loadu<UW>(p + 4 * L * c);
+    w[0][c] = bits<VW>(v << 12) >> 12;
+    w[1][c] = bits<VW>(v << 8) >> 12;
+    w[2][c] = bits<VW>(v << 4) >> 12;
+    w[3][c] = bits<VW>(v) >> 12;
+  }
+}
+
 template <int KIND, int NX>
 inline void row(const Job& j, int64_t n, int64_t m) {
-  using F = typename V::F;
-  using I = typename V::I;
-  constexpr int64_t L = V::L;
   constexpr int UX = NX == 4 ? U / 2 : U;
   const int64_t K = j.K;
   float s[NX];
@@ -35,24 +46,24 @@ inline void row(const Job& j, int64_t n, int64_t m) {
     const float* w = static_cast<const float*>(j.w) + n * K;
     const float* x = j.x + m * K;
     kv = K - K % L;
-    F a[NX][UX];
+    VF a[NX][UX];
     for (int i = 0; i < NX; ++i)
-      for (int u = 0; u < UX; ++u) a[i][u] = V::zero();
+      for (int u = 0; u < UX; ++u) a[i][u] = splat(0.f);
     int64_t k = 0;
     for (; k + UX * L <= kv; k += UX * L) {
       prefetch_ahead<true>(w + k, UX * L * 4);
       for (int u = 0; u < UX; ++u) {
-        const F wv = V::load(w + k + u * L);
-        for (int i = 0; i < NX; ++i) a[i][u] = V::fma(wv, V::load(x + i * K + k + u * L), a[i][u]);
+        const VF wv = load(w + k + u * L);
+        for (int i = 0; i < NX; ++i) a[i][u] = fmadd(wv, load(x + i * K + k + u * L), a[i][u]);
       }
     }
     for (; k < kv; k += L) {
-      const F wv = V::load(w + k);
-      for (int i = 0; i < NX; ++i) a[i][0] = V::fma(wv, V::load(x + i * K + k), a[i][0]);
+      const VF wv = load(w + k);
+      for (int i = 0; i < NX; ++i) a[i][0] = fmadd(wv, load(x + i * K + k), a[i][0]);
     }
     for (int i = 0; i < NX; ++i) {
-      for (int u = 1; u < UX; ++u) a[i][0] = V::add(a[i][0], a[i][u]);
-      s[i] = V::sum(a[i][0]);
+      for (int u = 1; u < UX; ++u) a[i][0] = a[i][0] + a[i][u];
+      s[i] = reduce_add(a[i][0]);
     }
   } else if constexpr (KIND == BF16) {  // x's even / odd columns: j.xd (K even)
     const uint16_t* w = static_cast<const uint16_t*>(j.w) + n * K;
@@ -60,14 +71,14 @@ inline void row(const Job& j, int64_t n, int64_t m) {
     const float* e = j.xd + m * K;
     constexpr int64_t P = 2 * L;  // weights per vector of pairs
     kv = K - K % P;
-    F a[NX][UX];
+    VF a[NX][UX];
     for (int i = 0; i < NX; ++i)
-      for (int u = 0; u < UX; ++u) a[i][u] = V::zero();
+      for (int u = 0; u < UX; ++u) a[i][u] = splat(0.f);
     auto step = [&](int64_t k, int u) __attribute__((always_inline)) {
-      F ev, od;
-      V::bf16_pairs(w + k, ev, od);
+      VF ev, od;
+      load_bf16_pairs(w + k, ev, od);
       for (int i = 0; i < NX; ++i)
-        a[i][u] = V::fma(od, V::load(e + i * K + h + k / 2), V::fma(ev, V::load(e + i * K + k / 2), a[i][u]));
+        a[i][u] = fmadd(od, load(e + i * K + h + k / 2), fmadd(ev, load(e + i * K + k / 2), a[i][u]));
     };
     int64_t k = 0;
     for (; k + UX * P <= kv; k += UX * P) {
@@ -76,33 +87,33 @@ inline void row(const Job& j, int64_t n, int64_t m) {
     }
     for (; k < kv; k += P) step(k, 0);
     for (int i = 0; i < NX; ++i) {
-      for (int u = 1; u < UX; ++u) a[i][0] = V::add(a[i][0], a[i][u]);
-      s[i] = V::sum(a[i][0]);
+      for (int u = 1; u < UX; ++u) a[i][0] = a[i][0] + a[i][u];
+      s[i] = reduce_add(a[i][0]);
     }
   } else if constexpr (KIND == I4) {  // blocks of 128 columns, four runs of 32: int8's products, scaled per group
     kv = K;
     const uint8_t* w = static_cast<const uint8_t*>(j.w) + n * int4_row_bytes(K);
     const float* gs = j.gs + n * (K / j.G);
     const int16_t* q = j.xq + m * K;
-    constexpr int C = V::C, FA = NX == 4 ? 2 : 4;  // float accumulators a row (FMA chains in flight)
-    F f[NX][FA];
-    I a[NX][2];  // int32 sums of the group, even and odd runs (two dot chains in flight)
+    constexpr int FA = NX == 4 ? 2 : 4;  // float accumulators a row (FMA chains in flight)
+    VF f[NX][FA];
+    VI a[NX][2];  // int32 sums of the group, even and odd runs (two dot chains in flight)
     for (int i = 0; i < NX; ++i) {
-      a[i][0] = a[i][1] = V::izero();
-      for (int u = 0; u < FA; ++u) f[i][u] = V::zero();
+      a[i][0] = a[i][1] = VI{};
+      for (int u = 0; u < FA; ++u) f[i][u] = splat(0.f);
     }
     int64_t left = j.G, g = 0;  // columns left in group g
     // run r (columns k + 32 r ..) of the weights wv into a; a group's int32 sums (exact) into f, scaled, at its end
-    auto run = [&](const I* wv, int r, int64_t k) __attribute__((always_inline)) {
+    auto run = [&](const VW* wv, int r, int64_t k) __attribute__((always_inline)) {
       for (int i = 0; i < NX; ++i) {
         const int16_t* xr = q + i * K + k + 32 * r;
-        for (int c = 0; c < C; ++c) a[i][r % 2] = V::dot(a[i][r % 2], wv[c], xr + c * 2 * L);
+        for (int c = 0; c < C; ++c) a[i][r % 2] = a[i][r % 2] + madd(wv[c], loadu<VW>(xr + c * 2 * L));
       }
       if ((left -= 32) == 0) {
-        const F sc = V::set1(gs[g++]);
+        const VF sc = splat(gs[g++]);
         for (int i = 0; i < NX; ++i) {
-          f[i][r % FA] = V::fma(V::to_float(V::iadd(a[i][0], a[i][1])), sc, f[i][r % FA]);
-          a[i][0] = a[i][1] = V::izero();
+          f[i][r % FA] = fmadd(to_float(a[i][0] + a[i][1]), sc, f[i][r % FA]);
+          a[i][0] = a[i][1] = VI{};
         }
         left = j.G;
       }
@@ -110,50 +121,50 @@ inline void row(const Job& j, int64_t n, int64_t m) {
     const int64_t kb = K - K % 128;  // whole blocks: the four runs unrolled (the weights stay in registers)
     for (int64_t k = 0; k < kb; k += 128) {
       prefetch_ahead<false>(w + k / 2, 64);
-      I wv[4][C];
-      V::nibbles(w + k / 2, wv);
+      VW wv[4][C];
+      nibbles(w + k / 2, wv);
 #pragma GCC unroll 4
       for (int r = 0; r < 4; ++r) run(wv[r], r, k);
     }
     if (kb < K) {  // a last block of 1-3 runs
-      I wv[4][C];
-      V::nibbles(w + kb / 2, wv);
+      VW wv[4][C];
+      nibbles(w + kb / 2, wv);
       for (int r = 0; r < (K - kb) / 32; ++r) run(wv[r], r, kb);
     }
     for (int i = 0; i < NX; ++i) {
-      for (int u = 1; u < FA; ++u) f[i][0] = V::add(f[i][0], f[i][u]);
-      s[i] = V::sum(f[i][0]) * j.xs[m + i];
+      for (int u = 1; u < FA; ++u) f[i][0] = f[i][0] + f[i][u];
+      s[i] = reduce_add(f[i][0]) * j.xs[m + i];
     }
   } else {  // int8: integer products with x's int16 copy j.xq, moved to float32 every FLUSH columns
     const int8_t* w = static_cast<const int8_t*>(j.w) + n * K;
     const int16_t* q = j.xq + m * K;
     constexpr int64_t P = 2 * L;  // weights per madd
     kv = K - K % P;
-    F f[NX];
-    for (int i = 0; i < NX; ++i) f[i] = V::zero();
+    VF f[NX];
+    for (int i = 0; i < NX; ++i) f[i] = splat(0.f);
     for (int64_t k0 = 0; k0 < kv; k0 += FLUSH) {
       const int64_t end = std::min(kv, k0 + FLUSH);
-      I a[NX][UX];
+      VI a[NX][UX];
       for (int i = 0; i < NX; ++i)
-        for (int u = 0; u < UX; ++u) a[i][u] = V::izero();
+        for (int u = 0; u < UX; ++u) a[i][u] = VI{};
       int64_t k = k0;
       for (; k + UX * P <= end; k += UX * P) {
         prefetch_ahead<false>(w + k, UX * P);
         for (int u = 0; u < UX; ++u) {
-          const I wv = V::widen_i8(w + k + u * P);
-          for (int i = 0; i < NX; ++i) a[i][u] = V::dot(a[i][u], wv, q + i * K + k + u * P);
+          const VW wv = widen_i8(w + k + u * P);
+          for (int i = 0; i < NX; ++i) a[i][u] = a[i][u] + madd(wv, loadu<VW>(q + i * K + k + u * P));
         }
       }
       for (; k < end; k += P) {
-        const I wv = V::widen_i8(w + k);
-        for (int i = 0; i < NX; ++i) a[i][0] = V::dot(a[i][0], wv, q + i * K + k);
+        const VW wv = widen_i8(w + k);
+        for (int i = 0; i < NX; ++i) a[i][0] = a[i][0] + madd(wv, loadu<VW>(q + i * K + k));
       }
       for (int i = 0; i < NX; ++i) {
-        for (int u = 1; u < UX; ++u) a[i][0] = V::iadd(a[i][0], a[i][u]);
-        f[i] = V::add(f[i], V::to_float(a[i][0]));
+        for (int u = 1; u < UX; ++u) a[i][0] = a[i][0] + a[i][u];
+        f[i] = f[i] + to_float(a[i][0]);
       }
     }
-    for (int i = 0; i < NX; ++i) s[i] = V::sum(f[i]) * j.xs[m + i];
+    for (int i = 0; i < NX; ++i) s[i] = reduce_add(f[i]) * j.xs[m + i];
   }
   for (int i = 0; i < NX; ++i) {
     if constexpr (KIND == I4) {
@@ -179,15 +190,13 @@ void rows(const Job& j, int64_t n0, int64_t n1) {
 
 // int4: row n's K weights as float32 into out, W[n, k] = s[n, k / G] · q[n, k] (a prompt's panels, embedding rows)
 inline void dequantize_row(const uint8_t* w, const float* gs, int64_t K, int64_t G, float* out) {
-  using I = typename V::I;
-  constexpr int C = V::C;
   for (int64_t k = 0; k < K; k += 128) {
-    I wv[4][C];
-    V::nibbles(w + k / 2, wv);
+    VW wv[4][C];
+    nibbles(w + k / 2, wv);
     const int runs = static_cast<int>(std::min<int64_t>(4, (K - k) / 32));
     for (int r = 0; r < runs; ++r) {
-      const typename V::F sc = V::set1(gs[(k + 32 * r) / G]);
-      for (int c = 0; c < C; ++c) V::store_scaled(wv[r][c], sc, out + k + 32 * r + c * 2 * V::L);
+      const VF sc = splat(gs[(k + 32 * r) / G]);
+      for (int c = 0; c < C; ++c) store_scaled(wv[r][c], sc, out + k + 32 * r + c * 2 * L);
     }
   }
 }

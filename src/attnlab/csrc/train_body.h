@@ -1,128 +1,9 @@
-// The vector code of train.cpp: rows of float32 or bfloat16 read and written through `ld` / `st` (bf16 widened by a
-// 16-bit shift; narrowed with round-to-nearest-even, NaN kept a NaN, as PyTorch's cast does), the arithmetic in
-// float32. Compiled per instruction set (isa_regions.h), on top of decode_body.h's `exp_any`.
+// The vector code of train.cpp: rows of float32 or bfloat16 read and written through vec.h's `ld` / `st` (bf16
+// widened by a 16-bit shift; narrowed with round-to-nearest-even, NaN kept a NaN, as PyTorch's cast does), the
+// arithmetic in float32. Compiled per instruction set (isa_regions.h), on top of decode_body.h.
 
 #include "decode_body.h"
 #include "gemm_body.h"
-
-using VU = uint32_t __attribute__((vector_size(4 * L)));
-using VH = uint16_t __attribute__((vector_size(2 * L)));
-using VB = int8_t __attribute__((vector_size(L)));
-
-inline VF ld(const float* p) { return load(p); }
-// bf16 → float32: GCC widens the 16-bit lanes of a __builtin_convertvector in two halves and re-joins them with
-// AVX-512 (5 instructions where one vpmovzxwd does it): the widening by intrinsics where the set has one
-template <int W>
-inline VU widen_u16(const uint16_t* p) {
-#if defined(__x86_64__) || defined(_M_X64)
-  if constexpr (W == 16 || W == 8) {
-    VU u;
-    if constexpr (W == 16) {
-      const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-      std::memcpy(&u, &v, sizeof u);
-    } else {
-      const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-      std::memcpy(&u, &v, sizeof u);
-    }
-    return u;
-  }
-#endif
-  VH h;
-  std::memcpy(&h, p, sizeof h);
-  return __builtin_convertvector(h, VU);
-}
-inline VF ld(const uint16_t* p) {
-  const VU u = widen_u16<L>(p) << 16;
-  VF f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline void st(float* p, VF v) { store(p, v); }
-// Narrowing lanes: GCC makes __builtin_convertvector from 32-bit lanes one vpmovdw / vpmovdb with AVX-512 but one
-// extract per lane with AVX2 (quantize_rows measured 3x slower than its AVX-512 twin for it); with AVX2 (W = 8) the
-// SSE packs do it. Each caller's lanes fit the narrow type, so packing's saturation never acts.
-template <int W>
-inline VH narrow_u16(VU u) {  // lanes ≤ 0xFFFF
-#if defined(__x86_64__) || defined(_M_X64)
-  if constexpr (W == 16) {  // one vpmovdw (GCC chose a vpermt2w with a zeroed register and a constant table)
-    __m512i v;
-    std::memcpy(&v, &u, sizeof v);
-    const __m256i h = _mm512_cvtepi32_epi16(v);
-    VH out;
-    std::memcpy(&out, &h, sizeof out);
-    return out;
-  }
-  if constexpr (W == 8) {
-    __m256i v;
-    std::memcpy(&v, &u, sizeof v);
-    const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    VH out;
-    std::memcpy(&out, &h, sizeof out);
-    return out;
-  }
-#endif
-  return __builtin_convertvector(u, VH);
-}
-template <int W>
-inline void store_i8(int8_t* q, VI i) {  // lanes in [−128, 127]
-#if defined(__x86_64__) || defined(_M_X64)
-  if constexpr (W == 8) {
-    __m256i v;
-    std::memcpy(&v, &i, sizeof v);
-    const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(q), _mm_packs_epi16(h, h));
-    return;
-  }
-#endif
-  const VB b = __builtin_convertvector(i, VB);
-  std::memcpy(q, &b, sizeof b);
-}
-inline void st(uint16_t* p, VF v) {
-  VU u;
-  std::memcpy(&u, &v, sizeof u);
-  const VU rounded = (u + (0x7FFFu + ((u >> 16) & 1u))) >> 16;
-  const VU quiet = (u >> 16) | 0x40u;  // a NaN stays a (quiet) NaN: rounding could carry it into inf
-  const VH h = narrow_u16<L>(v != v ? quiet : rounded);
-  std::memcpy(p, &h, sizeof h);
-}
-// one element (the tails of rows)
-template <class T>
-inline float ld1(const T* p) {
-  if constexpr (sizeof(T) == 4) {
-    return *p;
-  } else {
-    const uint32_t u = static_cast<uint32_t>(*p) << 16;
-    float f;
-    std::memcpy(&f, &u, sizeof f);
-    return f;
-  }
-}
-template <class T>
-inline void st1(T* p, float x) {
-  if constexpr (sizeof(T) == 4) {
-    *p = x;
-  } else {
-    VF v = splat(0.f);
-    v[0] = x;
-    T out[L];
-    st(out, v);
-    *p = out[0];
-  }
-}
-
-// r ≤ L elements as one vector, the lanes past r filled with `fill` (a row's last, partial vector)
-template <class T>
-inline VF ld_part(const T* p, int64_t r, float fill) {
-  float t[L];
-  for (int64_t i = 0; i < L; ++i) t[i] = i < r ? ld1(p + i) : fill;
-  return load(t);
-}
-template <class T>
-inline void st_part(T* p, VF v, int64_t r) {
-  T t[L];
-  st(t, v);
-  std::memcpy(p, t, r * sizeof(T));
-}
 
 // the lanes of the vector at j whose keys j + i lie in [c0, c1)
 inline VI seen(VI lane, int64_t j, int64_t c0, int64_t c1) {
@@ -461,43 +342,6 @@ inline double sum_squares(const float* x, int64_t n) {
 
 // ---- int8 products (attnlab.adapt.int8_training): symmetric quantisation with one scale per row or column ----
 
-// |a| lane by lane; a NaN stays a NaN
-inline VF vabs(VF a) {
-  VI bits;
-  std::memcpy(&bits, &a, sizeof bits);
-  bits &= 0x7FFFFFFF;  // the sign bit cleared (one AND, where a select costs a compare and a blend)
-  std::memcpy(&a, &bits, sizeof a);
-  return a;
-}
-inline VF vmax(VF m, VF a) { return a > m ? a : m; }  // drops a NaN of a: callers also sum (a NaN sum flags it)
-// a b + c rounded once with AVX2 and AVX-512 (FMA), twice in the portable set. Written out, not left to GCC's
-// contraction, which fuses or not by the context a function is inlined into (dequant_row runs both whole and inside
-// int8_gemm.h's tiles, and must give the same bits in both)
-template <class R, class F>  // fn on a, b, c as the set's registers R
-inline VF as_registers(VF a, VF b, VF c, F fn) {
-  R x, y, z;
-  std::memcpy(&x, &a, sizeof x), std::memcpy(&y, &b, sizeof y), std::memcpy(&z, &c, sizeof z);
-  const R r = fn(x, y, z);
-  VF out;
-  std::memcpy(&out, &r, sizeof out);
-  return out;
-}
-inline VF fmadd(VF a, VF b, VF c) {
-#if defined(__x86_64__) || defined(_M_X64)
-  if constexpr (L == 16) return as_registers<__m512>(a, b, c, [](__m512 x, __m512 y, __m512 z) {
-    return _mm512_fmadd_ps(x, y, z);
-  });
-  if constexpr (L == 8) return as_registers<__m256>(a, b, c, [](__m256 x, __m256 y, __m256 z) {
-    return _mm256_fmadd_ps(x, y, z);
-  });
-#endif
-  return a * b + c;
-}
-inline float fmadd1(float a, float b, float c) {
-  if constexpr (L > 4) return __builtin_fmaf(a, b, c);
-  return a * b + c;
-}
-
 // round(a s) half to even for |a s| < 2²²: a s + 1.5·2²³ rounded once (fmadd: the exact product, as the tests'
 // reference; one rule on every lane and tail, spelt out: left to GCC's contraction, which register of a row was fused
 // changed with the loop's shape, and the scalar tails were not)
@@ -505,42 +349,11 @@ inline VF rounded(VF a, VF s) { return fmadd(a, s, splat(12582912.f)) - splat(12
 inline int8_t round_q(float a, float s) {
   return static_cast<int8_t>(static_cast<int32_t>(fmadd1(a, s, 12582912.f) - 12582912.f));
 }
-// integers in [−127, 127] to int8: L lanes (st_q), or four registers' (st_q4: with AVX2 the 32 bytes packed together,
-// two vpackssdw, one vpacksswb and one vpermd, 1¼ instructions a register where st_q's extract, packs and store take 4)
-inline void st_q(int8_t* q, VF r) { store_i8<L>(q, __builtin_convertvector(r, VI)); }
+// integers in [−127, 127] to int8: L lanes (st_q), or four registers' (st_q4)
+inline void st_q(int8_t* q, VF r) { store_i8(q, __builtin_convertvector(r, VI)); }
 inline void st_q4(int8_t* q, VF r0, VF r1, VF r2, VF r3) {
-#if defined(__x86_64__) || defined(_M_X64)
-  if constexpr (L == 8) {
-    __m256i i[4];
-    const VI r[4] = {__builtin_convertvector(r0, VI), __builtin_convertvector(r1, VI),
-                     __builtin_convertvector(r2, VI), __builtin_convertvector(r3, VI)};
-    std::memcpy(i, r, sizeof i);
-    // the packs work within 128-bit halves: the bytes come out in groups of 4 lanes (r0 r1 r2 r3's low halves, then
-    // their high halves); vpermd puts the eight 4-byte groups back in order
-    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
-                        _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    return;
-  }
-#endif
-  st_q(q, r0), st_q(q + L, r1), st_q(q + 2 * L, r2), st_q(q + 3 * L, r3);
-}
-// the largest lane, and whether a lane is NaN: halving trees (log₂ L steps deep, not L)
-inline float tree_max(VF v) {
-  float t[L];
-  std::memcpy(t, &v, sizeof t);
-  for (int w = L / 2; w >= 1; w /= 2) {
-    for (int i = 0; i < w; ++i) t[i] = t[i + w] > t[i] ? t[i + w] : t[i];
-  }
-  return t[0];
-}
-inline bool any_nan(VF v) {
-  float t[L];
-  std::memcpy(t, &v, sizeof t);
-  for (int w = L / 2; w >= 1; w /= 2) {
-    for (int i = 0; i < w; ++i) t[i] += t[i + w];  // a NaN lane makes the sum NaN
-  }
-  return std::isnan(t[0]);
+  store_i8x4(q, __builtin_convertvector(r0, VI), __builtin_convertvector(r1, VI), __builtin_convertvector(r2, VI),
+             __builtin_convertvector(r3, VI));
 }
 
 // m = max_j |x_j c_j| over a row (c null: 1); NaN if the row holds a NaN. Four accumulators: the max is a chain
@@ -652,30 +465,25 @@ inline void quantize_row_col(const T* x, const float* c, int64_t n, float inv, c
   }
 }
 
-// dst[c · ds + r] = src[r · ss + c] for r < rows, c < cols: a block of bytes transposed by 16 × 16 tiles (on x86 four
+// dst[c · ds + r] = src[r · ss + c] for r < rows, c < cols: a block of bytes transposed by 16 × 16 tiles (four
 // rounds of byte interleaves of rows i and i + 8: each round rotates the 8 bits of (row, column) by one), a column of
 // tiles at a time so each row of dst receives its bytes of the block in one run
 inline void transpose_bytes(const int8_t* src, int64_t ss, int64_t rows, int64_t cols, int8_t* dst, int64_t ds) {
   int64_t c0 = 0, whole = rows - rows % 16;
-#if defined(__x86_64__) || defined(_M_X64)
   for (; whole && c0 + 16 <= cols; c0 += 16) {
     for (int64_t r0 = 0; r0 < whole; r0 += 16) {
-      __m128i a[16], b[16];
-      for (int i = 0; i < 16; ++i) a[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (r0 + i) * ss + c0));
+      X16 a[16], b[16];
+      for (int i = 0; i < 16; ++i) a[i] = loadu<X16>(src + (r0 + i) * ss + c0);
       for (int round = 0; round < 4; ++round) {
-        for (int i = 0; i < 8; ++i) {
-          b[2 * i] = _mm_unpacklo_epi8(a[i], a[i + 8]);
-          b[2 * i + 1] = _mm_unpackhi_epi8(a[i], a[i + 8]);
-        }
+        for (int i = 0; i < 8; ++i) b[2 * i] = zip_lo<1>(a[i], a[i + 8]), b[2 * i + 1] = zip_hi<1>(a[i], a[i + 8]);
         for (int i = 0; i < 16; ++i) a[i] = b[i];
       }
-      for (int i = 0; i < 16; ++i) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (c0 + i) * ds + r0), a[i]);
+      for (int i = 0; i < 16; ++i) storeu(dst + (c0 + i) * ds + r0, a[i]);
     }
     for (int64_t c = c0; c < c0 + 16; ++c) {  // the rows past the whole tiles
       for (int64_t r = whole; r < rows; ++r) dst[c * ds + r] = src[r * ss + c];
     }
   }
-#endif
   for (int64_t c = c0; c < cols; ++c) {
     for (int64_t r = 0; r < rows; ++r) dst[c * ds + r] = src[r * ss + c];
   }
