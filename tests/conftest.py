@@ -22,7 +22,7 @@ def _seed():
 
 @pytest.fixture
 def python_tiled(monkeypatch):
-    """The tiled backend's PyTorch paths (its loop, the banded layout) for requests the C++ kernel would serve
+    """The tiled backend's PyTorch loop for requests the C++ kernel would serve
     (tests/test_native_flash.py tests that one)."""
     from attnlab.backends import tiled
 

@@ -161,7 +161,7 @@ def test_no_module_outside_backends_calls_a_kernel_or_picks_a_backend():
         if path.parent.name == "backends":
             continue
         text = path.read_text()
-        for pattern in (r"scaled_dot_product_attention\(", r"ShortAttention", r"DENSE_BIAS_LIMIT",
+        for pattern in (r"scaled_dot_product_attention\(", r"fused_short_attention", r"DENSE_BIAS_LIMIT",
                         r"from attnlab\.backends\.(tiled|sdpa|short|flex|reference) import"):
             if re.search(pattern, text):
                 offenders.append(f"{path.relative_to(src)}: {pattern}")

@@ -26,8 +26,7 @@ def test_quick_run_times_every_pass_and_the_step(tmp_path):
     passes = [(r["pass"], r["dtype"]) for r in data["rows"]]
     for dtype in ("float32", "bfloat16"):
         for name in ("rope fwd+bwd (q)", "swiglu gate fwd+bwd", "gelu fwd+bwd",
-                     "causal attention fwd+bwd: fused (ours) vs batched products",
-                     "causal attention products: 2 query blocks (ours) vs 1"):
+                     "causal attention fwd+bwd: fused (ours) vs sdpa"):
             assert (name, dtype) in passes
     assert ("rmsnorm fwd+bwd", "float32") in passes and ("rmsnorm fwd+bwd", "bfloat16") not in passes
     assert ("clip grad norm (0.8 M grads)", "float32") in passes

@@ -353,7 +353,7 @@ def test_auto_uses_tiled_for_block_sparse_masks_and_score_mods(kw):
 @pytest.mark.parametrize("L, window, causal, want", [
     (8, 3, True, "sdpa"),         # short: a dense mask is small and SDPA's fused kernel is faster
     (512, 256, True, "sdpa"),     # the band would do about the work of dense causal attention
-    (2048, 256, True, "tiled"),   # the band does well under half: the banded path
+    (2048, 256, True, "tiled"),   # the band does well under half: tiled computes only its tiles
     (512, 64, False, "tiled"),
     (4096, 2048, True, "tiled"),  # a wide window on a long sequence: no N² mask
 ])
