@@ -1,4 +1,4 @@
-"""nanoGPT's own code as the peer of ``benchmarks/train.py --nanogpt-dir DIR``.
+"""nanoGPT's own code as the peer of ``benchmarks/train.py`` and ``benchmarks/train_budget.py`` (``--nanogpt-dir DIR``).
 
 Nothing of nanoGPT enters this repository: the user points at an upstream checkout
 (``git clone https://github.com/karpathy/nanoGPT``; it needs ``numpy`` and ``requests``, which its ``prepare.py``
@@ -13,7 +13,7 @@ imports). Its files are copied into a temporary folder, so the checkout is never
    validation blocks as our rows (:func:`attnlab.data.batching.lm_eval_batches` over the last 10 % of the text:
    nanoGPT's ``val.bin`` is the same split of the same character ids).
 
-For ``benchmarks/train.py --compare-budget`` (:func:`run_upstream_for`), step 2 runs nanoGPT's
+For ``benchmarks/train_budget.py`` (:func:`run_upstream_for`), step 2 runs nanoGPT's
 ``shakespeare_char`` config at our default preset's model size (:func:`budget_flags`) and, since its
 ``train.py`` has no time limit, reads its output live, stamps each line with the seconds since the process
 started, and kills it at the deadline; step 3 scores the last checkpoint it saved.
@@ -233,6 +233,7 @@ def follow(cmd: list[str], *, cwd: Path, env: dict, deadline_s: float) -> tuple[
         stopped = True
     process_s = time.perf_counter() - t0
     reader.join(timeout=30)
+    lines = [(min(t, process_s), line) for t, line in lines]  # a line read after the exit was written before it
     return lines, process_s, stopped, proc.returncode
 
 def _run(cmd: list[str], *, cwd: Path, env: dict) -> str:

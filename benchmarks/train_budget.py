@@ -1,4 +1,4 @@
-"""``benchmarks/train.py --compare-budget``: our 10-minute recipe against nanoGPT's loop, the same model size and wall.
+"""Our 10-minute ``shakespeare-char`` recipe against nanoGPT's own ``train.py``: the same model size and wall.
 
 The target: on any machine, our ``default`` preset's val loss at least ``MARGIN`` (0.08) below nanoGPT's loop given
 the same model size and the same 600 s, in the same benchmark run; the val-loss-vs-wall-clock curves of both in
@@ -20,33 +20,42 @@ is already time-limited: ``time_budget`` plans its steps, ``max_seconds`` is its
    Its curve: its own "val loss" estimates (``--nanogpt-eval-iters`` batches), stamped when read; its score: the
    last checkpoint it saved, on our fixed validation blocks.
 3. The table: ours, nanoGPT, difference (theirs − ours), target (ours <= theirs − MARGIN), met; ``mfu`` of both.
+
+It needs an upstream nanoGPT checkout (``--nanogpt-dir DIR``, by default ``$ATTNLAB_NANOGPT_DIR``; ``git clone
+https://github.com/karpathy/nanoGPT``). ``--quick`` races for 20 s at the same model size (a smoke run, not recorded).
+
+Run: ``python benchmarks/train_budget.py --nanogpt-dir DIR [--budget-s 600] [--nanogpt-iters N] [--set key=value ...]
+[--threads 2] [--quick] [--out PATH]``
 """
 from __future__ import annotations
 
 import argparse
 import io
 import json
+import sys
 import tempfile
 from pathlib import Path
 
-from _common import print_table, result, write_json
-from _mfu import mfu, nanogpt_flops, shown
-from _nanogpt_upstream import budget_flags, fitted_iters, run_upstream_for
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import parser, print_table, result, setup, write_json  # noqa: E402
+from _mfu import mfu, nanogpt_flops, shown  # noqa: E402
+from _nanogpt_upstream import budget_flags, check_checkout, fitted_iters, run_upstream_for  # noqa: E402
+from _train_runs import add_nanogpt_dir, print_peak, run_preset  # noqa: E402
 
 MARGIN = 0.08  # the target: ours <= nanoGPT's - 0.08 at the same model size and wall
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of the ``--compare-budget`` mode."""
-    p.add_argument("--compare-budget", action="store_true",
-                   help="race our default preset against nanoGPT's train.py (same model size, same wall; "
-                        "needs --nanogpt-dir); writes a PNG of both val-loss-vs-seconds curves beside --out")
-    p.add_argument("--budget-s", type=float, default=600.0, help="the wall budget of --compare-budget (default 600)")
+    """The flags of the race (beside :func:`_common.parser`'s); it writes a PNG of both val-loss-vs-seconds curves
+    beside ``--out``."""
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra setting for our run")
+    add_nanogpt_dir(p)
+    p.add_argument("--budget-s", type=float, default=None, help="the wall budget (default 600; 20 with --quick)")
     p.add_argument("--nanogpt-iters", type=int, default=None,
-                   help="nanoGPT's max_iters = lr_decay_iters in --compare-budget (default: as many as fit the "
+                   help="nanoGPT's max_iters = lr_decay_iters (default: as many as fit the "
                         "budget on this machine, timed by a 60 s probe of its train.py)")
     p.add_argument("--nanogpt-eval-iters", type=int, default=10,
-                   help="batches per split of each of nanoGPT's 10 evaluations in --compare-budget (default 10)")
+                   help="batches per split of each of nanoGPT's 10 evaluations (default 10)")
 
 
 def compare_budget(args: argparse.Namespace, *, run_preset) -> dict:
@@ -117,7 +126,8 @@ def compare_budget(args: argparse.Namespace, *, run_preset) -> dict:
                "target": f"ours <= nanogpt - {MARGIN}", "met": met}
     results = [result(f"{args.budget_s:.0f} s race: val loss", ours["val_loss"], theirs["val_loss"], unit="val loss",
                       ratio=None, target=f"ours <= nanoGPT's - {MARGIN}", met=met)]
-    write_json(args.out, [ours, theirs], results=results, mode="compare-budget", budget_s=args.budget_s, threads=args.threads,
+    write_json(args.out, [ours, theirs], results=results, quick=args.quick, budget_s=args.budget_s,
+               threads=args.threads,
                nanogpt_dir=str(args.nanogpt_dir), nanogpt_flags=flags, nanogpt_fitted=fitted, summary=summary,
                curves={"ours": ours_curve, "nanogpt": up["evals"]}, png=str(png))
     print(f"wrote {args.out} and {png}")
@@ -158,3 +168,22 @@ def plot_curves(ours: list, theirs: list, path: Path, *, budget_s: float, nanogp
     fig.savefig(buf, format="png")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(buf.getvalue())
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0], "train_budget.json")
+    add_arguments(p)
+    args = p.parse_args()
+    if args.nanogpt_dir is None:
+        raise SystemExit("train_budget.py needs --nanogpt-dir DIR or $ATTNLAB_NANOGPT_DIR (an upstream nanoGPT "
+                         "checkout: git clone https://github.com/karpathy/nanoGPT)")
+    args.nanogpt_dir = check_checkout(args.nanogpt_dir)  # before any run: a wrong folder fails at once
+    if args.budget_s is None:
+        args.budget_s = 20.0 if args.quick else 600.0
+    setup(args)
+    print_peak(args.threads)
+    compare_budget(args, run_preset=run_preset)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,4 @@
-"""``benchmarks/train.py --levers``: the speedrun techniques, each alone, against the 10-minute default.
+"""The speedrun techniques of ``shakespeare-char``, each alone, against its 10-minute default.
 
 Each row is one ``attnlab train shakespeare-char`` process (the ``default`` preset: ``time_budget`` plans its steps
 into 600 s, so a lever that makes a step slower gets fewer steps, as it would for a user), with one lever's
@@ -21,14 +21,23 @@ noise in this run, the yardstick a lever's Δ must clear before it counts. Colum
 | value embeddings (a token table per layer added to the values) | ``value_embeddings=true`` |
 | warmup–stable–decay schedule instead of cosine (linear decay over the last 20 %) | ``schedule=wsd`` |
 | (a control, not a lever: the schedule's lr doubled, Muon's with it) | ``lr=4e-3`` |
+| (a control: float32 throughout instead of the preset's dtype) | ``dtype=fp32`` |
+
+``--quick`` runs the ``tiny`` preset for 20 steps with the default's architecture, dropout and optimiser (a smoke run,
+not recorded).
+
+Run: ``python benchmarks/train_levers.py [LEVER ...] [--set key=value ...] [--threads 2] [--quick] [--out PATH]``
 """
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from pathlib import Path
 
-from _common import print_table, write_json
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import parser, print_table, setup, write_json  # noqa: E402
+from _train_runs import print_peak, run_preset  # noqa: E402
 
 LEVERS = {
     "adamw": ["optimizer=adamw"],
@@ -47,14 +56,16 @@ LEVERS = {
     "value-embeds": ["value_embeddings=true"],
     "wsd": ["schedule=wsd"],
     "lr-2x": ["lr=4e-3"],
+    "fp32": ["dtype=fp32"],
 }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of the ``--levers`` mode."""
-    p.add_argument("--levers", nargs="*", choices=sorted(LEVERS), default=None, metavar="LEVER",
+    """The flags of the levers run (beside :func:`_common.parser`'s)."""
+    p.add_argument("levers", nargs="*", choices=sorted(LEVERS), default=[], metavar="LEVER",
                    help=f"run the default preset with each lever alone (all, or those named: {', '.join(LEVERS)}), "
                         "between two baseline runs; prints val at the end of the budget and the change")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra setting for every run")
 
 
 def run_levers(args: argparse.Namespace, *, run_preset) -> list[dict]:
@@ -86,3 +97,16 @@ def run_levers(args: argparse.Namespace, *, run_preset) -> list[dict]:
     write_json(args.out, rows, quick=args.quick, threads=args.threads, baseline_mean=mean, noise=noise)
     print(f"wrote {args.out}")
     return rows
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0], "train_levers.json")
+    add_arguments(p)
+    args = p.parse_args()
+    setup(args)
+    print_peak(args.threads)
+    run_levers(args, run_preset=run_preset)
+
+
+if __name__ == "__main__":
+    main()

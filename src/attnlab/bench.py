@@ -39,8 +39,25 @@ def available() -> dict[str, str]:
     return out
 
 
+class _Help(argparse._HelpAction):
+    """``--help`` after one benchmark's name (``attnlab bench train --help``): that script's own usage, its flags;
+    otherwise this command's."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        names = getattr(namespace, "names", None) or []
+        try:
+            script = benchmarks_dir() / f"{names[0]}.py" if len(names) == 1 and names[0] in available() else None
+        except FileNotFoundError:  # no benchmarks folder: this command's usage says what it needs
+            script = None
+        if script is None:
+            parser.print_help()
+            parser.exit()
+        parser.exit(subprocess.run([sys.executable, str(script), "--help"]).returncode)
+
+
 EPILOG = """examples:
   attnlab bench --list                               # the benchmark scripts, one line each
+  attnlab bench train --help                         # one benchmark's own flags (pass them with --script-args)
   attnlab bench                                      # attention: ours vs SDPA / torch MHA, as ratios
   attnlab bench generate encode --threads 2          # GPT-2 decoding, BERT / MiniLM encoding vs transformers
   attnlab bench attention --quick --script-args "--suite efficient"
@@ -51,6 +68,9 @@ and its summary into benchmarks/results/<cpu class>.json, from which --report ge
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``attnlab bench`` (the common flags are added by :mod:`attnlab.cli`)."""
+    for action in p._actions:  # argparse's --help, made ours: after a benchmark's name it shows that script's usage
+        if isinstance(action, argparse._HelpAction):
+            action.__class__ = _Help
     p.add_argument("names", nargs="*", help="benchmarks to run (default: attention); see --list")
     p.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     p.add_argument("--report", action="store_true",

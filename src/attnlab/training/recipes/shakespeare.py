@@ -84,7 +84,7 @@ class ShakespeareSettings(TrainConfig):
     ``attn_dropout`` on attention weights (0 keeps the fused attention kernel), ``activation`` (default ``gelu``),
     ``bias=False`` drops the biases of linear layers and LayerNorms (nanoGPT's ``bias``; default True).
     ``batch_size`` rows per optimiser micro-step (the global batch under DDP).
-    Training levers (off by default; measured by ``benchmarks/train.py --levers``): ``zero_init`` starts the
+    Training levers (off by default; measured by ``benchmarks/train_levers.py``): ``zero_init`` starts the
     residual output projections (attention ``out_proj``, MLP ``w2``) at zero instead of GPT-2's scaled normal;
     ``llama`` only: ``tie_embeddings=False`` gives the head its own matrix, ``logit_softcap`` = c caps the
     logits at ``c · tanh(logits / c)``, ``qk_norm`` RMS-normalises each head's query and key, ``activation=relu2_glu``
