@@ -172,11 +172,6 @@ def _packed(qkv):
     return _native_train.short_attention_packed(qkv, 2, scale=0.25, causal=True, window=None)
 
 
-def _short_softmax(q, k, v):  # (a value width not the query's: the short backend's unfused path)
-    from attnlab import attention
-    return attention(q, k, v, causal=True, backend="short")
-
-
 def _tiled(q, k, v):
     from attnlab import attention
     return attention(q, k, v, causal=True, backend="tiled")
@@ -189,8 +184,6 @@ def _tiled(q, k, v):
     ("gelu", lambda g: _native_train.act_kept_train(g, "gelu"), [(4, 16)], "the FFN activation"),
     ("block", lambda x: _gpt_layer()(x), [(2, 8, 32)], "the GPT block's one-node training pass"),
     ("tiled", _tiled, [(1, 2, 8, 16)] * 3, "the tiled backend's C++ flash attention"),
-    ("short_softmax", _short_softmax, [(1, 2, 8, 16), (1, 2, 8, 16), (1, 2, 8, 8)],
-     "the short backend's C++ softmax pass"),
 ])
 def test_a_second_derivative_through_a_native_path_raises_naming_it(path, run, shapes, match):
     xs = [_randn(*s, seed=i).requires_grad_() for i, s in enumerate(shapes)]
