@@ -32,6 +32,7 @@ import os
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm                                            # a progress bar for the longer loops
 
 import attnlab
 
@@ -148,7 +149,7 @@ torch.testing.assert_close(out_big, exact, rtol=1e-4, atol=1e-4 * big.abs().max(
 dims = [4, 16, 64, 256] if QUICK else [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 n = 2_000 if QUICK else 20_000
 var_raw, var_scaled, top_raw, top_scaled = [], [], [], []
-for d in dims:
+for d in tqdm(dims, desc="d"):
     qd, kd = torch.randn(n, d, dtype=torch.float64), torch.randn(64, d, dtype=torch.float64)
     raw = qd @ kd.T                                                  # (n, 64): each query against 64 keys
     pairs = (qd * torch.randn(n, d, dtype=torch.float64)).sum(-1)   # n independent products q·k

@@ -29,6 +29,7 @@ import time
 
 import matplotlib.pyplot as plt
 import torch
+from tqdm.auto import tqdm                                            # a progress bar for the longer loops
 
 import attnlab
 from attnlab import bigbird_mod, favor_projection, fixed_mod, linear_attention, sliding_window_mod, strided_mod
@@ -115,7 +116,7 @@ exact = attnlab.attention(qs, ks, v)
 features = [8, 32, 128, 512] if QUICK else [8, 16, 32, 64, 128, 256, 512, 1024, 2048]
 draws = 3 if QUICK else 10
 errors = []
-for m in features:
+for m in tqdm(features, desc="random features m"):
     errs = [((linear_attention(qs, ks, v, feature_map="favor+",
                                projection=favor_projection(m, 16, generator=torch.Generator().manual_seed(s)))
               - exact).norm() / exact.norm()).item() for s in range(draws)]
@@ -150,7 +151,7 @@ assert all(a > b for a, b in zip(errors, errors[1:])) and errors[-1] < errors[0]
 L2 = 512 if QUICK else 2048
 q2, k2, v2 = (torch.randn(1, 4, L2, 32, dtype=torch.float64, requires_grad=True) for _ in range(3))
 grads = {}
-for backend in ("reference", "tiled"):
+for backend in tqdm(("reference", "tiled"), desc="backend"):
     out = attnlab.attention(q2, k2, v2, causal=True, backend=backend)
     grads[backend] = (out, *torch.autograd.grad(out.square().sum(), (q2, k2, v2)))
 for a, b in zip(grads["reference"], grads["tiled"]):
@@ -207,7 +208,7 @@ methods = {
 }
 memory = {name: [] for name in methods}
 speed = {name: [] for name in methods}
-for n in lengths:
+for n in tqdm(lengths, desc="sequence length"):
     x = [torch.randn(1, 4, n, 32, requires_grad=True) for _ in range(3)]
     for name, f in methods.items():
         memory[name].append(saved_mib(lambda: f(*x)))

@@ -33,6 +33,7 @@ import os
 
 import matplotlib.pyplot as plt
 import torch
+from tqdm.auto import tqdm                                            # a progress bar for the longer loops
 
 import attnlab
 from attnlab.models.config import TransformerConfig
@@ -184,8 +185,10 @@ run = load_run(run_dir)
 tok = TextTokenizer.load(f"{run_dir}/tokenizer.json")
 pairs = load_parallel("val")[: 16 if QUICK else 200]
 german = [de for de, _ in pairs]
-greedy = translate(run.model, tok, german, num_beams=1)
-beam = translate(run.model, tok, german, num_beams=4)
+greedy, beam = [], []
+for i in tqdm(range(0, len(german), 50), desc="translating, 50 sentences a step"):
+    greedy += translate(run.model, tok, german[i:i + 50], num_beams=1)
+    beam += translate(run.model, tok, german[i:i + 50], num_beams=4)
 for de, en, g, b in list(zip(german, [en for _, en in pairs], greedy, beam))[:3]:
     print(f"DE     {de}\nREF    {en}\ngreedy {g[:100]}\nbeam 4 {b[:100]}\n")
 
