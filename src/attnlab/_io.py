@@ -40,7 +40,8 @@ def atomic_write(target: Union[str, os.PathLike], write: Callable[[str], None]) 
 
     ``os.replace`` is atomic on POSIX: readers see the old file or the new one, never a torn one;
     a process killed mid-write leaves only a ``.<name>.*.tmp`` file that nothing reads. When ``write`` fails,
-    the temporary file and the folders made for ``target`` are removed again: a failed write leaves nothing.
+    the temporary file and the folders made for ``target`` are removed again: a failed write leaves nothing, and
+    its OSError (a full disk, a file-size limit) names ``target``.
     """
     target = Path(target)
     made = [p for p in [target.parent, *target.parent.parents] if not p.exists()]  # deepest first
@@ -55,13 +56,16 @@ def atomic_write(target: Union[str, os.PathLike], write: Callable[[str], None]) 
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
         for folder in made:
             try:
                 folder.rmdir()
             except OSError:  # something else was written into it meanwhile: leave it
                 break
+        if isinstance(e, OSError) and e.errno is not None and e.filename in (None, tmp):
+            # a full disk, a file-size limit: name the file the user asked for, not the temporary one
+            raise OSError(e.errno, f"{e.strerror} (nothing was written)", str(target)) from None
         raise
 
 
@@ -94,6 +98,8 @@ def check_input_file(flag: str, path: PathLike, kind: str) -> Path:
         FileNotFoundError: no such file.
         ValueError: a folder, a FIFO, device or socket, or a file over the cap (naming ``flag`` and the cap).
     """
+    if str(path) == "":
+        raise ValueError(f"{flag or 'the path'} must name a file, got an empty path")
     p = Path(path)
     try:
         st = os.stat(p)
@@ -115,6 +121,8 @@ def read_input(flag: str, path: PathLike, kind: str) -> bytes:
         FileNotFoundError: no such file.
         ValueError: a folder, a FIFO, device or socket, a file over the cap, or unreadable.
     """
+    if str(path) == "":
+        raise ValueError(f"{flag or 'the path'} must name a file, got an empty path")
     p = Path(path)
     try:
         fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
@@ -238,25 +246,37 @@ def refuse_overlap(outputs: Iterable[tuple[str, Optional[PathLike]]],
                              "choose another path")
 
 
-def check_output_file(flag: str, path: PathLike, *, inputs=()) -> Path:
-    """``path`` as a file a command may write: not a folder, inside an existing folder, and clear of the
-    command's ``inputs`` (``(flag, path)`` pairs, files or folders: :func:`refuse_overlap`). Raises ValueError
-    naming both flags."""
+def _check_writable(flag: str, p: Path, folder: Path) -> None:
+    """Refuse ``p`` when ``folder`` (its nearest existing folder) takes no new file: a file is made there and
+    removed again, so a read-only mount, a pseudo file system or a folder without write permission is refused
+    however privileged the process is (``os.access`` says yes to root on a read-only folder)."""
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".attnlab-write-test.")
+    except OSError as e:
+        raise ValueError(f"{flag} {p}: cannot write in {str(folder)!r} ({e.strerror or type(e).__name__})") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def check_output_file(flag: str, path: PathLike, *, inputs=(), parents: bool = False) -> Path:
+    """``path`` as a file a command may write: not a folder, a FIFO or a device (nor a link to one), inside an
+    existing writable folder (``parents``: or one the command will make under a writable folder), and clear of
+    the command's ``inputs`` (``(flag, path)`` pairs, files or folders: :func:`refuse_overlap`). Raises
+    ValueError naming both flags."""
     p = Path(path)
     if str(path) == "":
         raise ValueError(f"{flag} must name a file, got an empty path")
+    refuse_overlap([(flag, p)], inputs)
     if p.is_dir():
         raise ValueError(f"{flag} {p} is a folder: give a file name")
-    refuse_overlap([(flag, p)], inputs)
-    for parent in p.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ValueError(f"{flag} {p} lies under {parent}, which is a file")
-            break
-    if not p.parent.is_dir():
+    if p.exists() and not p.is_file():
+        raise ValueError(f"{flag} {p} is not a regular file (a FIFO, device or socket): give a file name")
+    parent = next(q for q in [*p.parents, Path("/")] if q.exists())
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {p} lies under {parent}, which is a file")
+    if parent != p.parent and not parents:
         raise ValueError(f"{flag} {p}: no such folder {str(p.parent)!r}")
-    if not os.access(p.parent, os.W_OK):
-        raise ValueError(f"{flag} {p}: the folder {str(p.parent)!r} is not writable")
+    _check_writable(flag, p, parent)
     return p
 
 
@@ -272,7 +292,6 @@ def check_output_dir(flag: str, path: PathLike, *, inputs=()) -> Path:
             if not q.is_dir():
                 raise ValueError(f"{flag} {p} " + ("is a file" if q == p else f"lies under {q}, which is a file")
                                  + ": give a folder")
-            if not os.access(q, os.W_OK):
-                raise ValueError(f"{flag} {p}: {str(q)!r} is not writable")
+            _check_writable(flag, p, q)
             break
     return p

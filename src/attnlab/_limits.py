@@ -18,7 +18,7 @@ from attnlab._checks import is_int
 __all__ = ["SIZE_LIMITS", "SETTING_LIMITS", "LENGTH_LIMIT", "BATCH_LIMIT", "STEPS_LIMIT", "MAX_THREADS",
            "SEED_LIMIT", "check_size", "check_settings",
            "check_model_sizes", "check_seed", "check_threads", "check_device", "available_memory", "check_memory",
-           "check_elements",
+           "check_elements", "estimated_parameters",
            "max_positions", "forward_bytes", "check_forward_memory", "transformer_training_bytes",
            "check_training_memory"]
 
@@ -70,13 +70,34 @@ def check_settings(settings: Any, *, prefix: str = "--set ") -> None:
 
 def check_model_sizes(config: Any) -> None:
     """Every size field of a model's config (a dataclass: ``GPT2Config(n_layer=…)``) within :data:`SIZE_LIMITS`,
-    checked when the config is made, before a layer is built. Raises ValueError naming ``field=value`` and the
-    range."""
+    and its weights (:func:`estimated_parameters`, in torch's default dtype: the one layers are built in, before any
+    cast) within free memory (:func:`check_memory`), checked when the config is made, before a layer is built. Raises
+    ValueError naming ``field=value`` and the range, or the sizes and the memory free."""
     for names, limit in SIZE_LIMITS.items():
         for name in names:
             value = getattr(config, name, None)
             if value is not None and is_int(value):
                 check_size(name, value, limit)
+    n = estimated_parameters(vars(config))
+    sizes = ", ".join(f"{k}={v}" for k, v in vars(config).items()
+                      if is_int(v) and any(k in names for names in SIZE_LIMITS))
+    import torch
+
+    check_memory(f"{type(config).__name__}({sizes}): about {n:,} parameters,",
+                 n * torch.empty((), dtype=torch.get_default_dtype()).element_size())
+
+
+def estimated_parameters(fields: dict) -> int:
+    """A rough count from a config's size fields alone: per layer ``4h² + 2hf`` (attention and feed-forward), plus
+    the token and position tables. Within a small factor of the real count for the families here."""
+    def size(names):
+        return max((fields[n] for n in names if is_int(fields.get(n))), default=0)
+
+    # encoder + decoder stacks (T5: num_layers + num_decoder_layers; BART: encoder_ + decoder_layers)
+    layers = sum(fields[n] for n in LAYERS if is_int(fields.get(n)))
+    h = size(HIDDEN)
+    f = size(FFN) or 4 * h
+    return layers * (4 * h * h + 2 * h * f) + (size(("vocab_size",)) + size(POSITIONS[:2])) * h
 
 
 def check_seed(name: str, value: Any) -> None:

@@ -135,6 +135,33 @@ def apply_common(args: argparse.Namespace) -> None:
     torch.manual_seed(seed)
 
 
+# the arguments that name a file or folder (an empty one would mean the working folder) and those that hold text
+# (a name the shell passed as bytes that are not UTF-8 reaches Python as lone surrogates, which no tokenizer takes)
+PATH_ARGUMENTS = ("model", "generator", "tokenizer", "out", "png", "hyp", "ref", "file", "corpus", "checkpoint",
+                  "image", "init", "reliability_png")
+TEXT_ARGUMENTS = ("prompt", "text", "text_b", "src", "tgt", "query", "title")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse an empty path and text that is not UTF-8, naming the flag.
+
+    Raises:
+        ValueError: ``--out ''``, ``--model ''``, ... or a ``--prompt`` / ``--text`` / ... holding bytes that are
+            not UTF-8.
+    """
+    for name in PATH_ARGUMENTS + TEXT_ARGUMENTS:
+        value = getattr(args, name, None)
+        flag = "--" + name.replace("_", "-")
+        for v in value if isinstance(value, list) else [value]:
+            if name in PATH_ARGUMENTS and v == "":
+                raise ValueError(f"{flag} must name a file or folder, got an empty string")
+            if isinstance(v, str):
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise ValueError(f"{flag} is not UTF-8 text (an undecodable byte at character {e.start})") from None
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage mistake is one line (``attnlab CMD: error: ...``) and exit 2, like every other
     user error; ``--help`` still prints the full usage."""
@@ -177,6 +204,7 @@ def main(argv=None) -> int:
     args = build_parser(_command_in(argv)).parse_args(argv)
     try:
         apply_common(args)
+        check_arguments(args)
         if getattr(args, "model", None) is not None:  # a --model may name a run folder: the training layer reads it
             importlib.import_module("attnlab.training.recipes")
         command = importlib.import_module(COMMANDS[args.command][1])

@@ -161,6 +161,11 @@ class _Printer:
         print(text[len(self.shown):], flush=True)
 
 
+def _value_bytes(model) -> int:
+    """Bytes of one value of the model's floating-point weights (its cache holds the same dtype)."""
+    return next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
+
+
 def main(args: argparse.Namespace) -> int:
     import torch
 
@@ -175,7 +180,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--group-size is --int4's: give --int4 too")
     if args.int4:
         from attnlab.adapt.quantize import GROUP_SIZE, check_group_size
-        check_group_size(args.group_size or GROUP_SIZE, name="--group-size")  # before the model loads
+        check_group_size(GROUP_SIZE if args.group_size is None else args.group_size,
+                         name="--group-size")  # before the model loads
     if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS:
         raise ValueError(f"--max-new-tokens must be in [1, {MAX_NEW_TOKENS:,}], got {args.max_new_tokens}")
     if not 1 <= args.num_samples <= MAX_SAMPLES:
@@ -211,7 +217,7 @@ def main(args: argparse.Namespace) -> int:
         model, label = quantize(model, "int8", inplace=True), "int8 (dynamic: int8 weights and activations)"
     elif args.int4:
         from attnlab.adapt.quantize import GROUP_SIZE, quantize
-        g = args.group_size or GROUP_SIZE
+        g = GROUP_SIZE if args.group_size is None else args.group_size
         model, label = quantize(model, "int4", group_size=g, inplace=True), f"int4 (weights in groups of {g})"
     else:
         name, reason = resolve_dtype(args.dtype or "auto", device, name="--dtype")
@@ -240,6 +246,14 @@ def main(args: argparse.Namespace) -> int:
                 cropped = True
                 print(f"past {block} positions each token is predicted from the last {block} tokens "
                       "(the context cropped, as nanoGPT's sample.py)", file=sys.stderr)
+        if cache != "window":  # the window's ring buffer was checked with --window
+            from attnlab._limits import check_memory
+            from attnlab.adapt.deploy import kv_cache_bytes
+
+            positions = block if cache == "crop" else ids.shape[1] + args.max_new_tokens
+            check_memory(f"--max-new-tokens {args.max_new_tokens} with --num-beams {args.num_beams}",
+                         kv_cache_bytes(model, positions, batch=args.num_beams,
+                                        bytes_per_value=_value_bytes(model)), device=device)
         printer = _Printer(loaded.tok)
         if not loaded.encoder_decoder:
             print(text, end="", flush=True)

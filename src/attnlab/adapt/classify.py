@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab._checks import positive_int
+from attnlab._limits import check_forward_memory
 
 
 @dataclass
@@ -113,6 +114,9 @@ def logits_of(model: nn.Module, tokenizer, texts: Sequence[str], texts_b: Option
         for i in range(0, len(texts), batch_size):
             b = encode_texts(tokenizer, texts[i:i + batch_size], None if texts_b is None else texts_b[i:i + batch_size],
                              pad_id=pad, max_length=max_length)
+            rows, length = b.input_ids.shape
+            check_forward_memory(f"batch_size={batch_size} (a batch of {rows} texts of up to {length} tokens)",
+                                 model.config, batch=rows, seq=length, device=device)
             b = EncodedBatch(*(t.to(device) for t in (b.input_ids, b.attention_mask, b.token_type_ids)))
             out.append(forward_logits(model, b).float().cpu())
     return torch.cat(out)

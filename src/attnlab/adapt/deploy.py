@@ -35,12 +35,17 @@ def self_attention_modules(model: nn.Module) -> dict[str, MultiheadAttention]:
             if isinstance(m, (EncoderLayer, DecoderLayer))}
 
 
+def kv_cache_bytes(model: nn.Module, positions: int, *, batch: int = 1, bytes_per_value: int = 4) -> int:
+    """Bytes of the keys and values of ``positions`` positions of ``batch`` rows in every self-attention layer:
+    what a decode's cache grows to, to compare with free memory before decoding."""
+    per_position = sum(m.num_kv_heads * m.head_dim for m in self_attention_modules(model).values())
+    return 2 * positions * batch * per_position * bytes_per_value
+
+
 def window_cache_bytes(model: nn.Module, window: int, *, batch: int = 1, bytes_per_value: int = 4) -> int:
     """Bytes of the ring-buffer KV caches of a sliding ``window`` (each holds ``2 * window`` positions of keys and
-    values per self-attention layer; see :class:`attnlab.modules.cache.KVCache`): what to compare with free memory
-    before decoding."""
-    per_position = sum(m.num_kv_heads * m.head_dim for m in self_attention_modules(model).values())
-    return 2 * 2 * window * batch * per_position * bytes_per_value
+    values per self-attention layer; see :class:`attnlab.modules.cache.KVCache`)."""
+    return kv_cache_bytes(model, 2 * window, batch=batch, bytes_per_value=bytes_per_value)
 
 
 def set_window(model: nn.Module, window: Optional[int]) -> dict[str, Optional[int]]:

@@ -61,7 +61,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from attnlab._checks import int_at_least
+from attnlab._checks import is_int
 from attnlab._io import atomic_write
 from attnlab.modules.cache import KVCache
 from attnlab.modules.multihead import MultiheadAttention
@@ -271,7 +271,8 @@ def export_onnx(model: nn.Module, path: PathLike, *, opset: Optional[int] = None
 
     Raises:
         TypeError: ``model`` is not a supported encoder or decoder.
-        ValueError: the model was quantised or packed for inference (export before that); ``opset`` < 14,
+        ValueError: the model was quantised or packed for inference (export before that); ``opset`` outside
+            [14, the exporter's newest],
             ``example_length`` outside ``[2, positions]`` (a decoder's example also holds one cached position), or
             ``path`` is a folder.
     """
@@ -284,7 +285,11 @@ def export_onnx(model: nn.Module, path: PathLike, *, opset: Optional[int] = None
                          "optimize_for_inference()); export the float model first, then quantise the ONNX file "
                          "(onnxruntime.quantization.quantize_dynamic)")
     opset = DEFAULT_OPSET if opset is None else opset
-    int_at_least("opset", opset, 14)
+    from torch.onnx._constants import ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET as newest  # the exporter's newest
+
+    if not (is_int(opset) and 14 <= opset <= newest):
+        raise ValueError(f"opset must be an int in [14, {newest}] (the exporter's range from SDPA's pieces up), "
+                         f"got {opset!r}")
     decoder = isinstance(model, DecoderOnlyLM) and not _task_head(model)  # a graph with the KV cache
     if _vit(model):  # a fixed picture size: only the batch varies
         c = model.config

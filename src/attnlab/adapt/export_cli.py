@@ -35,14 +35,14 @@ def _summary(names: tuple[str, ...]) -> str:
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from attnlab._io import refuse_overlap
+    from attnlab._io import check_output_file
     from attnlab._runtime import cpu_float32_only
     from attnlab.adapt.export import SUPPORTED, export_onnx, input_names, output_names
     from attnlab.models.hub import from_pretrained, resolve_pretrained
 
     cpu_float32_only(args)
     folder = resolve_pretrained(args.model)
-    refuse_overlap([("--out", args.out)], [("--model", folder)])  # never over the weights it reads
+    check_output_file("--out", args.out, inputs=[("--model", folder)], parents=True)  # never over what it reads
     model = from_pretrained(folder, dtype=torch.float32)
     try:
         outputs = output_names(model)

@@ -121,9 +121,12 @@ def main(args: argparse.Namespace) -> int:
     if args.text_b is not None and len(args.text_b) != len(args.text):
         raise ValueError(f"--text-b must be given once per --text: {len(args.text)} --text, "
                          f"{len(args.text_b)} --text-b")
-    for flag, v in (("--max-length", args.max_length), ("--batch-size", args.batch_size)):
-        if v < 1:
-            raise ValueError(f"{flag} must be >= 1, got {v}")
+    from attnlab._limits import BATCH_LIMIT, LENGTH_LIMIT, max_positions
+
+    for flag, v, limit in (("--max-length", args.max_length, LENGTH_LIMIT), ("--batch-size", args.batch_size,
+                                                                            BATCH_LIMIT)):
+        if not 1 <= v <= limit:
+            raise ValueError(f"{flag} must be an int in [1, {limit:,}], got {v}")
     folder = resolve_pretrained(args.model)
     model = from_pretrained(folder, dtype=model_dtype(args)).to(args.device or "cpu")
     if not is_sequence_classifier(model):
@@ -135,8 +138,11 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--model {args.model} must hold a subword tokenizer.json, not a character tokenizer")
     fmt = format_json if args.format == "jsonl" else format_line
 
+    positions = max_positions(model.config)  # a longer --max-length cuts at the model's positions
+    length = args.max_length if positions is None else min(args.max_length, positions)
+
     def classify(texts: list[str], pairs) -> None:
-        logits = logits_of(model, tokenizer, texts, pairs, batch_size=args.batch_size, max_length=args.max_length)
+        logits = logits_of(model, tokenizer, texts, pairs, batch_size=args.batch_size, max_length=length)
         for row, text in zip(probabilities(logits, model.config), texts):
             print(fmt(row, model.config, text))
         sys.stdout.flush()  # a batch is out before the next is read (a pipe reader sees it as it comes)

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from attnlab._io import check_output_dir, read_text_arg, text_lines
+from attnlab._limits import check_forward_memory, max_positions
 from attnlab.data.tokenizers import CharTokenizer, TextTokenizer, load_tokenizer
 from attnlab.evaluation.analysis import AttentionAnalysis, Batch, analyze, plot_analysis
 
@@ -156,6 +157,14 @@ def main(args: argparse.Namespace) -> int:
     seed = args.seed or 0
     torch.manual_seed(seed)
     batch = encode_texts(tok, texts, max_length=args.max_length)
+    n, length = batch.input_ids.shape
+    given = "--file" if args.file else "--text"
+    positions = max_positions(model.config)
+    if positions is not None and length > positions:
+        raise ValueError(f"{given}: a text holds {length} tokens; the model takes at most {positions}: "
+                         f"give --max-length {positions} to cut the texts")
+    check_forward_memory(f"{given} ({n} texts of up to {length} tokens)", model.config, batch=n, seq=length,
+                         maps=True, device=args.device or "cpu")  # every layer's weights are kept
     result = analyze(model, batch, similarity=args.similarity, prune=not args.no_prune,
                      mask_token_id=tok.token_to_id("[MASK]"), seed=seed)
     stack = " of encoder self-attention" if hasattr(model, "encoder") and hasattr(model, "encode") else ""

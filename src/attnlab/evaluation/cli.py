@@ -128,7 +128,7 @@ def main(args: argparse.Namespace, *, checkpoint_scores: Optional[Callable[[argp
         for opt in ("device", "split", "max_batches", "reliability_png"):
             if getattr(args, opt) is not None:
                 raise ValueError(f"--{opt.replace('_', '-')} applies to --checkpoint only")
-        metrics = parse_metrics(args.metrics or DEFAULT_METRICS, allowed=TEXT_METRICS)
+        metrics = parse_metrics(DEFAULT_METRICS if args.metrics is None else args.metrics, allowed=TEXT_METRICS)
         scores = score_files(args.hyp, args.ref, metrics, tokenize=args.tokenize)
     print(format_table(scores))
     if args.out:

@@ -24,6 +24,7 @@ from attnlab._runtime import progress_bar as tqdm
 
 from attnlab._checks import positive_int
 from attnlab._io import atomic_write_text, check_output_dir, read_input_json
+from attnlab._limits import BATCH_LIMIT, STEPS_LIMIT, check_size
 from attnlab.data.synthetic import BOS, EOS, PAD, ReverseTask
 from attnlab.models.config import TransformerConfig
 from attnlab.models.transformer import Seq2SeqTransformer
@@ -119,8 +120,9 @@ def run(*, out: Optional[str] = None, seed: int = 0, max_steps: int = 800, max_s
     """
     for name, value in (("max_steps", max_steps), ("eval_every", eval_every), ("batch_size", batch_size)):
         positive_int(name, value)
-    if max_seconds is not None and not max_seconds > 0:
-        raise ValueError(f"max_seconds must be positive or None, got {max_seconds!r}")
+        check_size(name, value, STEPS_LIMIT if name != "batch_size" else BATCH_LIMIT)
+    if max_seconds is not None and not (math.isfinite(max_seconds) and max_seconds > 0):
+        raise ValueError(f"max_seconds must be a positive finite number or None, got {max_seconds!r}")
     out_dir = check_out(out)
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)

@@ -10,7 +10,6 @@ temporary file that :func:`latest_checkpoint` ignores.
 from __future__ import annotations
 
 import os
-import pickle
 import random
 import re
 from pathlib import Path
@@ -115,7 +114,7 @@ def load_checkpoint(path: PathLike, *, map_location: Union[str, torch.device] = 
         raise ValueError(f"{path} is not a readable checkpoint: the file is empty")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
-    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError, OSError, AttributeError, TypeError) as e:
+    except Exception as e:  # noqa: BLE001 — unpickling arbitrary bytes raises anything (IndexError, KeyError, ...)
         raise ValueError(f"{path} is not a readable checkpoint: {_first_safe_line(e)}") from None
     if not isinstance(state, dict):
         raise ValueError(f"{path} is not a checkpoint (expected a dict, got {type(state).__name__})")

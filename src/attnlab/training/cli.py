@@ -52,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run a recipe from the parsed command line; returns the exit status."""
     get_recipe(args.recipe)  # unknown recipe: one clear line before anything else
+    if args.lora is not None and not args.lora.strip():  # an empty spec would train without LoRA
+        raise ValueError("--lora must be a spec such as r=8 or r=8,alpha=16,dropout=0.0, got an empty string")
     overrides = parse_set(args.set or [])
     # the common flags, where given, are settings too (an explicit --set wins)
     for key, value in (("seed", args.seed), ("device", args.device), ("dtype", TRAIN_DTYPES.get(args.dtype)),

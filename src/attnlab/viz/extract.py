@@ -25,6 +25,8 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from attnlab._limits import check_forward_memory
+
 KINDS = ("encoder", "decoder", "cross")
 PathLike = Union[str, os.PathLike]
 
@@ -210,6 +212,8 @@ def extract_attention(model, tokenizer, *, text: Optional[str] = None, text_b: O
     if text_b is not None and family != "bert":
         raise ValueError(f"text_b (a sentence pair with token types) needs a BERT model, not {name}")
     ids, toks, types = _encode(_as_tokenizer(tokenizer), text, "text", text_b)
+    check_forward_memory(f"text ({len(ids)} tokens)", model.config, batch=1, seq=len(ids), maps=True,
+                         device=_device(model))  # every layer's weights are kept
     with _rejected("text", len(ids), name):
         ids = torch.tensor([ids], device=_device(model))  # (1, L)
         if family == "bert":
@@ -252,6 +256,8 @@ def _extract_seq2seq(model, tokenizer, src: str, tgt: str) -> AttentionRecord:
     src_ids, src_toks, dec_ids, dec_toks = seq2seq_tokens(model, tokenizer, src, tgt)
     start = getattr(model.config, "decoder_start_token_id", None)
     src_t, dec_t = torch.tensor([src_ids], device=_device(model)), torch.tensor([dec_ids], device=_device(model))
+    check_forward_memory(f"src/tgt ({len(src_ids)}/{len(dec_ids)} tokens)", model.config, batch=1,
+                         seq=max(len(src_ids), len(dec_ids)), maps=True, device=_device(model))
     with _rejected("src/tgt", f"{len(src_ids)}/{len(dec_ids)}", type(model).__name__):
         if start is None:
             out = model(src_t, dec_t, output_attentions=True)

@@ -40,6 +40,9 @@ def main(args: argparse.Namespace) -> int:
     if args.name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {args.name!r}; choose one of {', '.join(EXPERIMENTS)}")
     out = args.out or f"attnlab-explain-{args.name}"
+    from attnlab._io import check_output_dir
+
+    check_output_dir("--out", out)  # not a file, not under one, writable: before the experiment runs
     start = time.perf_counter()
     result = run_experiment(args.name, out, seed=args.seed or 0, quick=args.quick)
     print(f"\n{args.name}: done in {time.perf_counter() - start:.1f} s; wrote "

@@ -115,6 +115,8 @@ def run_recipe(name: str, *, out: PathLike, preset: Optional[str] = None,
     if resume and saved is None:
         what = "does not exist" if not out.exists() else "holds no checkpoint or config.json of a run"
         raise ValueError(f"--resume: --out {out} {what}, so there is nothing to resume; drop --resume to start a new run")
+    if saved is not None and saved.get("recipe") is None:
+        raise ValueError(f"--resume: --out {out} is not a training run (its config.json names no recipe)")
     if saved is not None and saved.get("recipe") != name:
         raise ValueError(f"{out} holds a {saved.get('recipe')!r} run, not {name!r}")
     if saved is not None:

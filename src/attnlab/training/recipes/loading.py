@@ -84,9 +84,10 @@ def load_run(directory: PathLike, *, checkpoint: Optional[PathLike] = None, devi
     else:
         path, state = latest_intact_checkpoint(directory, map_location=device)
     saved = state.get("run") if state is not None and isinstance(state.get("run"), dict) else _read_config(directory)
-    if saved is None:
-        raise FileNotFoundError(f"no config.json in {directory}: not an `attnlab train` output folder")
-    recipe = get_recipe(saved.get("recipe", "?"))
+    if saved is None or saved.get("recipe") is None:
+        what = "no config.json" if saved is None else "a config.json that names no recipe"
+        raise FileNotFoundError(f"{what} in {directory}: not an `attnlab train` output folder")
+    recipe = get_recipe(saved["recipe"])
     settings = resolve_settings(recipe, base=saved.get("settings", {}))
     if path is None:
         raise FileNotFoundError(f"no checkpoint (ckpt-*.pt) in {directory}")
