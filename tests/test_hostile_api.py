@@ -764,6 +764,9 @@ def _model_cases():
         add(f"TransformerConfig({kw})", lambda kw=kw: attnlab.TransformerConfig(src_vocab_size=20, **kw),
             Err((ValueError, TypeError), word))
 
+    add("GPT2Config: every size within its range, the whole beyond memory",
+        lambda: tiny_gpt2(n_embd=65536, n_layer=1024, n_head=1024, vocab_size=1 << 22),
+        Err(ValueError, "n_embd=65536", "of memory"))
     # a config's token ids are kept as transformers keeps them (a small test vocabulary keeps GPT-2's 50256);
     # generate() refuses the ids it is given beyond the vocabulary (family "generate")
     for kw in (dict(eos_token_id=50), dict(bos_token_id=50)):
@@ -1221,12 +1224,13 @@ def _on_alarm(signum, frame):
     raise _Hang()
 
 
-def run_family(family: str) -> dict:
-    """Run every case of ``family`` in this process; print one JSON line per case; return the counts."""
+def run_family(family: str, start: int = 0) -> dict:
+    """Run the cases of ``family`` from number ``start`` on in this process; print one JSON line per case; return
+    the counts."""
     signal.signal(signal.SIGALRM, _on_alarm)
     FAMILIES[family]()
     counts: dict[str, int] = {}
-    for name, fn, expect in CASES[family]:
+    for name, fn, expect in CASES[family][start:]:
         print(json.dumps({"case": name, "start": True}), file=sys.stderr, flush=True)  # the last before a crash
         error = result = None
         with warnings.catch_warnings():
@@ -1269,6 +1273,136 @@ def test_every_hostile_input_has_its_outcome(family):
     assert not bad, f"{len(bad)} of {sum(lines[-1]['counts'].values())} cases not good:\n" + "\n".join(bad)
 
 
+# ------------------------------------------------------------- drawn arguments (hypothesis, in process)
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+DRAWN = dict(max_examples=int(os.environ.get("ATTNLAB_HOSTILE_EXAMPLES", "120")), deadline=None, database=None,
+             derandomize=True, suppress_health_check=list(HealthCheck))
+ODD = st.sampled_from([None, True, False, "1", math.nan, math.inf, -math.inf, 2**62, -2**62, 1e300, -0.0, [1]])
+
+
+def _real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _judge_drawn(call, bad: list, check=None):
+    """``call()`` raises a ValueError/TypeError naming one of ``bad`` (the invalid arguments drawn), or, with
+    nothing bad, returns a result that passes ``check``."""
+    try:
+        result = call()
+    except (ValueError, TypeError) as e:
+        assert bad, f"a valid call was refused: {type(e).__name__}: {e}"
+        assert any(name in str(e) for name in bad), f"the error names none of {bad}: {type(e).__name__}: {e}"
+        return
+    assert not bad, f"accepted invalid {bad}"
+    if check is not None:
+        check(result)
+
+
+def _topk_oracle(q, k, v, top_k, **kw):
+    """The oracle with only each row's ``top_k`` largest visible scores kept (top-k softmax)."""
+    def keep(s, i, j):
+        kth = s.topk(min(top_k, s.shape[-1]), dim=-1).values[..., -1:]
+        return torch.where(s >= kth, s, torch.full_like(s, -math.inf))
+    if kw.get("causal") or kw.get("window") is not None:
+        return None  # masked rows keep fewer than top_k: compared by the fixed cases instead
+    return oracle(q, k, v, score=keep, **kw)
+
+
+@settings(**DRAWN)
+@given(backend=st.sampled_from(["auto", "reference", "sdpa", "short", "tiled"]),
+       scale=st.one_of(st.none(), st.floats(-1e4, 1e4), ODD), window=st.one_of(st.none(), st.integers(-3, 9), ODD),
+       top_k=st.one_of(st.none(), st.integers(-2, 9), ODD), dropout_p=st.one_of(st.just(0.0), st.floats(-1, 2), ODD),
+       causal=st.one_of(st.booleans(), st.sampled_from([0, 1, None, "yes"])))
+def test_drawn_attention_arguments_are_refused_by_name_or_computed(backend, scale, window, top_k, dropout_p, causal):
+    from attnlab import attention
+
+    q, k, v = qkv()
+    bad = [name for name, ok in (
+        ("scale", scale is None or (_real(scale) and math.isfinite(scale))),
+        ("window", window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= 1)),
+        ("top_k", top_k is None or (isinstance(top_k, int) and not isinstance(top_k, bool) and 1 <= top_k <= 7)),
+        ("dropout_p", _real(dropout_p) and 0 <= dropout_p < 1), ("causal", isinstance(causal, bool))) if not ok]
+    kw = dict(scale=scale, window=window, causal=causal)
+    normalize = "softmax" if top_k is None else "topk"
+
+    def check(out):
+        if dropout_p:
+            assert out.shape == (2, 4, 5, 8) and bool(out.isfinite().all()), "dropout's output"
+            return
+        want = oracle(q, k, v, **kw) if top_k is None else _topk_oracle(q, k, v, top_k, **kw)
+        if want is not None:
+            close(want.float())(out)
+    try:
+        _judge_drawn(lambda: attention(q, k, v, normalize=normalize, top_k=top_k, dropout_p=dropout_p,
+                                       backend=backend, **kw), bad, check)
+    except AssertionError as e:
+        if "was refused" in str(e) and f"backend={backend!r}" in str(e):
+            return  # a named backend that cannot compute the request says so
+        raise
+
+
+@settings(**DRAWN)
+@given(max_new_tokens=st.one_of(st.integers(-2, 14), ODD), do_sample=st.one_of(st.booleans(), ODD),
+       temperature=st.one_of(st.floats(-2, 5), ODD), top_k=st.one_of(st.none(), st.integers(-2, 80), ODD),
+       top_p=st.one_of(st.none(), st.floats(-0.5, 1.5), ODD), num_beams=st.one_of(st.integers(-1, 3), ODD))
+def test_drawn_generation_settings_are_refused_by_name_or_decode(max_new_tokens, do_sample, temperature, top_k,
+                                                                 top_p, num_beams):
+    import attnlab
+
+    model, ids = _generation_model(), torch.tensor([[3, 4, 5]])
+
+    def integer(x):
+        return isinstance(x, int) and not isinstance(x, bool)
+    bad = [name for name, ok in (
+        ("max_new_tokens", integer(max_new_tokens) and 1 <= max_new_tokens <= 13),
+        ("do_sample", isinstance(do_sample, bool)),
+        ("temperature", _real(temperature) and 0 < temperature < math.inf),
+        ("top_k", top_k is None or (integer(top_k) and top_k >= 1)),
+        ("top_p", top_p is None or (_real(top_p) and 0 < top_p <= 1)),
+        ("num_beams", integer(num_beams) and 1 <= num_beams <= 1024)) if not ok]
+    if not bad and do_sample and num_beams > 1:
+        bad = ["num_beams"]  # beam sampling is not supported
+
+    def check(out):
+        n = out.shape[1] - 3
+        assert out.shape[0] == 1 and 1 <= n <= max_new_tokens and torch.equal(out[:, :3], ids), tuple(out.shape)
+        assert bool(((out >= 0) & (out < 50)).all()), "an id outside the vocabulary"
+    # max_new_tokens > 13 runs past the 16 positions: refused by name ("max_new_tokens")
+    _judge_drawn(lambda: attnlab.generate(model, ids, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                                          temperature=temperature, top_k=top_k, top_p=top_p, num_beams=num_beams,
+                                          generator=torch.Generator().manual_seed(0)), bad, check)
+
+
+_MODEL = []
+
+
+def _generation_model():
+    if not _MODEL:
+        _MODEL.append(tiny_gpt2())
+    return _MODEL[0]
+
+
+@settings(**DRAWN)
+@given(field=st.sampled_from(["n_layer", "n_head", "n_embd", "vocab_size", "n_positions", "n_inner"]),
+       value=st.one_of(st.integers(-3, 64), st.integers((1 << 22) + 1, 2**45), ODD))
+def test_drawn_model_sizes_are_refused_by_name_or_built(field, value):
+    """A size is built (small), or refused by name: beyond every limit of the size table. (Sizes between 64 and the
+    table's limits build models too large for a test: the fixed cases and ``tests/models/test_hub.py`` refuse them
+    by memory.)"""
+    import attnlab
+
+    base = dict(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    cfg = {**base, field: value}
+    ok_int = isinstance(value, int) and not isinstance(value, bool)
+    small = ok_int and 1 <= value <= 64 and (field != "n_embd" or value % 2 == 0) and (
+        field != "n_head" or 16 % value == 0)
+    bad = [] if (small or (field == "n_inner" and value is None)) else [field]
+    _judge_drawn(lambda: attnlab.GPT2LMHeadModel(attnlab.GPT2Config(**cfg)), bad,
+                 lambda m: _assert(m.config.__dict__[field] == value, "the config changed the value"))
+
+
 if __name__ == "__main__":
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
-    run_family(sys.argv[1])
+    run_family(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0)

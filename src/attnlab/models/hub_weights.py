@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from attnlab._io import check_input_file, read_input_json
-from attnlab._limits import FFN, HEADS, HIDDEN, LAYERS, POSITIONS, SIZE_LIMITS, check_size
+from attnlab._limits import FFN, HEADS, HIDDEN, LAYERS, POSITIONS, SIZE_LIMITS, check_size, estimated_parameters
 from attnlab.models.hub_id import SAFETENSORS_NAME, TORCH_NAME, PathLike
 
 SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"  # transformers' sharded checkpoints
@@ -53,17 +53,7 @@ def check_config_sizes(raw: dict, *, where: str) -> None:
 def _estimated_parameters(raw: dict) -> int:
     """A rough count from the config alone: per layer ``4h² + 2hf`` (attention and feed-forward), plus the
     token and position tables. Within a small factor of the real count for the families here."""
-    total = 0
-    for _, cfg in _size_fields(raw):
-        def size(names):
-            return max((cfg[n] for n in names if isinstance(cfg.get(n), int)), default=0)
-
-        # encoder + decoder stacks (T5: num_layers + num_decoder_layers; BART: encoder_ + decoder_layers)
-        layers = sum(cfg[n] for n in _LAYERS if isinstance(cfg.get(n), int))
-        h = size(_HIDDEN)
-        f = size(_FFN) or 4 * h
-        total += layers * (4 * h * h + 2 * h * f) + (size(("vocab_size",)) + size(_POSITIONS[:2])) * h
-    return total
+    return sum(estimated_parameters(cfg) for _, cfg in _size_fields(raw))
 
 
 def _check_config_matches_weights(raw: dict, weights: dict, *, where: str) -> None:
