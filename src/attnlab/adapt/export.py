@@ -76,8 +76,9 @@ MAX_EXAMPLE_LENGTH = 512  # the longest traced example of a model without a posi
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")  # the encoders'
 SUPPORTED = ("BERT encoders (BertModel, BertForMaskedLM), decoder-only LMs (GPT2LMHeadModel, LlamaForCausalLM), "
              "the classification / question-answering heads on them (BertForSequenceClassification, ...), ViTs "
-             "(ViTModel, ViTForImageClassification), T5 / BART (T5ForConditionalGeneration, BartForConditionalGeneration: "
-             "teacher-forced logits; their task heads: the head's logits) and Seq2SeqTransformer (teacher-forced logits)")
+             "(ViTModel, ViTForImageClassification), T5 / BART (T5ForConditionalGeneration, "
+             "BartForConditionalGeneration: teacher-forced logits; their task heads: the head's logits) and "
+             "Seq2SeqTransformer (teacher-forced logits)")
 
 
 class _Exportable(nn.Module):
