@@ -68,6 +68,7 @@ from attnlab.modules.multihead import MultiheadAttention
 from attnlab.models.bert import BertForMaskedLM, BertModel
 from attnlab.models.causal_lm import CausalLMOutput, DecoderOnlyLM
 from attnlab.models.config import TransformerConfig
+from attnlab.models.seq2seq_heads import t5_or_bart
 from attnlab.nn.positional import RotaryEmbedding
 
 PathLike = Union[str, os.PathLike]
@@ -127,15 +128,7 @@ def _seq2seq(model: nn.Module) -> bool:
     """A teacher-forced encoder–decoder graph: a Seq2SeqTransformer, or T5 / BART with the LM head."""
     from attnlab.models.transformer import Seq2SeqTransformer
 
-    return isinstance(model, Seq2SeqTransformer) or _encoder_decoder(model) and not _task_head(model)
-
-
-def _encoder_decoder(model: nn.Module) -> bool:
-    """T5 or BART: the LM (``…ForConditionalGeneration``) or a task head on it."""
-    from attnlab.models.bart import BartForConditionalGeneration
-    from attnlab.models.t5 import T5ForConditionalGeneration
-
-    return isinstance(model, (T5ForConditionalGeneration, BartForConditionalGeneration))
+    return isinstance(model, Seq2SeqTransformer) or t5_or_bart(model) and not _task_head(model)
 
 
 def _cache_names(prefix: str, num_layers: int) -> list[str]:
@@ -147,7 +140,7 @@ def _task_head(model: nn.Module) -> bool:
     (``config.num_labels``)."""
     return isinstance(model, nn.Module) and hasattr(getattr(model, "config", None), "num_labels") and (
         isinstance(getattr(model, "bert", None), BertModel) or isinstance(model, DecoderOnlyLM)
-        or _encoder_decoder(model))
+        or t5_or_bart(model))
 
 
 def _vit(model: nn.Module) -> bool:
@@ -162,7 +155,7 @@ def input_names(model: nn.Module) -> tuple[str, ...]:
         return ("pixel_values",)
     if _seq2seq(model):
         return ("input_ids", "attention_mask", "decoder_input_ids")
-    if isinstance(model, DecoderOnlyLM) or _encoder_decoder(model):
+    if isinstance(model, DecoderOnlyLM) or t5_or_bart(model):
         if _task_head(model):
             return ("input_ids", "attention_mask")
         return ("input_ids", "attention_mask", *_cache_names("past_key_values", len(model.layers)))
@@ -303,7 +296,7 @@ def export_onnx(model: nn.Module, path: PathLike, *, opset: Optional[int] = None
         if not (isinstance(example_length, int) and 2 <= example_length <= limit):
             raise ValueError(f"example_length must be an int in [2, {limit}], got {example_length!r}")
         make_example = (_decoder_example if decoder else _seq2seq_example if _seq2seq(model)
-                        else _encoder_decoder_example if _encoder_decoder(model) else _encoder_example)
+                        else _encoder_decoder_example if t5_or_bart(model) else _encoder_example)
         example, dynamic = make_example(model, example_length)
     path = Path(path)
     if path.is_dir():
@@ -315,7 +308,7 @@ def export_onnx(model: nn.Module, path: PathLike, *, opset: Optional[int] = None
         if isinstance(m, RotaryEmbedding) and m.cached_positions < _positions(model):
             m._grow(_positions(model))  # the graph keeps the cos/sin table as a constant: make it cover every position
     wrapper = (_DecoderWithCache(traced) if decoder else _Seq2SeqLogits(traced) if _seq2seq(model)
-               and not _encoder_decoder(model) else _Exportable(traced, input_names(model), outputs))
+               and not t5_or_bart(model) else _Exportable(traced, input_names(model), outputs))
 
     def write(tmp: str) -> None:
         with torch.no_grad(), warnings.catch_warnings():

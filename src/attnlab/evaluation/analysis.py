@@ -108,14 +108,6 @@ class _EncoderDecoder(nn.Module):
         return model(input_ids, attention_mask=attention_mask, decoder_input_ids=shifted)
 
 
-def _encoder_decoder(model: nn.Module) -> bool:
-    """T5 or BART: the LM or a task head on it."""
-    from attnlab.models.bart import BartForConditionalGeneration
-    from attnlab.models.t5 import T5ForConditionalGeneration
-
-    return isinstance(model, (T5ForConditionalGeneration, BartForConditionalGeneration))
-
-
 def _is_classifier(model: nn.Module) -> bool:
     """A task head (``.config.num_labels``): on BERT, GPT-2 or Llama (one self-attention stack), or on T5 / BART
     seen through :class:`_EncoderDecoder`."""
@@ -297,13 +289,14 @@ def analyze(model: nn.Module, batch: Batch, *, similarity: str = "cosine", prune
     one_of("similarity", similarity, SIMILARITIES)
     if not isinstance(batch, Batch):
         raise TypeError(f"batch must be an attnlab.evaluation.analysis.Batch, got {type(batch).__name__}")
+    from attnlab.models.seq2seq_heads import t5_or_bart
     from attnlab.models.transformer import Seq2SeqTransformer
 
     whole, was_training = model, model.training
     whole.eval()
     if isinstance(model, Seq2SeqTransformer):  # its source side: the encoder's self-attention
         model = _SourceEncoder(model)
-    elif _encoder_decoder(model):
+    elif t5_or_bart(model):
         model = _EncoderDecoder(model)
     try:
         maps = [a.double() for a in attention_maps(model, batch)]  # layers × (B, H, L, L)

@@ -139,6 +139,11 @@ class _TokenClassification:
         return SequenceClassifierOutput(logits, loss)
 
 
+def t5_or_bart(model: nn.Module) -> bool:
+    """T5 or BART: the LM (``…ForConditionalGeneration``) or a task head on it (the heads subclass the LMs)."""
+    return isinstance(model, (T5ForConditionalGeneration, BartForConditionalGeneration))
+
+
 # ---- the families --------------------------------------------------------------------------------------
 
 
