@@ -1254,16 +1254,20 @@ def run_family(family: str, start: int = 0) -> dict:
     return counts
 
 
-def _run_subprocess(family: str):
+def _run_subprocess(family: str, env: dict):
     out = subprocess.run([sys.executable, __file__, family], capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "OMP_NUM_THREADS": "2"})
+                         env={**os.environ, "OMP_NUM_THREADS": "2", **env})
     lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
     return out, lines
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_every_hostile_input_has_its_outcome(family):
-    out, lines = _run_subprocess(family)
+# the tests run FlexAttention eagerly (conftest); users run it compiled, which reports a mod's errors its own way
+RUNS = [(family, {}) for family in sorted(FAMILIES)] + [("attention", {"ATTNLAB_FLEX_COMPILE": "1"})]
+
+
+@pytest.mark.parametrize("family, env", RUNS, ids=[f + "-flex-compiled" * bool(env) for f, env in RUNS])
+def test_every_hostile_input_has_its_outcome(family, env):
+    out, lines = _run_subprocess(family, env)
     if out.returncode != 0:
         last = [json.loads(x)["case"] for x in out.stderr.splitlines() if x.startswith('{"case"')][-1:]
         pytest.fail(f"{family}: the process ended with exit code {out.returncode} (crash at {last})\n"
