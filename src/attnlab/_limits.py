@@ -4,7 +4,9 @@ One table for the sizes of a model (:data:`SIZE_LIMITS`: layers, heads, widths, 
 ``config.json`` (:func:`attnlab.models.hub.check_config_sizes`) and by a recipe's settings (``--set n_layer=…``,
 :func:`check_settings`) alike; the common flags' checks (:func:`check_seed`, :func:`check_threads`,
 :func:`check_device`); and :func:`check_memory`, which compares an allocation's size with the memory this
-machine has free before it is made. Every refusal is one ``ValueError`` naming the argument and its valid range.
+machine has free before it is made — a training step's (:func:`check_training_memory`), a forward pass's with or
+without its attention maps (:func:`check_forward_memory`: ``predict``'s batches, ``viz`` and ``analyze``), a KV
+cache's (``generate``). Every refusal is one ``ValueError`` naming the argument and its valid range.
 """
 from __future__ import annotations
 
