@@ -3,7 +3,7 @@
 Each case is one ``attnlab ...`` command line and what it must give: ``OK`` (exit 0, and where a check is named,
 the right result), or a refusal — exit 2, ONE line naming the argument (every fragment listed), no traceback, no
 file left behind. For every case, whatever the outcome, the inputs it names (model folders, run folders, text
-files) stay byte-identical. An outcome is classified as the issue's corpus was: ``good``, ``obscure`` (several lines,
+files) stay byte-identical. An outcome is one of: ``good``, ``obscure`` (several lines,
 a traceback-free message that misses the argument, or files left by a refusal), ``silent-wrong`` (accepted what it
 must refuse, or a wrong result), ``crash`` (an exception out of :func:`attnlab.cli.main`), ``data-loss`` (an input
 changed).
