@@ -453,6 +453,74 @@ def _module_cases():
         lambda: (m(x, is_causal=True)[0], m(x, attn_mask=~causal)[0]),
         Ok(lambda r: _assert(torch.allclose(r[0], r[1], atol=1e-6), "is_causal != the causal mask")))
 
+    import attnlab
+    from attnlab import KVCache, LinformerAttention, PerformerAttention, attention_weights, linear_attention
+
+    def overflow():
+        c = KVCache(max_length=4)
+        m(x[:1, :3], cache=c)
+        return m(x[:1, :3], cache=c)
+
+    def batch_change():
+        c = KVCache()
+        m(x, cache=c)
+        return m(x[:1, :1], cache=c)
+    qa, ka = torch.randn(1, 2, 5, 8, generator=g), torch.randn(1, 2, 7, 8, generator=g)
+    va = torch.randn(1, 2, 7, 3, generator=g)
+
+    def elu_oracle(causal):
+        fq, fk = torch.nn.functional.elu(qa.double()) + 1, torch.nn.functional.elu(ka.double()) + 1
+        a = fq @ fk.transpose(-1, -2)
+        if causal:
+            a = a * (torch.arange(7)[None, :] <= torch.arange(5)[:, None] + 2)
+        return (a @ va.double()) / a.sum(-1, keepdim=True)
+    for name, fn, expect in (
+            ("MultiheadAttention: a cache overflowing max_length", overflow, Err(ValueError, "max_length")),
+            ("MultiheadAttention: cache={}", lambda: m(x, cache={}), Err(TypeError, "cache")),
+            ("MultiheadAttention: a cache of another batch", batch_change, Err(ValueError, "reset()")),
+            ("MultiheadAttention: value_embed of the wrong width", lambda: m(x, value_embed=torch.randn(2, 5, 7)),
+             Err(ValueError, "value_embed")),
+            ("MultiheadAttention: rotary for head_dim 6", lambda: mha(8, 2, rotary=attnlab.RotaryEmbedding(6)),
+             Err(ValueError, "rotary")),
+            ("MultiheadAttention: ALiBi of 4 heads on 2", lambda: mha(8, 2, position_bias=attnlab.ALiBi(4)),
+             Err(ValueError, "position_bias")),
+            ("MultiheadAttention: rotary='rope'", lambda: mha(8, 2, rotary="rope"), Err(TypeError, "rotary")),
+            ("MultiheadAttention: q_norm without k_norm", lambda: mha(8, 2, q_norm=attnlab.RMSNorm(4)),
+             Err(ValueError, "k_norm")),
+            ("attention_weights: lse of another shape", lambda: attention_weights(qa, ka, lse=torch.zeros(1, 2, 4)),
+             Err(ValueError, "lse")),
+            ("attention_weights: lse of another request",
+             lambda: attention_weights(qa, ka, lse=attnlab.attention(qa, ka, va, causal=True, return_lse=True)[1]),
+             Err(ValueError, "lse")),
+            ("attention_weights: heads=5 of 2", lambda: attention_weights(qa, ka, heads=5), Err(ValueError, "heads")),
+            ("attention_weights: rows=[]", lambda: attention_weights(qa, ka, rows=[]), Err(ValueError, "rows")),
+            ("attention_weights: rows=[0.5]", lambda: attention_weights(qa, ka, rows=[0.5]), Err(ValueError, "rows")),
+            ("attention_weights: the softmax rows", lambda: attention_weights(qa, ka, rows=[1, 4]),
+             Ok(close(lambda: torch.softmax(qa.double() @ ka.double().transpose(-1, -2) / math.sqrt(8), -1)[:, :, [1, 4]]
+                      .float()))),
+            ("linear_attention: the elu formula", lambda: linear_attention(qa, ka, va),
+             Ok(close(lambda: elu_oracle(False).float()))),
+            ("linear_attention: causal, bottom-right", lambda: linear_attention(qa, ka, va, causal=True),
+             Ok(close(lambda: elu_oracle(True).float()))),
+            ("linear_attention: causal with Lq > Lk", lambda: linear_attention(ka, qa, qa, causal=True),
+             Err(ValueError, "Lq")),
+            ("linear_attention: feature_map='nope'", lambda: linear_attention(qa, ka, va, feature_map="nope"),
+             Err(ValueError, "feature_map")),
+            ("linear_attention: chunk_size=0", lambda: linear_attention(qa, ka, va, causal=True, chunk_size=0),
+             Err(ValueError, "chunk_size")),
+            ("linear_attention: eps=-1", lambda: linear_attention(qa, ka, va, eps=-1.0), Err(ValueError, "eps")),
+            ("PerformerAttention: num_features=0", lambda: PerformerAttention(8, 2, num_features=0),
+             Err(ValueError, "num_features")),
+            ("PerformerAttention: num_features=2**40", lambda: PerformerAttention(8, 2, num_features=2**40),
+             Err(ValueError, "num_features")),
+            ("LinformerAttention: k=0", lambda: LinformerAttention(8, 2, seq_len=16, k=0), Err(ValueError, "k")),
+            ("LinformerAttention: seq_len=2**40", lambda: LinformerAttention(8, 2, seq_len=2**40, k=4),
+             Err(ValueError, "seq_len")),
+            ("LinformerAttention: a sequence past seq_len", lambda: LinformerAttention(8, 2, seq_len=4, k=2)(x),
+             Err(ValueError, "seq_len")),
+    ):
+        add(name, fn, expect)
+
     q2, keys = torch.randn(2, 4, generator=g), torch.randn(2, 6, 5, generator=g)
     vals = torch.randn(2, 6, 3, generator=g)
     add_m = AdditiveAttention(4, 5, 8, value_dim=3)

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from attnlab._runtime import reuse_large_blocks
 from attnlab._checks import boolean, non_negative_number, one_of, positive_int
+from attnlab._limits import check_elements
 from attnlab.functional.request import check_qkv
 
 FEATURE_MAPS = ("elu", "relu", "favor+")
@@ -50,6 +51,8 @@ def favor_projection(num_features: int, dim: int, *, generator: Optional[torch.G
     """
     positive_int("num_features", num_features)
     positive_int("dim", dim)
+    check_elements(f"favor_projection(num_features={num_features}, dim={dim})", -(-num_features // dim) * dim, dim,
+                   device=device or "cpu")
     where = generator.device if generator is not None else device
     blocks = []
     for _ in range(-(-num_features // dim)):

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab._checks import boolean, one_of, positive_int, rate
+from attnlab._limits import check_elements
 from attnlab.backends.dispatch import attention
 from attnlab.functional.linear import FEATURE_MAPS, default_num_features, favor_projection, linear_attention
 
@@ -150,6 +151,8 @@ class LinformerAttention(_SelfAttention):
         super().__init__(embed_dim, num_heads, bias, device, dtype)
         positive_int("seq_len", seq_len)
         positive_int("k", k)
+        check_elements(f"LinformerAttention(seq_len={seq_len}, k={k})", k, seq_len, 1 if share_kv else 2,
+                       device=device or "cpu")
         rate("dropout", dropout)
         _refuse_causal("causal", causal)
         self.seq_len, self.k, self.share_kv, self.dropout = seq_len, k, share_kv, float(dropout)

@@ -90,6 +90,16 @@ class MultiheadAttention(nn.Module):
                 raise ValueError(f"embed_dim={embed_dim} must be divisible by num_heads={num_heads} (or pass head_dim)")
             head_dim = embed_dim // num_heads
         rate("dropout", dropout)
+        for name, module in (("rotary", rotary), ("position_bias", position_bias), ("q_norm", q_norm),
+                             ("k_norm", k_norm)):
+            if module is not None and not callable(module):
+                raise TypeError(f"{name} must be a module (callable) or None, got {type(module).__name__}")
+        if rotary is not None and getattr(rotary, "head_dim", head_dim) != head_dim:
+            raise ValueError(f"rotary is built for head_dim={rotary.head_dim}, but this attention's head_dim is "
+                             f"{head_dim} (embed_dim // num_heads)")
+        if position_bias is not None and getattr(position_bias, "num_heads", num_heads) != num_heads:
+            raise ValueError(f"position_bias is built for {position_bias.num_heads} heads, but this attention has "
+                             f"num_heads={num_heads}")
         if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                                   or not math.isfinite(scale) or scale <= 0):
             raise ValueError(f"scale must be a positive finite float or None (1/sqrt(head_dim)), got {scale!r}")
@@ -167,6 +177,8 @@ class MultiheadAttention(nn.Module):
         for name, flag in (("need_weights", need_weights), ("average_attn_weights", average_attn_weights),
                            ("is_causal", is_causal)):
             boolean(name, flag)
+        if cache is not None and not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be an attnlab.KVCache or None, got {type(cache).__name__}")
         self._check_inputs(query, key, value)
         B, L, _ = query.shape
         H, Hkv, Dh = self.num_heads, self.num_kv_heads, self.head_dim
