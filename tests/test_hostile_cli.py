@@ -3,7 +3,8 @@
 Each case is one ``attnlab ...`` command line and what it must give: ``OK`` (exit 0, and where a check is named,
 the right result), or a refusal — exit 2, ONE line naming the argument (every fragment listed), no traceback, no
 file left behind. For every case, whatever the outcome, the inputs it names (model folders, run folders, text
-files) stay byte-identical. An outcome is one of: ``good``, ``obscure`` (several lines,
+files; not a run folder that ``--resume`` continues: that is an output) stay byte-identical. An outcome is one
+of: ``good``, ``obscure`` (several lines,
 a traceback-free message that misses the argument, or files left by a refusal), ``silent-wrong`` (accepted what it
 must refuse, or a wrong result), ``crash`` (an exception out of :func:`attnlab.cli.main`), ``data-loss`` (an input
 changed).
@@ -13,6 +14,10 @@ finished ``digits-vit`` run, ``{bad}`` a folder of broken models and run folders
 files (empty, BOM, CRLF, NUL, invalid UTF-8, one huge line, binary) and special files (a FIFO, a link to
 ``/dev/zero``), ``{t}`` the test's own empty folder (the working directory). ``{gpt}``, ``{clf}`` and ``{run}`` are
 fresh copies per case that uses them, checked against their originals afterwards.
+
+Beside the corpus: allocations sized by an argument refused when free memory is short (``available_memory``
+patched), a file-size limit standing in for a full disk, and kill -9 at random points of ``export``, ``eval --out``
+and ``train classify`` (the last two ``-m slow``, as are the corpus's cases of a second or more).
 """
 import hashlib
 import io
