@@ -13,7 +13,8 @@ be built or loaded (no compiler, ``ATTNLAB_NATIVE=0``), :func:`available` is Fal
 callers use PyTorch's kernels: the same products up to float32 summation order.
 
 The training passes' wrappers (the short backend's softmax, RMSNorm, RoPE, an FFN's activation, int8 roundings;
-``csrc/train.cpp``) are :mod:`attnlab._native_train`; this module loads the library and holds the rest.
+``csrc/train.cpp``, ``int8_train.cpp``, ``short_attention.cpp``, ``gpt_block.cpp``) are
+:mod:`attnlab._native_train`; this module loads the library and holds the rest.
 
 The library chooses its instruction set itself, once per process (:func:`isa`): AVX-512, AVX2 + FMA or portable C++,
 the best the CPU supports, capped by ``ATEN_CPU_CAPABILITY`` as ATen caps its own (``ATEN_CPU_CAPABILITY=avx2`` runs
@@ -37,7 +38,8 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 # compiled; they include CSRC's headers
-SOURCES = (CSRC / "matvec.cpp", CSRC / "decode.cpp", CSRC / "flash.cpp", CSRC / "train.cpp")
+SOURCES = tuple(CSRC / f for f in ("matvec.cpp", "decode.cpp", "flash.cpp", "train.cpp", "int8_train.cpp",
+                                    "short_attention.cpp", "gpt_block.cpp"))
 # the kernel's regime by default (nothing forced or probed: attnlab._choice): a decode step's rows (batch), by weight
 # dtype — up to where it beat the GEMM kernels on GPT-2's matrices (fp32 up to 8 rows; bf16 and int8 up to 4)
 MAX_ROWS = 4

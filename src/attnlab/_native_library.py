@@ -108,7 +108,7 @@ def _fakes(ops) -> None:
         lambda dh, g, u, act: (torch.empty_like(g), torch.empty_like(g) if u is not None else g.new_empty((0,))))
     fake("attnlab::clip_grad_norm_")(lambda grads, max_norm: torch.empty((), dtype=F32))
 
-    # train.cpp: the short backend's kernel
+    # short_attention.cpp: the short backend's kernel
     fake("attnlab::short_attention")(
         lambda q, k, v, scale, causal, window: (
             _merged(q, q.shape[2]), q.new_empty((*q.shape[:3], k.shape[2]), dtype=F32)))
@@ -124,7 +124,7 @@ def _fakes(ops) -> None:
     fake("attnlab::short_attention_packed_backward")(
         lambda qkv, p, d_out, heads, scale, causal, window: qkv.new_empty(qkv.shape))
 
-    # train.cpp: the int8 roundings and products
+    # int8_train.cpp: the int8 roundings and products
     fake("attnlab::quantize_rows")(
         lambda x, c, levels: (x.new_empty(x.shape, dtype=I8), x.new_empty(x.shape[:1], dtype=F32)))
     fake("attnlab::quantize_rows_cols")(
@@ -154,7 +154,7 @@ def _fakes(ops) -> None:
         return (g.new_empty((T, n), dtype=torch.bfloat16 if dx_bf16 else F32) if dx else none,
                 g.new_empty((out, n), dtype=F32) if dw else none, g.new_empty((out,), dtype=F32) if db else none)
 
-    # train.cpp: the GPT block
+    # gpt_block.cpp: the GPT block
     @fake("attnlab::gpt_block_train")
     def _(x, n1w, n1b, wqkv, bqkv, wo, bo, n2w, n2b, w1, b1, w2, b2, heads, scale, eps1, eps2, act, left, right):
         B, L, C = x.shape

@@ -289,7 +289,7 @@ def gpt_block_train(x: Tensor, n1w: Tensor, n1b: Optional[Tensor], wqkv: Tensor,
                     bo: Optional[Tensor], n2w: Tensor, n2b: Optional[Tensor], w1: Tensor, b1: Optional[Tensor],
                     w2: Tensor, b2: Optional[Tensor], *, heads: int, scale: float, eps: tuple[float, float],
                     activation: str, left: int, right: int) -> Tensor:
-    """A pre-norm GPT block's training forward as one autograd node (``csrc/train.cpp``'s ``gpt_block_train`` and
+    """A pre-norm GPT block's training forward as one autograd node (``csrc/gpt_block.cpp``'s ``gpt_block_train`` and
     its backward op, :mod:`attnlab._native_library`; the caller, :func:`attnlab.nn.layer_native.decoder_train`,
     checks that it applies), ``x (B, L, C)`` float32::
 

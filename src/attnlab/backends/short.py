@@ -8,7 +8,7 @@ training on a CPU with at most :data:`SHORT_KEYS` keys, as many key as query hea
 memory.
 
 Float32 and bf16 requests whose only constraints are ``causal`` and ``window``, with at most :data:`FUSED_KEYS` keys,
-run in C++ (``csrc/train.cpp``, the mask in closed form, no ``M`` built) as one call each way
+run in C++ (``csrc/short_attention.cpp``, the mask in closed form, no ``M`` built) as one call each way
 (:func:`fused_short_attention`: a (batch, head) a task, the products by register tiles, a causal block of 16 queries
 computing only the keys they see); every other request runs :func:`formula`.
 """

@@ -1,5 +1,5 @@
-// The int8 product of attnlab::int8_product on AVX2 (isa 1), with its rescaling fused (included by train.cpp,
-// inside its anonymous namespace, after isa_regions.h and train_body.h: the tiles are rescaled with dequant_vec's
+// The int8 product of attnlab::int8_product on AVX2 (isa 1), with its rescaling fused (included by int8_train.cpp,
+// inside its anonymous namespace, after isa_regions.h with int8_rows.h: the tiles are rescaled with dequant_vec's
 // arithmetic):
 //
 //   y = diag(rs) (A B) diag(cs) + bias,   A (M, K) int8 (rows contiguous), B (K, N) int8 with |b| ≤ 63 (any
@@ -25,7 +25,7 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace u8s8 {
-using namespace avx2;  // the AVX2 region's vocabulary (vec.h) and rows (train_body.h)
+using namespace avx2;  // the AVX2 region's vocabulary (vec.h) and rows (int8_rows.h)
 
 constexpr int64_t NR = 16;  // columns of a panel: two vectors of 8 int32 sums
 constexpr int64_t MR = 4;   // rows of a tile: 4 × 2 accumulators, two vectors of B, the broadcast and scratch

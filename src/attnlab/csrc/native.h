@@ -98,7 +98,7 @@ at::Tensor gated_matvec(const at::Tensor& x, const at::Tensor& w1, const std::op
                         const std::optional<at::Tensor>& b1, const at::Tensor& w3, const std::optional<at::Tensor>& s3,
                         const std::optional<at::Tensor>& b3, int64_t act);
 
-// train.cpp's short attention takes SHORT_ROWS queries at a time: a causal block computes only the keys up to its
+// short_attention.cpp takes SHORT_ROWS queries at a time: a causal block computes only the keys up to its
 // last query's (16-aligned), so at 64 keys 10 of the 16 16 × 16 score tiles.
 constexpr int64_t SHORT_ROWS = 16;
 
