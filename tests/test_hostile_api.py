@@ -496,8 +496,8 @@ def _module_cases():
             ("attention_weights: rows=[]", lambda: attention_weights(qa, ka, rows=[]), Err(ValueError, "rows")),
             ("attention_weights: rows=[0.5]", lambda: attention_weights(qa, ka, rows=[0.5]), Err(ValueError, "rows")),
             ("attention_weights: the softmax rows", lambda: attention_weights(qa, ka, rows=[1, 4]),
-             Ok(close(lambda: torch.softmax(qa.double() @ ka.double().transpose(-1, -2) / math.sqrt(8), -1)[:, :, [1, 4]]
-                      .float()))),
+             Ok(close(lambda: torch.softmax(qa.double() @ ka.double().transpose(-1, -2) / math.sqrt(8), -1)
+                      [:, :, [1, 4]].float()))),
             ("linear_attention: the elu formula", lambda: linear_attention(qa, ka, va),
              Ok(close(lambda: elu_oracle(False).float()))),
             ("linear_attention: causal, bottom-right", lambda: linear_attention(qa, ka, va, causal=True),
@@ -874,6 +874,35 @@ def _model_cases():
     add("GPT-2: a NaN weight gives NaN logits", lambda: _nan_weight_logits(tiny_gpt2(), ids),
         Ok(lambda r: _assert(bool(r.isnan().any()), "the NaN weight vanished")))
 
+    torch.manual_seed(0)
+    t5 = attnlab.T5ForConditionalGeneration(attnlab.T5Config(vocab_size=40, d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                                                             num_heads=2)).eval()
+    vit = attnlab.ViTForImageClassification(attnlab.ViTConfig(
+        image_size=8, patch_size=4, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        num_labels=3)).eval()
+    px = torch.randn(1, 3, 8, 8)
+    t5_ids = torch.tensor([[3, 4, 5]])
+    for name, fn, expect in (
+            ("T5: labels = vocab_size", lambda: t5(t5_ids, labels=torch.tensor([[1, 40]])),
+             Err(ValueError, "labels")),
+            ("T5: labels of -5", lambda: t5(t5_ids, labels=torch.tensor([[1, -5]])), Err(ValueError, "labels")),
+            ("T5: labels of -100 are ignored", lambda: (t5(t5_ids, labels=torch.tensor([[1, -100]])).loss,
+                                                        t5(t5_ids, labels=torch.tensor([[1, 2]]))),
+             Ok(lambda r: _finite(r[0]))),
+            ("T5: float labels", lambda: t5(t5_ids, labels=torch.tensor([[1.0, 2.0]])), Err(ValueError, "labels")),
+            ("T5: neither decoder ids nor labels", lambda: t5(t5_ids), Err(ValueError, "labels")),
+            ("ViT: 12×12 pixels for 8×8", lambda: vit(torch.randn(1, 3, 12, 12)), Err(ValueError, "image_size")),
+            ("ViT: 1 channel for 3", lambda: vit(torch.randn(1, 1, 8, 8)), Err(ValueError, "num_channels")),
+            ("ViT: uint8 pixels", lambda: vit(px.to(torch.uint8)), Err(ValueError, "pixel_values")),
+            ("ViT: 3-D pixels", lambda: vit(px[0]), Err(ValueError, "pixel_values")),
+            ("ViT: label 3 of 3", lambda: vit(px, labels=torch.tensor([3])), Err(ValueError, "labels")),
+            ("ViT: NaN pixels give NaN logits", lambda: vit(torch.full((1, 3, 8, 8), math.nan)).logits,
+             Ok(lambda r: _assert(bool(r.isnan().all()), "the NaN image vanished"))),
+            ("ViTConfig: patch_size 3 of 8", lambda: attnlab.ViTConfig(image_size=8, patch_size=3),
+             Err(ValueError, "patch_size")),
+    ):
+        add(name, fn, expect)
+
     def padded_rows():
         left = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
         mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
@@ -1156,6 +1185,16 @@ def _generate_cases():
         Err(ValueError, "attention_mask"))
     add("right padding", lambda: gen(input_ids=torch.tensor([[1, 2, 0]]), attention_mask=torch.tensor([[1, 1, 0]])),
         Err(ValueError, "attention_mask"))
+    torch.manual_seed(0)
+    t5 = attnlab.T5ForConditionalGeneration(attnlab.T5Config(vocab_size=40, d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                                                             num_heads=2)).eval()
+    add("T5: max_new_tokens=10**9 (no position limit)", lambda: attnlab.generate(t5, ids, max_new_tokens=10**9),
+        Err(ValueError, "max_new_tokens"))
+    add("T5: decoder_start_token_id = vocab_size", lambda: attnlab.generate(t5, ids, max_new_tokens=2,
+                                                                           decoder_start_token_id=40),
+        Err(ValueError, "decoder_start_token_id"))
+    add("T5: 3 beams", lambda: attnlab.generate(t5, ids, max_new_tokens=3, num_beams=3),
+        Ok(lambda r: _assert(r.shape[0] == 1 and 2 <= r.shape[1] <= 4 and bool((r < 40).all()), "beam output")))
     add("eos_token_id stops every row", lambda: gen(eos_token_id=int(greedy_oracle(1)[0, -1]), pad_token_id=0),
         Ok(lambda r: _assert(r.shape[1] == 4, f"did not stop: {r.shape}")))
 

@@ -52,6 +52,7 @@ __all__ = ["GenerationConfig", "generate", "filter_logits", "reorder_cache", "En
 
 CACHES = ("dynamic", "static", "window", "crop")
 MAX_BEAMS = SETTING_LIMITS[("num_beams",)]
+MAX_NEW_TOKENS = SETTING_LIMITS[("block_size", "max_len", "max_tokens", "window")]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +84,8 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         """Check every field (each message names it); ``dataclasses.replace`` checks the new record again."""
         positive_int("max_new_tokens", self.max_new_tokens)
+        if self.max_new_tokens > MAX_NEW_TOKENS:  # an encoder–decoder has no position limit to stop it
+            raise ValueError(f"max_new_tokens must be an int in [1, {MAX_NEW_TOKENS:,}], got {self.max_new_tokens!r}")
         positive_number("temperature", self.temperature, finite=True)
         positive_int("top_k", self.top_k, optional=True)
         if self.top_p is not None and not (is_real(self.top_p) and 0 < self.top_p <= 1):

@@ -274,6 +274,10 @@ class T5ForConditionalGeneration(PreTrainedMixin, nn.Module):
             if input_ids is None:
                 raise ValueError("input_ids (or encoder_outputs) is required")
             encoder_outputs, enc_w = self._encode(input_ids, attention_mask, output_attentions)
+        if labels is not None and (not isinstance(labels, Tensor) or labels.is_floating_point()
+                                   or labels.is_complex() or labels.dtype == torch.bool):
+            raise ValueError(f"labels must be an integer tensor (B, T) of token ids (-100 ignored), got "
+                             f"{getattr(labels, 'dtype', type(labels).__name__)}")
         if decoder_input_ids is None:
             if labels is None:
                 raise ValueError("decoder_input_ids or labels is required")
@@ -283,8 +287,10 @@ class T5ForConditionalGeneration(PreTrainedMixin, nn.Module):
         logits, self_w, cross_w = self._decode(decoder_input_ids, encoder_outputs, attention_mask,
                                                decoder_attention_mask, past_key_values, output_attentions)
         loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+        if labels is not None:  # (labels checked: ids in [0, vocab_size) or -100, of decoder_input_ids' shape)
+            from attnlab.models.classifier import _cross_entropy
+
+            loss = _cross_entropy(logits.float(), labels, tuple(decoder_input_ids.shape), "labels")
         return Seq2SeqLMOutput(logits, encoder_outputs, loss=loss,
                                past_key_values=past_key_values if use_cache else None,
                                encoder_attentions=enc_w, decoder_attentions=self_w, cross_attentions=cross_w)
