@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attnlab._native_library import refuse_second_derivative
 from attnlab.functional.masks import build_mask, split_mask
 
 
@@ -70,7 +69,9 @@ class _FirstDerivativeOnly(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        refuse_second_derivative("the sdpa backend (torch's CPU flash kernel; backend='reference' differentiates twice)")
+        if torch.is_grad_enabled():  # create_graph=True
+            raise RuntimeError("attnlab: the sdpa backend (torch's CPU flash kernel) has no second derivative; "
+                               "backend='reference' differentiates twice")
         return grad
 
 
