@@ -53,26 +53,7 @@ def attention(q, k, v, *, mask, causal, window, scale, score_mod, mask_mod, drop
     attn_mask, is_causal = _sdpa_mask(q, k, mask=mask, causal=causal, window=window, mask_mod=mask_mod)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                          scale=scale, enable_gqa=gqa)
-    if out.requires_grad and q.device.type == "cpu" and v.shape[-1] == q.shape[-1]:  # torch's CPU flash kernel
-        out = _FirstDerivativeOnly.apply(out)
     return out, None
-
-
-class _FirstDerivativeOnly(torch.autograd.Function):
-    """The identity, whose backward names this backend where a gradient is taken with ``create_graph=True``: torch's
-    CPU flash kernel behind SDPA (value width = head dim) has no second derivative (torch's own error names an
-    internal op, one backward later); its math kernel (other value widths) has one."""
-
-    @staticmethod
-    def forward(ctx, out):
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if torch.is_grad_enabled():  # create_graph=True
-            raise RuntimeError("attnlab: the sdpa backend (torch's CPU flash kernel) has no second derivative; "
-                               "backend='reference' differentiates twice")
-        return grad
 
 
 def attention_lse(q, k, v, *, mask, causal, window, scale, mask_mod, **_):
