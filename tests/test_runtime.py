@@ -62,7 +62,10 @@ def test_progress_bar_in_a_kernel_without_ipywidgets_is_the_text_bar_and_warns_n
 
     from attnlab._runtime import progress_bar
 
-    monkeypatch.setitem(sys.modules, "ipykernel", sys.modules.get("ipykernel") or object())
+    import types
+
+    kernel = types.SimpleNamespace(config={"IPKernelApp": {}})
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: kernel))
     monkeypatch.setitem(sys.modules, "ipywidgets", None)  # `import ipywidgets` raises ImportError
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -71,14 +74,32 @@ def test_progress_bar_in_a_kernel_without_ipywidgets_is_the_text_bar_and_warns_n
     bar.close()
 
 
-def test_progress_bar_outside_a_kernel_is_the_text_bar(monkeypatch):
+def test_progress_bar_in_a_process_that_imported_ipykernel_is_the_text_bar(monkeypatch):
     import sys
+    import types
 
     from tqdm import tqdm as text_bar
 
     from attnlab._runtime import progress_bar
 
-    monkeypatch.delitem(sys.modules, "ipykernel", raising=False)
+    monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))  # imported, but no kernel runs here
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: None))
     bar = progress_bar(total=3, disable=True)
     assert type(bar) is text_bar
+    bar.close()
+
+
+def test_progress_bar_in_a_kernel_with_ipywidgets_is_the_widget(monkeypatch):
+    import sys
+    import types
+
+    pytest.importorskip("ipywidgets", reason="ipywidgets is a dev dependency (pip install -e .[dev])")
+    from tqdm.notebook import tqdm as widget_bar
+
+    from attnlab._runtime import progress_bar
+
+    kernel = types.SimpleNamespace(config={"IPKernelApp": {}})
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: kernel))
+    bar = progress_bar(total=3, disable=True)
+    assert isinstance(bar, widget_bar)
     bar.close()

@@ -313,7 +313,7 @@ def progress_bar(*args, **kwargs):
     else (``tqdm.auto`` warns "IProgress not found" into the notebook when ``ipywidgets`` is missing)."""
     from tqdm import tqdm as text_bar
 
-    if "ipykernel" in sys.modules:
+    if _in_kernel():
         try:
             import ipywidgets  # noqa: F401
         except ImportError:
@@ -321,3 +321,14 @@ def progress_bar(*args, **kwargs):
         from tqdm.notebook import tqdm as widget_bar
         return widget_bar(*args, **kwargs)
     return text_bar(*args, **kwargs)
+
+
+def _in_kernel() -> bool:
+    """Whether this process is a Jupyter kernel's (IPython's shell runs under an ``IPKernelApp``), as ``tqdm.auto``
+    decides: a process that merely imported ipykernel (a test runner executing notebooks) is not."""
+    ipython = sys.modules.get("IPython")
+    try:
+        shell = ipython.get_ipython() if ipython is not None else None
+        return shell is not None and "IPKernelApp" in shell.config
+    except Exception:  # an IPython without get_ipython, a shell without a config: not a kernel
+        return False
