@@ -20,7 +20,8 @@ prompt / that time; decode tokens/s = batch · 127 / (whole call − prefill). O
   where it is built; oneDNN's packed inner product otherwise), prefill by ``F.linear``;
 - ``bfloat16`` (only where the CPU computes it natively): weight-only bf16, compared with transformers **fp32**;
 - ``int8``: :func:`attnlab.adapt.quantize` ``"int8"``: int8 weights; decoding steps in attnlab's int8 matvec
-  (activations rounded to int16 per row), prefill in fbgemm's dynamic int8 (activations uint8);
+  (activations rounded to int16 per row), prefill in fbgemm's dynamic int8 or ``torch._int_mm`` (activations int8
+  per row; the ``int8_linear`` choice, probed by ``quantize`` before any timing);
 - ``int4``: :func:`attnlab.adapt.quantize` ``"int4"``: int4 weights in groups of 64 (embeddings too); decoding
   steps in attnlab's int4 matvec (activations rounded to int16 per row), prefill on panels of the dequantised
   weights (float32). CTranslate2 has no int4 on the CPU: its columns in this row are CTranslate2's int8.

@@ -10,8 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnlab import _choice, _native
-from attnlab.adapt.quantize import Int8Linear, quantize
+from attnlab import _choice, _native, _native_train
+from attnlab._runtime import _cpu_name
+from attnlab.adapt import quant_formats
+from attnlab.adapt.quantize import Int8Linear, int_mm_exact, quantize
 from attnlab.nn.inference import PackedLinear, native_rows
 
 NATIVE = _native.available()
@@ -22,7 +24,7 @@ needs_native = pytest.mark.skipif(not NATIVE,
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
     """No force setting, probing on, the cache in ``tmp_path``, an empty table; restored afterwards."""
-    for name in ("ATTNLAB_FORCE_DECODE_LINEAR", "ATTNLAB_KERNELS"):
+    for name in ("ATTNLAB_KERNELS", *(f"ATTNLAB_FORCE_{f.upper()}" for f in _choice.FAMILIES)):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("ATTNLAB_PROBE", "1")
     path = tmp_path / "attnlab" / "choices.json"
@@ -51,7 +53,8 @@ def test_force_settings(fresh, monkeypatch):
      r"ATTNLAB_FORCE_DECODE_LINEAR: decode_linear's candidates are \['own', 'aten'\], got 'fast'"),
     ({"ATTNLAB_KERNELS": "decode_linear=blas"}, r"ATTNLAB_KERNELS: decode_linear's candidates"),
     ({"ATTNLAB_KERNELS": "matmul=own"},
-     r"ATTNLAB_KERNELS takes family=candidate pairs .*\['batch_linear', 'decode_linear'\]; got 'matmul=own'"),
+     r"ATTNLAB_KERNELS takes family=candidate pairs .*\['batch_linear', 'decode_linear', 'int8_linear'\]; "
+     r"got 'matmul=own'"),
     ({"ATTNLAB_KERNELS": "decode_linear"}, r"ATTNLAB_KERNELS takes family=candidate pairs"),
     ({"ATTNLAB_KERNELS": "decode_linear=own", "ATTNLAB_FORCE_DECODE_LINEAR": "aten"}, r"force different candidates"),
     ({"ATTNLAB_PROBE": "yes"}, r"ATTNLAB_PROBE must be 0 or 1, got 'yes'"),
@@ -64,7 +67,8 @@ def test_a_bad_setting_is_one_named_error(fresh, monkeypatch, env, match):
 
 
 def test_unknown_family():
-    with pytest.raises(ValueError, match=r"family must be one of \['batch_linear', 'decode_linear'\], got 'gemm'"):
+    with pytest.raises(ValueError, match=r"family must be one of \['batch_linear', 'decode_linear', 'int8_linear'\], "
+                                         r"got 'gemm'"):
         _choice.forced("gemm")
 
 
@@ -261,9 +265,11 @@ def test_env_reprobe_measures_the_cached_classes_again(fresh, monkeypatch, capsy
     classes = sorted([e["family"], e["dtype"], e["shape"]] for e in _choice.table())
     assert [c for c in classes if c[0] == "decode_linear"] == [["decode_linear", "fp32", [48, 80]],
                                                                ["decode_linear", "int8", [64, 32]]]
+    assert (["int8_linear", "int8", [64, 32]] in classes) == int_mm_exact()
     stale = json_.loads(fresh.read_text(encoding="utf-8"))
-    for e in stale["choices"].values():  # a choice measured under other conditions: own never, aten
-        e.update(seconds=-1.0, **({"crossover": 0} if "crossover" in e else {"choice": "aten"}))
+    for k, e in stale["choices"].items():  # a choice measured under other conditions: own never, the fallback
+        e.update(seconds=-1.0, **({"crossover": 0} if "crossover" in e
+                                  else {"choice": _choice.FALLBACK[k.split("/")[0]]}))
     fresh.write_text(json_.dumps(stale), encoding="utf-8")
     _new_process(monkeypatch)
     assert main(["env", "--reprobe", "--no-measure", "--json"]) == 0
@@ -353,3 +359,90 @@ def test_probe_linears_measures_the_batch_family_of_a_class_the_matvec_serves(fr
     assert main(["env", "--no-measure"]) == 0
     chosen = " ".join(f"{r}:{batch[0]['choice']}" for r in _choice.BATCH_ROWS)
     assert f"batch_linear fp32 64x128 (48x80), probed: rows {chosen}; ms onednn " in capsys.readouterr().out
+
+
+def test_the_cache_is_keyed_by_the_machine_and_torch(monkeypatch):
+    """The cache file's name digests the CPU's model and flags, torch's version, attnlab's and the threads: another
+    torch or another CPU reads another file (and a file whose key differs is ignored: the round-trip test)."""
+    key, path = _choice.machine_key(), _choice.cache_path()
+    assert key["torch"] == torch.__version__ and key["cpu"] == _cpu_name() and len(key["flags"]) == 16
+    assert key["threads"] == torch.get_num_threads()
+    monkeypatch.setattr(torch, "__version__", "0.0")
+    assert _choice.cache_path() != path
+    monkeypatch.undo()
+    monkeypatch.setattr(_choice, "_cpu_name", lambda: "another CPU")
+    assert _choice.cache_path() != path
+
+
+def test_int8_linear_probe_never_chooses_an_inexact_candidate(fresh, weight, monkeypatch):
+    w, b = weight
+    exact = lambda x: F.linear(x, w, b)  # noqa: E731
+    e = _choice.probe_batch("int8", w, b, {"fbgemm": exact, "int_mm": lambda x: exact(x) + 1e3}, family="int8_linear")
+    assert e["inexact"] == ["int_mm"] and e["choice"] == "fbgemm"
+    e = _choice.probe_batch("int8", torch.randn(24, 70), None, {"fbgemm": lambda x: x[:, :24] * 0,
+                                                                "int_mm": lambda x: x[:, :24] * 0},
+                            family="int8_linear")
+    assert e["inexact"] == ["fbgemm", "int_mm"] and e["choice"] == "fbgemm"  # none exact: the fallback
+    _new_process(monkeypatch)
+    assert _choice.batch_kernel("int8", 40, 24, "int_mm", family="int8_linear") == ("fbgemm", "cached")
+    assert _choice.batch_kernel("int8", 40, 24, "onednn") == ("onednn", "default")  # batch_linear: not known
+    monkeypatch.setenv("ATTNLAB_KERNELS", "int8_linear=int_mm")
+    assert _choice.batch_kernel("int8", 40, 24, "fbgemm", family="int8_linear") == ("int_mm", "forced")
+
+
+@needs_native
+@pytest.mark.parametrize("cand", _choice.FAMILIES["int8_linear"])
+def test_each_forced_int8_linear_candidate_equals_the_float_formula(monkeypatch, cand):
+    """An ``"int8"`` layer multiplies more rows than a decoding step's by the forced ``int8_linear`` candidate
+    (``fbgemm``; ``int_mm`` where its sums are exact here): within int8's tolerance of the float64 product of x and
+    the dequantised weight, rows six decades apart; a row holding NaN or inf gets the float layer's result and
+    changes no other row."""
+    if cand == "int_mm" and not int_mm_exact():
+        pytest.skip("torch._int_mm's int8 sums are not exact here (no VNNI that oneDNN may use)")
+    monkeypatch.setenv("ATTNLAB_FORCE_INT8_LINEAR", cand)
+    q = quantize(nn.Sequential(_linear()), "int8")[0]
+    assert q.int8_kernel() == cand
+    calls = []
+    real = _native_train.int8_product
+    monkeypatch.setattr(_native_train, "int8_product", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        for rows in (_choice.DECODE_ROWS + 1, *_choice.BATCH_ROWS, 300):
+            x = torch.randn(rows, 48) * torch.logspace(-3, 3, rows)[:, None]
+            want = F.linear(x.double(), q.weight.double(), q.bias.double())
+            assert ((q(x).double() - want).abs() <= _choice.tolerance("int8", x, q.weight)).all(), rows
+        assert bool(calls) == (cand == "int_mm")
+        x = torch.randn(20, 48)
+        clean = q(x)
+        x[3, 5], x[7, 1] = float("nan"), float("inf")
+        y = q(x)
+        keep = [i for i in range(20) if i not in (3, 7)]
+        assert torch.equal(y[keep], clean[keep])
+        torch.testing.assert_close(y[[3, 7]], F.linear(x[[3, 7]], q.weight, q.bias), rtol=0, atol=0, equal_nan=True)
+
+
+def test_int_mm_forced_where_its_sums_are_not_exact_is_one_named_error(monkeypatch):
+    monkeypatch.setattr(quant_formats, "_onednn_vnni", lambda: False)
+    monkeypatch.setenv("ATTNLAB_FORCE_INT8_LINEAR", "int_mm")
+    q = quantize(nn.Sequential(_linear()), "int8")[0]
+    with pytest.raises(ValueError, match=r"ATTNLAB_FORCE_INT8_LINEAR / ATTNLAB_KERNELS: int8_linear=int_mm needs "
+                                         r"torch._int_mm, .* a CPU with VNNI .*; here only 'fbgemm' runs"):
+        q(torch.randn(_choice.DECODE_ROWS + 1, 48))
+
+
+@needs_native
+def test_quantize_probes_the_int8_linear_family_where_int_mm_is_offered(fresh, capsys):
+    """``quantize(..., "int8")`` times ``fbgemm`` against ``int_mm`` once per shape class where ``int_mm`` is offered
+    (:func:`int_mm_exact`), both exact; the layer follows the choice and ``attnlab env`` lists it. Elsewhere there is
+    nothing to choose: no entry, ``fbgemm``."""
+    from attnlab.cli import main
+
+    q = quantize(nn.Sequential(_linear(48, 80)), "int8")[0]
+    entries = [e for e in _choice.table() if e["family"] == "int8_linear"]
+    if not int_mm_exact():
+        assert entries == [] and q.int8_kernel() == "fbgemm"
+        return
+    assert len(entries) == 1 and entries[0]["shape"] == [48, 80] and entries[0]["inexact"] == []
+    assert entries[0]["source"] == "probed" and q.int8_kernel() == entries[0]["choice"]
+    assert main(["env", "--no-measure"]) == 0
+    chosen = " ".join(f"{r}:{entries[0]['choice']}" for r in _choice.BATCH_ROWS)
+    assert f"int8_linear int8 64x128 (48x80), probed: rows {chosen}; ms fbgemm " in capsys.readouterr().out

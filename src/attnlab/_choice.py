@@ -13,6 +13,11 @@ A *family* is one operation at one regime; its *candidates* compute the same pro
   layer whose weight is kept plain for ``own``'s matvec. ``onednn``: oneDNN's inner product on the plain weight
   (reordered per call); ``aten``: ``F.linear`` (MKL's GEMM, or oneDNN's matmul as ATen picks: AMX where the CPU has
   it). The choice is one candidate per class, probed at :data:`BATCH_ROWS`: the exact one of least total time.
+- ``int8_linear``: an ``"int8"`` layer's (:class:`attnlab.adapt.quant_formats.Int8Linear`) product past ``own``'s
+  rows (a prompt, a batch), each row of ``x`` rounded to int8 on a scale of its own. ``fbgemm``: fbgemm's dynamic
+  int8 product; ``int_mm``: ``torch._int_mm`` (oneDNN's int8 × int8 → int32; offered only where its sums are exact:
+  a CPU with VNNI that oneDNN may use, :func:`attnlab.adapt.quant_formats.int_mm_exact`), rescaled per row and
+  column. Chosen as ``batch_linear``'s, at :data:`BATCH_ROWS`.
 
 How a choice is made, first match wins:
 
@@ -53,10 +58,13 @@ from attnlab._runtime import _cpu_flags, _cpu_name
 
 log = logging.getLogger(__name__)
 
-FAMILIES = {"decode_linear": ("own", "aten"), "batch_linear": ("onednn", "aten")}
+FAMILIES = {"decode_linear": ("own", "aten"), "batch_linear": ("onednn", "aten"),
+            "int8_linear": ("fbgemm", "int_mm")}
+# the candidate a one-choice family (batch_linear, int8_linear) runs where none of its candidates is exact
+FALLBACK = {"batch_linear": "aten", "int8_linear": "fbgemm"}
 DECODE_ROWS = 8  # the decode_linear family's largest batch: forcing ``own`` runs it up to this many rows
 PROBE_ROWS = (1, 2, 4, 6, 8)
-BATCH_ROWS = (16, 64)  # the batch_linear family's probed row counts: a batch, a prompt
+BATCH_ROWS = (16, 64)  # the batch_linear and int8_linear families' probed row counts: a batch, a prompt
 BATCH_MACS = 1 << 28  # a class whose product at max(BATCH_ROWS) rows takes more multiply–adds keeps its default
 PROBE_CALLS = 5  # timed calls per candidate and row count (their median), after one warm-up
 ROUNDS = 2  # rounds of PROBE_CALLS per candidate and row count, alternating; each keeps its fastest median
@@ -217,14 +225,15 @@ def decode_rows(dtype: str, in_features: int, out_features: int, default: int) -
     return (default, "default") if entry is None else (entry["crossover"], entry["source"])
 
 
-def batch_kernel(dtype: str, in_features: int, out_features: int, default: str) -> tuple[str, str]:
-    """``(candidate, source)``: the ``batch_linear`` candidate for this weight's products at more rows than a
-    decoding step's (``"onednn"`` or ``"aten"``), and where it comes from (as :func:`decode_rows`; ``default``:
-    the built-in choice)."""
-    cand = forced("batch_linear")
+def batch_kernel(dtype: str, in_features: int, out_features: int, default: str,
+                 family: str = "batch_linear") -> tuple[str, str]:
+    """``(candidate, source)``: the candidate of ``family`` (``batch_linear``: ``"onednn"`` or ``"aten"``;
+    ``int8_linear``: ``"fbgemm"`` or ``"int_mm"``) for this weight's products at more rows than a decoding step's,
+    and where it comes from (as :func:`decode_rows`; ``default``: the built-in choice)."""
+    cand = forced(family)
     if cand is not None:
         return cand, "forced"
-    entry = _known("batch_linear", dtype, in_features, out_features)
+    entry = _known(family, dtype, in_features, out_features)
     return (default, "default") if entry is None else (entry["choice"], entry["source"])
 
 
@@ -238,12 +247,12 @@ def _known(family: str, dtype: str, in_features: int, out_features: int) -> Opti
 
 
 def needs_probe(dtype: str, in_features: int, out_features: int, family: str = "decode_linear") -> bool:
-    """Whether :func:`probe_decode` (``family="batch_linear"``: :func:`probe_batch`) would measure this weight's
-    class: probing on, nothing forced, the class not known yet (for ``batch_linear``, its product at
-    ``max(BATCH_ROWS)`` rows within :data:`BATCH_MACS`), the process's budget not spent."""
+    """Whether :func:`probe_decode` (``family="batch_linear"`` or ``"int8_linear"``: :func:`probe_batch`) would
+    measure this weight's class: probing on, nothing forced, the class not known yet (for a one-choice family, its
+    product at ``max(BATCH_ROWS)`` rows within :data:`BATCH_MACS`), the process's budget not spent."""
     if forced(family) is not None or not probing() or _spent[0] >= PROBE_BUDGET:
         return False
-    if family == "batch_linear" and max(BATCH_ROWS) * in_features * out_features > BATCH_MACS:
+    if family in FALLBACK and max(BATCH_ROWS) * in_features * out_features > BATCH_MACS:
         return False
     _load_cache()
     return _key(family, dtype, in_features, out_features) not in _table
@@ -345,26 +354,28 @@ def probe_decode(dtype: str, weight: Tensor, bias: Optional[Tensor], candidates:
                                                            "inexact": sorted(inexact), "crossover": crossover})
 
 
-def probe_batch(dtype: str, weight: Tensor, bias: Optional[Tensor], candidates: dict[str, Callable]) -> dict:
-    """Measure the ``batch_linear`` candidates (``{"onednn": f, "aten": g}``, each ``x (rows, in) float32 ->
-    (rows, out)``) at :data:`BATCH_ROWS` on a weight of the class, record the choice for the class and return its
-    entry: ``shape``, ``rows``, ``ms``, ``inexact`` (as :func:`probe_decode`'s), ``choice`` (the exact candidate of
-    least total time over the row counts; ``aten``, ``F.linear``, where none is exact) and ``seconds``."""
+def probe_batch(dtype: str, weight: Tensor, bias: Optional[Tensor], candidates: dict[str, Callable],
+                family: str = "batch_linear") -> dict:
+    """Measure a one-choice family's candidates (``batch_linear``: ``{"onednn": f, "aten": g}``; ``int8_linear``:
+    ``{"fbgemm": f, "int_mm": g}``; each ``x (rows, in) float32 -> (rows, out)``) at :data:`BATCH_ROWS` on a
+    weight of the class, record the choice for the class and return its entry: ``shape``, ``rows``, ``ms``,
+    ``inexact`` (as :func:`probe_decode`'s), ``choice`` (the exact candidate of least total time over the row
+    counts; :data:`FALLBACK` where none is exact) and ``seconds``."""
     start = time.perf_counter()
     ms: dict[str, list] = {c: [None] * len(BATCH_ROWS) for c in candidates}
     inexact: set[str] = set()
     for _ in _measure_rows(dtype, weight, bias, candidates, BATCH_ROWS, ms, inexact):
         pass
     exact = [c for c in candidates if c not in inexact and None not in ms[c]]
-    choice = min(exact, key=lambda c: sum(ms[c])) if exact else "aten"
-    return _record("batch_linear", dtype, weight, start, {"rows": list(BATCH_ROWS), "ms": ms,
-                                                          "inexact": sorted(inexact), "choice": choice})
+    choice = min(exact, key=lambda c: sum(ms[c])) if exact else FALLBACK[family]
+    return _record(family, dtype, weight, start, {"rows": list(BATCH_ROWS), "ms": ms,
+                                                  "inexact": sorted(inexact), "choice": choice})
 
 
 def table() -> list[dict]:
     """The choices known to this process (probed, or read from the cache), for ``attnlab env``: one dict each with
     ``family``, ``dtype``, ``class``, ``shape``, ``ms``, ``rows``, ``inexact``, ``source`` and the family's choice:
-    ``crossover`` (``decode_linear``) or ``choice`` (``batch_linear``)."""
+    ``crossover`` (``decode_linear``) or ``choice`` (``batch_linear``, ``int8_linear``)."""
     if probing():
         _load_cache()
     out = []

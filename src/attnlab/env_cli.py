@@ -82,8 +82,6 @@ def reprobe() -> dict:
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     forgotten = _choice.clear_cache()
     for family, dtype, (n_in, n_out) in forgotten:
-        if family not in ("decode_linear", "batch_linear"):  # (the families that have a probe)
-            continue
         with torch.random.fork_rng():  # a weight of the shape; the user's random stream untouched
             torch.manual_seed(0)
             layer = nn.Linear(n_in, n_out)

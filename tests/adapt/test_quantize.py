@@ -116,6 +116,52 @@ def test_gpt2_close_to_float32_smaller_and_tied_once(mode, make_gpt2):
     assert out.shape == (4, 12)
 
 
+@pytest.mark.skipif(not _native.available(), reason="attnlab's native kernels are not built here")
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@torch.no_grad()
+def test_each_int8_linear_candidate_prefills_a_model_within_the_int8_tolerance(family, make_gpt2, make_llama,
+                                                                              monkeypatch):
+    """A GPT-2 and a Llama quantised to ``"int8"`` prefill a prompt (2 × 32 rows a product: the ``int8_linear``
+    family's regime) with each candidate forced (``fbgemm``; ``int_mm`` where its sums are exact here): every
+    product within int8's tolerance of the float formula on its own input (``attnlab._choice.tolerance``), the
+    logits within 5 % of the float model holding the dequantised weights and of each other's, top-1 ≥ 90 %."""
+    from attnlab import _choice
+    from attnlab.adapt.quant_formats import int_mm_exact
+
+    model = make_gpt2(n_embd=128, n_layer=2, vocab_size=500, n_positions=64) if family == "gpt2" else make_llama()
+    for p in model.parameters():  # the models' own init scale
+        if p.dim() > 1:
+            p.normal_(0, 0.02)
+    ids = torch.randint(0, 97, (2, 32))  # (both vocabularies hold 97 tokens or more)
+    outside = []
+
+    def check(m, inputs, out):
+        x = inputs[0].reshape(-1, m.in_features)
+        want = torch.nn.functional.linear(x.double(), m.weight.double(), None if m.bias is None else m.bias.double())
+        tol = _choice.tolerance("int8", x, m.weight)
+        if not ((out.reshape(-1, m.out_features).double() - want).abs() <= tol).all():
+            outside.append(m)
+
+    logits = {}
+    for cand in [c for c in _choice.FAMILIES["int8_linear"] if c == "fbgemm" or int_mm_exact()]:
+        monkeypatch.setenv("ATTNLAB_FORCE_INT8_LINEAR", cand)
+        q = quantize(model, "int8")
+        layers = [m for m in q.modules() if isinstance(m, Int8Linear)]
+        for m in layers:
+            m.register_forward_hook(check)
+        logits[cand] = q(ids).logits
+        assert outside == [] and all(m.int8_kernel() == cand for m in layers)
+    ref = copy.deepcopy(model)
+    for name, m in ref.named_modules():
+        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+            m.weight.copy_(q.get_submodule(name).weight)
+    want = ref(ids).logits
+    for got in logits.values():
+        assert _rel(got, want) < 0.05 and (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+    if len(logits) == 2:
+        assert _rel(logits["int_mm"], logits["fbgemm"]) < 0.05
+
+
 @torch.no_grad()
 def test_bert_and_cross_attention_models(make_bert, ids):
     bert = make_bert()

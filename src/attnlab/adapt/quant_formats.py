@@ -8,6 +8,8 @@ swaps its layers for these; its docstring states the formats and the modes).
 """
 from __future__ import annotations
 
+import functools
+import os
 import warnings
 from typing import Optional
 
@@ -15,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab import _choice, _native
+from attnlab import _choice, _native, _native_train
 from attnlab._checks import one_of, tensor
+from attnlab._runtime import _cpu_flags
 
 MODES = ("int8", "int8-weight", "int4")
 FLOAT_DTYPES = {"int8": (torch.float32,), "int8-weight": (torch.float32, torch.bfloat16, torch.float16),
@@ -24,6 +27,24 @@ FLOAT_DTYPES = {"int8": (torch.float32,), "int8-weight": (torch.float32, torch.b
 GROUP_SIZE = 64  # int4's default columns per scale
 MAX_GROUP = 32768  # int4's largest group (the kernel's int32 sums of a group stay exact)
 INT4_BLOCK = 128  # int4 columns packed per 64 bytes (quantize_groups)
+# the longest sum of int8 products at ±127 × ±127 an int32 holds exactly: int_mm sums longer rows in parts
+INT8_INNER = (2 ** 31 - 1) // (127 * 127)
+
+
+def int_mm_exact() -> bool:
+    """Whether the ``int8_linear`` family (:mod:`attnlab._choice`) offers ``int_mm`` here: this torch has
+    ``torch._int_mm``, attnlab's kernels are built (they round the rows and rescale the sums), and oneDNN may use
+    a VNNI instruction (:func:`_onednn_vnni`). Without VNNI oneDNN adds ``u8 × s8`` pairs in 16 bits, which
+    saturate where both operands reach ±127: the sums would not be exact."""
+    return _onednn_vnni() and hasattr(torch, "_int_mm") and _native.available()
+
+
+@functools.lru_cache(maxsize=None)
+def _onednn_vnni() -> bool:
+    """AVX512-VNNI or AVX-VNNI, and no ``ONEDNN_MAX_CPU_ISA`` / ``DNNL_MAX_CPU_ISA`` capping oneDNN to AVX2 or
+    below (``csrc/int8_train.cpp``'s ``onednn_has_vnni``, the same rule)."""
+    caps = {os.environ.get(name, "").strip().upper() for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
+    return bool({"avx512_vnni", "avx_vnni"} & _cpu_flags()) and not caps & {"SSE41", "AVX", "AVX2"}
 
 
 def quantize_rows(w: Tensor) -> tuple[Tensor, Tensor]:
@@ -163,6 +184,26 @@ class Int8Linear(_NativeArgs):
             self._rows = _choice.decode_rows(self.mode, self.in_features, self.out_features, _native.MAX_ROWS)[0]
         return self._rows
 
+    def int8_kernel(self) -> str:
+        """The ``int8_linear`` candidate (``"fbgemm"`` or ``"int_mm"``) that computes the ``"int8"`` product past
+        :meth:`own_rows` rows: forced, probed or cached (:mod:`attnlab._choice`), by default ``"fbgemm"``; ``int_mm``
+        only where :func:`int_mm_exact` holds (a cached ``int_mm`` elsewhere runs ``fbgemm``).
+
+        Raises:
+            ValueError: ``int_mm`` forced where :func:`int_mm_exact` does not hold.
+        """
+        if getattr(self, "_kernel", None) is None:
+            cand, source = _choice.batch_kernel("int8", self.in_features, self.out_features, "fbgemm",
+                                                family="int8_linear")
+            if cand == "int_mm" and not int_mm_exact():
+                if source == "forced":
+                    raise ValueError("ATTNLAB_FORCE_INT8_LINEAR / ATTNLAB_KERNELS: int8_linear=int_mm needs "
+                                     "torch._int_mm, attnlab's C++ kernels and a CPU with VNNI that oneDNN may use; "
+                                     "here only 'fbgemm' runs")
+                cand = "fbgemm"
+            self._kernel = cand
+        return self._kernel
+
     def matvec_args(self, x: Tensor) -> Optional[tuple]:
         """``(Q, s, bias)`` for :func:`attnlab._native.matvec` where it serves ``x`` (few rows, on the CPU), else None."""
         if x.numel() <= self.own_rows() * self.in_features and x.device.type == "cpu":
@@ -188,29 +229,42 @@ class Int8Linear(_NativeArgs):
             y = y + self.bias.to(y.dtype)
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
-    def _dynamic(self, x: Tensor) -> Tensor:
-        """``"int8"`` on many rows: fbgemm's int8 product, each row of ``x`` rounded on a scale of its own. fbgemm
-        takes one activation scale per call, so each row is divided by its largest magnitude ``r_i`` and two rows of
-        1 and -1 fix the call's range at ``[-1, 1]``: ``y_i = r_i ((x_i / r_i) Wᵀ) + b``, a row's result independent
-        of every other row. A row holding NaN or inf is computed in floating point, as the float layer computes it
-        (its NaN or inf reaches its own outputs, no other row's)."""
-        x2 = x.reshape(-1, self.in_features).float()
-        r = x2.abs().amax(dim=1, keepdim=True)
-        finite = torch.isfinite(r)
-        r = torch.where(finite & (r > 0), r, torch.ones_like(r))
-        unit = torch.where(finite, x2 / r, torch.zeros_like(x2))
-        ends = torch.ones(2, self.in_features, device=x.device)
-        ends[1] = -1.0
-        y = torch.ops.quantized.linear_dynamic(torch.cat([unit, ends]), self._fbgemm(), True)[:-2].mul_(r)
-        if self.bias is not None:
-            y += self.bias
+    def _dynamic(self, x: Tensor, kernel: Optional[str] = None) -> Tensor:
+        """``"int8"`` on many rows, each row of ``x`` rounded to int8 on a scale of its own (a row's result
+        independent of every other row), by the ``int8_linear`` candidate ``kernel`` (None: :meth:`int8_kernel`):
+
+        - ``"fbgemm"``: fbgemm's dynamic product. It takes one activation scale per call, so each row is divided by
+          its largest magnitude ``r_i`` and two rows of 1 and -1 fix the call's range at ``[-1, 1]``:
+          ``y_i = r_i ((x_i / r_i) Wᵀ) + b`` (fbgemm rounds to 128 levels of that range);
+        - ``"int_mm"``: ``x_i ≈ s_i q_i``, ``s_i = max|x_i| / 127`` (:func:`attnlab._native_train.quantize_rows`),
+          ``y = diag(s_x) (Q_x Qᵀ) diag(s) + b``: ``torch._int_mm``'s exact int32 sums rescaled in one pass
+          (:func:`attnlab._native_train.int8_product`).
+
+        A row holding NaN or inf is computed in floating point, as the float layer computes it (its NaN or inf
+        reaches its own outputs, no other row's)."""
+        x2 = x.reshape(-1, self.in_features).float().contiguous()
+        if (kernel or self.int8_kernel()) == "int_mm" and self._matvec_args():
+            qw, sw, bias = self._matvec_args()
+            q, r = _native_train.quantize_rows(x2, 127)  # r: NaN on a row holding NaN or inf
+            finite = ~r.isnan()
+            y = _native_train.int8_product(q, qw.t(), r, sw, bias, max_inner=INT8_INNER)
+        else:
+            r = x2.abs().amax(dim=1, keepdim=True)
+            finite = torch.isfinite(r)
+            r = torch.where(finite & (r > 0), r, torch.ones_like(r))
+            unit = torch.where(finite, x2 / r, torch.zeros_like(x2))
+            ends = torch.ones(2, self.in_features, device=x.device)
+            ends[1] = -1.0
+            y = torch.ops.quantized.linear_dynamic(torch.cat([unit, ends]), self._fbgemm(), True)[:-2].mul_(r)
+            if self.bias is not None:
+                y += self.bias
+            finite = finite.squeeze(1)
         if not finite.all():
-            rows = ~finite.squeeze(1)
-            y[rows] = F.linear(x2[rows], self.weight, self.bias)
+            y[~finite] = F.linear(x2[~finite], self.weight, self.bias)
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def _reset(self) -> None:
-        self._packed = self._native = self._rows = None
+        self._packed = self._native = self._rows = self._kernel = None
 
     def extra_repr(self) -> str:
         extra = f", compute_dtype={self.compute_dtype}" if self.mode == "int8-weight" else ""

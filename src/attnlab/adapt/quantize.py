@@ -8,8 +8,9 @@ Three modes:
 
 - ``"int8"`` — dynamic quantisation (Jacob et al. 2018; ``torch.ao.quantization.quantize_dynamic``'s
   kernels): at run time the activations are quantised too, each row on its own scale (one row's outlier,
-  NaN or inf never changes another row's result), the product is computed in int8 × int8 → int32 by fbgemm and
-  rescaled: ``y ≈ s_x s_i (Q_x Q_iᵀ) + b``.
+  NaN or inf never changes another row's result), the product is computed in int8 × int8 → int32 by fbgemm or
+  ``torch._int_mm`` (the ``int8_linear`` choice of :mod:`attnlab._choice`) and rescaled: ``y ≈ s_x s_i (Q_x Q_iᵀ)
+  + b``.
 - ``"int8-weight"`` — weight-only: activations stay floating point and the kernel
   (``aten._weight_int8pack_mm``) dequantises the weight on the fly: ``y = (x Qᵀ) ⊙ s + b``, computed in
   ``compute_dtype`` (bfloat16 by default: the fast CPU kernel; float32 is exact but slow). Decoding one
@@ -49,7 +50,7 @@ from attnlab._checks import one_of
 # the formats and layers, importable from here as before
 from attnlab.adapt.quant_formats import (FLOAT_DTYPES, GROUP_SIZE, INT4_BLOCK, MAX_GROUP, MODES,  # noqa: F401
                                          Int4Embedding, Int4Linear, Int8Embedding, Int8Linear, check_group_size,
-                                         dequantize_groups, quantize_groups, quantize_rows)
+                                         dequantize_groups, int_mm_exact, quantize_groups, quantize_rows)
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -144,14 +145,23 @@ def quantize(model: nn.Module, mode: str, *, compute_dtype: Optional[torch.dtype
 
 
 def _probe_int8(model: nn.Module) -> None:
-    """Time the ``decode_linear`` candidates (:mod:`attnlab._choice`) once per mode and shape class of the model's
-    :class:`Int8Linear` layers not yet known: ``own`` (attnlab's int8 matvec) against ``aten``
-    (:meth:`Int8Linear.aten`), each against the float formula of the dequantised weight."""
-    for m in model.modules():
-        if isinstance(m, Int8Linear) and _choice.needs_probe(m.mode, m.in_features, m.out_features) \
-                and m._matvec_args():
+    """Time the kernel candidates (:mod:`attnlab._choice`) once per mode and shape class of the model's
+    :class:`Int8Linear` layers not yet known, each against the float formula of the dequantised weight: first
+    (the process's probe budget goes to a decoding step first) ``decode_linear``, ``own`` (attnlab's int8 matvec)
+    against ``aten`` (:meth:`Int8Linear.aten`); then, for an ``"int8"`` layer where :func:`int_mm_exact` holds,
+    ``int8_linear``, ``fbgemm`` against ``int_mm`` (:meth:`Int8Linear._dynamic`)."""
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    for m in layers:
+        if _choice.needs_probe(m.mode, m.in_features, m.out_features) and m._matvec_args():
             _choice.probe_decode(m.mode, m.weight, m.bias, {
                 "own": lambda x, m=m: _native.matvec(x, *m._matvec_args()), "aten": m.aten})
+    for m in layers:
+        if m.mode == "int8" and int_mm_exact() and _choice.needs_probe(m.mode, m.in_features, m.out_features,
+                                                                       family="int8_linear"):
+            _choice.probe_batch(m.mode, m.weight, m.bias, {c: lambda x, m=m, c=c: m._dynamic(x, c)
+                                                           for c in _choice.FAMILIES["int8_linear"]},
+                                family="int8_linear")
+            m._kernel = None  # (``aten`` above ran the default: the layer reads the choice made now)
 
 
 def _group_for(name: str, width: int, group_size: int) -> int:
