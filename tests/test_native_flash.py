@@ -1,5 +1,5 @@
-"""attnlab's C++ FlashAttention kernel (csrc/flash.cpp) against float64 attention with the same mask, on every
-instruction set this CPU runs, and the tiled backend that calls it.
+"""attnlab's C++ FlashAttention kernel (csrc/flash_forward.cpp, flash_backward.cpp) against float64 attention with the
+same mask, on every instruction set this CPU runs, and the tiled backend that calls it.
 
 Oracle: float64 ``softmax(scale · Q Kᵀ + mask) V`` with causal / sliding-window masks written out densely
 (rows that see no key: output 0, LSE −inf, no gradient), its gradients by float64 autograd.

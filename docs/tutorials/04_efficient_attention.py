@@ -170,7 +170,7 @@ print("weights of 3 rows recovered from the log-sum-exp:", tuple(rows.shape), "r
 # lines coincide: both save $q, k, v$, the output and the log-sum-exp).
 # The times are measured on whatever machine runs this notebook, a few repeats each: read the slopes, not the
 # numbers. `sdpa` is PyTorch's fused kernel; `tiled` is the same algorithm, in C++ for the masks and mods it
-# knows (causal, windows, documents, BigBird blocks, ALiBi, softcap: `src/attnlab/csrc/flash.cpp`) and in readable
+# knows (causal, windows, documents, BigBird blocks, ALiBi, softcap: `src/attnlab/csrc/flash_*.cpp`) and in readable
 # PyTorch for any other `mask_mod`/`score_mod`.
 
 # %%

@@ -13,7 +13,8 @@ be built or loaded (no compiler, ``ATTNLAB_NATIVE=0``), :func:`available` is Fal
 callers use PyTorch's kernels: the same products up to float32 summation order.
 
 The training passes' wrappers (the short backend's softmax, RMSNorm, RoPE, an FFN's activation, int8 roundings;
-``csrc/train.cpp``, ``int8_train.cpp``, ``short_attention.cpp``, ``gpt_block.cpp``) are
+``csrc/train.cpp``, ``int8_quantize.cpp``, ``int8_product.cpp``, ``int8_train.cpp``, ``short_attention.cpp``,
+``gpt_block.cpp``) are
 :mod:`attnlab._native_train`; this module loads the library and holds the rest.
 
 The library chooses its instruction set itself, once per process (:func:`isa`): AVX-512, AVX2 + FMA or portable C++,
@@ -38,8 +39,9 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 # compiled; they include CSRC's headers
-SOURCES = tuple(CSRC / f for f in ("matvec.cpp", "decode.cpp", "flash.cpp", "train.cpp", "int8_train.cpp",
-                                    "short_attention.cpp", "gpt_block.cpp"))
+SOURCES = tuple(CSRC / f for f in ("matvec.cpp", "decode.cpp", "flash_forward.cpp", "flash_backward.cpp", "train.cpp",
+                                    "int8_quantize.cpp", "int8_product.cpp", "int8_train.cpp", "short_attention.cpp",
+                                    "gpt_block.cpp"))
 # the kernel's regime by default (nothing forced or probed: attnlab._choice): a decode step's rows (batch), by weight
 # dtype — up to where it beat the GEMM kernels on GPT-2's matrices (fp32 up to 8 rows; bf16 and int8 up to 4)
 MAX_ROWS = 4
@@ -369,8 +371,8 @@ def decoder_step(x: Tensor, tensors: list, *, rms: bool, eps: tuple[float, float
                                   scale, act, gated)
 
 
-MODS = {None: 0, "alibi": 1, "alibi_symmetric": 2, "softcap": 3}  # the score mods flash.cpp computes itself
-# who computes flash.cpp's block products: its choice (ours with AVX-512, else ATen's), ATen's addmm (the BLAS torch
+MODS = {None: 0, "alibi": 1, "alibi_symmetric": 2, "softcap": 3}  # the score mods csrc/flash.h computes itself
+# who computes csrc/flash.h's block products: its choice (ours with AVX-512, else ATen's), ATen's addmm (the BLAS torch
 # links), our register-tiled kernel
 PRODUCTS = {"auto": -1, "aten": 0, "own": 2}
 
@@ -383,7 +385,7 @@ def _code(table: dict, name: str, value):
 
 
 def own_products() -> bool:
-    """Whether flash.cpp computes its block products itself (``products="auto"`` with AVX-512: faster there than the
+    """Whether csrc/flash.h computes its block products itself (``products="auto"`` with AVX-512: faster there than the
     BLAS) rather than with ATen's addmm (the BLAS torch links)."""
     return available() and isa() >= 2
 
@@ -393,7 +395,7 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
                   granularity: int = 1, mod: Optional[str] = None, slopes: Optional[Tensor] = None, cap: float = 0.0,
                   products: str = "auto") -> tuple[Tensor, Tensor]:
     """Exact softmax attention with interval masks and a few score mods, ``(out (B, H, Lq, Dv), lse (B, H, Lq))``:
-    FlashAttention's forward pass in one call (``csrc/flash.cpp``)::
+    FlashAttention's forward pass in one call (``csrc/flash_forward.cpp``)::
 
         O = softmax(mod(scale · Q Kᵀ) + mask) V,   LSE_i = log Σ_j e^(s_ij)   (-inf and O = 0 on a row that sees nothing)
 

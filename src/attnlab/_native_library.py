@@ -85,7 +85,7 @@ def _fakes(ops) -> None:
         qkv.new_empty((qkv.shape[0], 1, heads * k_cache.shape[-1])))
     fake("attnlab::decoder_step")(lambda x, k_cache, v_cache, t, *args: torch.empty_like(x))
 
-    # flash.cpp
+    # flash_forward.cpp, flash_backward.cpp
     fake("attnlab::flash_forward")(
         lambda q, k, v, *args: (q.new_empty((*q.shape[:3], v.shape[-1])), q.new_empty(q.shape[:3])))
     fake("attnlab::flash_backward")(
@@ -124,7 +124,7 @@ def _fakes(ops) -> None:
     fake("attnlab::short_attention_packed_backward")(
         lambda qkv, p, d_out, heads, scale, causal, window: qkv.new_empty(qkv.shape))
 
-    # int8_train.cpp: the int8 roundings and products
+    # int8_quantize.cpp, int8_product.cpp, int8_train.cpp: the int8 roundings, products and layer
     fake("attnlab::quantize_rows")(
         lambda x, c, levels: (x.new_empty(x.shape, dtype=I8), x.new_empty(x.shape[:1], dtype=F32)))
     fake("attnlab::quantize_rows_cols")(

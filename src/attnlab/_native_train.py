@@ -1,7 +1,8 @@
 """The wrappers of attnlab's C++ training passes (loaded by :mod:`attnlab._native`): the short backend's masked softmax
 and its gradient, RMSNorm, rotary embedding and an FFN's (gated) activation forward and backward in one pass each
 (``csrc/train.cpp``), the short backend's fused attention (``short_attention.cpp``), the int8 roundings and products
-of :mod:`attnlab.adapt.int8_training` (``int8_train.cpp``) and the GPT block (``gpt_block.cpp``). Each reads and writes
+of :mod:`attnlab.adapt.int8_training` (``int8_quantize.cpp``, ``int8_product.cpp``, ``int8_train.cpp``) and the GPT
+block (``gpt_block.cpp``). Each reads and writes
 float32 or bfloat16 with float32 arithmetic, in the caller's instruction set, and raises RuntimeError where the
 kernels are not :func:`~attnlab._native.available` (callers check that first).
 """

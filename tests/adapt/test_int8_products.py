@@ -1,6 +1,7 @@
-"""The int8 products of training (attnlab._native_train: int8_product, int8_linear and its backward, csrc/int8_train.cpp
-and csrc/int8_gemm.h): their int32 sums are exact, so each equals ``torch._int_mm``'s sums (or float64's) rescaled,
-bit for bit, on every instruction set and thread count (ε = 2⁻²⁴ per float32 rounding where a part is summed)."""
+"""The int8 products of training (attnlab._native_train: int8_product, int8_linear and its backward,
+csrc/int8_product.cpp, int8_train.cpp and int8_gemm.h): their int32 sums are exact, so each equals
+``torch._int_mm``'s sums (or float64's) rescaled, bit for bit, on every instruction set and thread count (ε = 2⁻²⁴
+per float32 rounding where a part is summed)."""
 import pytest
 import torch
 

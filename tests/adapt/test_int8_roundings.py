@@ -1,4 +1,5 @@
-"""The roundings of int8 products in training (attnlab._native_train's C++ passes, csrc/int8_train.cpp) against float64.
+"""The roundings of int8 products in training (attnlab._native_train's C++ passes, csrc/int8_quantize.cpp) against
+float64.
 
 Oracles and tolerances (ε = 2⁻²⁴ per float32 rounding):
 - Quantisation: the scale is the float32 quotient max|x c| / k, so it is compared exactly; every rounded value

@@ -1,4 +1,4 @@
-"""The tiled backend's C++ path (``csrc/flash.cpp`` through :mod:`attnlab._native`): which requests it computes, with
+"""The tiled backend's C++ path (``csrc/flash_*.cpp`` through :mod:`attnlab._native`): which requests it computes, with
 which tiles, and the autograd Function around its two passes. :mod:`attnlab.backends.tiled` calls it first and runs
 its PyTorch loop for everything else.
 
@@ -82,7 +82,8 @@ def native_blocks(window: Optional[int], request: dict) -> tuple:
 
 
 class NativeFlash(torch.autograd.Function):
-    """Both passes in C++ (``csrc/flash.cpp``), in float32; ``(out in q's dtype, lse float32)``."""
+    """Both passes in C++ (``csrc/flash_forward.cpp``, ``flash_backward.cpp``), in float32; ``(out in q's dtype, lse
+    float32)``."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale, causal, window, blocks, request):

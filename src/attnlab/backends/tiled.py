@@ -16,7 +16,7 @@ Backward recomputes each block's scores from ``(Q, K, V, O, LSE)`` — nothing `
 Float32/bf16/fp16 requests on the CPU whose mask is intervals of keys per query (causal, a sliding window, a
 ``mask_mod`` with ``key_spans``: packed documents, prefix-LM) or BigBird's block layout and whose ``score_mod`` is none,
 ALiBi or softcap (with no tensor needing a gradient) run both passes as one C++ call each
-(:mod:`attnlab.backends.flash_native`, ``csrc/flash.cpp``: the same algorithm, the block products in a register-tiled
+(:mod:`attnlab.backends.flash_native`, ``csrc/flash_*.cpp``: the same algorithm, the block products in a register-tiled
 kernel of its own (AVX-512) or the BLAS torch uses, the element-wise passes fused and vectorised); everything else
 runs the PyTorch loop below.
 

@@ -1,5 +1,6 @@
-// The vector code of flash.cpp: the element-wise passes over one row of a score block, written once with GCC's
-// vector extensions and compiled per instruction set (isa_regions.h), on top of decode_body.h's `exp_any`.
+// The vector code of flash_forward.cpp and flash_backward.cpp: the element-wise passes over one row of a score
+// block, written once with GCC's vector extensions and compiled per instruction set (isa_regions.h), on top of
+// decode_body.h's `exp_any`.
 // A row's visible keys are one interval [c0, c1) of the block's n columns (causal and sliding-window masks are
 // intervals); the columns outside it get probability 0.
 
@@ -71,7 +72,7 @@ inline void scale_row(float* y, int64_t n, float a) {
   return ax < splat(0.625f) ? p * z * x + x : (x < splat(0.f) ? -big : big);
 }
 
-// The score_mods the kernel computes itself (codes of flash.cpp's Mod), on the columns [c0, c1) of one row whose
+// The score_mods the kernel computes itself (codes of flash.h's Mod), on the columns [c0, c1) of one row whose
 // column 0 is the key at distance d0 = (key position − query position):
 //   ALiBi        s_j += m · (d0 + j)        symmetric ALiBi  s_j −= m · |d0 + j|        softcap  s_j = c · tanh(s_j / c)
 inline void mod_row(int64_t mod, float* s, int64_t c0, int64_t c1, float param, int64_t d0) {

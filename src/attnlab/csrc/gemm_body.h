@@ -1,6 +1,6 @@
 // Small float32 block products with register tiles, and the transposes that feed them, written with GCC's vector
 // extensions (vec.h's `VF`, `L`, `load`, `store`, `splat`) and compiled per instruction set (isa_regions.h):
-// flash.cpp's attention blocks and short_attention.cpp's.
+// flash.h's attention blocks and short_attention.cpp's.
 
 // The block products of our own: C (M × N, row stride ldc) = α Σ_k A(i, k) B(k, ·), added to C when `acc`, with
 // A(i, k) = A[i·sa + k·sk] (A row-major: sa = lda, sk = 1; Aᵀ stored: sa = 1, sk = lda) and B row-major (ldb).

@@ -1,6 +1,6 @@
-// The int8 product of attnlab::int8_product on AVX2 (isa 1), with its rescaling fused (included by int8_train.cpp,
-// inside its anonymous namespace, after isa_regions.h with int8_rows.h: the tiles are rescaled with dequant_vec's
-// arithmetic):
+// The int8 product of attnlab::int8_product on AVX2 (isa 1), with its rescaling fused (included by int8_product.cpp
+// and int8_train.cpp inside their anonymous namespace, after isa_regions.h with int8_rows.h: the tiles are rescaled
+// with dequant_vec's arithmetic):
 //
 //   y = diag(rs) (A B) diag(cs) + bias,   A (M, K) int8 (rows contiguous), B (K, N) int8 with |b| ≤ 63 (any
 //   strides), y (M, N) float32 or bfloat16 contiguous. K past a multiple of 8 is padded with zero rows of B.

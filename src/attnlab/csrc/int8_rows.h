@@ -1,6 +1,7 @@
-// The vector code of int8_train.cpp (attnlab.adapt.int8_training): symmetric int8 rounding with one scale per row
-// or column, and int8 products' int32 sums back to float32 or bf16 — rows of float32 or bfloat16 read through
-// vec.h's `ld`, compiled per instruction set (isa_regions.h).
+// The vector code of the int8 files (int8_quantize.cpp, int8_product.cpp, int8_train.cpp: attnlab.adapt.
+// int8_training): symmetric int8 rounding with one scale per row or column, and int8 products' int32 sums back to
+// float32 or bf16 — rows of float32 or bfloat16 read through vec.h's `ld`, compiled per instruction set
+// (isa_regions.h).
 
 // round(a s) half to even for |a s| < 2²²: a s + 1.5·2²³ rounded once (fmadd: the exact product, as the tests'
 // reference; one rule on every lane and tail, spelt out: left to GCC's contraction, which register of a row was fused
