@@ -214,7 +214,7 @@ def test_the_instruction_set_follows_aten_cpu_capability():
 def test_no_call_raises_the_instruction_set_above_the_cpus():
     """The ops take no instruction set; limit_isa only lowers the library's (its argument checked)."""
     assert all("isa" not in op.default._schema.arguments[-1].name for op in
-               (getattr(torch.ops.attnlab, name) for name in ("matvec", "flash_forward", "softmax_rows")))
+               (getattr(torch.ops.attnlab, name) for name in ("matvec", "flash_forward", "short_attention")))
     try:
         assert _native.limit_isa(0) == 0 and _native.isa() == 0
         assert _native.limit_isa(2) == CAP and _native.isa() == CAP

@@ -40,7 +40,6 @@ def _samples():
     x, w = _randn(3, 64), _randn(24, 64, seed=1)
     q, k, v = (_randn(2, 3, 8, 16, seed=s) for s in (2, 3, 4))
     qkv = _randn(2, 8, 3 * 32, seed=5)
-    s = _randn(6, 8, 8, dtype=torch.bfloat16, seed=6)
     w8, sw = torch.randint(-63, 64, (24, 64), dtype=torch.int8), _randn(24).abs() + 0.1
     out = [
         (ops.matvec, (x, w, None, _randn(24, seed=7))),
@@ -49,8 +48,6 @@ def _samples():
         (ops.rms_norm, (x, _randn(64, seed=9), 1e-5)),
         (ops.activate, (x, None, 1)),
         (ops.flash_forward, (q, k, v, 0.25, True, -1, None, None, 1, 0, None, 0.0, 16, 16, -1)),
-        (ops.softmax_rows, (s, 0.5, True, -1, True)),
-        (ops.softmax_rows_backward, (s, _randn(6, 8, 8, seed=10), 0.5)),
         (ops.rms_norm_train, (x, _randn(64, seed=9), 1e-5)),
         (ops.rope_train, (q.transpose(1, 2).contiguous().transpose(1, 2), _randn(8, 8), _randn(8, 8, seed=1), 1.0)),
         (ops.act_train, (x, None, 1, True)),
@@ -78,10 +75,10 @@ def _samples():
     return out
 
 
-@pytest.mark.parametrize("i", range(25))
+@pytest.mark.parametrize("i", range(23))
 def test_the_fakes_give_the_real_ops_shapes_dtypes_and_strides(i):
     samples = _samples()
-    assert len(samples) == 25
+    assert len(samples) == 23
     op, args = samples[i]
     torch.library.opcheck(op, args, test_utils=OPCHECK)
 

@@ -130,8 +130,6 @@ def _bases() -> dict:
         "decoder_step": ("decode", step_args),
         "flash_forward": ("flash", flash_args),
         "flash_backward": ("flash", flash_bwd_args),
-        "softmax_rows": ("rows", lambda: [_g(2, 5, 7), 0.5, True, -1, False]),
-        "softmax_rows_backward": ("rows", lambda: [_g(2, 5, 7), torch.rand(2, 5, 7), 0.5]),
         "rms_norm_train": ("rows", lambda: [_g(4, 8), _g(8, seed=1), 1e-6]),
         "rms_norm_train_backward": ("rows", rms_bwd_args),
         "rope_train": ("rows", lambda: [_g(1, 2, 3, 8), _g(3, 4, seed=1), _g(3, 4, seed=2), 1.0]),
@@ -166,8 +164,6 @@ def _references() -> dict:
         "rms_norm": lambda a: rms(*a),
         "rms_norm_train": lambda a: rms(*a),
         "activate": lambda a: torch.nn.functional.gelu(a[0]),
-        "softmax_rows": lambda a: torch.softmax((a[0] * a[1]).masked_fill(
-            torch.ones(5, 7, dtype=torch.bool).triu(7 - 5 + 1), -math.inf), -1),
         "flash_forward": lambda a: torch.nn.functional.scaled_dot_product_attention(
             a[0], a[1].expand(-1, 2, -1, -1), a[2].expand(-1, 2, -1, -1), scale=a[3],
             attn_mask=torch.ones(9, 11, dtype=torch.bool).tril(11 - 9)),

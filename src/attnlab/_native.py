@@ -169,7 +169,6 @@ def _load() -> None:
                       attend_decode=ops.attend_decode.default, flash_forward=ops.flash_forward.default,
                       flash_backward=ops.flash_backward.default, activate=ops.activate.default,
                       int4_dequantize=ops.int4_dequantize.default,
-                      softmax_rows=ops.softmax_rows.default, softmax_rows_backward=ops.softmax_rows_backward.default,
                       rms_norm_train=ops.rms_norm_train.default,
                       rms_norm_train_backward=ops.rms_norm_train_backward.default, rope_train=ops.rope_train.default,
                       act_train=ops.act_train.default, act_train_backward=ops.act_train_backward.default,
@@ -305,7 +304,7 @@ def runs_on(x: Tensor) -> bool:
 
 
 def trainable(*xs: Optional[Tensor], contiguous: bool = True) -> bool:
-    """Whether the training passes (:func:`softmax_rows` and its backward) may take ``xs`` (None entries skipped):
+    """Whether the training passes (:mod:`attnlab._native_train`) may take ``xs`` (None entries skipped):
     float32 or bfloat16 CPU tensors of one dtype, contiguous (unless ``contiguous=False``), :func:`runs_on` each."""
     xs = [x for x in xs if x is not None]
     return xs[0].dtype in (torch.float32, torch.bfloat16) and all(

@@ -92,11 +92,6 @@ def _fakes(ops) -> None:
         lambda q, k, v, out, lse, d_out, *args: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
 
     # train.cpp: the element-wise passes
-    fake("attnlab::softmax_rows")(
-        lambda s, scale, causal, window, cast: (
-            s.new_empty(s.shape, dtype=F32),
-            torch.empty_like(s) if cast and s.dtype != F32 else s.new_empty((0,))))
-    fake("attnlab::softmax_rows_backward")(lambda dp, p, scale: torch.empty_like(dp))
     fake("attnlab::rms_norm_train")(
         lambda x, w, eps: (torch.empty_like(x), x.new_empty((_rows(x),), dtype=F32)))
     fake("attnlab::rms_norm_train_backward")(

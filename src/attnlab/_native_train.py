@@ -1,10 +1,9 @@
-"""The wrappers of attnlab's C++ training passes (loaded by :mod:`attnlab._native`): the short backend's masked softmax
-and its gradient, RMSNorm, rotary embedding and an FFN's (gated) activation forward and backward in one pass each
-(``csrc/train.cpp``), the short backend's fused attention (``short_attention.cpp``), the int8 roundings and products
-of :mod:`attnlab.adapt.int8_training` (``int8_quantize.cpp``, ``int8_product.cpp``, ``int8_train.cpp``) and the GPT
-block (``gpt_block.cpp``). Each reads and writes
-float32 or bfloat16 with float32 arithmetic, in the caller's instruction set, and raises RuntimeError where the
-kernels are not :func:`~attnlab._native.available` (callers check that first).
+"""The wrappers of attnlab's C++ training passes (loaded by :mod:`attnlab._native`): RMSNorm, rotary embedding and an
+FFN's (gated) activation forward and backward in one pass each (``csrc/train.cpp``), the short backend's fused
+attention (``short_attention.cpp``), the int8 roundings and products of :mod:`attnlab.adapt.int8_training`
+(``int8_quantize.cpp``, ``int8_product.cpp``, ``int8_train.cpp``) and the GPT block (``gpt_block.cpp``). Each reads
+and writes float32 or bfloat16 with float32 arithmetic, in the caller's instruction set, and raises RuntimeError
+where the kernels are not :func:`~attnlab._native.available` (callers check that first).
 """
 from __future__ import annotations
 
@@ -15,36 +14,6 @@ from torch import Tensor
 
 from attnlab import _native
 from attnlab._native import ACTIVATIONS, GATES
-
-
-def softmax_rows(s: Tensor, *, scale: float, causal: bool, window: Optional[int], cast: bool
-                 ) -> tuple[Tensor, Optional[Tensor]]:
-    """The short backend's masked softmax in one pass: ``s (G, Lq, Lk)`` contiguous float32 or bfloat16 scores ->
-    ``(P float32, P in s's dtype or None)``::
-
-        P_ij = e^(κ s_ij − m_i) / Σ_k e^(κ s_ik − m_i)  over the keys row i sees,  0 elsewhere
-
-    row i sits at position ``t = i + Lk − Lq`` and sees the keys ``causal`` (``j ≤ t``) and ``window`` w (``t − j <
-    w``; without causal ``|t − j| < w``) allow; a row that sees none is all 0. ``cast``: also return P in ``s``'s
-    dtype when that is not float32 (the operand of ``P V``). A NaN or infinite score gives a NaN row.
-
-    Raises:
-        RuntimeError: the native kernels are not :func:`~attnlab._native.available` (callers check that first).
-    """
-    _native._need()
-    p, pc = _native._state["softmax_rows"](s, scale, causal, -1 if window is None else window, cast)
-    return p, (pc if pc.numel() else None)
-
-
-def softmax_rows_backward(dp: Tensor, p: Tensor, *, scale: float) -> Tensor:
-    """``dS = κ P ∘ (dP − rowsum(dP ∘ P))`` in ``dp``'s dtype (float32 or bfloat16, ``(G, Lq, Lk)``), ``p`` the float32
-    probabilities of :func:`softmax_rows`; ``κ`` folded in for ``dQ = dS K``, ``dK = dSᵀ Q``.
-
-    Raises:
-        RuntimeError: the native kernels are not :func:`~attnlab._native.available` (callers check that first).
-    """
-    _native._need()
-    return _native._state["softmax_rows_backward"](dp, p, scale)
 
 
 def rms_norm_train(x: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -138,8 +107,9 @@ def act_train_backward(dh: Tensor, g: Tensor, u: Optional[Tensor], activation: s
 
 def short_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, window: Optional[int]
                     ) -> tuple[Tensor, Tensor]:
-    """``P = softmax(κ Q Kᵀ)`` over the keys each query sees (``causal``, ``window``: :func:`softmax_rows`' rule),
-    ``O = P V``, one (batch, head) a task in float32: ``q (B, H, Lq, D)``, ``k``, ``v (B, H, Lk, D)`` float32 or
+    """``P = softmax(κ Q Kᵀ)`` over the keys each query sees (query i at position ``t = i + Lk − Lq`` sees key j where
+    ``causal`` (``j ≤ t``) and ``window`` w (``t − j < w``; without causal ``|t − j| < w``) allow; a row that sees none
+    is 0), ``O = P V``, one (batch, head) a task in float32: ``q (B, H, Lq, D)``, ``k``, ``v (B, H, Lk, D)`` float32 or
     bfloat16 of one dtype, any strides with the last 1 (views of a packed projection). Returns ``(out, p)``: ``out``
     in q's dtype, ``(B, H, Lq, D)`` as a view of a contiguous ``(B, Lq, H, D)`` (the heads merged); ``p (B, H, Lq,
     Lk)`` float32 for :func:`short_attention_backward`, written only where computed (a causal block of 16 queries

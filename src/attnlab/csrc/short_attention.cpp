@@ -3,10 +3,12 @@
 //
 //   attnlab::short_attention(q, k, v, scale, causal, window) -> (out, p)
 //       q (B, H, Lq, D), k, v (B, H, Lk, D) float32 or bfloat16 of one dtype, any strides with the last 1 (views of
-//       a packed projection): out = softmax(κ Q Kᵀ) V on the keys each query sees (as softmax_rows), computed per
-//       (batch, head) in float32 with the scores in the task's buffer; out (B, H, Lq, D) a view of a contiguous
-//       (B, Lq, H, D) tensor (the heads already merged for the output projection); p (B, H, Lq, Lk) float32 holds
-//       P for the backward where computed (a causal block's keys up to its last query's; the rest is not written)
+//       a packed projection): out = softmax(κ Q Kᵀ) V on the keys each query sees (query i sits at position
+//       t = i + Lk − Lq and sees the keys [lo, hi) of causal (hi = t + 1) and window w (lo = t − w + 1; without causal
+//       hi = t + w); a query that sees none gets 0), computed per (batch, head) in float32 with the scores in the
+//       task's buffer; out (B, H, Lq, D) a view of a contiguous (B, Lq, H, D) tensor (the heads already merged for
+//       the output projection); p (B, H, Lq, Lk) float32 holds P for the backward where computed (a causal block's
+//       keys up to its last query's; the rest is not written)
 //   attnlab::short_attention_backward(q, k, v, p, d_out, scale, causal, window) -> (dq, dk, dv)
 //       κ dS = κ P ∘ (dP − rowsum(dP ∘ P)): dQ = κ dS K, dK = κ dSᵀ Q, dV = Pᵀ dO, each (B, H, L, D) a view of a
 //       contiguous (B, L, H, D) tensor

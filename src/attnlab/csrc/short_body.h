@@ -1,11 +1,73 @@
 // The vector code of short_attention.cpp: one (batch, head) of the short backend's fused attention, forward and
-// backward — the block products of gemm_body.h and the softmax rows of train_body.h — compiled per instruction set
-// (isa_regions.h).
+// backward — the block products of gemm_body.h and the softmax rows below — compiled per instruction set
+// (isa_regions.h), on top of train_body.h.
 
 #include "train_body.h"
 #include "gemm_body.h"
 
 using attnlab_native::SHORT_ROWS;
+
+// the lanes of the vector at j whose keys j + i lie in [c0, c1)
+inline VI seen(VI lane, int64_t j, int64_t c0, int64_t c1) {
+  return (lane + static_cast<int32_t>(j) >= static_cast<int32_t>(c0)) &
+         (lane + static_cast<int32_t>(j) < static_cast<int32_t>(c1));
+}
+
+// One row of the softmax of masked, scaled scores, in place:  p_j = e^(κ s_j − m) / Σ_k e^(κ s_k − m) for j in the
+// visible keys [c0, c1), m = max_k κ s_k, and p_j = 0 outside (a row that sees nothing is all 0). A NaN score makes
+// the row's visible keys NaN; an infinite one too (∞ − ∞), as softmax. Whole vectors throughout, the mask a lane
+// test (a causal row's length varies by one each row: scalar loops over its edges cost more than its exponentials);
+// vectors with no visible key skip the exponential.
+inline void softmax_row(float* p, int64_t n, int64_t c0, int64_t c1, float scale) {
+  VI lane;
+  for (int i = 0; i < L; ++i) lane[i] = i;
+  const int64_t full = n - n % L;  // [full, n): the last, partial vector (read and written through ld_part/st_part)
+  VF vmax = splat(-INFINITY);
+  VI nans = VI{};  // (a NaN compares false: the max would skip it)
+  const auto scaled = [&](int64_t j, VF x) {  // κ s, −∞ where masked
+    x *= splat(scale);
+    if (!(j >= c0 && j + L <= c1)) x = seen(lane, j, c0, c1) ? x : splat(-INFINITY);
+    nans |= x != x;
+    vmax = x > vmax ? x : vmax;
+    return x;
+  };
+  int64_t j = 0;
+  for (; j < full; j += L) store(p + j, scaled(j, load(p + j)));
+  if (j < n) st_part(p + j, scaled(j, ld_part(p + j, n - j, 0.f)), n - j);
+  float m = -INFINITY;
+  bool nan = false;
+  for (int i = 0; i < L; ++i) m = std::max(m, vmax[i]), nan = nan || nans[i] != 0;
+  if (nan) m = NAN;
+  VF total = splat(0.f);
+  const auto exps = [&](int64_t j, VF x) {  // e^(x − m), 0 where masked (a NaN m: the visible lanes NaN)
+    if (j >= c1 || j + L <= c0) return splat(0.f);
+    VF e = exp_nonpositive(x - splat(m));  // x ≤ m: no overflow clamp needed
+    if (!(j >= c0 && j + L <= c1)) e = seen(lane, j, c0, c1) ? e : splat(0.f);
+    total += e;
+    return e;
+  };
+  for (j = 0; j < full; j += L) store(p + j, exps(j, load(p + j)));
+  if (j < n) st_part(p + j, exps(j, ld_part(p + j, n - j, -INFINITY)), n - j);
+  const VF inv = splat(c1 > c0 ? 1.f / hsum(total) : 0.f);
+  const auto normed = [&](int64_t j, VF e) {  // e / Σ, 0 where masked (also when Σ is NaN)
+    if (j >= c1 || j + L <= c0) return splat(0.f);
+    e *= inv;
+    return j >= c0 && j + L <= c1 ? e : (seen(lane, j, c0, c1) ? e : splat(0.f));
+  };
+  for (j = 0; j < full; j += L) store(p + j, normed(j, load(p + j)));
+  if (j < n) st_part(p + j, normed(j, ld_part(p + j, n - j, 0.f)), n - j);
+}
+
+// One row of the softmax's backward pass, scaled:  ds_j = κ p_j (dp_j − Σ_k dp_k p_k)  (ds may be dp)
+inline void softmax_grad_row(const float* dp, const float* p, int64_t n, float scale, float* ds) {
+  VF acc = splat(0.f);
+  int64_t j = 0;
+  for (; j + L <= n; j += L) acc += load(dp + j) * load(p + j);
+  float dot = hsum(acc);
+  for (; j < n; ++j) dot += dp[j] * p[j];
+  for (j = 0; j + L <= n; j += L) store(ds + j, splat(scale) * load(p + j) * (load(dp + j) - splat(dot)));
+  for (; j < n; ++j) ds[j] = scale * p[j] * (dp[j] - dot);
+}
 
 template <class T>
 inline void row_to_f32(const T* x, int64_t n, float* y) {
@@ -52,7 +114,7 @@ void short_attention_task(const T* q, int64_t sq, const T* k, int64_t sk, const 
       gemm_own(m, n, D, 1.f, Q + i0 * lq, lq, 1, Kt + b0, Lk, false, P, Lk, false);
       for (int64_t r = 0; r < m; ++r) {
         float* row = P + r * Lk;
-        softmax_row<float>(row, n, seen.lo(i0 + r) - b0, seen.hi(i0 + r) - b0, scale, row, nullptr);
+        softmax_row(row, n, seen.lo(i0 + r) - b0, seen.hi(i0 + r) - b0, scale);
       }
       gemm_own(m, D, n, 1.f, P, Lk, 1, V + b0 * lv, lv, false, out, lo, false);
     } else {
@@ -101,7 +163,7 @@ void short_attention_grad_task(const T* q, int64_t sq, const T* k, int64_t sk, c
     if constexpr (direct) gq = dq + i0 * sdq;
     if (n > 0) {
       gemm_own(m, n, D, 1.f, G + i0 * lg, lg, 1, Vt + b0, Lk, false, dP, Lk, false);
-      for (int64_t r = 0; r < m; ++r) softmax_grad_row<float>(dP + r * Lk, P + r * Lk, n, scale, dP + r * Lk);
+      for (int64_t r = 0; r < m; ++r) softmax_grad_row(dP + r * Lk, P + r * Lk, n, scale, dP + r * Lk);
       gemm_own(m, D, n, 1.f, dP, Lk, 1, Kf + b0 * lk, lk, false, gq, ldq, false);
       gemm_own(n, D, m, 1.f, dP, 1, Lk, Q + i0 * lq, lq, true, dK + b0 * ldk, ldk, false);
       gemm_own(n, D, m, 1.f, P, 1, Lk, G + i0 * lg, lg, true, dV + b0 * ldv, ldv, false);

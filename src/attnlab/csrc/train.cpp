@@ -2,13 +2,6 @@
 // arithmetic in float32) instead of several PyTorch operations with casts between them (under bf16 autocast
 // PyTorch's element-wise kernels on bf16 cost several times their float32 time):
 //
-//   attnlab::softmax_rows(s, scale, causal, window, cast) -> (p, p_cast)
-//       s (G, Lq, Lk) scores; row i of each matrix sits at position t = i + Lk − Lq and sees the keys [lo, hi) of
-//       causal (hi = t + 1) and window w (lo = t − w + 1; without causal hi = t + w):
-//       p_ij = e^(κ s_ij − m_i) / Σ_k e^(κ s_ik − m_i) on them, m_i = max_k κ s_ik, 0 elsewhere (all 0: no key);
-//       p float32, and with `cast` p again in s's dtype (the operand of P V).         (the short backend's forward)
-//   attnlab::softmax_rows_backward(dp, p, scale) -> ds
-//       ds_ij = κ p_ij (dp_ij − Σ_k dp_ik p_ik), in dp's dtype (κ folded in: dQ = dS K, dK = dSᵀ Q)
 //   attnlab::rms_norm_train(x, w, eps) -> (y, r)
 //       y = (x r) ⊙ w row by row, r = (mean(x²) + ε)^(-1/2) float32 (rows,), y in x's dtype      (RMSNorm's forward)
 //   attnlab::rms_norm_train_backward(dy, x, w, r) -> (dx, dw)
@@ -77,56 +70,6 @@ using namespace attnlab_native;
 }  // namespace
 
 namespace attnlab_native {
-
-std::tuple<at::Tensor, at::Tensor> softmax_rows(const at::Tensor& s, double scale, bool causal, int64_t window,
-                                                bool cast) {
-  check_fb(s, "softmax_rows", "s");
-  ATTNLAB_CHECK(s.dim() == 3, "attnlab::softmax_rows: s must be (G, Lq, Lk), got ", s.sizes());
-  at::Tensor p = at::empty(s.sizes(), s.options().dtype(at::kFloat));
-  at::Tensor pc = cast && s.scalar_type() != at::kFloat ? at::empty_like(s) : at::empty({0}, s.options());
-  const int64_t G = s.size(0), Lq = s.size(1), Lk = s.size(2), off = Lk - Lq;
-  window = attnlab_native::clamp_window(window, Lq, Lk);
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(1, Lk));
-  const auto run = [&](auto tag) {
-    using T = decltype(tag);
-    const T* S = data<T>(s);
-    float* P = p.data_ptr<float>();
-    T* PC = pc.numel() ? data<T>(pc) : nullptr;
-    const auto row = ISA_FN(softmax_row<T>);
-    at::parallel_for(0, G * Lq, grain, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t t = r % Lq + off;
-        const int64_t lo = std::clamp<int64_t>(window > 0 ? t - window + 1 : 0, 0, Lk);
-        const int64_t hi = std::clamp<int64_t>(causal ? t + 1 : (window > 0 ? t + window : Lk), lo, Lk);
-        row(S + r * Lk, Lk, lo, hi, static_cast<float>(scale), P + r * Lk, PC ? PC + r * Lk : nullptr);
-      }
-    });
-  };
-  s.scalar_type() == at::kFloat ? run(float{}) : run(uint16_t{});
-  return {p, pc};
-}
-
-at::Tensor softmax_rows_backward(const at::Tensor& dp, const at::Tensor& p, double scale) {
-  check_fb(dp, "softmax_rows_backward", "dp");
-  attnlab_native::check_f32(p, "softmax_rows_backward", "p");
-  ATTNLAB_CHECK(dp.sizes() == p.sizes() && p.dim() == 3, "attnlab::softmax_rows_backward: dp and p must be the same ",
-                "(G, Lq, Lk), got ", dp.sizes(), " and ", p.sizes());
-  const int64_t rows = p.size(0) * p.size(1), n = p.size(2);
-  at::Tensor ds = at::empty_like(dp);
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(1, n));
-  const auto run = [&](auto tag) {
-    using T = decltype(tag);
-    const T* DP = data<T>(dp);
-    const float* P = p.data_ptr<float>();
-    T* DS = data<T>(ds);
-    const auto row = ISA_FN(softmax_grad_row<T>);
-    at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) row(DP + r * n, P + r * n, n, static_cast<float>(scale), DS + r * n);
-    });
-  };
-  dp.scalar_type() == at::kFloat ? run(float{}) : run(uint16_t{});
-  return ds;
-}
 
 // x viewed as (rows, n), n its last dimension
 int64_t last(const at::Tensor& x) { return x.dim() ? x.size(-1) : 1; }
@@ -348,8 +291,6 @@ at::Tensor clip_grad_norm_(at::TensorList grads, double max_norm) {
 }  // namespace attnlab_native
 
 TORCH_LIBRARY_FRAGMENT(attnlab, m) {
-  m.def("softmax_rows(Tensor s, float scale, bool causal, int window, bool cast) -> (Tensor, Tensor)");
-  m.def("softmax_rows_backward(Tensor dp, Tensor p, float scale) -> Tensor");
   m.def("rms_norm_train(Tensor x, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("rms_norm_train_backward(Tensor dy, Tensor x, Tensor w, Tensor r) -> (Tensor, Tensor)");
   m.def("rope_train(Tensor x, Tensor cos, Tensor sin, float sign) -> Tensor");
@@ -360,8 +301,6 @@ TORCH_LIBRARY_FRAGMENT(attnlab, m) {
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
-  m.impl("softmax_rows", &attnlab_native::softmax_rows);
-  m.impl("softmax_rows_backward", &attnlab_native::softmax_rows_backward);
   m.impl("rms_norm_train", &attnlab_native::rms_norm_train);
   m.impl("rms_norm_train_backward", &attnlab_native::rms_norm_train_backward);
   m.impl("rope_train", &attnlab_native::rope_train);
