@@ -163,13 +163,26 @@ def text_lines(text: str) -> list[str]:
     return lines[:-1] if lines[-1] == "" else lines
 
 
+def _unique_keys(pairs: list) -> dict:
+    """A JSON object's pairs as a dict, refusing a key given twice (``json`` would keep the last one silently)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"duplicate key {twice!r} in one object: which value is meant is ambiguous")
+    return out
+
+
 def read_input_json(flag: str, path: PathLike, kind: str = "config"):
-    """:func:`read_input_text` parsed as JSON. Raises ValueError naming ``flag`` and the parse error."""
+    """:func:`read_input_text` parsed as JSON: no key twice in one object, nesting no deeper than Python's recursion
+    limit. Raises ValueError naming ``flag`` and the parse error."""
     text = read_input_text(flag, path, kind)
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
     except ValueError as e:
         raise ValueError(f"{_named(flag, path)} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{_named(flag, path)} is not valid JSON: nested too deeply") from None
 
 
 def read_text_arg(flag: str, path: PathLike) -> str:

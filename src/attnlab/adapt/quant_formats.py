@@ -113,6 +113,14 @@ class _NativeArgs(nn.Module):
     def _arguments(self) -> tuple:  # (W, scale, bias) as the op takes them
         raise NotImplementedError
 
+    def _refuse_training(self, x: Tensor) -> None:
+        """A quantised layer is for inference: trained through (training mode, an input that needs a gradient), it
+        would pass no gradient to the layers before it, silently; refused by name instead."""
+        if self.training and x.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"{type(self).__name__} is an inference layer (attnlab.adapt.quantize returns a model in "
+                             "eval mode): training through it gives the layers before it no gradient; train the float "
+                             "model (or LoRA on it) and quantise afterwards")
+
     def _matvec_args(self):
         """The kernel's arguments where it can run (CPU, built), else False."""
         if self._native is None:
@@ -211,6 +219,7 @@ class Int8Linear(_NativeArgs):
         return None
 
     def forward(self, x: Tensor) -> Tensor:
+        self._refuse_training(x)
         args = self.matvec_args(x)
         if args is not None:  # a decoding step: attnlab's int8 matvec (module docstring)
             if x.dtype == torch.float32 and x.is_contiguous():
@@ -353,6 +362,7 @@ class Int4Linear(_NativeArgs):
         return None
 
     def forward(self, x: Tensor) -> Tensor:
+        self._refuse_training(x)
         args = self._matvec_args() if x.device.type == "cpu" else None
         if args:
             if x.dtype == torch.float32 and x.is_contiguous():

@@ -78,7 +78,7 @@ def quantize(model: nn.Module, mode: str, *, compute_dtype: Optional[torch.dtype
         The quantised model, in eval mode.
 
     Raises:
-        ValueError: unknown ``mode``; a layer of an unsupported dtype (named); a model not on the CPU;
+        ValueError: unknown ``mode``; a model already quantised; a layer of an unsupported dtype (named); a model not on the CPU;
             LoRA layers or a packed inference layout present; a weight or bias holding NaN or inf (named); a
             ``compute_dtype`` other than float32/bfloat16/float16;
             a bad ``group_size``; for ``"int4"``, a layer whose input width is not a multiple of 32 (named: exclude it).
@@ -100,7 +100,14 @@ def quantize(model: nn.Module, mode: str, *, compute_dtype: Optional[torch.dtype
         compute_dtype = torch.bfloat16
     if mode == "int8-weight" and compute_dtype not in FLOAT_DTYPES["int8-weight"]:
         raise ValueError(f"compute_dtype must be one of {FLOAT_DTYPES['int8-weight']}, got {compute_dtype!r}")
-    exclude = [exclude] if isinstance(exclude, str) else list(exclude)
+    exclude = [exclude] if isinstance(exclude, str) else exclude
+    if not isinstance(exclude, (list, tuple, set)) or not all(isinstance(p, str) for p in exclude):
+        raise TypeError(f"exclude must be a glob pattern or a list of them (str), got {exclude!r}")
+    done = next((n for n, m in model.named_modules()
+                 if isinstance(m, (Int8Linear, Int8Embedding, Int4Linear, Int4Embedding))), None)
+    if done is not None:  # its float layers are gone: a second mode would leave these as they are, silently
+        raise ValueError(f"model is already quantised ({done!r} is an {type(model.get_submodule(done)).__name__}): "
+                         "quantise the float model, once, in the mode wanted")
     targets = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding, LoRALinear))
                and not any(fnmatch.fnmatchcase(n, p) for p in exclude)}
     groups: dict[str, int] = {}  # int4: each layer's group size

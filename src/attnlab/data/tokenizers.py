@@ -19,7 +19,7 @@ from typing import Iterable, Optional, Union
 import torch
 from torch import Tensor
 
-from attnlab._checks import positive_int
+from attnlab._checks import is_int, positive_int
 from attnlab._io import atomic_write, check_input_file, read_input_json
 
 __all__ = ["CharTokenizer", "TextTokenizer", "train_bpe", "train_wordpiece", "load_tokenizer"]
@@ -33,6 +33,9 @@ def _ids_list(ids, vocab_size: int) -> list[int]:
         ids = ids.tolist()
     if not isinstance(ids, (list, tuple)) or any(isinstance(i, (list, tuple)) for i in ids):
         raise TypeError(f"ids must be a flat sequence of ints, got {type(ids).__name__}")
+    odd = next((i for i in ids if not is_int(i)), None)
+    if odd is not None:  # 1.5 would be truncated to 1, True read as 1
+        raise TypeError(f"ids must be ints, got {odd!r}")
     ids = [int(i) for i in ids]
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
@@ -141,7 +144,10 @@ class CharTokenizer:
         data = read_input_json("", path, "tokenizer")
         if not isinstance(data, dict) or data.get("type") != cls.kind or not isinstance(data.get("chars"), list):
             raise ValueError(f"{path} is not a saved CharTokenizer (expected {{'type': 'char', 'chars': [...]}})")
-        return cls(data["chars"])
+        try:
+            return cls(data["chars"])
+        except ValueError as e:
+            raise ValueError(f"{path} is not a saved CharTokenizer: {e}") from None
 
     def __eq__(self, other) -> bool:
         return isinstance(other, CharTokenizer) and self.chars == other.chars

@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from attnlab._checks import positive_int
+from attnlab._checks import boolean, int_at_least, is_real, positive_int
 from attnlab._io import atomic_write
 
 __all__ = ["MetricScore", "perplexity", "accuracy", "bleu", "chrf", "rouge", "calibration_bins",
@@ -38,9 +38,11 @@ def perplexity(mean_nll: Union[float, Tensor]) -> float:
     Raises:
         ValueError: NaN or a negative mean NLL.
     """
+    if isinstance(mean_nll, Tensor) and mean_nll.numel() == 1 and mean_nll.is_floating_point():
+        mean_nll = mean_nll.item()
+    if not is_real(mean_nll) or math.isnan(mean_nll) or mean_nll < 0:
+        raise ValueError(f"mean_nll must be a non-negative number (or a one-element float tensor), got {mean_nll!r}")
     x = float(mean_nll)
-    if math.isnan(x) or x < 0:
-        raise ValueError(f"mean_nll must be a non-negative number, got {x}")
     return math.exp(x) if x < 709.0 else math.inf
 
 
@@ -52,12 +54,21 @@ def accuracy(logits: Tensor, targets: Tensor, ignore_index: Optional[int] = -100
         targets: ``(...)`` class ids; positions equal to ``ignore_index`` are skipped.
 
     Raises:
-        ValueError: shapes disagree, or no position is scored.
+        ValueError: shapes disagree, targets are not integer ids in ``[0, V)`` (``ignore_index`` aside), logits hold
+            NaN, or no position is scored.
     """
     if not isinstance(logits, Tensor) or not isinstance(targets, Tensor):
         raise TypeError("logits and targets must be tensors")
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"logits (..., V) and targets (...) disagree: {tuple(logits.shape)} vs {tuple(targets.shape)}")
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be integer class ids, got {targets.dtype}")
+    scored = targets[targets != ignore_index] if ignore_index is not None else targets
+    if scored.numel() and (int(scored.min()) < 0 or int(scored.max()) >= logits.shape[-1]):
+        raise ValueError(f"targets must lie in [0, V={logits.shape[-1]}) (or equal ignore_index={ignore_index}), got "
+                         f"values in [{int(scored.min())}, {int(scored.max())}]")
+    if torch.isnan(logits).any():
+        raise ValueError("logits hold NaN: no class can be predicted from them")
     keep = targets != ignore_index if ignore_index is not None else torch.ones_like(targets, dtype=torch.bool)
     if not keep.any():
         raise ValueError("no target to score (all equal ignore_index)")
@@ -78,10 +89,13 @@ def _check_text(hyps: Sequence[str], refs: References) -> list[list[str]]:
     Raises:
         ValueError: no hypotheses, a count mismatch, or a segment longer than :data:`MAX_SEGMENT_CHARS`.
     """
-    if isinstance(hyps, str) or not all(isinstance(h, str) for h in hyps):
-        raise TypeError("hyps must be a sequence of strings")
+    if not isinstance(hyps, Sequence) or isinstance(hyps, (str, bytes)) or not all(isinstance(h, str) for h in hyps):
+        raise TypeError(f"hyps must be a sequence (list or tuple) of strings, got {type(hyps).__name__}")
     if len(hyps) == 0:
         raise ValueError("hyps must not be empty")
+    if not isinstance(refs, Sequence) or isinstance(refs, bytes):
+        raise TypeError(f"refs must be a sequence (list or tuple): one reference or list of references per "
+                        f"hypothesis, got {type(refs).__name__}")
     if isinstance(refs, str) or len(refs) != len(hyps):
         raise ValueError(f"refs must have one entry per hypothesis ({len(hyps)}), got "
                          f"{'a string' if isinstance(refs, str) else len(refs)}")
@@ -115,6 +129,32 @@ def _check_rouge_lengths(hyps: Sequence[str], streams: list[list[str]]) -> None:
                                  f"{MAX_ROUGE_TOKENS:,}")
 
 
+# The highest n-gram order the text metrics take: an order beyond any segment's length only zeroes its precisions.
+MAX_NGRAM_ORDER = 100
+
+
+def _check_orders(options: dict, **least: int) -> None:
+    """The integer options of sacreBLEU's metrics (``max_ngram_order``, ``char_order``, ``word_order``, ``beta``), when
+    given, within ``[least, MAX_NGRAM_ORDER]``: sacreBLEU would score a 0 or negative order without a word."""
+    for name, low in least.items():
+        if name in options:
+            value = options[name]
+            int_at_least(name, value, low)
+            if value > MAX_NGRAM_ORDER:
+                raise ValueError(f"{name} must be an int in [{low}, {MAX_NGRAM_ORDER}], got {value!r}")
+
+
+def _metric(cls, options: dict):
+    """``cls(**options)`` (a sacreBLEU metric), its refusals of an option (an unknown tokenizer is a KeyError, an
+    unknown smoothing an AssertionError there) as one ValueError naming the options."""
+    try:
+        return cls(**options)
+    except TypeError:
+        raise
+    except (ValueError, KeyError, AssertionError) as e:
+        raise ValueError(f"{cls.__name__} options {options} are not valid: {e}") from None
+
+
 def bleu(hyps: Sequence[str], refs: References, **options) -> MetricScore:
     """Corpus BLEU with sacreBLEU (defaults: 13a tokenisation, cased, exponential smoothing).
 
@@ -131,8 +171,10 @@ def bleu(hyps: Sequence[str], refs: References, **options) -> MetricScore:
     """
     from sacrebleu.metrics import BLEU
 
-    metric = BLEU(**options)
-    return MetricScore(metric.corpus_score(list(hyps), _check_text(hyps, refs)).score, str(metric.get_signature()))
+    _check_orders(options, max_ngram_order=1)
+    metric = _metric(BLEU, options)
+    streams = _check_text(hyps, refs)
+    return MetricScore(metric.corpus_score(list(hyps), streams).score, str(metric.get_signature()))
 
 
 def chrf(hyps: Sequence[str], refs: References, **options) -> MetricScore:
@@ -143,8 +185,10 @@ def chrf(hyps: Sequence[str], refs: References, **options) -> MetricScore:
     """
     from sacrebleu.metrics import CHRF
 
-    metric = CHRF(**options)
-    return MetricScore(metric.corpus_score(list(hyps), _check_text(hyps, refs)).score, str(metric.get_signature()))
+    _check_orders(options, char_order=1, word_order=0, beta=0)
+    metric = _metric(CHRF, options)
+    streams = _check_text(hyps, refs)
+    return MetricScore(metric.corpus_score(list(hyps), streams).score, str(metric.get_signature()))
 
 
 def rouge(hyps: Sequence[str], refs: References, *, use_stemmer: bool = False) -> dict[str, float]:
@@ -155,6 +199,7 @@ def rouge(hyps: Sequence[str], refs: References, *, use_stemmer: bool = False) -
     """
     from rouge_score import rouge_scorer
 
+    boolean("use_stemmer", use_stemmer)
     streams = _check_text(hyps, refs)
     _check_rouge_lengths(hyps, streams)
     names = ("rouge1", "rouge2", "rougeL")

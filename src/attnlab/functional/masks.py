@@ -227,8 +227,8 @@ def causal_mod() -> MaskMod:
 
 def sliding_window_mod(window: int, *, causal: bool = True) -> MaskMod:
     """``0 <= q_idx - kv_idx < window`` (causal) or ``|q_idx - kv_idx| < window``."""
-    if window <= 0:
-        raise ValueError(f"window must be a positive int, got {window}")
+    positive_int("window", window)
+    boolean("causal", causal)
     if causal:
         return lambda b, h, q_idx, kv_idx: ((q_idx - kv_idx) >= 0) & ((q_idx - kv_idx) < window)
     return lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() < window
@@ -237,6 +237,8 @@ def sliding_window_mod(window: int, *, causal: bool = True) -> MaskMod:
 def prefix_lm_mod(prefix_len: int) -> MaskMod:
     """Bidirectional over the first ``prefix_len`` keys, causal after them: position p sees the keys
     ``[0, max(prefix_len, p + 1))`` (its ``key_spans``, which the tiled backend's C++ kernel takes)."""
+    non_negative_int("prefix_len", prefix_len)
+
     def mod(b, h, q_idx, kv_idx):
         return (kv_idx < prefix_len) | (kv_idx <= q_idx)
 
@@ -251,8 +253,13 @@ def prefix_lm_mod(prefix_len: int) -> MaskMod:
 def document_mod(doc_ids: Tensor) -> MaskMod:
     """Block-diagonal mask for packed documents: attend only within the same document.
 
-    ``doc_ids`` is ``(L,)`` or ``(B, L)`` giving each position's document number.
+    ``doc_ids`` is an integer tensor ``(L,)`` or ``(B, L)`` giving each position's document number.
     """
+    if (not isinstance(doc_ids, Tensor) or doc_ids.dim() not in (1, 2) or doc_ids.is_floating_point()
+            or doc_ids.is_complex() or doc_ids.dtype == torch.bool):
+        raise ValueError(f"doc_ids must be an integer tensor (L,) or (B, L) of document numbers, got "
+                         f"{getattr(doc_ids, 'dtype', type(doc_ids).__name__)} "
+                         f"{tuple(getattr(doc_ids, 'shape', ()))}")
     ids = doc_ids if doc_ids.dim() == 2 else doc_ids.unsqueeze(0)
 
     def mod(b, h, q_idx, kv_idx):
@@ -284,8 +291,17 @@ def _document_spans(ids: Tensor, Lk: int) -> Optional[Tensor]:
     return torch.stack([start, end], dim=1).contiguous()
 
 
+def _check_mods(mods: tuple) -> None:
+    """``mods`` of :func:`and_masks` / :func:`or_masks`: at least one, each callable."""
+    if not mods or not all(callable(m) for m in mods):
+        raise TypeError(f"mods must be one or more mask_mods (callables), got "
+                        f"{[type(m).__name__ for m in mods] or 'none'}")
+
+
 def and_masks(*mods: MaskMod) -> MaskMod:
     """Logical AND of several mask_mods."""
+    _check_mods(mods)
+
     def mod(b, h, q_idx, kv_idx):
         out = mods[0](b, h, q_idx, kv_idx)
         for m in mods[1:]:
@@ -297,6 +313,8 @@ def and_masks(*mods: MaskMod) -> MaskMod:
 
 def or_masks(*mods: MaskMod) -> MaskMod:
     """Logical OR of several mask_mods."""
+    _check_mods(mods)
+
     def mod(b, h, q_idx, kv_idx):
         out = mods[0](b, h, q_idx, kv_idx)
         for m in mods[1:]:

@@ -21,9 +21,9 @@ ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
 def _check_base(base) -> None:
-    """RoPE's and the sinusoids' ``base`` must be a real number ``> 1``."""
-    if not (is_real(base) and base > 1.0):
-        raise ValueError(f"base must be a real number > 1, got {base!r}")
+    """RoPE's and the sinusoids' ``base`` must be a finite real number ``> 1``."""
+    if not (is_real(base) and 1.0 < base < math.inf):
+        raise ValueError(f"base must be a finite real number > 1, got {base!r}")
 
 
 # --------------------------------------------------------------------------- sinusoidal

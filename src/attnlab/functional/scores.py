@@ -56,6 +56,8 @@ def prepare_inputs(
     for name, t in (("query", query), ("keys", keys), ("values", values)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
     ranks = (2,) if step_only else (2, 3)
     if query.dim() not in ranks:
         want = "(B, Dq)" if step_only else "(B, Lq, Dq) or (B, Dq)"

@@ -311,6 +311,8 @@ def _check_inputs(input_ids, attention_mask) -> None:
                          f"{tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__}")
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be non-empty, got shape {tuple(input_ids.shape)}")
-    if attention_mask is not None and attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, "
-                         f"got {tuple(attention_mask.shape)}")
+    if attention_mask is None:
+        return
+    if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
+        got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+        raise ValueError(f"attention_mask must be a tensor of input_ids' shape {tuple(input_ids.shape)}, got {got}")

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab._checks import check_int, check_positive_float, check_rate, one_of
+from attnlab._checks import check_int, check_positive_float, check_rate, is_int, one_of
 from attnlab._limits import check_model_sizes
 from attnlab.models.hub import PreTrainedMixin, WeightMap, check_token_inputs, pack, register, rename
 from attnlab.nn.block import EncoderLayer, LayerSpec
@@ -71,6 +71,10 @@ class BertConfig:
         check_model_sizes(self)
         check_encoder_config(self, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                                     "intermediate_size", "max_position_embeddings", "type_vocab_size"))
+        pad = self.pad_token_id
+        if pad is not None and not (is_int(pad) and 0 <= pad < self.vocab_size):
+            raise ValueError(f"pad_token_id must be a token id in [0, vocab_size={self.vocab_size}) or None, "
+                             f"got {self.pad_token_id!r}")
 
     @classmethod
     def from_hf(cls, d: dict) -> "BertConfig":

@@ -94,7 +94,7 @@ class TransformerConfig:
         for name, value, valid in (("activation", self.activation, FFN_ACTIVATIONS),
                                    ("norm", self.norm, NORMS), ("position", self.position, POSITIONS)):
             one_of(name, value, valid)
-        positive_number("norm_eps", self.norm_eps)
+        positive_number("norm_eps", self.norm_eps, finite=True)
         for name in ("norm_first", "tie_embeddings", "bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -166,14 +166,15 @@ def from_pretrained(path: PathLike, *, dtype: Optional[torch.dtype] = None, mode
         The model, in eval mode (as ``transformers`` returns it).
 
     Raises:
-        TypeError: ``dtype`` is not a ``torch.dtype``.
+        TypeError: ``dtype`` is not a floating ``torch.dtype``.
         FileNotFoundError: the directory (or Hub id), ``config.json`` or the weights are missing.
         ValueError: unknown ``model_type``; corrupt weights; missing or unexpected tensor names
             (all listed); a tensor of the wrong shape (named, with both shapes); an integer or bool tensor
             for a floating-point parameter (named, with both dtypes).
     """
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch.dtype (torch.float32, torch.bfloat16, ...) or None, "
+                        f"got {dtype!r}")
     path = resolve_pretrained(path, revision=revision, local_files_only=local_files_only, cache_dir=cache_dir)
     for reader in FOLDER_READERS:
         model = reader(path, dtype=dtype)

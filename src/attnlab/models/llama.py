@@ -120,7 +120,7 @@ class LlamaConfig:
             raise ValueError(f"num_key_value_heads={self.num_key_value_heads} must divide "
                              f"num_attention_heads={self.num_attention_heads}")
         for name in ("rms_norm_eps", "rope_theta"):
-            positive_number(name, getattr(self, name))
+            positive_number(name, getattr(self, name), finite=True)
         if self.rope_theta <= 1:
             raise ValueError(f"rope_theta must be > 1, got {self.rope_theta!r}")
         if self.rope_scaling is not None:

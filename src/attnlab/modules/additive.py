@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab._checks import positive_int
+from attnlab._limits import check_elements
 from attnlab.functional.scores import check_normalize, prepare_inputs, score_attention
 
 
@@ -48,6 +49,8 @@ class AdditiveAttention(nn.Module):
         for name, value in (("query_dim", query_dim), ("key_dim", key_dim), ("hidden_dim", hidden_dim),
                             ("value_dim", value_dim)):
             positive_int(name, value)
+        check_elements(f"AdditiveAttention(query_dim={query_dim}, key_dim={key_dim}, hidden_dim={hidden_dim})",
+                       query_dim + key_dim + 1, hidden_dim)
         check_normalize(normalize, top_k)
         self.query_dim, self.key_dim, self.value_dim = query_dim, key_dim, value_dim
         self.normalize, self.top_k = normalize, top_k

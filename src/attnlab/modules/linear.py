@@ -151,6 +151,7 @@ class LinformerAttention(_SelfAttention):
         super().__init__(embed_dim, num_heads, bias, device, dtype)
         positive_int("seq_len", seq_len)
         positive_int("k", k)
+        boolean("share_kv", share_kv)
         check_elements(f"LinformerAttention(seq_len={seq_len}, k={k})", k, seq_len, 1 if share_kv else 2,
                        device=device or "cpu")
         rate("dropout", dropout)

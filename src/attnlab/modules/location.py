@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab._checks import boolean, positive_int
+from attnlab._limits import check_elements
 from attnlab.functional.scores import check_normalize, prepare_inputs, score_attention
 
 
@@ -63,6 +64,8 @@ class LocationAwareAttention(nn.Module):
             positive_int(name, value)
         if kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be odd (so f_ij is centred on key j), got {kernel_size}")
+        check_elements(f"LocationAwareAttention(query_dim={query_dim}, key_dim={key_dim}, hidden_dim={hidden_dim}, "
+                       f"conv_channels={conv_channels})", query_dim + key_dim + conv_channels + 2, hidden_dim)
         boolean("cumulative", cumulative)
         check_normalize(normalize, top_k)
         self.query_dim, self.key_dim, self.value_dim = query_dim, key_dim, value_dim

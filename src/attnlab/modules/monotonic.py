@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab._checks import is_real, positive_int
+from attnlab._limits import check_elements
 from attnlab.functional.scores import prepare_inputs
 
 
@@ -110,6 +111,8 @@ class MonotonicAttention(nn.Module):
         for name, value in (("query_dim", query_dim), ("key_dim", key_dim), ("hidden_dim", hidden_dim),
                             ("value_dim", value_dim)):
             positive_int(name, value)
+        check_elements(f"MonotonicAttention(query_dim={query_dim}, key_dim={key_dim}, hidden_dim={hidden_dim})",
+                       query_dim + key_dim + 2, hidden_dim)
         if not (is_real(init_r) and math.isfinite(init_r)):
             raise ValueError(f"init_r must be a finite real number, got {init_r!r}")
         if not (is_real(noise_std) and noise_std >= 0):

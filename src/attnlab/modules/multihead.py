@@ -110,6 +110,13 @@ class MultiheadAttention(nn.Module):
         self.dropout = dropout
         self.rotary, self.position_bias = rotary, position_bias
         self.backend, self.normalize, self.top_k, self.window = backend, normalize, top_k, window
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+        if device is not None:
+            try:
+                torch.device(device)
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(f"device must name a torch device ('cpu', 'cuda:0', ...), got {device!r}: {e}") from None
         fk = dict(device=device, dtype=dtype)
         q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
         if torch.device(device or "cpu").type != "meta":  # the weights' memory, refused before it is allocated
@@ -370,6 +377,9 @@ class MultiheadAttention(nn.Module):
     def _mask(self, key_padding_mask, attn_mask, B, L, S, dtype) -> Optional[Tensor]:
         """torch MHA masks (True = blocked, float = added) -> one pipeline mask (True = allowed)."""
         masks = []
+        for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
+            if m is not None and not isinstance(m, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor or None, got {type(m).__name__}")
         if key_padding_mask is not None:
             if key_padding_mask.shape != (B, S):
                 raise ValueError(f"key_padding_mask must be (B, S) = {(B, S)}, got {tuple(key_padding_mask.shape)}")

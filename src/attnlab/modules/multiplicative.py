@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab._checks import one_of, positive_int
+from attnlab._limits import check_elements
 from attnlab.backends.dispatch import attention
 from attnlab.functional.scores import check_normalize, prepare_inputs, score_attention
 
@@ -60,6 +61,9 @@ class LuongAttention(nn.Module):
         for name, value in (("query_dim", query_dim), ("key_dim", key_dim), ("value_dim", value_dim)):
             positive_int(name, value)
         one_of("mode", mode, MODES)
+        positive_int("hidden_dim", hidden_dim, optional=True)
+        check_elements(f"LuongAttention(query_dim={query_dim}, key_dim={key_dim}, hidden_dim={hidden_dim})",
+                       query_dim + key_dim + 1, hidden_dim or query_dim)
         if mode == "dot" and query_dim != key_dim:
             raise ValueError(f"mode='dot' needs query_dim == key_dim, got query_dim={query_dim}, key_dim={key_dim} "
                              "(use mode='general' to compare vectors of different sizes)")

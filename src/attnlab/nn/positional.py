@@ -22,7 +22,7 @@ from torch.autograd.function import once_differentiable
 from attnlab import _native
 
 from attnlab import _native_train
-from attnlab._checks import int_at_least, tensor
+from attnlab._checks import boolean, int_at_least, tensor
 from attnlab._limits import check_elements
 from attnlab.functional.positional import (ScoreMod, alibi_score_mod, alibi_slopes, apply_rope, rope_frequencies,
                                            sinusoidal_table, t5_relative_buckets)
@@ -263,7 +263,8 @@ class ALiBi(nn.Module):
     def __init__(self, num_heads: int, *, causal: bool = True):
         super().__init__()
         int_at_least("num_heads", num_heads, 1)
-        self.num_heads, self.causal = num_heads, bool(causal)
+        boolean("causal", causal)
+        self.num_heads, self.causal = num_heads, causal
         self.register_buffer("slopes", alibi_slopes(num_heads), persistent=False)
 
     def forward(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
