@@ -1199,6 +1199,62 @@ def _generate_cases():
         Ok(lambda r: _assert(r.shape[0] == 1 and 2 <= r.shape[1] <= 4 and bool((r < 40).all()), "beam output")))
     add("eos_token_id stops every row", lambda: gen(eos_token_id=int(greedy_oracle(1)[0, -1]), pad_token_id=0),
         Ok(lambda r: _assert(r.shape[1] == 4, f"did not stop: {r.shape}")))
+    _generation_memory_cases(add, t5, ids, gen)
+
+
+def _generation_memory_cases(add, t5, ids, gen):
+    """Every row's and beam's KV caches (self- and cross-attention), the encoder's output and activations, checked
+    against free memory before the encoder runs or a cache is made; the encoder is replaced by a failure, so a
+    refusal that came after it shows as another error."""
+    import attnlab
+
+    torch.manual_seed(0)
+    bart = attnlab.BartForConditionalGeneration(attnlab.BartConfig(
+        vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32)).eval()
+    s2s = attnlab.Seq2SeqTransformer(attnlab.TransformerConfig(
+        src_vocab_size=40, tgt_vocab_size=40, dim=16, num_heads=2, ffn_dim=32, num_encoder_layers=1,
+        num_decoder_layers=1, dropout=0.0)).eval()
+
+    def before_encoding(model, source, **kw):
+        def encode(*args, **kwargs):
+            raise AssertionError("the source was encoded before the refusal")
+        model.encode = encode
+        try:
+            return attnlab.generate(model, source, decoder_start_token_id=1, **kw)
+        finally:
+            del model.encode
+
+    huge = dict(max_new_tokens=2**20, num_beams=1024)  # ~128 GiB of keys and values a source row: never free
+    for name, model in (("T5", t5), ("BART", bart), ("Seq2SeqTransformer", s2s)):
+        for cache in ("dynamic", "static"):
+            add(f"{name}: max_new_tokens=2**20 with num_beams=1024, cache={cache!r}",
+                lambda model=model, cache=cache: before_encoding(model, ids, cache=cache, **huge),
+                Err(ValueError, "max_new_tokens=1048576", "num_beams=1024", "a batch of 1", "is free"))
+        add(f"{name}: a batch of 65536 sources with num_beams=1024",
+            lambda model=model: before_encoding(model, ids.expand(65536, -1), max_new_tokens=16, num_beams=1024),
+            Err(ValueError, "num_beams=1024", "a batch of 65536", "is free"))
+        add(f"{name}: a source of 2**20 tokens", lambda model=model: before_encoding(
+            model, torch.ones(1, 2**20, dtype=torch.long), max_new_tokens=4, num_beams=64),
+            Err(ValueError, "1048576-token source", "is free"))
+
+        def loop(model=model, n=6):  # the argmax of a full decode at every step: no cache, no memory check
+            out = torch.tensor([[1]])
+            with torch.no_grad():
+                memory = model.encode(ids)
+                for _ in range(n):
+                    logits = model.decode(out, memory)[:, -1]
+                    out = torch.cat([out, logits.argmax(-1, keepdim=True)], 1)
+            return out
+
+        add(f"{name}: greedy on the cache equals the argmax loop (up to its end token)",
+            lambda model=model, loop=loop: (attnlab.generate(model, ids, max_new_tokens=6, decoder_start_token_id=1),
+                                            loop()),
+            Ok(lambda r: _assert(r[0].shape[1] >= 2 and torch.equal(r[0], r[1][:, :r[0].shape[1]]),
+                                 f"{r[0].tolist()} != {r[1].tolist()}")))
+    add("GPT-2: a batch of 65536 prompts with num_beams=1024 (within its positions)",
+        lambda: gen(input_ids=ids.expand(65536, -1), num_beams=1024),
+        Err(ValueError, "num_beams=1024", "a batch of 65536", "is free"))
 
 
 # ------------------------------------------------------------- family: quantisation and adapters

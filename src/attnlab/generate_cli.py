@@ -161,11 +161,6 @@ class _Printer:
         print(text[len(self.shown):], flush=True)
 
 
-def _value_bytes(model) -> int:
-    """Bytes of one value of the model's floating-point weights (its cache holds the same dtype)."""
-    return next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
-
-
 def main(args: argparse.Namespace) -> int:
     import torch
 
@@ -246,14 +241,12 @@ def main(args: argparse.Namespace) -> int:
                 cropped = True
                 print(f"past {block} positions each token is predicted from the last {block} tokens "
                       "(the context cropped, as nanoGPT's sample.py)", file=sys.stderr)
-        if cache != "window":  # the window's ring buffer was checked with --window
-            from attnlab._limits import check_memory
-            from attnlab.adapt.deploy import kv_cache_bytes
+        from attnlab._limits import check_memory
+        from attnlab.generation import generation_bytes
 
-            positions = block if cache == "crop" else ids.shape[1] + args.max_new_tokens
-            check_memory(f"--max-new-tokens {args.max_new_tokens} with --num-beams {args.num_beams}",
-                         kv_cache_bytes(model, positions, batch=args.num_beams,
-                                        bytes_per_value=_value_bytes(model)), device=device)
+        check_memory(f"--max-new-tokens {args.max_new_tokens} with --num-beams {args.num_beams}",
+                     generation_bytes(model, ids, max_new_tokens=args.max_new_tokens, num_beams=args.num_beams,
+                                      cache=cache), device=device)
         printer = _Printer(loaded.tok)
         if not loaded.encoder_decoder:
             print(text, end="", flush=True)

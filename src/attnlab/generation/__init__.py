@@ -217,12 +217,14 @@ def generate(model, input_ids: Tensor, *, attention_mask: Optional[Tensor] = Non
         raise ValueError(f"{type(model).__name__} cannot generate: it has no language-model head with a KV cache "
                          "(use e.g. GPT2LMHeadModel, LlamaForCausalLM, T5ForConditionalGeneration, "
                          "BartForConditionalGeneration or Seq2SeqTransformer)")
+    if config.cache != "crop" and not encoder_decoder:  # the prompt's own limits first: they name the prompt
+        _check_decoder_prompt(model, input_ids, attention_mask, config.max_new_tokens)
+    plain = model
     if not encoder_decoder:  # a decoder's float32 linear layers on attnlab's kernels, its weights read in place
         model = decode_view(model)
     if config.cache == "crop":
         model = _cropped(model, attention_mask, config)
-    elif not encoder_decoder:
-        _check_decoder_prompt(model, input_ids, attention_mask, config.max_new_tokens)
+    _check_memory(plain, input_ids, config)  # the caches of every row and beam, before the encoder runs
     config = config.for_model(model)
     pad = config.pad_token_id
     if (encoder_decoder and attention_mask is None and pad is not None and pad != config.eos_token_id
@@ -240,6 +242,66 @@ def generate(model, input_ids: Tensor, *, attention_mask: Optional[Tensor] = Non
                                  "at the end (num_beams must be 1)")
             return beam_search(model, input_ids, attention_mask, past, config)
         return decode(model, input_ids, attention_mask, past, config, generator, streamer)
+
+
+def generation_bytes(model, input_ids: Tensor, *, max_new_tokens: int, num_beams: int = 1,
+                     cache: str = "dynamic") -> int:
+    """The memory a :func:`generate` call of ``model`` on ``input_ids (B, T)`` holds when it has made every token,
+    to compare with free memory before anything is allocated. With ``R = B · num_beams`` rows, ``L`` the positions
+    each self-attention cache holds (prompt and new tokens; an encoder–decoder's ``1 + max_new_tokens``; with
+    ``cache="crop"`` at most ``max_positions``, with ``"window"`` the ring buffer's ``2·w``), ``S`` the source's
+    ``T`` tokens (encoder–decoders), ``v`` the bytes of one of the weights' values and ``V`` the vocabulary::
+
+        v · R · (L · Σ_self 2·Hkv·D + S · Σ_cross 2·Hkv·D + S · E)   keys and values cached, the encoder's output
+        + forward_bytes(B rows of S, or of the prompt)               the encoder's (or the prompt's) activations
+        + 8 · R · (L + 1) · (7 with beams, else 1)                   token ids (beam search keeps 2·beams candidates
+                                                                     and the finished hypotheses beside the beams)
+        + 4 · 3 · R · V                                              one step's logits and log-probabilities
+
+    the sums over the decoder layers' self- and cross-attention (``Hkv`` key/value heads of ``D`` values). Memory
+    freed before the cache is full (the encoder's activations) is counted too, so this is a bound a little above
+    the peak; a model outside the layer classes here counts no cache."""
+    from torch import nn
+
+    from attnlab._limits import forward_bytes
+    from attnlab.nn.block import DecoderLayer
+
+    batch, tokens = input_ids.shape
+    rows = batch * num_beams
+    encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
+    modules = list(model.modules()) if isinstance(model, nn.Module) else []
+    layers = [m for m in modules if isinstance(m, DecoderLayer)]
+    self_kv = sum(2 * m.self_attn.num_kv_heads * m.self_attn.head_dim for m in layers)
+    cross_kv = sum(2 * m.cross_attn.num_kv_heads * m.cross_attn.head_dim for m in layers if m.cross_attn is not None)
+    width = layers[0].self_attn.embed_dim if layers else 0
+    value = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4) if modules else 4
+    source = tokens if encoder_decoder else 0
+    length = (1 if encoder_decoder else tokens) + max_new_tokens
+    block, window = getattr(model, "max_positions", None), getattr(model, "attention_window", None)
+    prefill = tokens
+    if cache == "crop" and isinstance(block, int):
+        length = prefill = min(length, block)  # past the block each step runs the last block tokens afresh
+    elif cache == "window" and is_int(window):
+        length = min(length, 2 * window)
+    config = getattr(model, "config", None)
+    vocab = next((getattr(config, n) for n in ("vocab_size", "tgt_vocab_size") if is_int(getattr(config, n, None))), 0)
+    caches = value * rows * (length * self_kv + source * (cross_kv + (width if encoder_decoder else 0)))
+    activations = forward_bytes(config, batch=batch, seq=prefill, bytes_per_value=value) if config else None
+    ids = 8 * rows * (length + 1) * (7 if num_beams > 1 else 1)
+    return int(caches + (activations or 0) + ids + 4 * 3 * rows * vocab)
+
+
+def _check_memory(model, input_ids: Tensor, config: GenerationConfig) -> None:
+    """Refuse a call whose :func:`generation_bytes` exceed the free memory of ``input_ids``' device, naming
+    ``max_new_tokens``, ``num_beams`` and the batch, before the encoder runs or a cache is made."""
+    from attnlab._limits import check_memory
+
+    batch, tokens = input_ids.shape
+    side = "source" if getattr(model, "is_encoder_decoder", False) else "prompt"
+    check_memory(f"max_new_tokens={config.max_new_tokens} with num_beams={config.num_beams} and a batch of {batch} "
+                 f"({tokens}-token {side}s)",
+                 generation_bytes(model, input_ids, max_new_tokens=config.max_new_tokens, num_beams=config.num_beams,
+                                  cache=config.cache), device=input_ids.device)
 
 
 def _cropped(model, attention_mask: Optional[Tensor], config: GenerationConfig) -> CroppedContext:
