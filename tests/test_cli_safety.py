@@ -471,6 +471,48 @@ def test_a_batch_beyond_memory_is_refused_before_the_data_is_read(tmp_path, caps
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("recipe, overrides, named", [
+    ("digits-vit", ["batch_size=65536"], "--set batch_size=65536 with patch_size=2 (16 patches an image), "
+                                         "hidden_size=64, num_layers=4 needs"),
+    ("digits-vit", ["patch_size=1", "batch_size=16384"], "--set batch_size=16384 with patch_size=1 (64 patches"),
+    ("digits-vit", ["hidden_size=65536"], "hidden_size=65536, num_layers=4 needs"),
+    ("classify", ["batch_size=65536", "data={data}", "model={gpt}"],
+     "--set batch_size=65536 with max_len=128 (model n_embd=16, n_layer=2) needs")])
+def test_every_recipe_refuses_a_step_beyond_memory_and_leaves_no_file(tmp_path, gpt, capsys, monkeypatch, recipe,
+                                                                       overrides, named):
+    """ViT patches and a model read from a folder are sized as the text recipes' sequences are: with 1 GiB free
+    the step is refused by name before the data or the model is read, and --out stays unmade."""
+    import attnlab._limits as limits
+
+    monkeypatch.setattr(limits, "available_memory", lambda: 1 << 30)
+    (tmp_path / "data.jsonl").write_text('{"text": "a", "label": "x"}\n{"text": "b", "label": "y"}\n' * 4)
+    out = tmp_path / "out" / "run"
+    argv = ["train", recipe, "--quiet", "--out", str(out)]
+    for o in overrides:
+        argv += ["--set", o.format(data=tmp_path / "data.jsonl", gpt=gpt)]
+    _refused(capsys, argv, named, "of memory, but 1.0 GiB is free")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("recipe", ["shakespeare-char", "mlm", "multi30k-de-en", "digits-vit", "classify"])
+def test_every_recipe_preset_fits_the_memory_of_a_small_machine(recipe, gpt):
+    """Every preset's training step is estimated below 2 GiB (a CI machine of 8 GB holds it with room); the
+    estimate is of the peak, so this bounds what the recipes' own tests need."""
+    from attnlab._limits import check_training_memory, training_shape, transformer_training_bytes
+    from attnlab.training.recipes import get_recipe, resolve_settings
+
+    r = get_recipe(recipe)
+    for preset in [None, *r.presets]:
+        overrides = {"model": str(gpt)} if recipe == "classify" else {}
+        settings = resolve_settings(r, preset=preset, overrides=overrides)
+        shape = r.training_shape(settings) if r.training_shape else training_shape(settings)
+        assert shape is not None, (recipe, preset)
+        need = transformer_training_bytes(batch=shape.batch, seq=shape.seq, width=shape.width, layers=shape.layers,
+                                          heads=shape.heads, vocab=shape.outputs, parameters=shape.parameters)
+        assert 0 < need < 2 << 30, (recipe, preset, need)
+        check_training_memory(settings, shape)
+
+
 
 @pytest.mark.parametrize("beams", [0, 1025, 1_000_000])
 def test_beams_beyond_the_bound_are_refused_before_the_model_loads(gpt, capsys, beams):

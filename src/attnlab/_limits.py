@@ -4,15 +4,16 @@ One table for the sizes of a model (:data:`SIZE_LIMITS`: layers, heads, widths, 
 ``config.json`` (:func:`attnlab.models.hub.check_config_sizes`) and by a recipe's settings (``--set n_layer=…``,
 :func:`check_settings`) alike; the common flags' checks (:func:`check_seed`, :func:`check_threads`,
 :func:`check_device`); and :func:`check_memory`, which compares an allocation's size with the memory this
-machine has free before it is made — a training step's (:func:`check_training_memory`), a forward pass's with or
-without its attention maps (:func:`check_forward_memory`: ``predict``'s batches, ``viz`` and ``analyze``), a KV
-cache's (``generate``). Every refusal is one ``ValueError`` naming the argument and its valid range.
+machine has free before it is made — a training step's (:func:`check_training_memory`, every recipe), a forward
+pass's with or without its attention maps (:func:`check_forward_memory`: ``predict``'s batches, ``viz`` and
+``analyze``), a ``generate`` call's caches of every row and beam (``attnlab.generation.generation_bytes``). Every refusal is one ``ValueError`` naming the argument and its valid range.
 """
 from __future__ import annotations
 
 import os
 import re
 import sys
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from attnlab._checks import is_int
@@ -21,8 +22,8 @@ __all__ = ["SIZE_LIMITS", "SETTING_LIMITS", "LENGTH_LIMIT", "BATCH_LIMIT", "STEP
            "SEED_LIMIT", "check_size", "check_settings",
            "check_model_sizes", "check_seed", "check_threads", "check_device", "available_memory", "check_memory",
            "check_elements", "estimated_parameters",
-           "max_positions", "forward_bytes", "check_forward_memory", "transformer_training_bytes",
-           "check_training_memory"]
+           "max_positions", "forward_bytes", "check_forward_memory", "TrainingShape", "transformer_training_bytes",
+           "model_sizes", "training_shape", "check_training_memory"]
 
 # field names -> the largest value: generous for every released model (a config.json of 1 KB must not build
 # thousands of layers or allocate gigabytes)
@@ -233,38 +234,89 @@ def check_forward_memory(what: str, config: Any, *, batch: int, seq: int, maps: 
         check_memory(what, need, device=device)
 
 
+@dataclass(frozen=True)
+class TrainingShape:
+    """The sizes a training step's memory follows (:func:`transformer_training_bytes`): ``batch`` examples of
+    ``seq`` positions through ``layers`` layers of ``width`` and ``heads``, ``outputs`` logits a position, and
+    ``parameters`` trained; ``what`` names the settings that chose them, as a refusal cites them
+    (``"--set batch_size=4096 with block_size=256, n_embd=256, n_layer=4"``)."""
+
+    what: str
+    batch: int
+    seq: int
+    width: int
+    layers: int
+    heads: int
+    outputs: int
+    parameters: int
+
+
 def transformer_training_bytes(*, batch: int, seq: int, width: int, layers: int, heads: int, vocab: int,
-                               bytes_per_value: int = 4) -> int:
-    """The activations a training step of a Transformer keeps for its backward pass: per layer
-    ``s·b·h·(34 + 5·a·s/h)`` values of 2 bytes (Korthikanti et al. 2022, "Reducing Activation Recomputation"),
-    scaled to ``bytes_per_value``, plus the logits, their softmax and its gradient (``3·b·s·V``). A lower bound
-    of what the step allocates, so a refusal by :func:`check_memory` is never a false alarm by much."""
+                               parameters: int = 0, bytes_per_value: int = 4) -> int:
+    """The memory a training step of a Transformer holds at its peak::
+
+        L · s·b·h·(34 + 5·a·s/h) · v/2    the activations kept for the backward pass
+        + 3 · b·s·V · v                  the logits, their softmax and its gradient
+        + 16 · P                         float32 weights, gradients and AdamW's two moments
+
+    The per-layer count ``s·b·h·(34 + 5·a·s/h)`` bytes of 2-byte values (batch ``b``, sequence ``s``, width ``h``,
+    ``a`` heads) is Korthikanti et al. 2022, "Reducing Activation Recomputation", scaled to ``v = bytes_per_value``
+    (4: float32, also where a step computes in bfloat16, whose layers keep float32 copies beside). The safety
+    factor is 1: the estimate is of the peak, not a bound on either side — for the recipes here it lies between
+    about 0.7 and 1.3 times the memory a step adds (ViT patches and character blocks, batches of 16 to 16,384) —
+    so a refusal is never far from the memory the step would have needed, and no setting that fits is refused
+    by much."""
     per_layer = seq * batch * width * (34 + 5 * heads * seq / width) * bytes_per_value / 2
-    return int(layers * per_layer + 3 * batch * seq * vocab * bytes_per_value)
+    return int(layers * per_layer + 3 * batch * seq * vocab * bytes_per_value + 16 * parameters)
 
 
-def check_training_memory(settings: Any) -> None:
-    """Refuse a recipe's settings whose training step would not fit in free memory (:func:`check_memory` of
-    :func:`transformer_training_bytes`), naming the batch and length settings. Settings without a batch size,
-    a sequence length and a width (a model read from a folder) pass: their sizes are not known here."""
-    _, width = _first(settings, HIDDEN)
-    _, heads = _first(settings, HEADS)
+def training_shape(settings: Any) -> Optional[TrainingShape]:
+    """The :class:`TrainingShape` a recipe's settings name in their fields: a width, heads and layers
+    (:data:`HIDDEN`, :data:`HEADS`, :data:`LAYERS`), a sequence (``block_size`` or ``max_len``), a batch
+    (``batch_size``, or ``max_tokens`` of them), ``vocab_size`` (256 when absent: a byte-level vocabulary); None
+    where they do not (a recipe whose model comes from a folder says its shape itself)."""
     seq_name, seq = _first(settings, ("block_size", "max_len"))
-    if None in (width, heads, seq):
-        return
-    layers = sum(getattr(settings, n) for n in LAYERS if is_int(getattr(settings, n, None)))
+    sizes = model_sizes(vars(settings))
+    if sizes is None or seq is None:
+        return None
     batch_name, batch = _first(settings, ("batch_size",))
     if batch is None:
         batch_name, tokens = _first(settings, ("max_tokens",))  # a batch of so many tokens
         if tokens is None:
-            return
+            return None
         batch = max(1, tokens // max(seq, 1))
     vocab = getattr(settings, "vocab_size", None)
-    need = transformer_training_bytes(batch=batch, seq=seq, width=width, layers=layers, heads=heads,
-                                      vocab=vocab if is_int(vocab) else 256)
+    return TrainingShape(f"--set {batch_name}={getattr(settings, batch_name)} with {seq_name}={seq}, {sizes[0]}",
+                         batch=batch, seq=seq, width=sizes[1], heads=sizes[2], layers=sizes[3],
+                         outputs=vocab if is_int(vocab) else 256, parameters=estimated_parameters(vars(settings)))
+
+
+def model_sizes(fields: dict) -> Optional[tuple[str, int, int, int]]:
+    """``(words, width, heads, layers)`` of a model's size fields (a config's or a recipe's settings: the names of
+    :data:`HIDDEN`, :data:`HEADS`, :data:`LAYERS`; the layers of every stack summed), ``words`` naming the width's
+    and the layers' fields (``"n_embd=256, n_layer=4"``); None where the width, the heads or the layers are not
+    said."""
+    given = {n: v for n, v in fields.items() if is_int(v)}
+    width_name = next((n for n in HIDDEN if n in given), None)
+    heads = next((given[n] for n in HEADS if n in given), None)
+    layer_names = [n for n in LAYERS if n in given]
+    if width_name is None or heads is None or not layer_names:
+        return None
+    words = ", ".join(f"{n}={given[n]}" for n in [width_name] + layer_names)
+    return words, given[width_name], heads, sum(given[n] for n in layer_names)
+
+
+def check_training_memory(settings: Any, shape: Optional[TrainingShape] = None) -> None:
+    """Refuse a recipe's settings whose training step would not fit in free memory (:func:`check_memory` of
+    :func:`transformer_training_bytes`), naming the settings that size it. ``shape`` is the recipe's own
+    (default: :func:`training_shape` of the settings); without one nothing is refused."""
+    shape = shape if shape is not None else training_shape(settings)
+    if shape is None:
+        return
+    need = transformer_training_bytes(batch=shape.batch, seq=shape.seq, width=shape.width, layers=shape.layers,
+                                      heads=shape.heads, vocab=shape.outputs, parameters=shape.parameters)
     device = getattr(settings, "device", "cpu")
-    check_memory(f"--set {batch_name}={getattr(settings, batch_name)} with {seq_name}={seq}", need,
-                 device="cpu" if device == "auto" else device)
+    check_memory(shape.what, need, device="cpu" if device == "auto" else device)
 
 
 def _gib(n: int) -> str:

@@ -130,7 +130,8 @@ def run_recipe(name: str, *, out: PathLike, preset: Optional[str] = None,
     from attnlab.data.datasets import dataset_files
 
     check_out(out, inputs=[(f"--set {k}", getattr(settings, k, None)) for k in INPUT_SETTINGS] + dataset_files())
-    check_training_memory(settings)  # a batch beyond memory: refused by name before anything is read or built
+    # a batch beyond memory: refused by name before anything is read or built
+    check_training_memory(settings, recipe.training_shape(settings) if recipe.training_shape else None)
     latest = latest_checkpoint(out) if out.is_dir() else None
     if latest is not None and not resume:
         raise ValueError(f"{out} already holds checkpoints (latest {latest.name}): resume to continue, or choose "

@@ -30,12 +30,14 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from attnlab._checks import check_int, fraction
+from attnlab._limits import TrainingShape, estimated_parameters, max_positions, model_sizes
 from attnlab.adapt.classify import EncodedBatch, encode_texts, forward_logits, pad_id_for, probabilities
 from attnlab.adapt.lora import apply_lora, lora_layers, parse_lora_spec, unload_lora
 from attnlab.data.batching import GeneratorState
@@ -257,6 +259,29 @@ def default_model() -> str:
     return str(default_encoder_path())
 
 
+def training_shape(s: ClassifySettings) -> Optional[TrainingShape]:
+    """The sizes of a training step: ``batch_size`` texts of ``max_len`` tokens (at most the model's positions)
+    through the model its ``config.json`` describes; None where the model is not on this machine yet (a Hub id
+    to download, or the default's package missing: the build names it)."""
+    from attnlab.models.hub import read_config
+    from attnlab.models.hub_id import resolve_pretrained
+
+    try:
+        folder = resolve_pretrained(s.model or default_model(), local_files_only=True)
+    except FileNotFoundError:
+        return None
+    config, _ = read_config(folder)
+    sizes = model_sizes(config)
+    if sizes is None:
+        return None
+    words, width, heads, layers = sizes
+    positions = max_positions(SimpleNamespace(**config))
+    seq = s.max_len if positions is None else min(s.max_len, positions)
+    return TrainingShape(f"--set batch_size={s.batch_size} with max_len={s.max_len} (model {words})",
+                         batch=s.batch_size, seq=seq, width=width, heads=heads, layers=layers, outputs=1,
+                         parameters=estimated_parameters(config))
+
+
 def build(s: ClassifySettings, *, out: Path, dist: DistInfo, training: bool) -> Built:
     """Read and split the data, load the model with a fresh head of one output per label, batch, evaluate."""
     from attnlab.data.tokenizers import TextTokenizer, load_tokenizer
@@ -323,7 +348,7 @@ def build(s: ClassifySettings, *, out: Path, dist: DistInfo, training: bool) -> 
 
 
 register(Recipe(
-    name="classify", settings=ClassifySettings, build=build,
+    name="classify", settings=ClassifySettings, build=build, training_shape=training_shape,
     description="fine-tune a BERT/GPT-2/Llama/BART/T5 checkpoint (default all-MiniLM-L6-v2) to classify texts or "
                 "pairs from a .jsonl/.csv file; accuracy, macro-F1, ECE; saves an HF-format classifier",
     targets={"default": "held-out accuracy and macro-F1 of the labelled file; minutes on 2 cores for a few "

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab._checks import check_int
+from attnlab._limits import TrainingShape, estimated_parameters, model_sizes
 from attnlab.data.batching import GeneratorState
 from attnlab.models.vit import ViTConfig, ViTForImageClassification
 from attnlab.training.distributed import DistInfo
@@ -200,13 +201,22 @@ def build(s: DigitsSettings, *, out: Path, dist: DistInfo, training: bool) -> Bu
                  info=info, finish=finish)
 
 
+def training_shape(s: DigitsSettings) -> TrainingShape:
+    """The sizes of a training step: ``batch_size`` images of ``(8 / patch_size)²`` patches and [CLS]."""
+    patches = (8 // s.patch_size) ** 2
+    words, width, heads, layers = model_sizes(vars(s))
+    return TrainingShape(f"--set batch_size={s.batch_size} with patch_size={s.patch_size} ({patches} patches an "
+                         f"image), {words}", batch=s.batch_size, seq=patches + 1, width=width, heads=heads,
+                         layers=layers, outputs=10, parameters=estimated_parameters(vars(s)))
+
+
 PRESETS = {
     "tiny": dict(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, dropout=0.0, max_steps=20,
                  warmup_steps=2, eval_every=0, log_every=10, attention_examples=2),
 }
 
 register(Recipe(
-    name="digits-vit", settings=DigitsSettings, build=build, presets=PRESETS,
+    name="digits-vit", settings=DigitsSettings, build=build, presets=PRESETS, training_shape=training_shape,
     description="train a small ViT from scratch on scikit-learn's bundled 8×8 handwritten digits (no download); "
                 "held-out accuracy, attention maps of held-out digits; saves an HF-format ViTForImageClassification",
     targets={"default": "held-out accuracy ≥ 0.95 (measured 0.975) in about a minute on one CPU thread "

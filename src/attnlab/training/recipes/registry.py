@@ -51,7 +51,10 @@ class Recipe:
     """A named way to train: ``settings`` dataclass, ``presets`` (name -> overrides), ``build``.
 
     ``build(settings, *, out: Path, dist: DistInfo, training: bool) -> Built``; ``targets`` maps a
-    preset to the goal it is tuned for (shown in ``--help`` and the benchmark).
+    preset to the goal it is tuned for (shown in ``--help`` and the benchmark); ``training_shape(settings) ->
+    TrainingShape`` gives the sizes a training step's memory follows where the settings' fields do not say them
+    (a ViT's patches, a model read from a folder; default :func:`attnlab._limits.training_shape`), checked
+    against free memory before anything is read, built or written.
     """
 
     name: str
@@ -60,6 +63,7 @@ class Recipe:
     build: Callable[..., Built]
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     targets: Mapping[str, str] = field(default_factory=dict)
+    training_shape: Optional[Callable[[Any], Any]] = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.settings, type) and issubclass(self.settings, TrainConfig)):
