@@ -669,6 +669,9 @@ MEMORY = [  # (argv, the one line names, KiB free: enough for the tiny model its
     (ANALYZE + ["--text", "the cat " * 30, "--text", "a dog"], ["--text (2 texts of up to 60 tokens)"], 128),
     (["train", "shakespeare-char", "--out", "{t}/run", "--quiet", "--set", "batch_size=4096"], ["batch_size=4096"],
      128),
+    (TRAIN[:7] + ["--set", "batch_size=65536"], ["--set batch_size=65536 with patch_size=2", "hidden_size=16"], 128),
+    (CLASSIFY[:-1] + ["batch_size=65536"],
+     ["--set batch_size=65536 with max_len=128 (model hidden_size=32, num_hidden_layers=2)"], 128),
 ]
 
 
