@@ -103,30 +103,11 @@ def case(family: str, name: str, fn, expect) -> None:
 
 # ------------------------------------------------------------------------------------- the oracle
 
-def ref_attention(q, k, v, *, mask=None, causal=False, window=None, scale=None):
-    """Softmax attention in float64, bottom-right causal alignment, empty rows giving zeros."""
-    q, k, v = (t.detach().double() for t in (q, k, v))
-    B, Hq, Lq, D = q.shape
-    Hkv, Lk = k.shape[1], k.shape[2]
-    k, v = k.repeat_interleave(Hq // Hkv, 1), v.repeat_interleave(Hq // Hkv, 1)
-    s = q @ k.transpose(-1, -2) * (1 / math.sqrt(D) if scale is None else scale)
-    pos = torch.arange(Lq)[:, None] + (Lk - Lq)
-    j = torch.arange(Lk)[None]
-    allow = torch.ones(Lq, Lk, dtype=torch.bool)
-    if causal:
-        allow &= j <= pos
-    if window is not None:
-        allow &= (pos - j < window) & ((j - pos < window) | causal)
-    allow = allow.expand(B, Hq, Lq, Lk)
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            allow = allow & mask
-        else:
-            s = s + mask.double()
-    s = s.masked_fill(~allow, -math.inf)
-    empty = torch.isneginf(s.amax(-1, keepdim=True))
-    w = torch.softmax(s.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0)
-    return w @ v
+def ref_attention(q, k, v, **kw):
+    """The harness's float64 formula (:func:`test_hostile_api.oracle`: bottom-right causal alignment, rows that see
+    nothing zero), with a query row that holds NaN giving a NaN row, as it must."""
+    out = H.oracle(*(t.detach() for t in (q, k, v)), **kw)
+    return out.masked_fill(torch.isnan(q.detach()).any(-1, keepdim=True), math.nan)
 
 
 def qkv(B=2, Hq=4, Hkv=2, Lq=5, Lk=6, D=8, dtype=torch.float32, seed=1):
@@ -303,7 +284,7 @@ def _grad_cases():
                     out = _attn(b, *ts, causal=causal)
                     out.square().sum().backward()
                     ref = [t.detach().clone().requires_grad_(True) for t in ts]
-                    ref_attention_grad(*ref, causal=causal).square().sum().backward()
+                    H.oracle(*ref, causal=causal).square().sum().backward()
                     return [(t.grad, r.grad) for t, r in zip(ts, ref)]
 
                 def check(pairs, which=which):
@@ -327,16 +308,6 @@ def _grad_cases():
              Either(Ok(lambda r: _assert(r is True, "the penalty came back detached")), E("create_graph", "double")))
 
 
-def ref_attention_grad(q, k, v, *, causal=False):
-    """:func:`ref_attention` on tensors that keep their graph (float64)."""
-    Lq, Lk = q.shape[2], k.shape[2]
-    k2, v2 = k.repeat_interleave(q.shape[1] // k.shape[1], 1), v.repeat_interleave(q.shape[1] // v.shape[1], 1)
-    s = q @ k2.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if causal:
-        s = s.masked_fill(torch.arange(Lk)[None] > torch.arange(Lq)[:, None] + (Lk - Lq), -math.inf)
-    return torch.softmax(s, -1) @ v2
-
-
 # -------------------------------------------------------------------------------- family: modules
 
 def _module_cases():
@@ -351,7 +322,8 @@ def _module_cases():
         for val in odd_ints:
             kw = dict(embed_dim=8, num_heads=2)
             kw[arg] = val
-            case(F, f"MultiheadAttention({arg}={val!r})", lambda kw=kw: MHA(kw.pop("embed_dim"), kw.pop("num_heads"), **kw),
+            case(F, f"MultiheadAttention({arg}={val!r})",
+                 lambda kw=kw: MHA(kw.pop("embed_dim"), kw.pop("num_heads"), **kw),
                  E(arg) if val != 2**62 else E_any(arg, "memory"))
     for arg in ("num_kv_heads", "kdim", "vdim", "head_dim", "window"):
         for val in (0, -1, 1.5, True, "4"):
@@ -447,7 +419,8 @@ def _module_cases():
          lambda: add(torch.randn(3, 4), torch.randn(2, 3, 4)), E_any("query", "batch", "keys"))
     case(F, "AdditiveAttention: keys int", lambda: add(torch.randn(2, 4), torch.ones(2, 3, 4, dtype=torch.long)),
          E("keys"))
-    for kw in (dict(num_features=0), dict(num_features=-2), dict(num_features=2.0), dict(feature_map="laplace"), dict(redraw_interval=0), dict(causal="yes")):
+    for kw in (dict(num_features=0), dict(num_features=-2), dict(num_features=2.0), dict(feature_map="laplace"),
+               dict(redraw_interval=0), dict(causal="yes")):
         case(F, f"PerformerAttention({kw})", lambda kw=kw: PerformerAttention(8, 2, **kw), E(next(iter(kw))))
     case(F, "PerformerAttention(8, 3)", lambda: PerformerAttention(8, 3), E_any("num_heads", "divisible"))
     for kw in (dict(seq_len=0), dict(seq_len=-5), dict(seq_len=8, k=0), dict(seq_len=8, k=-1),
@@ -578,7 +551,8 @@ def _model_cases():
         case(F, f"LlamaConfig(final_logit_softcapping={val!r})",
              lambda v=val: llama(final_logit_softcapping=v), E("final_logit_softcapping"))
     case(F, "LlamaConfig(hidden_size=12, heads=4) (odd head size)", lambda: llama(hidden_size=12), E("hidden_size"))
-    case(F, "LlamaConfig(tie_word_embeddings='yes')", lambda: llama(tie_word_embeddings="yes"), E("tie_word_embeddings"))
+    case(F, "LlamaConfig(tie_word_embeddings='yes')", lambda: llama(tie_word_embeddings="yes"),
+         E("tie_word_embeddings"))
     case(F, "LlamaConfig(rope_scaling={'type': 'linear'})", lambda: llama(rope_scaling={"type": "linear"}),
          E("rope_scaling"))
     case(F, "LlamaConfig(hidden_act='gelu')", lambda: llama(hidden_act="gelu"), E("hidden_act"))
@@ -590,7 +564,8 @@ def _model_cases():
                         ("ffn_dim", (0,)), ("num_encoder_layers", (0, -1)), ("num_decoder_layers", (0,)),
                         ("max_positions", (0,)), ("dropout", (1.0, -0.1, math.nan)),
                         ("attn_dropout", (1.5,)), ("drop_path", (1.0,)), ("activation", ("tanh2",)),
-                        ("norm", ("batchnorm",)), ("position", ("rotary", None)), ("norm_eps", (0.0, -1.0, math.nan, math.inf)),
+                        ("norm", ("batchnorm",)), ("position", ("rotary", None)),
+                        ("norm_eps", (0.0, -1.0, math.nan, math.inf)),
                         ("pad_id", (-1, 100, 1.0)), ("backend", ("cuda",)), ("num_kv_heads", (3, 0)),
                         ("tie_embeddings", (1,)), ("norm_first", ("no",))):
         for val in vals:
@@ -603,7 +578,8 @@ def _model_cases():
     for field, vals in (("vocab_size", (0, -3)), ("hidden_size", (15,)), ("num_attention_heads", (0, 3)),
                         ("type_vocab_size", (0, -1)), ("layer_norm_eps", (0.0, math.nan)),
                         ("hidden_dropout_prob", (1.0,)), ("attention_probs_dropout_prob", (-0.1,)),
-                        ("pad_token_id", (-1, 64, 1.5)), ("max_position_embeddings", (0,)), ("hidden_act", ("swish2",))):
+                        ("pad_token_id", (-1, 64, 1.5)), ("max_position_embeddings", (0,)),
+                        ("hidden_act", ("swish2",))):
         for val in vals:
             kw = dict(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
                       max_position_embeddings=16)
@@ -868,7 +844,8 @@ def _text_cases():
 
     F = "text"
     tok = CharTokenizer.from_text("abc xyz\n")
-    for text, why in (("", "empty text"), ("\x00", "a NUL"), ("\ud800", "a lone surrogate"), ("é", "outside the vocabulary"),
+    for text, why in (("", "empty text"), ("\x00", "a NUL"), ("\ud800", "a lone surrogate"),
+                      ("é", "outside the vocabulary"),
                       ("a" * 1_000_000 + "!", "1 MB then an unknown char")):
         exp = Ok(lambda r: _assert(r == [], "empty text")) if text == "" else E("character")
         case(F, f"CharTokenizer.encode: {why}", lambda t=text: tok.encode(t), exp)
@@ -917,7 +894,8 @@ def _text_cases():
         for hyps, refs, why, word in (([], [], "empty lists", "hyps"), (["a b"], [], "one hyp, no refs", "refs"),
                                       (["a", "b"], ["a"], "2 hyps, 1 ref", "refs"), (None, ["a"], "hyps None", "hyps"),
                                       (["a"], None, "refs None", "refs"), ("a b", ["a b"], "hyps a string", "hyps"),
-                                      ([b"a b"], ["a b"], "bytes hyp", "hyps"), (["a b"], [b"a b"], "bytes ref", "refs"),
+                                      ([b"a b"], ["a b"], "bytes hyp", "hyps"),
+                                      (["a b"], [b"a b"], "bytes ref", "refs"),
                                       ([None], ["a"], "a None hyp", "hyps"), ([1], ["1"], "an int hyp", "hyps"),
                                       (["a"], [["a", "b"], ["c"]], "ragged reference lists", "refs"),
                                       (["a"], [[]], "an empty reference list", "refs"),
@@ -949,7 +927,8 @@ def _text_cases():
     for opt in (dict(char_order=0), dict(word_order=-1), dict(beta=-1), dict(char_order=10**6)):
         case(F, f"chrf(**{opt})", lambda o=opt: chrf(["a b c"], ["a b c"], **o), E(list(opt)[0]))
     case(F, "rouge: use_stemmer='yes'", lambda: rouge(["a"], ["a"], use_stemmer="yes"), E("use_stemmer"))
-    for val, why in ((math.nan, "NaN"), (-1.0, "negative"), ("2", "a string"), (torch.tensor([1.0, 2.0]), "a 2-element tensor"),
+    for val, why in ((math.nan, "NaN"), (-1.0, "negative"), ("2", "a string"),
+                     (torch.tensor([1.0, 2.0]), "a 2-element tensor"),
                      (None, "None"), (True, "a bool"), (torch.tensor(math.nan), "a NaN tensor")):
         case(F, f"perplexity({why})", lambda v=val: perplexity(v), E("mean_nll"))
     for val in (math.inf, 1e6, 709.5):
@@ -993,8 +972,9 @@ def _viz_cases():
              lambda fn=fn: fn(tuple(torch.full((1, 1, 10_000, 10_000), 1e-4) for _ in range(1)),
                               [f"t{i}" for i in range(10_000)], html_action="return"),
              Either(Ok(escaped), E_any("tokens", "max_tokens")))
-        case(F, f"{fn_name}: NaN attention", lambda fn=fn: fn(tuple(torch.full((1, 2, 3, 3), math.nan) for _ in range(2)),
-                                                              ["a", "b", "c"], html_action="return"),
+        case(F, f"{fn_name}: NaN attention",
+             lambda fn=fn: fn(tuple(torch.full((1, 2, 3, 3), math.nan) for _ in range(2)), ["a", "b", "c"],
+                              html_action="return"),
              E_any("attention", "nan", "weights"))
         case(F, f"{fn_name}: weights above 1", lambda fn=fn: fn(tuple(torch.full((1, 2, 3, 3), 2.0) for _ in range(2)),
                                                                 ["a", "b", "c"], html_action="return"),
@@ -1086,7 +1066,8 @@ def _files_cases():
          E_any("dtype", some)),
         ("mixed float64", dict(tensors={k: (v.double() if k == some else v) for k, v in weights.items()}),
          Either(Ok(lambda r: None), E_any("dtype", some))),
-        ("NaN weight", dict(tensors={k: (torch.full_like(v, math.nan) if k == some else v) for k, v in weights.items()}),
+        ("NaN weight",
+         dict(tensors={k: (torch.full_like(v, math.nan) if k == some else v) for k, v in weights.items()}),
          Either(Ok(lambda r: _assert(any(torch.isnan(p).any() for p in r.parameters()), "the NaN vanished")),
                 E_any("nan", "finite"))),
         ("truncated safetensors", dict(raw=(good / "model.safetensors").read_bytes()[:1000]),
@@ -1154,7 +1135,8 @@ def _files_cases():
     (wfifo / "config.json").write_text(json.dumps(cfg))
     os.mkfifo(wfifo / "model.safetensors")
     for p, why in ((base / "nope", "a missing folder"), (base / "a_file", "a file"), (base / "loop1", "a symlink loop"),
-                   (cfg_dir, "config.json a directory"), (fifo, "config.json a FIFO"), (zero, "config.json -> /dev/zero"),
+                   (cfg_dir, "config.json a directory"), (fifo, "config.json a FIFO"),
+                   (zero, "config.json -> /dev/zero"),
                    (wdir, "model.safetensors a directory"), (wfifo, "model.safetensors a FIFO"), ("", "an empty path"),
                    (".", "the current folder")):
         case(F, f"from_pretrained: {why}", lambda p=p: from_pretrained(p),
@@ -1181,7 +1163,8 @@ def _files_cases():
     torch.save({"x": torch.zeros(2)}, ck / "ok.pt")
     (ck / "evil.pt").write_bytes(b"\x80\x04cos\nsystem\nq\x00X\x05\x00\x00\x00touchq\x01\x85q\x02Rq\x03.")
     from attnlab.training.checkpoint import load_checkpoint
-    case(F, "load_checkpoint of a pickle that would run os.system", keeping(ck, lambda: load_checkpoint(ck / "evil.pt")),
+    case(F, "load_checkpoint of a pickle that would run os.system",
+         keeping(ck, lambda: load_checkpoint(ck / "evil.pt")),
          Keeps(E("checkpoint")))
     case(F, "load_checkpoint of a plain dict", lambda: load_checkpoint(ck / "ok.pt"),
          Ok(lambda r: _assert(torch.equal(r["x"], torch.zeros(2)), "contents")))

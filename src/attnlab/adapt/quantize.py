@@ -78,9 +78,9 @@ def quantize(model: nn.Module, mode: str, *, compute_dtype: Optional[torch.dtype
         The quantised model, in eval mode.
 
     Raises:
-        ValueError: unknown ``mode``; a model already quantised; a layer of an unsupported dtype (named); a model not on the CPU;
-            LoRA layers or a packed inference layout present; a weight or bias holding NaN or inf (named); a
-            ``compute_dtype`` other than float32/bfloat16/float16;
+        ValueError: unknown ``mode``; a model already quantised; a layer of an unsupported dtype (named); a model
+            not on the CPU; LoRA layers or a packed inference layout present; a weight or bias holding NaN or inf
+            (named); a ``compute_dtype`` other than float32/bfloat16/float16;
             a bad ``group_size``; for ``"int4"``, a layer whose input width is not a multiple of 32 (named: exclude it).
     """
     from attnlab.adapt.lora import LoRALinear

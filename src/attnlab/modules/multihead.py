@@ -116,7 +116,8 @@ class MultiheadAttention(nn.Module):
             try:
                 torch.device(device)
             except (RuntimeError, TypeError) as e:
-                raise ValueError(f"device must name a torch device ('cpu', 'cuda:0', ...), got {device!r}: {e}") from None
+                raise ValueError(f"device must name a torch device ('cpu', 'cuda:0', ...), got {device!r}: {e}") \
+                    from None
         fk = dict(device=device, dtype=dtype)
         q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
         if torch.device(device or "cpu").type != "meta":  # the weights' memory, refused before it is allocated
