@@ -27,7 +27,7 @@ def _next_logits(model, ids: Tensor, mask: Optional[Tensor], past) -> Tensor:
     """The logits ``(B, V)`` of the position after ``ids``, continuing the cached prefix ``past`` (updated)."""
     keep = {"logits_to_keep": 1} if getattr(model, "accepts_logits_to_keep", False) else {}
     logits = model(ids, attention_mask=mask, past_key_values=past, use_cache=True, **keep).logits[:, -1]
-    if torch.isnan(logits).any():  # argmax or sampling would turn NaN into a token without a word
+    if torch.isnan(logits.amax()):  # (amax propagates NaN: one reduction) argmax or sampling would make it a token
         row = int(torch.isnan(logits).any(-1).nonzero()[0])
         raise ValueError(f"the model's next-token logits hold NaN (row {row}): no token can be chosen; check the "
                          "weights and inputs for NaN or overflow")
