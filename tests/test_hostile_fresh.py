@@ -436,7 +436,7 @@ def _module_cases():
     case(F, "PerformerAttention: key_padding_mask of another length",
          lambda: perf(torch.randn(2, 5, 8), key_padding_mask=torch.zeros(2, 4, dtype=torch.bool)),
          E("key_padding_mask"))
-    # positional helpers and mods
+    # positional encodings and mask mods
     pos = torch.arange(4)
     for label, fn, name in (
             ("alibi_slopes(0)", lambda: attnlab.alibi_slopes(0), "num_heads"),
