@@ -268,3 +268,18 @@ std::pair<int64_t, int64_t> tiles(const char* op, const Shapes& s, int64_t block
                 "hold at most 2^24, got ", bq, " × ", bk);
   return {bq, bk};
 }
+
+// a pass's walk over blocks: who computes the block products (with ours, Kᵀ `kt`, its rows ldt apart), the tiles (BQ
+// query rows, BK keys, a row of scores BS wide: BK padded to kPad), query row 0's position `off` (Lk − Lq) and the
+// query heads per kv head (`group`)
+struct Walk {
+  Gemms mm;
+  at::Tensor kt;
+  int64_t ldt, BQ, BK, BS, off, group;
+};
+Walk walk(const char* op, const Shapes& s, const at::Tensor& k, int64_t block_q, int64_t block_k, int64_t products) {
+  const Gemms mm{resolve(products), ISA_FN(gemm_own)};
+  const auto [BQ, BK] = tiles(op, s, block_q, block_k);
+  return {mm, mm.how == OWN ? transposed(k) : at::Tensor(), s.Lk + kPad, BQ, BK, (BK + kPad - 1) / kPad * kPad,
+          s.Lk - s.Lq, s.H / s.Hkv};
+}

@@ -64,13 +64,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& 
   const auto modify = ISA_FN(mod_row);
   const auto softcap_grad = ISA_FN(softcap_grad_row);
   const auto mul = ISA_FN(mul_row);
-  const Gemms mm{resolve(products), ISA_FN(gemm_own)};
-  const at::Tensor kt = mm.how == OWN ? transposed(k) : at::Tensor();
+  const auto [mm, kt, ldt, BQ, BK, BS, off, group] = walk("flash_backward", s, k, block_q, block_k, products);
   const at::Tensor vt = mm.how == OWN ? transposed(v) : at::Tensor();
-  const int64_t ldt = s.Lk + kPad;
-  const std::pair<int64_t, int64_t> tile = tiles("flash_backward", s, block_q, block_k);
-  const int64_t BQ = tile.first, BK = tile.second;
-  const int64_t BS = (BK + kPad - 1) / kPad * kPad, off = s.Lk - s.Lq, group = s.H / s.Hkv;
   const int64_t n_kv = (s.Lk + BK - 1) / BK, kv_heads = s.B * s.Hkv;
   // tasks: (batch, kv head, a part of its key blocks); each owns its rows of dK and dV. With fewer kv heads than
   // threads the key blocks are split into parts; a part's dQ sums go to a buffer of its own that covers only the

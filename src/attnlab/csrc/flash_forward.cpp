@@ -49,12 +49,7 @@ std::tuple<at::Tensor, at::Tensor> flash_forward(const at::Tensor& q, const at::
   const auto softmax_row = ISA_FN(online_softmax_row);
   const auto rescale = ISA_FN(scale_row);
   const auto modify = ISA_FN(mod_row);
-  const Gemms mm{resolve(products), ISA_FN(gemm_own)};
-  const at::Tensor kt = mm.how == OWN ? transposed(k) : at::Tensor();
-  const int64_t ldt = s.Lk + kPad;
-  const std::pair<int64_t, int64_t> tile = tiles("flash_forward", s, block_q, block_k);
-  const int64_t BQ = tile.first, BK = tile.second;
-  const int64_t BS = (BK + kPad - 1) / kPad * kPad, off = s.Lk - s.Lq, group = s.H / s.Hkv;
+  const auto [mm, kt, ldt, BQ, BK, BS, off, group] = walk("flash_forward", s, k, block_q, block_k, products);
   const int64_t n_blocks = (s.Lq + BQ - 1) / BQ, heads = s.B * s.H;
   std::vector<std::vector<float>> scratch(at::get_num_threads());
   // the last query blocks first: under a causal mask they see the most keys
