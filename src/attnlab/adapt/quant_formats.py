@@ -42,7 +42,7 @@ def int_mm_exact() -> bool:
 @functools.lru_cache(maxsize=None)
 def _onednn_vnni() -> bool:
     """AVX512-VNNI or AVX-VNNI, and no ``ONEDNN_MAX_CPU_ISA`` / ``DNNL_MAX_CPU_ISA`` capping oneDNN to AVX2 or
-    below (``csrc/int8_train.cpp``'s ``onednn_has_vnni``, the same rule)."""
+    below (``csrc/int8_product.cpp``'s ``onednn_has_vnni``, the same rule)."""
     caps = {os.environ.get(name, "").strip().upper() for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
     return bool({"avx512_vnni", "avx_vnni"} & _cpu_flags()) and not caps & {"SSE41", "AVX", "AVX2"}
 
