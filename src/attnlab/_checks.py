@@ -113,6 +113,13 @@ def boolean(name: str, value) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
+def float_dtype(name: str, value) -> None:
+    """``value`` must be a floating ``torch.dtype`` or None; a ``TypeError`` otherwise."""
+    if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+        raise TypeError(f"{name} must be a floating torch.dtype (torch.float32, torch.bfloat16, ...) or None, "
+                        f"got {value!r}")
+
+
 def one_of(name: str, value, choices: Iterable) -> None:
     """``value`` must be one of ``choices`` (a registry's keys, a tuple of names)."""
     choices = list(choices)

@@ -45,7 +45,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from attnlab._checks import one_of, stored_dtype
+from attnlab._checks import float_dtype, one_of, stored_dtype
 from attnlab._io import atomic_write, read_input_json
 from attnlab.models.hub_id import (CONFIG_NAME, HUB_ALLOW_PATTERNS, SAFETENSORS_NAME, TORCH_NAME,  # noqa: F401
                                    PathLike, resolve_pretrained)  # (resolve_pretrained is public here too)
@@ -172,9 +172,7 @@ def from_pretrained(path: PathLike, *, dtype: Optional[torch.dtype] = None, mode
             (all listed); a tensor of the wrong shape (named, with both shapes); an integer or bool tensor
             for a floating-point parameter (named, with both dtypes).
     """
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise TypeError(f"dtype must be a floating torch.dtype (torch.float32, torch.bfloat16, ...) or None, "
-                        f"got {dtype!r}")
+    float_dtype("dtype", dtype)
     path = resolve_pretrained(path, revision=revision, local_files_only=local_files_only, cache_dir=cache_dir)
     for reader in FOLDER_READERS:
         model = reader(path, dtype=dtype)

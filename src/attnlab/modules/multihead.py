@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab._checks import boolean, is_int, one_of, positive_int, rate
+from attnlab._checks import boolean, float_dtype, is_int, one_of, positive_int, rate
 from attnlab._limits import check_memory
 from attnlab.backends import BACKENDS
 from attnlab.functional.scores import check_normalize
@@ -110,8 +110,7 @@ class MultiheadAttention(nn.Module):
         self.dropout = dropout
         self.rotary, self.position_bias = rotary, position_bias
         self.backend, self.normalize, self.top_k, self.window = backend, normalize, top_k, window
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+        float_dtype("dtype", dtype)
         if device is not None:
             try:
                 torch.device(device)
